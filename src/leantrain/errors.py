@@ -1,0 +1,34 @@
+"""Project error types: what the CLI turns into a message and a non-zero exit, without a traceback."""
+
+from __future__ import annotations
+
+
+class LeantrainError(Exception):
+    """Base class for errors the user can act on."""
+
+    exit_code = 2
+
+
+class UserInputError(LeantrainError):
+    """The user's input (spec, flag, file) is wrong; the message names it and says what is valid."""
+
+
+class SpecError(UserInputError):
+    """A job spec failed to load or validate. `problems` holds one line per bad field."""
+
+    def __init__(self, problems: list[str], *, source: str | None = None) -> None:
+        self.problems = problems
+        self.source = source
+        where = f" in {source}" if source else ""
+        lines = "\n".join(f"  - {p}" for p in problems)
+        super().__init__(f"invalid job spec{where}:\n{lines}")
+
+
+class NotBuiltError(LeantrainError):
+    """A stage of the chain that this version does not implement yet."""
+
+
+class CheckFailed(LeantrainError):
+    """A check (validate, drill) ran and failed; exit 1 by the CLI contract."""
+
+    exit_code = 1

@@ -1,0 +1,154 @@
+"""Accelerator and interconnect catalog: peak dense FLOP/s by dtype, memory, and bandwidths.
+
+All FLOP/s are dense (no 2:4 sparsity). Bandwidths are per GPU and per direction, in bytes/s, which is
+what a ring collective's cost model needs (NVIDIA quotes NVLink as bidirectional: we halve it).
+Memory is what the device reports to the framework (nvidia-smi MiB or the vendor's GB, as noted).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+from leantrain.errors import UserInputError
+
+GB = 1e9
+GiB = 2**30
+TFLOPS = 1e12
+
+
+@dataclass(frozen=True)
+class Accelerator:
+    """One accelerator model: compute peaks, memory and default links."""
+
+    name: str
+    peak_flops: dict[str, float]  # dtype -> dense FLOP/s; a dtype the hardware lacks is absent
+    memory_bytes: float
+    memory_bandwidth_bytes_s: float
+    intra_node_bandwidth_bytes_s: float  # GPU-to-GPU inside a node, one direction
+    inter_node_bandwidth_bytes_s: float  # per GPU across nodes (its NIC share), one direction
+    default_gpus_per_node: int = 8
+    notes: str = ""
+    aliases: tuple[str, ...] = field(default_factory=tuple)
+
+    def peak_for(self, dtype: str) -> float:
+        """Peak dense FLOP/s for a compute dtype; fp16 runs at the bf16 rate on every listed part."""
+        key = "bf16" if dtype == "fp16" else dtype
+        if key not in self.peak_flops:
+            have = ", ".join(sorted(self.peak_flops))
+            raise UserInputError(f"accelerator {self.name} has no {dtype} tensor-core rate (it has: {have})")
+        return self.peak_flops[key]
+
+    def supports(self, dtype: str) -> bool:
+        return ("bf16" if dtype == "fp16" else dtype) in self.peak_flops
+
+
+def _acc(name: str, *, fp32: float, tf32: float | None, bf16: float, fp8: float | None, **kw: object) -> Accelerator:
+    peaks = {"fp32": fp32 * TFLOPS, "bf16": bf16 * TFLOPS}
+    if tf32 is not None:
+        peaks["tf32"] = tf32 * TFLOPS
+    if fp8 is not None:
+        peaks["fp8"] = fp8 * TFLOPS
+    return Accelerator(name=name, peak_flops=peaks, **kw)  # type: ignore[arg-type]
+
+
+CATALOG: dict[str, Accelerator] = {
+    a.name: a
+    for a in [
+        # NVIDIA A100 Tensor Core GPU datasheet (2021): FP32 19.5, TF32 156, BF16 312 TFLOPS dense;
+        # 40GB HBM2 at 1,555 GB/s; NVLink3 600 GB/s bidirectional; HDR 200 Gb/s InfiniBand per GPU (DGX A100).
+        _acc("A100-40GB", fp32=19.5, tf32=156, bf16=312, fp8=None, memory_bytes=40 * GiB,
+             memory_bandwidth_bytes_s=1555 * GB, intra_node_bandwidth_bytes_s=300 * GB,
+             inter_node_bandwidth_bytes_s=25 * GB),
+        # Same datasheet, 80GB SXM: HBM2e at 2,039 GB/s.
+        _acc("A100-80GB", fp32=19.5, tf32=156, bf16=312, fp8=None, memory_bytes=80 * GiB,
+             memory_bandwidth_bytes_s=2039 * GB, intra_node_bandwidth_bytes_s=300 * GB,
+             inter_node_bandwidth_bytes_s=25 * GB, aliases=("A100",)),
+        # NVIDIA H100 datasheet, SXM5: FP32 67, TF32 494.5, BF16 989.5, FP8 1,979 TFLOPS dense; 80GB HBM3
+        # at 3.35 TB/s; NVLink4 900 GB/s bidirectional; ConnectX-7 400 Gb/s per GPU (DGX H100).
+        _acc("H100-SXM", fp32=67, tf32=494.5, bf16=989.5, fp8=1979, memory_bytes=80 * GiB,
+             memory_bandwidth_bytes_s=3350 * GB, intra_node_bandwidth_bytes_s=450 * GB,
+             inter_node_bandwidth_bytes_s=50 * GB, aliases=("H100",)),
+        # Same datasheet, PCIe: FP32 51, TF32 378, BF16 756, FP8 1,513 TFLOPS dense; 2.0 TB/s;
+        # PCIe Gen5 x16 64 GB/s per direction; 200 Gb/s NIC per GPU assumed.
+        _acc("H100-PCIe", fp32=51, tf32=378, bf16=756, fp8=1513, memory_bytes=80 * GiB,
+             memory_bandwidth_bytes_s=2000 * GB, intra_node_bandwidth_bytes_s=64 * GB,
+             inter_node_bandwidth_bytes_s=25 * GB),
+        # H800 SXM (China export part): H100-SXM compute and memory, NVLink cut to 400 GB/s bidirectional.
+        _acc("H800", fp32=67, tf32=494.5, bf16=989.5, fp8=1979, memory_bytes=80 * GiB,
+             memory_bandwidth_bytes_s=3350 * GB, intra_node_bandwidth_bytes_s=200 * GB,
+             inter_node_bandwidth_bytes_s=50 * GB),
+        # NVIDIA H200 datasheet: H100-SXM compute; 141GB HBM3e at 4.8 TB/s; NVLink 900 GB/s bidirectional.
+        _acc("H200", fp32=67, tf32=494.5, bf16=989.5, fp8=1979, memory_bytes=141 * GB,
+             memory_bandwidth_bytes_s=4800 * GB, intra_node_bandwidth_bytes_s=450 * GB,
+             inter_node_bandwidth_bytes_s=50 * GB),
+        # NVIDIA HGX B200 spec (8 GPUs): BF16 36 PF and FP8 72 PF with sparsity -> 2.25 / 4.5 PF dense per
+        # GPU; TF32 1.1 PF dense; FP32 75 TF; 180GB HBM3e at 8 TB/s; NVLink5 1.8 TB/s bidirectional.
+        _acc("B200", fp32=75, tf32=1100, bf16=2250, fp8=4500, memory_bytes=180 * GB,
+             memory_bandwidth_bytes_s=8000 * GB, intra_node_bandwidth_bytes_s=900 * GB,
+             inter_node_bandwidth_bytes_s=50 * GB),
+        # AMD Instinct MI300X datasheet: FP32 163.4, TF32 653.7, BF16 1,307.4, FP8 2,614.9 TFLOPS dense;
+        # 192GB HBM3 at 5.3 TB/s; Infinity Fabric 896 GB/s aggregate peer bandwidth (bidirectional).
+        _acc("MI300X", fp32=163.4, tf32=653.7, bf16=1307.4, fp8=2614.9, memory_bytes=192 * GB,
+             memory_bandwidth_bytes_s=5300 * GB, intra_node_bandwidth_bytes_s=448 * GB,
+             inter_node_bandwidth_bytes_s=50 * GB),
+        # NVIDIA L40S datasheet: FP32 91.6, TF32 183, BF16 362, FP8 733 TFLOPS dense; 48GB GDDR6 at
+        # 864 GB/s; PCIe Gen4 x16 32 GB/s per direction; 100 Gb/s Ethernet per GPU assumed.
+        _acc("L40S", fp32=91.6, tf32=183, bf16=362, fp8=733, memory_bytes=48 * GB,
+             memory_bandwidth_bytes_s=864 * GB, intra_node_bandwidth_bytes_s=32 * GB,
+             inter_node_bandwidth_bytes_s=12.5 * GB),
+        # The host CPU: nominal numbers for planning only; the trainer measures the real peak at run time
+        # (measure_cpu_peak_flops) because CPUs differ by orders of magnitude. bf16 has no fast path on
+        # most CPUs (3-4x slower than fp32 on this project's test machine), so it is listed at fp32/4.
+        _acc("cpu", fp32=0.1, tf32=None, bf16=0.025, fp8=None, memory_bytes=16 * GiB,
+             memory_bandwidth_bytes_s=20 * GB, intra_node_bandwidth_bytes_s=5 * GB,
+             inter_node_bandwidth_bytes_s=1.25 * GB, default_gpus_per_node=1),
+    ]
+}
+
+_BY_ALIAS: dict[str, str] = {
+    alias.lower(): acc.name for acc in CATALOG.values() for alias in (acc.name, *acc.aliases)
+}
+
+
+def accelerator_names() -> list[str]:
+    """Canonical names, in catalog order."""
+    return list(CATALOG)
+
+
+def canonical_name(name: str) -> str | None:
+    """Case-insensitive lookup by name or alias; None when unknown."""
+    return _BY_ALIAS.get(name.strip().lower())
+
+
+def get_accelerator(name: str) -> Accelerator:
+    """The catalog entry for `name` (or an alias); a clear error lists the known names."""
+    canon = canonical_name(name)
+    if canon is None:
+        raise UserInputError(f"unknown accelerator {name!r}; known: {', '.join(accelerator_names())}")
+    return CATALOG[canon]
+
+
+def measure_cpu_peak_flops(*, size: int = 512, repeats: int = 5, dtype: str = "fp32") -> float:
+    """Measure the host's matmul FLOP/s with torch (best of `repeats`): the CPU 'peak' used for MFU."""
+    import torch
+
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    a = torch.randn(size, size, dtype=torch_dtype)
+    b = torch.randn(size, size, dtype=torch_dtype)
+    torch.matmul(a, b)  # warm-up: first call pays for thread-pool start
+    best_s = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.matmul(a, b)
+        best_s = min(best_s, time.perf_counter() - start)
+    return 2.0 * size**3 / max(best_s, 1e-9)
+
+
+def host_memory_bytes() -> float:
+    """Physical memory of this host, for the `cpu` accelerator."""
+    try:
+        return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+    except (ValueError, OSError, AttributeError):
+        return CATALOG["cpu"].memory_bytes

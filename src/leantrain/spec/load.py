@@ -1,0 +1,271 @@
+"""Loading a job spec: YAML → secret check → profile overlay → --set overrides → ${ENV} → validation.
+
+Secret-keyed values are never interpolated here: the spec keeps the `${VAR}` reference and
+`resolve_secret` reads the environment at the moment of use, so a secret never sits in a parsed spec,
+a plan.json or a log.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import re
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from leantrain.errors import SpecError, UserInputError
+from leantrain.spec.schema import SECRET_REF_RE, JobSpec
+
+ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
+SECRET_KEY_RE = re.compile(
+    r"(^|_)(secret|secrets|password|passwd|token|access_key|secret_key|api_key|private_key|credentials?)$",
+    re.IGNORECASE,
+)
+# Profiles change scale and resources only (the seed: environments differ only in data scale and resources).
+PROFILE_ALLOWED_PREFIXES = (
+    "data.tokens_total", "data.dir", "data.sources", "data.replicas",
+    "hardware", "budget", "parallelism", "fault", "monitoring", "run", "checkpoint",
+    "precision.compute",
+    "training.max_steps", "training.micro_batch", "training.global_batch_tokens", "training.device",
+    "training.compile", "training.log_every", "training.activation_checkpointing", "training.warmup_steps",
+)
+
+
+def is_secret_key(key: str) -> bool:
+    return bool(SECRET_KEY_RE.search(key))
+
+
+def _walk(node: Any, path: str = ""):
+    """Yield (dotted path, key, value) for every mapping entry, depth first."""
+    if isinstance(node, dict):
+        for key, value in node.items():
+            sub = f"{path}.{key}" if path else str(key)
+            yield sub, str(key), value
+            yield from _walk(value, sub)
+    elif isinstance(node, list):
+        for i, value in enumerate(node):
+            yield from _walk(value, f"{path}.{i}" if path else str(i))
+
+
+def literal_secret_problems(raw: dict[str, Any]) -> list[str]:
+    """Secret-named keys whose value is not a `${VAR}` reference."""
+    problems = []
+    for path, key, value in _walk(raw):
+        is_literal = value is not None and not isinstance(value, dict | list)
+        is_reference = isinstance(value, str) and SECRET_REF_RE.match(value)
+        if is_secret_key(key) and is_literal and not is_reference:
+            problems.append(
+                f"{path}: a literal secret is not allowed in a spec file; put it in an environment "
+                f"variable and write `{key}: ${{VAR}}` (e.g. ${{{key.upper()}}})"
+            )
+    return problems
+
+
+def _interpolate(node: Any, path: str, problems: list[str]) -> Any:
+    if isinstance(node, dict):
+        return {
+            k: v if is_secret_key(str(k)) else _interpolate(v, f"{path}.{k}" if path else str(k), problems)
+            for k, v in node.items()
+        }
+    if isinstance(node, list):
+        return [_interpolate(v, f"{path}.{i}", problems) for i, v in enumerate(node)]
+    if not isinstance(node, str) or "${" not in node:
+        return node
+
+    def replace(match: re.Match[str]) -> str:
+        name, default = match.group(1), match.group(2)
+        value = os.environ.get(name)
+        if value is None:
+            if default is None:
+                problems.append(f"{path}: environment variable {name} is not set (or write ${{{name}:-default}})")
+                return match.group(0)
+            return default
+        return value
+
+    replaced = ENV_RE.sub(replace, node)
+    if ENV_RE.fullmatch(node.strip()) and replaced != node:
+        # A whole-value reference takes the type YAML would give the text (numbers stay numbers).
+        try:
+            return yaml.safe_load(replaced)
+        except yaml.YAMLError:
+            return replaced
+    return replaced
+
+
+def _set_path(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    node: Any = tree
+    for i, part in enumerate(parts[:-1]):
+        where = ".".join(parts[: i + 1])
+        if isinstance(node, list):
+            if not part.isdigit() or int(part) >= len(node):
+                raise UserInputError(f"--set {dotted}: {where} is not an index of a list of {len(node)}")
+            node = node[int(part)]
+        elif isinstance(node, dict):
+            if not isinstance(node.get(part), dict | list):
+                node[part] = {}
+            node = node[part]
+        else:
+            raise UserInputError(f"--set {dotted}: {where} is a value, not a section")
+    last = parts[-1]
+    if isinstance(node, list):
+        if not last.isdigit() or int(last) >= len(node):
+            raise UserInputError(f"--set {dotted}: {last} is not an index of a list of {len(node)}")
+        node[int(last)] = value
+    else:
+        node[last] = value
+
+
+def parse_override(text: str) -> tuple[str, Any]:
+    """`a.b=c` → ("a.b", c) with c typed as YAML would type it."""
+    if "=" not in text:
+        raise UserInputError(f"--set {text!r}: expected key.path=value")
+    key, _, raw_value = text.partition("=")
+    key = key.strip()
+    if not key or any(not p for p in key.split(".")):
+        raise UserInputError(f"--set {text!r}: the key path {key!r} is empty or has an empty part")
+    try:
+        value = yaml.safe_load(raw_value) if raw_value.strip() else ""
+    except yaml.YAMLError:
+        value = raw_value
+    return key, value
+
+
+def _deep_merge(base: dict[str, Any], overlay: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in overlay.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = _deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def _leaf_paths(node: Any, path: str = "") -> list[str]:
+    if isinstance(node, dict) and node:
+        return [p for k, v in node.items() for p in _leaf_paths(v, f"{path}.{k}" if path else str(k))]
+    return [path]
+
+
+def apply_profile(raw: dict[str, Any], name: str | None) -> dict[str, Any]:
+    """Overlay the named profile; refuse one that changes anything but scale and resources."""
+    profiles = raw.get("profiles") or {}
+    if name is None:
+        return raw
+    if not isinstance(profiles, dict) or name not in profiles:
+        known = ", ".join(sorted(profiles)) if isinstance(profiles, dict) and profiles else "none defined"
+        raise SpecError([f"--profile {name!r}: no such profile (profiles: {known})"])
+    overlay = profiles[name]
+    if not isinstance(overlay, dict):
+        raise SpecError([f"profiles.{name}: must be a mapping of spec fields, got {type(overlay).__name__}"])
+    bad = [
+        p for p in _leaf_paths(overlay)
+        if not any(p == a or p.startswith(a + ".") for a in PROFILE_ALLOWED_PREFIXES)
+    ]
+    if bad:
+        raise SpecError([
+            f"profiles.{name}.{p}: a profile may change only scale and resources "
+            f"(allowed: {', '.join(PROFILE_ALLOWED_PREFIXES)})"
+            for p in bad
+        ])
+    return _deep_merge(raw, overlay)
+
+
+def format_validation_error(err: ValidationError) -> list[str]:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"] if p not in ("function-after",))
+        msg = e["msg"].removeprefix("Value error, ")
+        value = e.get("input")
+        shown = "" if isinstance(value, dict | list) or value is None else f" (got {value!r})"
+        lines.append(f"{loc or 'spec'}: {msg}{shown}")
+    return lines
+
+
+def _resolve_paths(spec: JobSpec, base_dir: Path) -> JobSpec:
+    def resolve(p: Path | None) -> Path | None:
+        if p is None:
+            return None
+        p = p.expanduser()
+        return p if p.is_absolute() else (base_dir / p)
+
+    spec.data.dir = resolve(spec.data.dir)  # type: ignore[assignment]
+    for source in spec.data.sources:
+        source.path = resolve(source.path)  # type: ignore[assignment]
+    spec.data.tokenizer.path = resolve(spec.data.tokenizer.path)
+    spec.run.dir = resolve(spec.run.dir)  # type: ignore[assignment]
+    spec.monitoring.alert_rules = resolve(spec.monitoring.alert_rules)
+    if spec.checkpoint.storage == "local" and spec.checkpoint.url:
+        spec.checkpoint.url = str(resolve(Path(spec.checkpoint.url)))
+    return spec
+
+
+def spec_from_dict(
+    raw: Any,
+    *,
+    source: str = "<spec>",
+    base_dir: Path | None = None,
+    profile: str | None = None,
+    overrides: list[str] | None = None,
+) -> JobSpec:
+    """Validate a raw mapping as a job spec (the whole loading pipeline after YAML parsing)."""
+    if not isinstance(raw, dict):
+        raise SpecError([f"the file must hold a mapping of sections, got {type(raw).__name__}"], source=source)
+    problems = literal_secret_problems(raw)
+    if problems:
+        raise SpecError(problems, source=source)
+    try:
+        merged = apply_profile(raw, profile)
+    except SpecError as err:
+        raise SpecError(err.problems, source=source) from None
+    for text in overrides or []:
+        key, value = parse_override(text)
+        _set_path(merged, key, value)
+    problems = literal_secret_problems(merged)
+    if problems:
+        raise SpecError(problems, source=source)
+    env_problems: list[str] = []
+    merged = _interpolate(merged, "", env_problems)
+    if env_problems:
+        raise SpecError(env_problems, source=source)
+    try:
+        spec = JobSpec.model_validate(merged)
+    except ValidationError as err:
+        raise SpecError(format_validation_error(err), source=source) from None
+    return _resolve_paths(spec, base_dir or Path.cwd())
+
+
+def load_spec(path: str | Path, *, profile: str | None = None, overrides: list[str] | None = None) -> JobSpec:
+    """Load and validate a YAML job spec file."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserInputError(f"spec file {path} does not exist or is not a file")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError as err:
+        raise SpecError([f"not UTF-8 text ({err.reason} at byte {err.start})"], source=str(path)) from None
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
+        problem = getattr(err, "problem", None) or str(err)
+        raise SpecError([f"{where}YAML syntax error: {problem}"], source=str(path)) from None
+    return spec_from_dict(
+        raw, source=str(path), base_dir=path.resolve().parent, profile=profile, overrides=overrides
+    )
+
+
+def resolve_secret(ref: str | None) -> str | None:
+    """Read a `${VAR}` secret reference from the environment at the moment of use."""
+    if ref is None:
+        return None
+    match = SECRET_REF_RE.match(ref)
+    if not match:
+        raise UserInputError("secret values must be environment references like ${VAR}")
+    name = ref[2:-1]
+    value = os.environ.get(name)
+    if value is None:
+        raise UserInputError(f"environment variable {name} (a secret the spec refers to) is not set")
+    return value

@@ -1,0 +1,415 @@
+"""The job spec: one pydantic model tree for the YAML job file (the seed's shape plus what stages need).
+
+Every field carries a description; `docs/spec.md` is generated from these models (a test keeps it in sync).
+Cross-field rules live in `JobSpec._check_cross_fields` so every stage gets a spec that is already coherent.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from leantrain.hardware import accelerator_names, canonical_name
+
+SECRET_REF_RE = re.compile(r"^\$\{[A-Za-z_][A-Za-z0-9_]*\}$")
+
+PositiveInt = Annotated[int, Field(gt=0)]
+Fraction = Annotated[float, Field(gt=0, le=1)]
+
+
+class Section(BaseModel):
+    """Base for every spec section: unknown keys are errors, so a typo never silently does nothing."""
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+
+SecretRef = Annotated[
+    str,
+    Field(pattern=SECRET_REF_RE.pattern, description="an environment reference `${VAR}`, never the secret"),
+]
+
+
+class MoESpec(Section):
+    """Mixture-of-experts shape and routing (model.architecture: moe)."""
+
+    num_experts: PositiveInt = Field(8, description="Routed experts per MoE layer.")
+    top_k: PositiveInt = Field(2, description="Experts each token is routed to.")
+    num_shared_experts: int = Field(0, ge=0, description="Always-active shared experts (DeepSeek style).")
+    expert_hidden: PositiveInt | None = Field(
+        None, description="Hidden size of one expert's SwiGLU MLP; default ffn_hidden / top_k."
+    )
+    router: Literal["softmax", "sigmoid"] = Field("softmax", description="Router score function.")
+    balance: Literal["aux_loss", "aux_free", "none"] = Field(
+        "aux_loss", description="Load balancing: Switch/GShard auxiliary loss, or DeepSeek-V3 bias update."
+    )
+    aux_loss_coef: float = Field(0.01, ge=0, description="Weight of the auxiliary balance loss.")
+    bias_update_rate: float = Field(1e-3, ge=0, description="Step of the aux-free bias update.")
+    capacity_factor: float | None = Field(
+        None, gt=0, description="Token capacity per expert; None means dropless (no token is dropped)."
+    )
+    first_dense_layers: int = Field(0, ge=0, description="Leading layers that stay dense (DeepSeek style).")
+
+
+class ModelSpec(Section):
+    """The model: a nominal size (mapped to a documented Llama-like shape) or an explicit shape."""
+
+    architecture: Literal["dense", "moe"] = Field("dense", description="Dense Llama-style or mixture-of-experts.")
+    size_billion: float | None = Field(
+        None, gt=0, le=10000, description="Nominal parameter count in billions; shape chosen by spec.shapes."
+    )
+    n_layers: PositiveInt | None = Field(None, description="Transformer blocks.")
+    d_model: PositiveInt | None = Field(None, description="Hidden size.")
+    n_heads: PositiveInt | None = Field(None, description="Attention (query) heads.")
+    n_kv_heads: PositiveInt | None = Field(None, description="Key/value heads (grouped-query attention).")
+    ffn_hidden: PositiveInt | None = Field(None, description="SwiGLU hidden size of the dense MLP.")
+    vocab_size: PositiveInt | None = Field(None, description="Vocabulary size (default 128256 for sized models).")
+    tie_embeddings: bool = Field(False, description="Share the input embedding and output projection.")
+    rope_theta: float = Field(500000.0, gt=0, description="RoPE base frequency.")
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
+    moe: MoESpec | None = Field(None, description="Expert settings; required (defaults filled) for moe.")
+
+    @model_validator(mode="after")
+    def _need_size_or_shape(self) -> ModelSpec:
+        explicit = [self.n_layers, self.d_model, self.n_heads]
+        if self.size_billion is None and any(v is None for v in explicit):
+            missing = [n for n, v in zip(("n_layers", "d_model", "n_heads"), explicit, strict=True) if v is None]
+            raise ValueError(
+                f"give either size_billion or an explicit shape; missing {', '.join(missing)}"
+            )
+        if self.architecture == "moe" and self.moe is None:
+            self.moe = MoESpec()
+        if self.architecture == "dense" and self.moe is not None:
+            raise ValueError("moe settings given but architecture is 'dense' (set architecture: moe)")
+        return self
+
+
+class ParallelismSpec(Section):
+    """How the job is split over GPUs: one device mesh (dp_replicate × dp_shard) × tp × pp, ep within dp."""
+
+    data_parallel: PositiveInt = Field(1, description="Data-parallel degree (replicate × shard).")
+    tensor_parallel: PositiveInt = Field(1, description="Tensor-parallel degree; keep inside a node.")
+    pipeline_parallel: PositiveInt = Field(1, description="Pipeline stages.")
+    expert_parallel: PositiveInt = Field(1, description="Expert-parallel degree; divides data_parallel.")
+    data_parallel_replicate: PositiveInt = Field(
+        1, description="HSDP: replicas across which shards are copied; divides data_parallel."
+    )
+    zero_stage: Literal[0, 1, 2, 3] = Field(
+        3, description="ZeRO level: 0 DDP, 1 shard optimizer, 2 +grads, 3 +params (FSDP)."
+    )
+    sequence_parallel: bool = Field(True, description="Shard norms/dropout along the sequence with TP.")
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
+        "1f1b", description="Pipeline schedule."
+    )
+    virtual_stages: PositiveInt = Field(1, description="Model chunks per pipeline rank (interleaved 1F1B).")
+    cpu_offload: bool = Field(False, description="FSDP CPU offload of parameters and optimizer states.")
+
+    @property
+    def world_size(self) -> int:
+        return self.data_parallel * self.tensor_parallel * self.pipeline_parallel
+
+
+class PrecisionSpec(Section):
+    """Numeric formats for compute, master weights, gradients reduction and optimizer states."""
+
+    compute: Literal["fp32", "bf16", "fp16", "fp8"] = Field("bf16", description="Matmul compute dtype.")
+    master_weights: Literal["fp32", "bf16"] = Field("fp32", description="Dtype of the weights the optimizer updates.")
+    grad_reduce: Literal["fp32", "bf16"] = Field("fp32", description="Dtype of gradient reduction.")
+    optimizer_state: Literal["fp32", "bf16", "8bit"] = Field(
+        "fp32", description="Adam moment dtype; 8bit uses torchao's AdamW8bit."
+    )
+
+
+class DataSource(Section):
+    """One raw corpus."""
+
+    name: str = Field(min_length=1, description="Short name, used in the manifest and per-source loss.")
+    path: Path = Field(description="File or folder; relative paths resolve against the spec's folder.")
+    weight: float = Field(1.0, gt=0, description="Mixing weight (normalised over sources).")
+    format: Literal["jsonl", "text", "parquet"] = Field("jsonl", description="Reader to use.")
+    text_field: str = Field("text", description="Field holding the text (jsonl, parquet).")
+
+
+class TokenizerSpec(Section):
+    """Tokenizer: trained on the corpus (BPE), loaded from a tokenizer.json, or raw bytes."""
+
+    kind: Literal["bpe", "file", "byte"] = Field("bpe", description="Train BPE, load a file, or bytes.")
+    path: Path | None = Field(None, description="tokenizer.json to load when kind is 'file'.")
+    vocab_size: PositiveInt = Field(32000, description="Target vocabulary when training BPE.")
+
+    @model_validator(mode="after")
+    def _file_needs_path(self) -> TokenizerSpec:
+        if self.kind == "file" and self.path is None:
+            raise ValueError("kind 'file' needs a path to a tokenizer.json")
+        return self
+
+
+class DataSpec(Section):
+    """Training data: how much, how long each sequence is, where the raw and prepared data live."""
+
+    tokens_total: float = Field(gt=0, description="Training tokens D (e.g. 2e12).")
+    seq_len: PositiveInt = Field(4096, description="Tokens per training sequence.")
+    dir: Path = Field(Path("data"), description="Prepared data dir that `prepare` writes and `train` reads.")
+    sources: list[DataSource] = Field(default_factory=list, description="Raw corpora to prepare.")
+    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec, description="Tokenizer settings.")
+    bytes_per_token_raw: float = Field(4.0, gt=0, description="Raw text bytes per token, for storage estimates.")
+    replicas: PositiveInt = Field(1, description="Copies of the prepared data kept (storage estimate).")
+
+    @field_validator("sources")
+    @classmethod
+    def _unique_names(cls, sources: list[DataSource]) -> list[DataSource]:
+        names = [s.name for s in sources]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"source names must be unique; repeated: {', '.join(dupes)}")
+        return sources
+
+
+class TrainingSpec(Section):
+    """Optimisation and loop settings."""
+
+    global_batch_tokens: PositiveInt = Field(4 * 2**20, description="Tokens per optimizer step (all ranks).")
+    micro_batch: PositiveInt = Field(1, description="Sequences per rank per forward/backward.")
+    lr: float = Field(3e-4, gt=0, le=1, description="Peak learning rate.")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of the peak.")
+    warmup_steps: int = Field(2000, ge=0, description="Linear warm-up steps.")
+    schedule: Literal["cosine", "wsd", "constant"] = Field("cosine", description="LR schedule after warm-up.")
+    decay_fraction: float = Field(0.2, gt=0, le=1, description="WSD: share of steps spent decaying.")
+    max_steps: PositiveInt | None = Field(
+        None, description="Optimizer steps; default tokens_total / global_batch_tokens."
+    )
+    weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
+    beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
+    beta2: float = Field(0.95, ge=0, lt=1, description="AdamW beta2.")
+    grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
+    seed: int = Field(1234, ge=0, description="Seed for weights, data order and dropout.")
+    deterministic: bool = Field(False, description="Bitwise-reproducible runs (and resumes) where possible.")
+    activation_checkpointing: Literal["none", "selective", "full"] = Field(
+        "none", description="Recompute activations in backward to save memory."
+    )
+    compile: bool = Field(False, description="torch.compile each transformer block.")
+    on_nonfinite: Literal["skip", "stop"] = Field("skip", description="Non-finite loss/grad: skip the step or stop.")
+    device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device; auto picks cuda when present.")
+    log_every: PositiveInt = Field(10, description="Steps between metric records.")
+
+
+class CheckpointSpec(Section):
+    """Distributed checkpoints: cadence, retention, storage."""
+
+    interval_steps: PositiveInt | Literal["auto"] = Field(
+        1000, description="Steps between saves, or auto (Young/Daly from failure rate and save time)."
+    )
+    keep_last: PositiveInt = Field(5, description="Committed checkpoints to keep.")
+    storage: Literal["local", "object_store"] = Field("local", description="Local disk or S3-compatible store.")
+    url: str | None = Field(None, description="s3://bucket/prefix for object_store; a folder for local.")
+    endpoint_url: str | None = Field(None, description="S3-compatible endpoint (MinIO, Ceph, ...).")
+    access_key: SecretRef | None = Field(None, description="Object-store access key, as `${VAR}`.")
+    secret_key: SecretRef | None = Field(None, description="Object-store secret key, as `${VAR}`.")
+    async_save: bool = Field(False, description="Stage to CPU and write while training continues.")
+    write_bandwidth_gb_s: float = Field(2.0, gt=0, description="Storage write bandwidth per job, GB/s (planning).")
+
+    @model_validator(mode="after")
+    def _object_store_needs_url(self) -> CheckpointSpec:
+        if self.storage == "object_store" and self.url is not None and not self.url.startswith("s3://"):
+            raise ValueError(f"object_store url must start with s3://, got {self.url!r}")
+        return self
+
+
+class FaultSpec(Section):
+    """Failure handling."""
+
+    auto_restart: bool = Field(True, description="Restart failed workers from the latest checkpoint.")
+    max_restarts: int = Field(3, ge=0, description="Restarts before the job gives up.")
+    elasticity: bool = Field(False, description="Allow the world size to change between min and max nodes.")
+    min_nodes: PositiveInt | None = Field(None, description="Elastic lower bound on nodes.")
+    max_nodes: PositiveInt | None = Field(None, description="Elastic upper bound on nodes.")
+    failures_per_gpu_day: float | None = Field(
+        None, gt=0, description="Failure rate for the checkpoint interval; default from Llama 3's report."
+    )
+    restart_s: float = Field(300.0, ge=0, description="Time to detect a failure and restart, seconds.")
+
+    @model_validator(mode="after")
+    def _nodes_ordered(self) -> FaultSpec:
+        if self.min_nodes and self.max_nodes and self.min_nodes > self.max_nodes:
+            raise ValueError(f"min_nodes ({self.min_nodes}) is larger than max_nodes ({self.max_nodes})")
+        return self
+
+
+class HardwareSpec(Section):
+    """The cluster: accelerator model from the catalog and its count and links."""
+
+    accelerator: str = Field("H100-SXM", description=f"One of: {', '.join(accelerator_names())}.")
+    gpus_per_node: PositiveInt = Field(8, description="Accelerators per node.")
+    num_nodes: PositiveInt | None = Field(None, description="Nodes; None lets the planner choose.")
+    peak_flops: float | None = Field(
+        None, gt=0, description="Override the catalog's dense peak FLOP/s per GPU for the compute dtype."
+    )
+    memory_gb: float | None = Field(None, gt=0, description="Override the catalog's memory per GPU (GB).")
+    intra_node_bandwidth_gb_s: float | None = Field(
+        None, gt=0, description="GPU-to-GPU bandwidth inside a node, GB/s per direction (catalog default)."
+    )
+    inter_node_bandwidth_gb_s: float | None = Field(
+        None, gt=0, description="Per-GPU bandwidth across nodes, GB/s per direction (catalog default)."
+    )
+
+    @field_validator("accelerator")
+    @classmethod
+    def _known_accelerator(cls, name: str) -> str:
+        canon = canonical_name(name)
+        if canon is None:
+            raise ValueError(f"unknown accelerator {name!r}; allowed: {', '.join(accelerator_names())}")
+        return canon
+
+    @property
+    def num_gpus(self) -> int | None:
+        return None if self.num_nodes is None else self.num_nodes * self.gpus_per_node
+
+
+class BudgetSpec(Section):
+    """What the run may cost in time and money."""
+
+    target_days: float | None = Field(30.0, gt=0, description="Wall-clock days to finish; sizes the GPU count.")
+    num_gpus: PositiveInt | None = Field(None, description="Fixed GPU count; then the planner reports days.")
+    assumed_mfu: Fraction = Field(0.4, description="Model FLOPs utilisation assumed for sizing.")
+    price_per_gpu_hour: float = Field(2.5, ge=0, description="Price of one GPU-hour.")
+    currency: str = Field("USD", min_length=1, description="Currency of prices.")
+    spare_fraction: float = Field(0.08, ge=0, le=0.5, description="Spare GPUs kept for failures (seed: 5-10%).")
+
+
+class MonitoringSpec(Section):
+    """Metrics, sinks and alert delivery."""
+
+    log_every: PositiveInt | None = Field(None, description="Overrides training.log_every when set.")
+    tensorboard: bool = Field(True, description="Write TensorBoard events under run dir/tb.")
+    prometheus_port: int | None = Field(None, ge=1, le=65535, description="Serve Prometheus metrics here.")
+    webhook_url_env: str | None = Field(None, description="Env var holding the alert webhook URL.")
+    webhook_token: SecretRef | None = Field(None, description="Alert webhook bearer token, as `${VAR}`.")
+    alert_rules: Path | None = Field(None, description="Alert rules file; built-in defaults when absent.")
+    hang_timeout_s: float = Field(600.0, gt=0, description="No step for this long raises a hang alert.")
+
+
+class SecuritySpec(Section):
+    """Secrets, permissions and encryption at rest."""
+
+    encrypt_checkpoints: bool = Field(False, description="Encrypt checkpoint files at rest.")
+    encryption_key: SecretRef | None = Field(None, description="Checkpoint encryption key, as `${VAR}`.")
+    owner_only: bool = Field(True, description="Create run dirs and checkpoints with owner-only permissions.")
+    audit_log: bool = Field(True, description="Append commands and checkpoint events to audit.log.")
+
+    @model_validator(mode="after")
+    def _key_when_encrypting(self) -> SecuritySpec:
+        if self.encrypt_checkpoints and self.encryption_key is None:
+            raise ValueError("encrypt_checkpoints needs encryption_key: ${VAR}")
+        return self
+
+
+class RunSpec(Section):
+    """Where a run writes."""
+
+    dir: Path = Field(Path("runs/run"), description="Run dir (metrics, checkpoints, lineage).")
+    name: str | None = Field(None, description="Run name for registries and job files.")
+
+
+TASKS = ("pretrain", "continue_pretrain", "finetune")
+
+
+class JobSpec(Section):
+    """The whole job file."""
+
+    task: Literal["pretrain", "continue_pretrain", "finetune"] = Field("pretrain", description="Kind of job.")
+    model: ModelSpec = Field(description="Model size/shape.")
+    parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Parallel layout.")
+    precision: PrecisionSpec = Field(default_factory=PrecisionSpec, description="Numeric formats.")
+    data: DataSpec = Field(description="Training data.")
+    training: TrainingSpec = Field(default_factory=TrainingSpec, description="Optimisation and loop.")
+    checkpoint: CheckpointSpec = Field(default_factory=CheckpointSpec, description="Checkpoints.")
+    fault: FaultSpec = Field(default_factory=FaultSpec, description="Failure handling.")
+    hardware: HardwareSpec = Field(default_factory=HardwareSpec, description="Cluster hardware.")
+    budget: BudgetSpec = Field(default_factory=BudgetSpec, description="Time and money.")
+    monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec, description="Observability.")
+    security: SecuritySpec = Field(default_factory=SecuritySpec, description="Security.")
+    run: RunSpec = Field(default_factory=RunSpec, description="Run output.")
+    profiles: dict[str, dict[str, Any]] = Field(
+        default_factory=dict, description="Named overlays (scale and resources only), chosen by --profile."
+    )
+
+    @model_validator(mode="after")
+    def _check_cross_fields(self) -> JobSpec:
+        problems = cross_field_problems(self)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
+
+
+def cross_field_problems(spec: JobSpec) -> list[str]:
+    """Rules that span sections. Shape rules need the resolved shape, so they import lazily."""
+    from leantrain.spec.shapes import resolve_shape
+
+    par = spec.parallelism
+    problems: list[str] = []
+    num_gpus = spec.hardware.num_gpus or spec.budget.num_gpus
+    if num_gpus is not None and par.world_size not in (1, num_gpus):
+        source = "hardware.num_nodes × gpus_per_node" if spec.hardware.num_gpus else "budget.num_gpus"
+        problems.append(
+            f"parallelism: data_parallel × tensor_parallel × pipeline_parallel = {par.data_parallel} × "
+            f"{par.tensor_parallel} × {par.pipeline_parallel} = {par.world_size}, but {source} = {num_gpus}"
+        )
+    if par.data_parallel % par.expert_parallel:
+        problems.append(
+            f"parallelism.expert_parallel ({par.expert_parallel}) must divide data_parallel ({par.data_parallel})"
+        )
+    if par.data_parallel % par.data_parallel_replicate:
+        problems.append(
+            f"parallelism.data_parallel_replicate ({par.data_parallel_replicate}) must divide "
+            f"data_parallel ({par.data_parallel})"
+        )
+    if par.virtual_stages > 1 and par.pipeline_schedule != "interleaved_1f1b":
+        problems.append("parallelism.virtual_stages > 1 needs pipeline_schedule: interleaved_1f1b")
+    shape = resolve_shape(spec.model)
+    tp = par.tensor_parallel
+    if shape.n_heads % tp or shape.n_kv_heads % tp:
+        problems.append(
+            f"parallelism.tensor_parallel ({tp}) must divide model n_heads ({shape.n_heads}) and "
+            f"n_kv_heads ({shape.n_kv_heads})"
+        )
+    if shape.ffn_hidden % tp:
+        problems.append(f"parallelism.tensor_parallel ({tp}) must divide model.ffn_hidden ({shape.ffn_hidden})")
+    num_chunks = par.pipeline_parallel * par.virtual_stages
+    if num_chunks > shape.n_layers:
+        problems.append(
+            f"parallelism: pipeline_parallel × virtual_stages ({num_chunks}) exceeds model layers "
+            f"({shape.n_layers})"
+        )
+    if shape.moe is not None:
+        moe = shape.moe
+        if moe.top_k > moe.num_experts:
+            problems.append(f"model.moe.top_k ({moe.top_k}) must be ≤ num_experts ({moe.num_experts})")
+        if moe.num_experts % par.expert_parallel:
+            problems.append(
+                f"parallelism.expert_parallel ({par.expert_parallel}) must divide model.moe.num_experts "
+                f"({moe.num_experts})"
+            )
+        if moe.first_dense_layers >= shape.n_layers:
+            problems.append(
+                f"model.moe.first_dense_layers ({moe.first_dense_layers}) leaves no MoE layer of {shape.n_layers}"
+            )
+    elif par.expert_parallel > 1:
+        problems.append("parallelism.expert_parallel > 1 needs model.architecture: moe")
+    if shape.d_model % shape.n_heads:
+        problems.append(f"model.d_model ({shape.d_model}) must be divisible by n_heads ({shape.n_heads})")
+    if shape.n_heads % shape.n_kv_heads:
+        problems.append(f"model.n_heads ({shape.n_heads}) must be divisible by n_kv_heads ({shape.n_kv_heads})")
+    tokens_per_micro_step = spec.training.micro_batch * spec.data.seq_len * par.data_parallel
+    if spec.training.global_batch_tokens % tokens_per_micro_step:
+        problems.append(
+            f"training.global_batch_tokens ({spec.training.global_batch_tokens}) must be a multiple of "
+            f"micro_batch × seq_len × data_parallel ({tokens_per_micro_step})"
+        )
+    fault, nodes = spec.fault, spec.hardware.num_nodes
+    if nodes is not None and fault.min_nodes is not None and nodes < fault.min_nodes:
+        problems.append(f"hardware.num_nodes ({nodes}) is below fault.min_nodes ({fault.min_nodes})")
+    if nodes is not None and fault.max_nodes is not None and nodes > fault.max_nodes:
+        problems.append(f"hardware.num_nodes ({nodes}) is above fault.max_nodes ({fault.max_nodes})")
+    return problems

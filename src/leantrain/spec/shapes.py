@@ -1,0 +1,182 @@
+"""Model shapes: `size_billion` → a documented Llama-like shape, and exact parameter counts.
+
+The rule for a nominal size (used when the spec gives `size_billion` without an explicit shape):
+- head dimension 128, so n_heads = d_model / 128; n_kv_heads = gcd(n_heads, 8) (grouped-query
+  attention with 8 KV heads, as Llama 3, when the head count allows);
+- SwiGLU hidden = 1.3 × 8/3 × d_model rounded up to a multiple of 1024 (Llama 3's rule; 14336 at d=4096);
+- vocabulary 128,256 (Llama 3) unless the spec gives one; untied embeddings unless the spec ties them;
+- depth and width are searched together: d_model about 128 × n_layers, a multiple of 1024 from
+  d_model 4096 up (so n_heads is a multiple of 8 and any tp ≤ 8 divides it) and of 256 below,
+  (Llama 3 8B: 4096 = 128 × 32), choosing the pair whose *total* parameter count is closest to the target.
+This reproduces Llama 3 8B exactly for size_billion: 8.03. For MoE the same search counts all experts
+(total parameters), with experts of hidden size ffn_hidden / top_k unless `moe.expert_hidden` is given.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from leantrain.spec.schema import ModelSpec, MoESpec
+
+HEAD_DIM = 128
+DEFAULT_VOCAB = 128256
+DEFAULT_KV_HEADS = 8
+FFN_MULTIPLIER = 1.3
+FFN_MULTIPLE_OF = 1024
+ASPECT = 128  # d_model per layer
+WIDE_FROM = 4096  # from this width up, d_model is a multiple of WIDE_STEP
+WIDE_STEP = 1024  # n_heads a multiple of 8, so any tp ≤ 8 divides the heads
+NARROW_STEP = 256
+
+
+@dataclass(frozen=True)
+class ResolvedMoE:
+    num_experts: int
+    top_k: int
+    num_shared_experts: int
+    expert_hidden: int
+    first_dense_layers: int
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """A fully explicit model shape with its parameter counts."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden: int
+    vocab_size: int
+    tie_embeddings: bool
+    moe: ResolvedMoE | None
+    nominal_params: float  # size_billion × 1e9 when given, else the exact total
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_dim(self) -> int:
+        return self.n_kv_heads * self.head_dim
+
+    @property
+    def num_moe_layers(self) -> int:
+        return 0 if self.moe is None else self.n_layers - self.moe.first_dense_layers
+
+    @property
+    def num_dense_layers(self) -> int:
+        return self.n_layers - self.num_moe_layers
+
+    def attention_params(self) -> int:
+        """q, k, v, o projections of one layer (no biases)."""
+        d = self.d_model
+        return 2 * d * d + 2 * d * self.kv_dim
+
+    def dense_mlp_params(self) -> int:
+        return 3 * self.d_model * self.ffn_hidden
+
+    def moe_layer_params(self, *, active: bool) -> int:
+        """One MoE layer's router + experts (all, or the top-k + shared a token uses)."""
+        assert self.moe is not None
+        m = self.moe
+        per_expert = 3 * self.d_model * m.expert_hidden
+        routed = m.top_k if active else m.num_experts
+        return self.d_model * m.num_experts + (routed + m.num_shared_experts) * per_expert
+
+    def embedding_params(self) -> int:
+        return self.vocab_size * self.d_model * (1 if self.tie_embeddings else 2)
+
+    def layer_params(self, *, moe_layer: bool, active: bool = False) -> int:
+        norms = 2 * self.d_model
+        mlp = self.moe_layer_params(active=active) if moe_layer else self.dense_mlp_params()
+        return self.attention_params() + mlp + norms
+
+    def non_embedding_params(self, *, active: bool = False) -> int:
+        dense = self.num_dense_layers * self.layer_params(moe_layer=False)
+        moe = self.num_moe_layers * self.layer_params(moe_layer=True, active=active) if self.moe else 0
+        return dense + moe + self.d_model  # + final norm
+
+    def total_params(self) -> int:
+        return self.non_embedding_params() + self.embedding_params()
+
+    def active_params(self) -> int:
+        """Parameters one token touches: top-k routed and shared experts, not all experts."""
+        return self.non_embedding_params(active=True) + self.embedding_params()
+
+
+def llama_ffn_hidden(d_model: int) -> int:
+    raw = int(FFN_MULTIPLIER * int(8 * d_model / 3))
+    return FFN_MULTIPLE_OF * math.ceil(raw / FFN_MULTIPLE_OF)
+
+
+def _kv_heads_for(n_heads: int) -> int:
+    return math.gcd(n_heads, DEFAULT_KV_HEADS)
+
+
+def _resolve_moe(moe: MoESpec | None, *, ffn_hidden: int) -> ResolvedMoE | None:
+    if moe is None:
+        return None
+    hidden = moe.expert_hidden or max(1, ffn_hidden // moe.top_k)
+    return ResolvedMoE(moe.num_experts, moe.top_k, moe.num_shared_experts, hidden, moe.first_dense_layers)
+
+
+def _shape_from(model: ModelSpec, *, n_layers: int, d_model: int, nominal: float | None) -> ModelShape:
+    n_heads = model.n_heads or max(1, d_model // HEAD_DIM)
+    ffn = model.ffn_hidden or llama_ffn_hidden(d_model)
+    shape = ModelShape(
+        n_layers=n_layers,
+        d_model=d_model,
+        n_heads=n_heads,
+        n_kv_heads=model.n_kv_heads or _kv_heads_for(n_heads),
+        ffn_hidden=ffn,
+        vocab_size=model.vocab_size or DEFAULT_VOCAB,
+        tie_embeddings=model.tie_embeddings,
+        moe=_resolve_moe(model.moe, ffn_hidden=ffn),
+        nominal_params=0.0,
+    )
+    total = float(shape.total_params())
+    return _with_nominal(shape, nominal if nominal is not None else total)
+
+
+def _with_nominal(shape: ModelShape, nominal: float) -> ModelShape:
+    return ModelShape(**{**shape.__dict__, "nominal_params": nominal})
+
+
+def _search_shape(model: ModelSpec, target: float) -> ModelShape:
+    best: tuple[float, ModelShape] | None = None
+    # Non-embedding params ≈ 12.7·d²·L at d = 128·L: start the depth search around that estimate.
+    guess = max(1, round((target / (12.7 * ASPECT**2)) ** (1 / 3)))
+    depths = [model.n_layers] if model.n_layers else range(max(1, guess // 3), 2 * guess + 3)
+    for n_layers in depths:
+        centre = ASPECT * n_layers
+        low = max(NARROW_STEP, centre // 2 // NARROW_STEP * NARROW_STEP)
+        widths = [model.d_model] if model.d_model else [
+            d for d in range(low, 2 * centre + 1, NARROW_STEP) if d < WIDE_FROM or d % WIDE_STEP == 0
+        ]
+        for d_model in widths:
+            shape = _shape_from(model, n_layers=n_layers, d_model=d_model, nominal=target)
+            misfit = abs(math.log(shape.total_params() / target))
+            misfit += 0.02 * abs(math.log(d_model / centre))  # prefer the Llama aspect ratio on ties
+            if best is None or misfit < best[0]:
+                best = (misfit, shape)
+    assert best is not None
+    return best[1]
+
+
+def resolve_shape(model: ModelSpec) -> ModelShape:
+    """The explicit shape for a model spec (explicit fields win over the size rule)."""
+    return _resolve_cached(model.model_dump_json())
+
+
+@lru_cache(maxsize=256)
+def _resolve_cached(model_json: str) -> ModelShape:
+    model = ModelSpec.model_validate_json(model_json)
+    explicit = model.n_layers is not None and model.d_model is not None
+    if explicit:
+        nominal = model.size_billion * 1e9 if model.size_billion else None
+        return _shape_from(model, n_layers=model.n_layers, d_model=model.d_model, nominal=nominal)  # type: ignore[arg-type]
+    assert model.size_billion is not None
+    return _search_shape(model, model.size_billion * 1e9)
