@@ -1,0 +1,1 @@
+"""The planner: FLOPs, budget, memory, timing, layout search, storage and checkpoint interval."""

@@ -1,0 +1,66 @@
+"""FLOPs per training token: the one function the planner and the trainer's MFU metric both use.
+
+Conventions (documented in docs/plan.md):
+- A multiply-add is 2 FLOPs; training is forward + backward = 3 × forward.
+- Matmul term: 6 × the parameters a token multiplies by: every non-embedding weight it touches
+  (for MoE, top-k routed + shared experts + router, not all experts) plus the output projection
+  (vocab × d_model, counted even when tied). The input embedding is a lookup, not a matmul.
+  GQA shows up through the smaller k/v projections; SwiGLU through its three matrices.
+- Attention term: 12 × n_layers × (n_heads × head_dim) × seq_len per token (QKᵀ and A·V, forward
+  2 × 2 × seq × d_attn, ×3 for training), as in PaLM's MFU definition (Chowdhery et al. 2022, App. B) and
+  torchtitan. With `causal_halving` only the unmasked half is counted (6 × L × d_attn × seq), the
+  convention of FlashAttention's benchmarks and Megatron-LM's `num_floating_point_operations`.
+- Hardware FLOPs add recompute: full recompute repeats the whole forward (+ matmul/3 + attention/3);
+  selective recompute (Korthikanti et al. 2022) repeats only the attention core (+ attention/3).
+- The seed document's estimate C ≈ 6·N·D uses the nominal parameter count: `seed_total_flops`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+from leantrain.spec.shapes import ModelShape
+
+Recompute = Literal["none", "selective", "full"]
+
+
+@dataclass(frozen=True)
+class FlopsPerToken:
+    """Training FLOPs for one token, split into the matmul and attention-score parts."""
+
+    matmul: float
+    attention: float
+
+    @property
+    def model(self) -> float:
+        """Model FLOPs per token (what MFU counts)."""
+        return self.matmul + self.attention
+
+    def hardware(self, recompute: Recompute) -> float:
+        """FLOPs the hardware executes per token, including recomputation."""
+        if recompute == "full":
+            return self.model * 4 / 3
+        if recompute == "selective":
+            return self.model + self.attention / 3
+        return self.model
+
+
+def matmul_params(shape: ModelShape) -> int:
+    """Weights one token is multiplied by: active non-embedding weights + the output projection."""
+    norms = 2 * shape.d_model * shape.n_layers + shape.d_model
+    return shape.non_embedding_params(active=True) - norms + shape.vocab_size * shape.d_model
+
+
+def flops_per_token(shape: ModelShape, *, seq_len: int, causal_halving: bool = False) -> FlopsPerToken:
+    """Training FLOPs per token for a model shape at a sequence length."""
+    attention_dim = shape.n_heads * shape.head_dim
+    attention = 12.0 * shape.n_layers * attention_dim * seq_len
+    if causal_halving:
+        attention /= 2
+    return FlopsPerToken(matmul=6.0 * matmul_params(shape), attention=attention)
+
+
+def seed_total_flops(*, nominal_params: float, tokens: float) -> float:
+    """The seed's C ≈ 6·N·D."""
+    return 6.0 * nominal_params * tokens
