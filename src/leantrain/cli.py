@@ -49,6 +49,7 @@ NOT_BUILT = {
     "validate": 8,
     "drill": 7,
     "doctor": 8,
+    "runs": 9,
 }
 
 
@@ -212,6 +213,18 @@ def doctor(
     Reads RUN_DIR when given; writes nothing.
     """
     _stage("doctor", "leantrain.ops.doctor", run_dir=run_dir)
+
+
+@app.command()
+def runs(
+    run_dir: Annotated[Path | None, typer.Argument(help="Show one run's checkpoints and lineage.")] = None,
+    registry: Annotated[Path | None, typer.Option(help="Registry database (default: ~/.leantrain/runs.db).")] = None,
+) -> None:
+    """List runs from the run registry, or show what produced each checkpoint of one run.
+
+    Reads the SQLite registry (and RUN_DIR's lineage.json); writes nothing.
+    """
+    _stage("runs", "leantrain.ops.registry", run_dir=run_dir, registry=registry)
 
 
 @app.command()
