@@ -5,7 +5,7 @@ PY     := $(VENV)/bin/python
 # The CPU build of torch is pinned and installed first: an open range would pull a multi-GB CUDA build.
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: install demo test lint unit bench clean
+.PHONY: install demo test lint unit bench docs clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -29,6 +29,9 @@ test: lint unit
 
 bench: install
 	@for script in bench/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
+
+docs: install
+	$(PY) -m leantrain.spec.docs > docs/spec.md
 
 clean:
 	rm -rf $(VENV) build dist .pytest_cache .ruff_cache demo-out

@@ -249,10 +249,9 @@ def main(argv: list[str] | None = None) -> int:
     except typer.Abort:
         err_console.print("aborted")
         return 130
-    except Exception as exc:  # click's usage errors arrive here in non-standalone mode
-        import click
-
-        if isinstance(exc, click.ClickException):
+    except Exception as exc:
+        # Usage errors from typer's bundled click: duck-typed, since typer vendors its own click copy.
+        if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):
             exc.show()
             return exc.exit_code
         raise

@@ -218,7 +218,7 @@ def spec_from_dict(
     if problems:
         raise SpecError(problems, source=source)
     try:
-        merged = apply_profile(raw, profile)
+        merged = apply_profile(copy.deepcopy(raw), profile)  # never mutate the caller's mapping
     except SpecError as err:
         raise SpecError(err.problems, source=source) from None
     for text in overrides or []:

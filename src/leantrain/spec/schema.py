@@ -350,7 +350,8 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
     par = spec.parallelism
     problems: list[str] = []
     num_gpus = spec.hardware.num_gpus or spec.budget.num_gpus
-    if num_gpus is not None and par.world_size not in (1, num_gpus):
+    layout_given = bool(par.model_fields_set & {"data_parallel", "tensor_parallel", "pipeline_parallel"})
+    if num_gpus is not None and layout_given and par.world_size != num_gpus:
         source = "hardware.num_nodes × gpus_per_node" if spec.hardware.num_gpus else "budget.num_gpus"
         problems.append(
             f"parallelism: data_parallel × tensor_parallel × pipeline_parallel = {par.data_parallel} × "

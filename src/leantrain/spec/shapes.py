@@ -176,7 +176,7 @@ def _resolve_cached(model_json: str) -> ModelShape:
     model = ModelSpec.model_validate_json(model_json)
     explicit = model.n_layers is not None and model.d_model is not None
     if explicit:
-        nominal = model.size_billion * 1e9 if model.size_billion else None
+        nominal = float(round(model.size_billion * 1e9)) if model.size_billion else None
         return _shape_from(model, n_layers=model.n_layers, d_model=model.d_model, nominal=nominal)  # type: ignore[arg-type]
     assert model.size_billion is not None
-    return _search_shape(model, model.size_billion * 1e9)
+    return _search_shape(model, float(round(model.size_billion * 1e9)))

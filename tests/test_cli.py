@@ -1,0 +1,62 @@
+"""The command line: command list, exit codes, messages without tracebacks, the demo."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from leantrain.cli import main
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTRACT = ["plan", "prepare", "train", "launch", "report", "validate", "drill", "doctor", "demo"]
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "leantrain.cli", *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+
+
+def test_help_lists_every_contract_command() -> None:
+    out = run_cli("--help")
+    assert out.returncode == 0
+    for command in CONTRACT:
+        assert command in out.stdout
+
+
+@pytest.mark.parametrize("command", [c for c in CONTRACT if c != "demo"])
+def test_every_command_has_help_saying_what_it_reads(command: str) -> None:
+    out = run_cli(command, "--help")
+    assert out.returncode == 0
+    assert "Reads" in out.stdout or "reads" in out.stdout
+
+
+def test_bad_spec_exits_2_without_traceback(tmp_path: Path) -> None:
+    spec = tmp_path / "bad.yaml"
+    spec.write_text("model: {size_billion: 1, architecture: sparse}\ndata: {tokens_total: 1e9}\n")
+    out = run_cli("check", str(spec))
+    assert out.returncode == 2
+    assert "model.architecture" in out.stderr
+    assert "Traceback" not in out.stderr + out.stdout
+
+
+def test_set_override_reaches_validation(tmp_path: Path) -> None:
+    out = run_cli("check", "examples/tiny-cpu.yaml", "--set", "training.lr=-1")
+    assert out.returncode == 2 and "training.lr" in out.stderr
+
+
+def test_main_returns_exit_codes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", str(ROOT / "examples/tiny-cpu.yaml")]) == 0
+    assert main(["check", str(ROOT / "examples/missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["no-such-command"]) == 2
+
+
+def test_demo_runs_and_reports_each_stage(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["demo", "--dir", str(tmp_path / "demo")]) == 0
+    out = capsys.readouterr().out
+    assert "spec valid" in out
+    for stage in ("plan", "prepare", "train", "validate", "report"):
+        assert stage in out
