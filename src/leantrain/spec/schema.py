@@ -100,11 +100,17 @@ class ParallelismSpec(Section):
         3, description="ZeRO level: 0 DDP, 1 shard optimizer, 2 +grads, 3 +params (FSDP)."
     )
     sequence_parallel: bool = Field(True, description="Shard norms/dropout along the sequence with TP.")
+    loss_parallel: bool = Field(
+        False, description="With TP: keep the logits split over the vocabulary and compute the loss sharded."
+    )
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
         "1f1b", description="Pipeline schedule."
     )
     virtual_stages: PositiveInt = Field(1, description="Model chunks per pipeline rank (interleaved 1F1B).")
     cpu_offload: bool = Field(False, description="FSDP CPU offload of parameters and optimizer states.")
+    layout: Literal["spec", "auto"] = Field(
+        "spec", description="spec: use these degrees when they match the GPU count; auto: the planner's best."
+    )
 
     @property
     def world_size(self) -> int:
@@ -125,11 +131,32 @@ class PrecisionSpec(Section):
 class DataSource(Section):
     """One raw corpus."""
 
-    name: str = Field(min_length=1, description="Short name, used in the manifest and per-source loss.")
-    path: Path = Field(description="File or folder; relative paths resolve against the spec's folder.")
+    name: str = Field(
+        min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="Short name (letters, digits, _ . -), used in the manifest, shard names and per-source loss.",
+    )
+    path: Path | None = Field(
+        None, description="File or folder (.gz/.zst allowed); relative paths resolve against the spec's folder. "
+        "Optional for a builtin source (then written under data.dir/raw/).",
+    )
     weight: float = Field(1.0, gt=0, description="Mixing weight (normalised over sources).")
     format: Literal["jsonl", "text", "parquet"] = Field("jsonl", description="Reader to use.")
     text_field: str = Field("text", description="Field holding the text (jsonl, parquet).")
+    id_field: str | None = Field("id", description="Field holding a document id (jsonl, parquet); else file:line.")
+    text_unit: Literal["file", "line", "paragraph"] = Field(
+        "file", description="format text: one document per file, per line, or per blank-line-separated paragraph."
+    )
+    builtin: Literal["demo-en", "demo-zh", "pydoc"] | None = Field(
+        None, description="Generate this bundled demo corpus (jsonl) at `path` when the file is missing.",
+    )
+
+    @model_validator(mode="after")
+    def _path_or_builtin(self) -> DataSource:
+        if self.path is None and self.builtin is None:
+            raise ValueError(f"source {self.name!r} needs a path (or a builtin corpus)")
+        if self.builtin is not None and self.format != "jsonl":
+            raise ValueError(f"builtin source {self.name!r} is jsonl; drop format: {self.format}")
+        return self
 
 
 class TokenizerSpec(Section):
@@ -138,12 +165,82 @@ class TokenizerSpec(Section):
     kind: Literal["bpe", "file", "byte"] = Field("bpe", description="Train BPE, load a file, or bytes.")
     path: Path | None = Field(None, description="tokenizer.json to load when kind is 'file'.")
     vocab_size: PositiveInt = Field(32000, description="Target vocabulary when training BPE.")
+    train_sample_bytes: PositiveInt = Field(
+        200_000_000, description="Cleaned text (bytes, spread over sources) that BPE training reads at most."
+    )
+    eos_token: str = Field("<|endoftext|>", min_length=1, description="End-of-document token, added after each doc.")
 
     @model_validator(mode="after")
     def _file_needs_path(self) -> TokenizerSpec:
         if self.kind == "file" and self.path is None:
             raise ValueError("kind 'file' needs a path to a tokenizer.json")
         return self
+
+
+class CleaningSpec(Section):
+    """Text normalisation and Gopher/C4-style quality filters. CJK text is counted by characters, not spaces."""
+
+    normalization: Literal["NFC", "NFKC", "none"] = Field(
+        "NFC", description="Unicode normal form (NFKC also folds full-width forms, e.g. Chinese punctuation)."
+    )
+    min_words: int = Field(20, ge=0, description="Drop documents with fewer words (a CJK character is one word).")
+    max_words: PositiveInt = Field(200_000, description="Drop documents with more words.")
+    min_mean_word_length: float = Field(
+        3.0, ge=0, description="Drop Latin-script documents whose mean word length is below this (Gopher: 3)."
+    )
+    max_mean_word_length: float = Field(10.0, gt=0, description="... or above this (Gopher: 10).")
+    max_symbol_ratio: float = Field(
+        0.1, ge=0, description="Drop if (#, …/..., and Unicode symbol characters) per word exceeds this (Gopher: 0.1)."
+    )
+    max_duplicate_line_fraction: float = Field(
+        0.3, ge=0, le=1, description="Drop if this fraction of lines repeat an earlier line (Gopher: 0.3)."
+    )
+    max_top_2gram_fraction: float = Field(
+        0.2, ge=0, le=1, description="Drop if the most frequent word 2-gram covers this share of characters."
+    )
+    max_duplicate_5gram_fraction: float = Field(
+        0.15, ge=0, le=1, description="Drop if repeated word 5-grams cover this share of characters (Gopher: 0.15)."
+    )
+    min_stop_words: int = Field(
+        2, ge=0, description="Drop if fewer distinct stop words occur (English or Chinese list by script)."
+    )
+
+
+class DedupSpec(Section):
+    """Exact and near-duplicate removal across all sources; the first occurrence (spec order) is kept."""
+
+    exact: bool = Field(True, description="Drop documents whose normalised text hash was seen before.")
+    near: bool = Field(True, description="Drop near duplicates (MinHash + LSH).")
+    num_bands: PositiveInt = Field(14, description="LSH bands b (datatrove default 14).")
+    rows_per_band: PositiveInt = Field(8, description="MinHash rows per band r (datatrove default 8).")
+    shingle_words: PositiveInt = Field(5, description="Word n-gram size of a shingle (Latin script).")
+    shingle_chars: PositiveInt = Field(5, description="Character n-gram size of a shingle for CJK text.")
+    verify_jaccard: float = Field(
+        0.7, ge=0, le=1, description="A band hit counts only if the signatures agree on this share (0 = off)."
+    )
+    seed: int = Field(42, ge=0, description="Seed of the MinHash permutations.")
+
+
+class PIISpec(Section):
+    """Sensitive-information redaction: typed placeholders, counts per type, an audit file without values."""
+
+    enabled: bool = Field(True, description="Detect and redact sensitive values.")
+    types: list[Literal["email", "phone", "ip", "cn_id", "bank_card", "us_ssn", "secret"]] = Field(
+        default_factory=lambda: ["email", "phone", "ip", "cn_id", "bank_card", "us_ssn", "secret"],
+        description="Kinds to redact.",
+    )
+    salt_env: str = Field(
+        "LEANTRAIN_PII_SALT", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Env var with the audit-hash salt; when unset a random salt is used and never stored.",
+    )
+    audit: bool = Field(True, description="Write pii_audit.jsonl (doc id, type, offsets, salted hash).")
+
+
+class MixtureStageSpec(Section):
+    """A curriculum stage: these source weights apply until `until_tokens` training tokens."""
+
+    weights: dict[str, float] = Field(description="Weight per source name (missing sources get 0).")
+    until_tokens: float | None = Field(None, gt=0, description="End of the stage in training tokens; None: the end.")
 
 
 class DataSpec(Section):
@@ -156,6 +253,27 @@ class DataSpec(Section):
     tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec, description="Tokenizer settings.")
     bytes_per_token_raw: float = Field(4.0, gt=0, description="Raw text bytes per token, for storage estimates.")
     replicas: PositiveInt = Field(1, description="Copies of the prepared data kept (storage estimate).")
+    cleaning: CleaningSpec = Field(default_factory=CleaningSpec, description="Normalisation and quality filters.")
+    dedup: DedupSpec = Field(default_factory=DedupSpec, description="Exact and near-duplicate removal.")
+    pii: PIISpec = Field(default_factory=PIISpec, description="Sensitive-information redaction.")
+    stages: list[MixtureStageSpec] = Field(
+        default_factory=list, description="Optional curriculum: source weights per stage (default: source weights)."
+    )
+    shard_size_tokens: PositiveInt = Field(2**27, description="Tokens per shard file (a document never spans two).")
+    valid_fraction: float = Field(
+        0.01, ge=0, lt=1, description="Share of each source's documents held out (by text hash) for evaluation."
+    )
+
+    @model_validator(mode="after")
+    def _stages_name_sources(self) -> DataSpec:
+        names = {s.name for s in self.sources}
+        for number, stage in enumerate(self.stages):
+            unknown = sorted(set(stage.weights) - names)
+            if unknown:
+                raise ValueError(f"data.stages[{number}] names unknown sources {unknown}; sources: {sorted(names)}")
+            if number < len(self.stages) - 1 and stage.until_tokens is None:
+                raise ValueError(f"data.stages[{number}] needs until_tokens (only the last stage may omit it)")
+        return self
 
     @field_validator("sources")
     @classmethod
@@ -193,6 +311,10 @@ class TrainingSpec(Section):
     on_nonfinite: Literal["skip", "stop"] = Field("skip", description="Non-finite loss/grad: skip the step or stop.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="Device; auto picks cuda when present.")
     log_every: PositiveInt = Field(10, description="Steps between metric records.")
+    eval_every: int = Field(
+        100, ge=0, description="Steps between held-out evaluations (and at the last step); 0 turns them off."
+    )
+    eval_batches: PositiveInt = Field(4, description="Micro-batches per rank in one held-out evaluation.")
 
 
 class CheckpointSpec(Section):
@@ -229,6 +351,12 @@ class FaultSpec(Section):
         None, gt=0, description="Failure rate for the checkpoint interval; default from Llama 3's report."
     )
     restart_s: float = Field(300.0, ge=0, description="Time to detect a failure and restart, seconds.")
+    preempt_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"]] = Field(
+        ["SIGTERM", "SIGUSR1"], description="Signals that trigger an immediate checkpoint and a clean exit."
+    )
+    preempt_check_every: PositiveInt = Field(
+        1, description="Steps between the ranks' agreement on a preemption signal (one tiny all-reduce)."
+    )
 
     @model_validator(mode="after")
     def _nodes_ordered(self) -> FaultSpec:
@@ -276,6 +404,32 @@ class BudgetSpec(Section):
     price_per_gpu_hour: float = Field(2.5, ge=0, description="Price of one GPU-hour.")
     currency: str = Field("USD", min_length=1, description="Currency of prices.")
     spare_fraction: float = Field(0.08, ge=0, le=0.5, description="Spare GPUs kept for failures (seed: 5-10%).")
+    sizing_flops: Literal["6ND", "detailed"] = Field(
+        "6ND",
+        description="FLOPs that size the GPU count: the seed's 6·N·D (nominal N) or the detailed count "
+        "(matmuls of the active weights + attention), the one MFU is measured against.",
+    )
+
+
+class PlanSpec(Section):
+    """Planner knobs: the step-time model's efficiency and overlap, memory reserve, search range (docs/plan.md)."""
+
+    compute_efficiency: Fraction | None = Field(
+        None, description="Fraction of peak FLOP/s a large matmul reaches; default per accelerator (plan.timing)."
+    )
+    dp_overlap: float = Field(0.8, ge=0, le=1, description="Share of data-parallel communication hidden by compute.")
+    tp_overlap: float = Field(0.0, ge=0, le=1, description="Share of tensor-parallel communication hidden.")
+    ep_overlap: float = Field(0.0, ge=0, le=1, description="Share of expert-parallel all-to-all hidden.")
+    framework_reserve_gb: float = Field(
+        3.0, ge=0, description="Memory per GPU the framework keeps (CUDA context, NCCL, allocator slack), GB."
+    )
+    causal_halving: bool = Field(False, description="Count only the unmasked half of causal attention FLOPs.")
+    flash_attention: bool = Field(True, description="Attention keeps no seq×seq scores (FlashAttention/SDPA).")
+    max_micro_batch: PositiveInt = Field(8, description="Largest micro-batch the layout search tries.")
+    top_k: PositiveInt = Field(5, description="Layouts shown and kept as alternatives in plan.json.")
+    trace: bool = Field(
+        False, description="Also build the model under FakeTensorMode and print planned vs traced bytes (dense)."
+    )
 
 
 class MonitoringSpec(Section):
@@ -283,7 +437,10 @@ class MonitoringSpec(Section):
 
     log_every: PositiveInt | None = Field(None, description="Overrides training.log_every when set.")
     tensorboard: bool = Field(True, description="Write TensorBoard events under run dir/tb.")
-    prometheus_port: int | None = Field(None, ge=1, le=65535, description="Serve Prometheus metrics here.")
+    prometheus_port: int | None = Field(
+        None, ge=0, le=65535, description="Serve Prometheus metrics on this port (rank 0); 0 picks a free port."
+    )
+    alert_console: bool = Field(True, description="Print alerts on the console as they fire and resolve.")
     webhook_url_env: str | None = Field(None, description="Env var holding the alert webhook URL.")
     webhook_token: SecretRef | None = Field(None, description="Alert webhook bearer token, as `${VAR}`.")
     alert_rules: Path | None = Field(None, description="Alert rules file; built-in defaults when absent.")
@@ -297,6 +454,11 @@ class SecuritySpec(Section):
     encryption_key: SecretRef | None = Field(None, description="Checkpoint encryption key, as `${VAR}`.")
     owner_only: bool = Field(True, description="Create run dirs and checkpoints with owner-only permissions.")
     audit_log: bool = Field(True, description="Append commands and checkpoint events to audit.log.")
+    secret_env: list[Annotated[str, Field(pattern=r"^[A-Za-z_][A-Za-z0-9_]*$")]] = Field(
+        default_factory=list,
+        description="More environment variables holding secrets: redacted from logs, taken from the "
+        "Kubernetes Secret in job files (the spec's `${VAR}` references are included automatically).",
+    )
 
     @model_validator(mode="after")
     def _key_when_encrypting(self) -> SecuritySpec:
@@ -310,6 +472,60 @@ class RunSpec(Section):
 
     dir: Path = Field(Path("runs/run"), description="Run dir (metrics, checkpoints, lineage).")
     name: str | None = Field(None, description="Run name for registries and job files.")
+    registry: Path | None = Field(
+        None, description="SQLite run registry; default $LEANTRAIN_REGISTRY or ~/.leantrain/runs.db."
+    )
+
+
+SLURM_TIME_RE = r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$"
+
+
+class ClusterSpec(Section):
+    """How job files for a cluster are written (Slurm sbatch, Kubernetes PyTorchJob) and data is staged."""
+
+    image: str = Field(
+        "leantrain/train:0.1.0-cuda13.0",
+        description="Training image (docker/Dockerfile); pin by digest (name@sha256:...) in production.",
+    )
+    time_limit: str = Field(
+        "24:00:00", pattern=SLURM_TIME_RE, description="Wall-clock limit per allocation, Slurm format [D-]HH:MM:SS."
+    )
+    checkpoint_signal_s: int = Field(
+        120, ge=10, description="Seconds before the time limit at which the job asks the trainer to checkpoint."
+    )
+    rdzv_port: int = Field(29500, ge=1, le=65535, description="c10d rendezvous port on the first node.")
+    cpus_per_node: PositiveInt | None = Field(None, description="CPU cores per node; default 8 per GPU.")
+    memory_gb_per_node: float | None = Field(None, gt=0, description="Host memory per node, GB; default 64 per GPU.")
+    slurm_partition: str | None = Field(None, description="Slurm partition (-p).")
+    slurm_account: str | None = Field(None, description="Slurm account (-A).")
+    slurm_qos: str | None = Field(None, description="Slurm quality of service.")
+    slurm_container: bool = Field(
+        False, description="Run srun steps inside `image` with the pyxis/enroot plugin (--container-image)."
+    )
+    k8s_namespace: str = Field("default", description="Kubernetes namespace.")
+    k8s_gang_scheduler: Literal["volcano", "scheduler-plugins"] = Field(
+        "volcano", description="Gang scheduler that starts all pods or none."
+    )
+    k8s_queue: str | None = Field(None, description="Scheduler queue (volcano) for the job's pod group.")
+    k8s_priority_class: str | None = Field(None, description="PriorityClass of the pods.")
+    k8s_restart_policy: Literal["OnFailure", "ExitCode", "Always", "Never"] = Field(
+        "OnFailure", description="Pod restart policy of the training replicas."
+    )
+    k8s_secret_name: str = Field("leantrain-secrets", description="Kubernetes Secret holding the secret env vars.")
+    k8s_data_pvc: str = Field("leantrain-data", description="PersistentVolumeClaim with the prepared data.")
+    k8s_checkpoint_pvc: str = Field("leantrain-checkpoints", description="PersistentVolumeClaim for run dirs.")
+    k8s_shm_gb: PositiveInt = Field(64, description="Size of the in-memory /dev/shm volume, GB.")
+    data_url: str | None = Field(
+        None, description="Remote prepared data dir (fsspec URL, e.g. s3://bucket/data); staged to node-local "
+        "disk and verified against the manifest before training."
+    )
+    data_endpoint_url: str | None = Field(None, description="S3-compatible endpoint for data_url.")
+    node_local_dir: str = Field("/tmp/leantrain", description="Node-local folder that data_url is staged into.")
+    preflight: bool = Field(True, description="Job files run `preflight` on all ranks before training.")
+    preflight_timeout_s: float = Field(180.0, gt=0, description="Preflight limit; ranks not joined by then fail.")
+    unhealthy_after_crashes: PositiveInt = Field(
+        2, description="Crashes recorded for a host before it is excluded (node_health.json)."
+    )
 
 
 TASKS = ("pretrain", "continue_pretrain", "finetune")
@@ -331,6 +547,8 @@ class JobSpec(Section):
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec, description="Observability.")
     security: SecuritySpec = Field(default_factory=SecuritySpec, description="Security.")
     run: RunSpec = Field(default_factory=RunSpec, description="Run output.")
+    cluster: ClusterSpec = Field(default_factory=ClusterSpec, description="Cluster job files and data staging.")
+    plan: PlanSpec = Field(default_factory=PlanSpec, description="Planner model knobs.")
     profiles: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Named overlays (scale and resources only), chosen by --profile."
     )

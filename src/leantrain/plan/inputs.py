@@ -1,0 +1,122 @@
+"""What the planner needs from a spec, resolved once: shape, bytes per value, accelerator numbers, knobs.
+
+Every later function (memory, timing, search) takes a `PlanInputs` and a `Layout`, never the raw spec, so
+the search can evaluate thousands of layouts without re-reading or re-validating anything.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+from typing import Literal
+
+from leantrain.hardware import GB, get_accelerator
+from leantrain.plan.flops import FlopsPerToken, Recompute, flops_per_token
+from leantrain.spec.schema import JobSpec
+from leantrain.spec.shapes import ModelShape, resolve_shape
+
+# Bytes per value of each dtype name used in the spec.
+DTYPE_BYTES = {"fp32": 4.0, "tf32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0}
+# Adam keeps two moments. torchao's AdamW8bit stores 1 byte per value plus one fp32 scale per block of 256.
+MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "8bit": 1.0 + 4.0 / 256}
+
+# Default share of peak FLOP/s a large bf16 matmul sustains inside a training step (kernels, norms,
+# elementwise and launch gaps included). Calibrated once against Megatron-LM's 2021 table (A100) and
+# Nemotron-4 340B / LLM Foundry (H100); see docs/plan.md and tests/test_plan_published.py.
+DEFAULT_COMPUTE_EFFICIENCY = {"A100": 0.58, "H100": 0.56, "H800": 0.56, "H200": 0.58, "B200": 0.55,
+                              "MI300X": 0.45, "L40S": 0.6, "cpu": 0.5}
+FALLBACK_COMPUTE_EFFICIENCY = 0.55
+# Latency of one collective call (ring start-up, kernel launch): NCCL tests show ~10-30 µs on NVLink/IB.
+COLLECTIVE_LATENCY_S = 20e-6
+# Device-to-host copy bandwidth per GPU for staging an async checkpoint (PCIe Gen4/5 x16 practical).
+HOST_COPY_BYTES_S = 20 * GB
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """A spec reduced to the numbers the analytic model uses (all SI units: bytes, seconds, FLOP)."""
+
+    shape: ModelShape
+    flops: FlopsPerToken
+    seq_len: int
+    global_batch_tokens: int
+    tokens_total: float
+    compute_dtype: str
+    act_bytes: float  # bytes per activation value (the compute dtype; fp8 training keeps bf16 activations)
+    weight_bytes: float  # working copy of the weights used in matmuls
+    grad_bytes: float
+    master_bytes: float  # a separate fp32 master copy, 0 when the weights are already fp32
+    moment_bytes: float  # per Adam moment
+    peak_flops: float
+    memory_bytes: float
+    intra_node_bytes_s: float
+    inter_node_bytes_s: float
+    memory_bandwidth_bytes_s: float
+    gpus_per_node: int
+    compute_efficiency: float
+    dp_overlap: float
+    tp_overlap: float
+    ep_overlap: float
+    framework_reserve_bytes: float
+    flash_attention: bool
+    cpu_offload: bool
+    accelerator: str
+
+    def hardware_flops_per_token(self, recompute: Recompute) -> float:
+        return self.flops.hardware(recompute)
+
+    def with_memory(self, memory_bytes: float) -> PlanInputs:
+        return replace(self, memory_bytes=memory_bytes)
+
+
+def _default_efficiency(accelerator: str) -> float:
+    for prefix, value in DEFAULT_COMPUTE_EFFICIENCY.items():
+        if accelerator.startswith(prefix):
+            return value
+    return FALLBACK_COMPUTE_EFFICIENCY
+
+
+def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit"] | None = None) -> PlanInputs:
+    """Resolve a spec once; `optimizer_state` overrides the spec's (the 'what would fit' probe uses it)."""
+    shape = resolve_shape(spec.model)
+    acc = get_accelerator(spec.hardware.accelerator)
+    hw, prec, knobs = spec.hardware, spec.precision, spec.plan
+    compute = prec.compute
+    act_bytes = 2.0 if compute == "fp8" else DTYPE_BYTES[compute]
+    weight_bytes = 2.0 if compute in ("bf16", "fp16", "fp8") else 4.0
+    master_bytes = 4.0 if prec.master_weights == "fp32" and weight_bytes < 4 else 0.0
+    peak = hw.peak_flops if hw.peak_flops is not None else acc.peak_for(compute)
+    return PlanInputs(
+        shape=shape,
+        flops=flops_per_token(shape, seq_len=spec.data.seq_len, causal_halving=knobs.causal_halving),
+        seq_len=spec.data.seq_len,
+        global_batch_tokens=spec.training.global_batch_tokens,
+        tokens_total=spec.data.tokens_total,
+        compute_dtype=compute,
+        act_bytes=act_bytes,
+        weight_bytes=weight_bytes,
+        grad_bytes=DTYPE_BYTES[prec.grad_reduce] if weight_bytes < 4 else 4.0,
+        master_bytes=master_bytes,
+        moment_bytes=MOMENT_BYTES[optimizer_state or prec.optimizer_state],
+        peak_flops=peak,
+        memory_bytes=hw.memory_gb * GB if hw.memory_gb is not None else acc.memory_bytes,
+        intra_node_bytes_s=(hw.intra_node_bandwidth_gb_s * GB if hw.intra_node_bandwidth_gb_s
+                            else acc.intra_node_bandwidth_bytes_s),
+        inter_node_bytes_s=(hw.inter_node_bandwidth_gb_s * GB if hw.inter_node_bandwidth_gb_s
+                            else acc.inter_node_bandwidth_bytes_s),
+        memory_bandwidth_bytes_s=acc.memory_bandwidth_bytes_s,
+        gpus_per_node=hw.gpus_per_node,
+        compute_efficiency=knobs.compute_efficiency or _default_efficiency(acc.name),
+        dp_overlap=knobs.dp_overlap,
+        tp_overlap=knobs.tp_overlap,
+        ep_overlap=knobs.ep_overlap,
+        framework_reserve_bytes=knobs.framework_reserve_gb * GB,
+        flash_attention=knobs.flash_attention,
+        cpu_offload=spec.parallelism.cpu_offload,
+        accelerator=acc.name,
+    )
+
+
+def sequences_per_step(inputs: PlanInputs) -> int:
+    """Sequences in one optimizer step (the global batch in sequences, at least one)."""
+    return max(1, math.ceil(inputs.global_batch_tokens / inputs.seq_len))

@@ -1,0 +1,157 @@
+"""Assemble a plan from a spec: budget → GPU count → layout (the spec's or the searched best) → memory,
+step time, storage and checkpoint interval. `make_plan(spec)` returns plan.json's content.
+
+Two FLOP counts are reported and kept apart: the *sizing* count (the seed's 6·N·D on the nominal N by
+default) sizes the GPU count, days and cost at `budget.assumed_mfu`; the *detailed* model count (matmuls
+of the active weights + attention, plan.flops) is what MFU is measured against, in the planner's
+throughput prediction and in the trainer's metric.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from leantrain.plan.budget import SECONDS_PER_DAY, Budget, checkpoint_interval, make_budget, storage
+from leantrain.plan.inputs import PlanInputs, plan_inputs
+from leantrain.plan.layout import layout_from_spec
+from leantrain.plan.search import Candidate, SearchResult, evaluate, search_layouts
+from leantrain.spec.schema import JobSpec
+
+
+@dataclass
+class Plan:
+    """Everything the planner worked out; `to_json()` is plan.json."""
+
+    spec: JobSpec
+    inputs: PlanInputs
+    budget: Budget
+    layout_gpus: int
+    chosen: Candidate
+    layout_source: str
+    search: SearchResult
+    storage: dict[str, float]
+    checkpoint: dict[str, float]
+    what_if: list[dict[str, Any]] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.chosen.memory.fits
+
+    def to_json(self) -> dict[str, Any]:
+        inputs, budget, chosen = self.inputs, self.budget, self.chosen
+        shape = inputs.shape
+        tokens = inputs.tokens_total
+        t = chosen.time
+        predicted_days = tokens / t.tokens_per_s / SECONDS_PER_DAY
+        return {
+            "model": {"total_params": shape.total_params(), "active_params": shape.active_params(),
+                      "nominal_params": shape.nominal_params, "n_layers": shape.n_layers,
+                      "d_model": shape.d_model, "vocab_size": shape.vocab_size},
+            "compute": {
+                "sizing": self.spec.budget.sizing_flops,
+                "flops_per_token": budget.sizing_flops / tokens,
+                "total_flops": budget.sizing_flops,
+                "seed_total_flops": 6.0 * shape.nominal_params * tokens,
+                "model_flops_per_token": inputs.flops.model,
+                "model_total_flops": inputs.flops.model * tokens,
+                "hardware_flops_per_token": inputs.flops.hardware(chosen.layout.recompute),
+                "attention_flops_per_token": inputs.flops.attention,
+                "tokens": tokens,
+                "peak_flops_per_gpu": inputs.peak_flops,
+                "assumed_mfu": self.spec.budget.assumed_mfu,
+            },
+            "resources": {"num_gpus": budget.num_gpus, "num_gpus_exact": budget.num_gpus_exact,
+                          "num_gpus_with_spare": budget.num_gpus_with_spare, "layout_gpus": self.layout_gpus,
+                          "num_nodes": math.ceil(budget.num_gpus_with_spare / inputs.gpus_per_node),
+                          "accelerator": inputs.accelerator},
+            "time": {"days": budget.days, "gpu_hours": budget.gpu_hours, "predicted_days": predicted_days,
+                     "predicted_gpu_hours": predicted_days * 24 * self.layout_gpus},
+            "cost": {"total": budget.cost, "per_million_tokens": budget.cost_per_million_tokens,
+                     "currency": self.spec.budget.currency,
+                     "price_per_gpu_hour": self.spec.budget.price_per_gpu_hour},
+            "memory": {"per_gpu": chosen.memory.to_dict(), "capacity": chosen.memory.capacity,
+                       "headroom": chosen.memory.headroom, "fits": chosen.memory.fits},
+            "layout": {**chosen.layout.to_dict(), "source": self.layout_source, "num_gpus": chosen.layout.num_gpus},
+            "throughput": {"tokens_per_s": t.tokens_per_s, "mfu": t.mfu, "hfu": t.hfu, "step_s": t.step_s,
+                           "tokens_per_step": t.tokens_per_step, "bubble_fraction": t.bubble_fraction,
+                           "comm_fraction": t.comm_fraction,
+                           "breakdown_s": {"compute": t.compute_s, "bubble": t.bubble_s, "tp": t.tp_comm_s,
+                                           "pp": t.pp_comm_s, "dp": t.dp_comm_s, "ep": t.ep_comm_s,
+                                           "optimizer": t.optimizer_s}},
+            "storage": self.storage,
+            "checkpoint": self.checkpoint,
+            "alternatives": [_candidate_json(c) for c in self.search.ranked],
+            "search": {"evaluated": self.search.num_evaluated, "rejected": self.search.rejected,
+                       "suggestions": self.search.suggestions},
+            "what_if": self.what_if,
+            "notes": self.notes,
+        }
+
+
+def _candidate_json(c: Candidate) -> dict[str, Any]:
+    return {"layout": c.layout.to_dict(), "describe": c.layout.describe(), "tokens_per_s": c.time.tokens_per_s,
+            "mfu": c.time.mfu, "step_s": c.time.step_s, "memory_total": c.memory.total,
+            "headroom": c.memory.headroom, "fits": c.memory.fits, "why": c.why}
+
+
+def layout_gpu_count(spec: JobSpec, budget: Budget) -> int:
+    """GPUs the layout runs on: a fixed count as given, else the budget's count rounded up to whole nodes."""
+    fixed = spec.budget.num_gpus or spec.hardware.num_gpus
+    if fixed is not None:
+        return fixed
+    node = spec.hardware.gpus_per_node
+    return budget.num_gpus if budget.num_gpus < node else math.ceil(budget.num_gpus / node) * node
+
+
+def build_plan(spec: JobSpec) -> Plan:
+    """The whole plan for a spec."""
+    inputs = plan_inputs(spec)
+    budget = make_budget(spec, inputs)
+    gpus = layout_gpu_count(spec, budget)
+    knobs = spec.plan
+    search = search_layouts(inputs, gpus, max_micro_batch=knobs.max_micro_batch, top_k=knobs.top_k)
+    chosen, source, notes = None, "search", []
+    par = spec.parallelism
+    if par.layout == "spec" and par.world_size == gpus:
+        own = evaluate(inputs, layout_from_spec(par, spec.training))
+        if own.memory.fits or search.best is None:
+            chosen, source = own, "spec"
+        else:
+            notes.append(f"the spec's layout ({own.layout.describe()}) needs {own.memory.total / 2**30:.1f} GiB "
+                         f"of {own.memory.capacity / 2**30:.0f} GiB per GPU: using the searched best instead")
+    elif par.layout == "spec" and par.world_size not in (1, gpus):
+        notes.append(f"the spec's layout covers {par.world_size} GPUs, the plan {gpus}: using the searched best")
+    if chosen is None:
+        chosen = search.best or search.smallest
+        source = "search" if search.best is not None else "none fits (leanest shown)"
+    assert chosen is not None
+    ckpt = checkpoint_interval(spec, inputs, num_gpus=gpus, step_s=chosen.time.step_s)
+    return Plan(spec=spec, inputs=inputs, budget=budget, layout_gpus=gpus, chosen=chosen, layout_source=source,
+                search=search, storage=storage(spec, inputs), checkpoint=ckpt, notes=notes)
+
+
+def what_if_rows(plan: Plan, gpu_counts: list[int]) -> list[dict[str, Any]]:
+    """Days, cost and fit for other GPU counts (budget at the assumed MFU, throughput from the model)."""
+    rows = []
+    knobs = plan.spec.plan
+    for gpus in gpu_counts:
+        budget = make_budget(plan.spec, plan.inputs, num_gpus=gpus)
+        found = search_layouts(plan.inputs, gpus, max_micro_batch=knobs.max_micro_batch, top_k=1, suggest=False)
+        best = found.best
+        rows.append({
+            "gpus": gpus, "days": budget.days, "gpu_hours": budget.gpu_hours, "cost": budget.cost,
+            "fits": best is not None,
+            "layout": best.layout.describe() if best else None,
+            "predicted_days": plan.inputs.tokens_total / best.time.tokens_per_s / SECONDS_PER_DAY if best else None,
+            "predicted_mfu": best.time.mfu if best else None,
+        })
+    plan.what_if = rows
+    return rows
+
+
+def make_plan(spec: JobSpec) -> dict[str, Any]:
+    """plan.json's content for a spec (keys in shared/DESIGN.md, bytes/seconds/FLOP as plain numbers)."""
+    return build_plan(spec).to_json()

@@ -1,0 +1,131 @@
+"""Terminal tables for a plan (rich) and the what-if plot (matplotlib, headless)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from leantrain.hardware import GiB
+from leantrain.plan.planner import Plan
+
+
+def _gib(value: float) -> str:
+    return f"{value / GiB:,.1f} GiB"
+
+
+def _si(value: float, unit: str = "") -> str:
+    for scale, prefix in ((1e15, "P"), (1e12, "T"), (1e9, "G"), (1e6, "M"), (1e3, "k")):
+        if abs(value) >= scale:
+            return f"{value / scale:,.2f} {prefix}{unit}"
+    return f"{value:,.2f} {unit}".strip()
+
+
+def render_plan(plan: Plan, *, console: Console, top: int) -> None:
+    """Budget, memory, top layouts, storage and checkpoint tables."""
+    data = plan.to_json()
+    c, r, t, cost = data["compute"], data["resources"], data["time"], data["cost"]
+    budget = Table(title="budget", show_header=False)
+    budget.add_column("item", style="bold")
+    budget.add_column("value")
+    model = data["model"]
+    budget.add_row("model", f"{model['total_params'] / 1e9:.2f}B params ({model['active_params'] / 1e9:.2f}B "
+                   f"active, nominal {model['nominal_params']:.3g})")
+    budget.add_row("FLOPs (sizes the GPU count)", f"{c['total_flops']:.3g} = {c['flops_per_token']:.3g}/token × "
+                   f"{c['tokens']:.3g} tokens ({c['sizing']})")
+    budget.add_row("FLOPs (detailed, for MFU)", f"{c['model_total_flops']:.3g} ({c['model_flops_per_token']:.3g}"
+                   f"/token, attention {c['attention_flops_per_token']:.3g})")
+    budget.add_row("effective FLOP/s per GPU", f"{c['peak_flops_per_gpu'] * c['assumed_mfu']:.3g} "
+                   f"({c['peak_flops_per_gpu']:.3g} peak × {c['assumed_mfu']:.0%} assumed MFU)")
+    budget.add_row("GPUs", f"{r['num_gpus']} ({r['num_gpus_exact']:.1f} exact) → {r['num_gpus_with_spare']} with "
+                   f"spare, {r['num_nodes']} nodes of {r['accelerator']}; layout on {r['layout_gpus']}")
+    budget.add_row("time", f"{t['days']:.1f} days, {t['gpu_hours']:,.0f} GPU-hours at the assumed MFU; "
+                   f"{t['predicted_days']:.1f} days predicted by the step-time model")
+    budget.add_row("cost", f"{cost['total']:,.0f} {cost['currency']} "
+                   f"({cost['per_million_tokens']:.3f} per million tokens)")
+    console.print(budget)
+
+    mem = data["memory"]
+    per = mem["per_gpu"]
+    memory = Table(title=f"memory per GPU — {'fits' if mem['fits'] else 'DOES NOT FIT'}")
+    for col in ("params", "grads", "optimizer", "activations", "buffers", "total", "capacity", "headroom"):
+        memory.add_column(col, justify="right")
+    memory.add_row(*(_gib(per[k]) for k in ("params", "grads", "optimizer", "activations", "buffers", "total")),
+                   _gib(mem["capacity"]), _gib(mem["headroom"]))
+    console.print(memory)
+
+    layouts = Table(title=f"layouts on {plan.layout_gpus} GPUs (chosen: {plan.layout_source}); "
+                    f"{plan.search.num_evaluated} evaluated")
+    for col in ("#", "layout", "tokens/s", "MFU", "step", "why"):
+        layouts.add_column(col)
+    layouts.add_row("→", plan.chosen.layout.describe(), _si(plan.chosen.time.tokens_per_s),
+                    f"{plan.chosen.time.mfu:.1%}", f"{plan.chosen.time.step_s:.2f} s", plan.chosen.why)
+    others = [cand for cand in plan.search.ranked if cand.layout != plan.chosen.layout]
+    for i, cand in enumerate(others[:top], start=1):
+        layouts.add_row(str(i), cand.layout.describe(), _si(cand.time.tokens_per_s), f"{cand.time.mfu:.1%}",
+                        f"{cand.time.step_s:.2f} s", cand.why)
+    console.print(layouts)
+    for note in plan.notes:
+        console.print(f"note: {note}")
+    if plan.search.rejected:
+        console.print("rejected: " + "; ".join(f"{n} × {why}" for why, n in plan.search.rejected.items()))
+    if not plan.fits:
+        console.print(f"[bold red]does not fit[/] on {plan.layout_gpus} × {r['accelerator']}. What would:")
+        for line in plan.search.suggestions:
+            console.print(f"  • {line}")
+
+    s, k = data["storage"], data["checkpoint"]
+    other = Table(title="storage and checkpoints", show_header=False)
+    other.add_column("item", style="bold")
+    other.add_column("value")
+    other.add_row("data", f"{_si(s['data_bytes'], 'B')} (tokenized {_si(s['tokenized_bytes'], 'B')} × "
+                  f"{s['replicas']} + raw {_si(s['raw_bytes'], 'B')})")
+    other.add_row("checkpoint", f"{_si(s['checkpoint_bytes'], 'B')} each, {_si(s['checkpoints_kept_bytes'], 'B')} kept")
+    other.add_row("checkpoint interval", f"{k['interval_steps']} steps = {k['interval_s'] / 60:.1f} min "
+                  f"(Young/Daly: {k['recommended_interval_s'] / 60:.1f} min); save {k['save_s']:.0f} s, "
+                  f"blocks {k['blocking_s']:.1f} s")
+    other.add_row("failures", f"MTBF {k['mtbf_s'] / 3600:.1f} h at {k['failures_per_gpu_day']:.2e}/GPU-day; "
+                  f"expected goodput {k['expected_goodput']:.1%}")
+    console.print(other)
+
+
+def render_what_if(rows: list[dict[str, Any]], *, console: Console, currency: str) -> None:
+    table = Table(title="what if")
+    for col in ("GPUs", "days (assumed MFU)", "cost", "fits", "predicted days", "predicted MFU", "layout"):
+        table.add_column(col)
+    for row in rows:
+        table.add_row(str(row["gpus"]), f"{row['days']:.1f}", f"{row['cost']:,.0f} {currency}",
+                      "yes" if row["fits"] else "no",
+                      f"{row['predicted_days']:.1f}" if row["fits"] else "-",
+                      f"{row['predicted_mfu']:.1%}" if row["fits"] else "-", row["layout"] or "-")
+    console.print(table)
+
+
+def plot_what_if(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Days and cost against GPU count, as a PNG (Agg backend: no display needed)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gpus = [row["gpus"] for row in rows]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(gpus, [row["days"] for row in rows], marker="o", label="days (assumed MFU)")
+    fitting = [row for row in rows if row["fits"]]
+    if fitting:
+        ax.plot([row["gpus"] for row in fitting], [row["predicted_days"] for row in fitting], marker="s",
+                label="days (predicted)")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("GPUs")
+    ax.set_ylabel("days")
+    cost_ax = ax.twinx()
+    cost_ax.plot(gpus, [row["cost"] for row in rows], color="grey", linestyle="--", label="cost")
+    cost_ax.set_ylabel("cost")
+    ax.legend(loc="upper right")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path

@@ -1,0 +1,207 @@
+"""Layout search: enumerate tp, pp, dp, ep, micro-batch, recompute and ZeRO level for a GPU count, drop
+what does not fit (keeping the reason), rank the rest by predicted tokens/s, and say what would fit when
+nothing does.
+
+Candidates: tp divides the GPUs per node and the head, KV-head and FFN sizes (Megatron's rule: TP stays on
+NVLink); pp divides GPUs / tp and is at most the layer count (uneven last stages allowed); interleaving
+v ∈ {1, 2} when each chunk keeps a layer; ep divides dp and the expert count; micro-batch 1, 2, 4, ... up
+to `plan.max_micro_batch` and the sequences one replica gets; HSDP (shards inside a node, replicas across
+nodes) is tried for ZeRO-3 when dp spans nodes.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field, replace
+
+from leantrain.hardware import CATALOG, GiB
+from leantrain.plan.flops import Recompute
+from leantrain.plan.inputs import PlanInputs, sequences_per_step
+from leantrain.plan.layout import Layout
+from leantrain.plan.memory import MemoryBreakdown, memory_per_gpu
+from leantrain.plan.timing import StepTime, step_time
+
+RECOMPUTE: tuple[Recompute, ...] = ("none", "selective", "full")
+ZERO_LEVELS = (0, 1, 2, 3)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A layout with its memory and step time; `why` says what is good or bad about it."""
+
+    layout: Layout
+    memory: MemoryBreakdown
+    time: StepTime
+
+    @property
+    def why(self) -> str:
+        t, mem = self.time, self.memory
+        return (f"bubble {t.bubble_fraction:.0%}, comm {t.comm_fraction:.0%}, "
+                f"headroom {mem.headroom / GiB:.1f} GiB of {mem.capacity / GiB:.0f} GiB")
+
+
+@dataclass
+class SearchResult:
+    """Fitting layouts best first, how many were rejected and why, and what would fit otherwise."""
+
+    num_gpus: int
+    ranked: list[Candidate]
+    num_evaluated: int
+    rejected: dict[str, int] = field(default_factory=dict)
+    smallest: Candidate | None = None  # the least memory-hungry layout (reported when nothing fits)
+    suggestions: list[str] = field(default_factory=list)
+
+    @property
+    def best(self) -> Candidate | None:
+        return self.ranked[0] if self.ranked else None
+
+
+def _divisors(n: int) -> list[int]:
+    small = [d for d in range(1, math.isqrt(n) + 1) if n % d == 0]
+    return sorted({*small, *(n // d for d in small)})
+
+
+def _powers_of_two(limit: int) -> list[int]:
+    return [2**i for i in range(int(math.log2(max(1, limit))) + 1)]
+
+
+def candidate_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int,
+                      skipped: dict[str, int] | None = None) -> list[Layout]:
+    """Every layout the search evaluates for `num_gpus`; (tp, pp) pairs dropped before evaluation are
+    counted in `skipped` by reason."""
+    shape = inputs.shape
+    seqs = sequences_per_step(inputs)
+    tps = [t for t in _divisors(min(inputs.gpus_per_node, num_gpus))
+           if num_gpus % t == 0 and shape.n_heads % t == 0 and shape.n_kv_heads % t == 0
+           and shape.ffn_hidden % t == 0]
+    layouts: list[Layout] = []
+    for tp in tps:
+        for pp in _divisors(num_gpus // tp):
+            if pp > shape.n_layers:
+                break
+            dp = num_gpus // (tp * pp)
+            if dp > seqs:  # a replica without a whole sequence would silently grow the global batch
+                if skipped is not None:
+                    key = f"dp larger than the {seqs} sequences of the global batch"
+                    skipped[key] = skipped.get(key, 0) + 1
+                continue
+            per_replica = math.ceil(seqs / dp)
+            micro_batches = [b for b in _powers_of_two(max_micro_batch) if b <= per_replica] or [1]
+            vs = [1, 2] if pp > 1 and shape.n_layers >= 2 * pp else [1]
+            eps = [1]
+            if shape.moe is not None:
+                eps = [e for e in _divisors(dp) if shape.moe.num_experts % e == 0]
+            for ep in eps:
+                for v in vs:
+                    for mb in micro_batches:
+                        for recompute in RECOMPUTE:
+                            for zero in ZERO_LEVELS:
+                                if dp == 1 and zero > 0:
+                                    continue
+                                base = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, micro_batch=mb,
+                                              recompute=recompute, virtual_stages=v,
+                                              schedule="interleaved_1f1b" if v > 1 else "1f1b")
+                                layouts.append(base)
+                                hsdp_shard = max(1, inputs.gpus_per_node // tp)
+                                if (zero == 3 and 1 < hsdp_shard < dp and dp % hsdp_shard == 0
+                                        and hsdp_shard % ep == 0):
+                                    layouts.append(replace(base, dp_replicate=dp // hsdp_shard))
+    return layouts
+
+
+def evaluate(inputs: PlanInputs, layout: Layout) -> Candidate:
+    """Memory and step time of one layout."""
+    seqs = sequences_per_step(inputs)
+    m = layout.num_microbatches(seqs)
+    return Candidate(layout=layout, memory=memory_per_gpu(inputs, layout, num_microbatches=m),
+                     time=step_time(inputs, layout, sequences_per_step=seqs))
+
+
+def _reject_reason(c: Candidate) -> str:
+    mem = c.memory
+    parts = {"params+grads+optimizer": mem.params + mem.grads + mem.optimizer, "activations": mem.activations,
+             "buffers": mem.buffers}
+    worst = max(parts, key=lambda k: parts[k])
+    return f"does not fit: {worst} largest"
+
+
+def search_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int = 8, top_k: int = 5,
+                   suggest: bool = True) -> SearchResult:
+    """Rank fitting layouts for `num_gpus` by predicted tokens/s (ties: more headroom)."""
+    fitting: list[Candidate] = []
+    rejected: dict[str, int] = {}
+    smallest: Candidate | None = None
+    layouts = candidate_layouts(inputs, num_gpus, max_micro_batch=max_micro_batch, skipped=rejected)
+    for layout in layouts:
+        cand = evaluate(inputs, layout)
+        if cand.memory.fits:
+            fitting.append(cand)
+        else:
+            reason = _reject_reason(cand)
+            rejected[reason] = rejected.get(reason, 0) + 1
+        if smallest is None or cand.memory.total < smallest.memory.total:
+            smallest = cand
+    fitting.sort(key=lambda c: (-c.time.tokens_per_s, -c.memory.headroom))
+    result = SearchResult(num_gpus=num_gpus, ranked=fitting[:max(top_k, 1)], num_evaluated=len(layouts),
+                          rejected=rejected, smallest=smallest)
+    if not fitting and suggest:
+        result.suggestions = what_would_fit(inputs, num_gpus, smallest=smallest, max_micro_batch=max_micro_batch)
+    return result
+
+
+def _fits_anywhere(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int) -> Candidate | None:
+    return search_layouts(inputs, num_gpus, max_micro_batch=max_micro_batch, top_k=1, suggest=False).best
+
+
+def what_would_fit(inputs: PlanInputs, num_gpus: int, *, smallest: Candidate | None,
+                   max_micro_batch: int) -> list[str]:
+    """Concrete changes that would make the job fit, with numbers."""
+    lines: list[str] = []
+    if smallest is not None:
+        mem = smallest.memory
+        lines.append(
+            f"the leanest layout ({smallest.layout.describe()}) needs {mem.total / GiB:.0f} GiB per GPU "
+            f"(weights {mem.params / GiB:.0f}, grads {mem.grads / GiB:.0f}, optimizer {mem.optimizer / GiB:.0f}, "
+            f"activations {mem.activations / GiB:.0f}, buffers {mem.buffers / GiB:.0f}) of "
+            f"{mem.capacity / GiB:.0f} GiB"
+        )
+    node = inputs.gpus_per_node
+    gpus = max(node, num_gpus)
+    found = None
+    for _ in range(12):  # double until something fits, then bisect on whole nodes
+        gpus *= 2
+        if _fits_anywhere(inputs, gpus, max_micro_batch=max_micro_batch):
+            found = gpus
+            break
+    if found is not None:
+        low, high = max(num_gpus, found // 2) // node, found // node
+        while high - low > 1:
+            mid = (low + high) // 2
+            if _fits_anywhere(inputs, mid * node, max_micro_batch=max_micro_batch):
+                high = mid
+            else:
+                low = mid
+        best = _fits_anywhere(inputs, high * node, max_micro_batch=max_micro_batch)
+        assert best is not None
+        lines.append(f"more GPUs: {high * node} GPUs ({high} nodes) fit with {best.layout.describe()}")
+    if inputs.moment_bytes > 1.5:
+        from dataclasses import replace as dc_replace
+
+        from leantrain.plan.inputs import MOMENT_BYTES
+
+        eight_bit = dc_replace(inputs, moment_bytes=MOMENT_BYTES["8bit"])
+        hit = _fits_anywhere(eight_bit, num_gpus, max_micro_batch=max_micro_batch)
+        lines.append("8-bit optimizer states (precision.optimizer_state: 8bit): "
+                     + (f"fits with {hit.layout.describe()}" if hit else "still does not fit on these GPUs"))
+    for name in ("H200", "B200", "MI300X"):
+        acc = CATALOG[name]
+        if acc.memory_bytes > inputs.memory_bytes:
+            hit = _fits_anywhere(inputs.with_memory(acc.memory_bytes), num_gpus, max_micro_batch=max_micro_batch)
+            if hit:
+                lines.append(f"a larger accelerator: {name} ({acc.memory_bytes / GiB:.0f} GiB) fits with "
+                             f"{hit.layout.describe()}")
+                break
+    if smallest is not None and smallest.layout.recompute == "full" and smallest.layout.micro_batch == 1:
+        lines.append("full recompute and micro-batch 1 were already tried: the weights and optimizer states "
+                     "themselves are too large; shard them over more GPUs")
+    return lines

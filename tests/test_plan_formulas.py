@@ -1,0 +1,132 @@
+"""Formula unit tests: FLOPs per token, Korthikanti et al. 2022 activations, ZeRO divisions, pipeline bubble."""
+
+from __future__ import annotations
+
+import pytest
+
+from leantrain.plan.flops import flops_per_token
+from leantrain.plan.inputs import plan_inputs
+from leantrain.plan.layout import Layout
+from leantrain.plan.memory import (
+    activation_terms,
+    in_flight_microbatches,
+    layer_activation_bytes,
+    memory_per_gpu,
+)
+from leantrain.plan.timing import pipeline_bubble_fraction, ring_time_s, step_time
+from leantrain.spec import resolve_shape, spec_from_dict
+from leantrain.spec.schema import ModelSpec
+
+S, B, H, A = 2048, 4, 4096, 32  # sequence, micro-batch, hidden, heads (GPT-style, as in the paper)
+
+
+def gpt_shape():
+    return resolve_shape(ModelSpec(n_layers=4, d_model=H, n_heads=A, n_kv_heads=A, ffn_hidden=4 * H,
+                                   vocab_size=51200))
+
+
+def korthikanti_bytes(*, tp: int, sp: bool, recompute: str) -> float:
+    terms = activation_terms(gpt_shape(), seq_len=S, act_bytes=2, flash=False, moe_layer=False, gpt_style=True)
+    return layer_activation_bytes(terms, tokens=S * B, tp=tp, sp=sp, recompute=recompute, act_bytes=2, d_model=H)
+
+
+@pytest.mark.parametrize("t", [1, 2, 8])
+def test_korthikanti_table_2(t: int) -> None:
+    sbh, extra = S * B * H, 5 * A * S / H
+    assert korthikanti_bytes(tp=t, sp=False, recompute="none") == pytest.approx(sbh * (10 + 24 / t + extra / t))
+    assert korthikanti_bytes(tp=t, sp=True, recompute="none") == pytest.approx(sbh / t * (34 + extra))
+    assert korthikanti_bytes(tp=t, sp=False, recompute="selective") == pytest.approx(sbh * (10 + 24 / t))
+    assert korthikanti_bytes(tp=t, sp=True, recompute="selective") == pytest.approx(sbh * 34 / t)
+    assert korthikanti_bytes(tp=t, sp=False, recompute="full") == pytest.approx(2 * sbh)
+    assert korthikanti_bytes(tp=t, sp=True, recompute="full") == pytest.approx(2 * sbh / t)
+
+
+def test_our_block_activations_swiglu_gqa_flash() -> None:
+    """Our block in bf16: 2 norms (fp32 input copy, normalised, scaled + fp32 rstd), RoPE tables cast for q and
+    k, q/k/v (GQA: k and v are kv_dim wide), out-projection input, 4 SwiGLU tensors, fp32 log-sum-exp."""
+    shape = resolve_shape(ModelSpec(n_layers=2, d_model=4096, n_heads=32, n_kv_heads=8, ffn_hidden=14336))
+    terms = activation_terms(shape, seq_len=8192, act_bytes=2, flash=True, moe_layer=False)
+    assert terms.replicated == 2 * ((4 + 2 * 2) * 4096 + 4) + 2 * 2 * 2 * 128
+    assert terms.sharded == 2 * (4096 + 2 * 1024) + 2 * 4096 + 4 * 2 * 14336
+    assert terms.core == 4 * 32
+
+
+def test_flops_count_gqa_swiglu_and_moe_active() -> None:
+    dense = resolve_shape(ModelSpec(n_layers=2, d_model=256, n_heads=4, n_kv_heads=2, ffn_hidden=512,
+                                    vocab_size=1000))
+    f = flops_per_token(dense, seq_len=128)
+    per_layer = 2 * 256 * 256 + 2 * 256 * 128 + 3 * 256 * 512  # q, o + k, v (GQA) + SwiGLU
+    assert f.matmul == 6 * (2 * per_layer + 1000 * 256)
+    assert f.attention == 12 * 2 * 256 * 128
+    assert flops_per_token(dense, seq_len=128, causal_halving=True).attention == f.attention / 2
+    assert f.hardware("full") == pytest.approx(f.model * 4 / 3)
+    moe = resolve_shape(ModelSpec(architecture="moe", n_layers=2, d_model=256, n_heads=4, n_kv_heads=2,
+                                  ffn_hidden=512, vocab_size=1000,
+                                  moe={"num_experts": 8, "top_k": 2, "num_shared_experts": 1, "expert_hidden": 128}))
+    active_mlp = 256 * 8 + 3 * 3 * 256 * 128  # router + (2 routed + 1 shared) experts
+    assert flops_per_token(moe, seq_len=128).matmul == 6 * (2 * (2 * 256 * 256 + 2 * 256 * 128 + active_mlp)
+                                                            + 1000 * 256)
+
+
+def _inputs(**parallel):
+    spec = spec_from_dict({"model": {"n_layers": 8, "d_model": 1024, "n_heads": 8, "n_kv_heads": 8,
+                                     "ffn_hidden": 2816, "vocab_size": 32000},
+                           "data": {"tokens_total": 1e9, "seq_len": 1024},
+                           "training": {"global_batch_tokens": 64 * 1024},
+                           "precision": {"compute": "bf16", "master_weights": "fp32", "grad_reduce": "fp32",
+                                         "optimizer_state": "fp32"},
+                           "hardware": {"accelerator": "H100-SXM"}})
+    return plan_inputs(spec)
+
+
+@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+def test_zero_levels_divide_the_right_states(zero: int) -> None:
+    inputs = _inputs()
+    base = memory_per_gpu(inputs, Layout(dp=1, tp=1, pp=1, zero=0), num_microbatches=1)
+    mem = memory_per_gpu(inputs, Layout(dp=8, tp=1, pp=1, zero=zero), num_microbatches=1)
+    assert mem.optimizer == pytest.approx(base.optimizer / (8 if zero >= 1 else 1))
+    assert mem.grads == pytest.approx(base.grads / (8 if zero >= 2 else 1))
+    assert mem.params == pytest.approx(base.params / (8 if zero >= 3 else 1))
+    params = inputs.shape.total_params()
+    assert base.params == pytest.approx(2 * params, rel=1e-3)  # bf16 weights
+    assert base.optimizer == pytest.approx(12 * params, rel=1e-3)  # fp32 master + two fp32 moments
+
+
+def test_hsdp_shards_only_within_a_replica() -> None:
+    inputs = _inputs()
+    full = memory_per_gpu(inputs, Layout(dp=16, tp=1, pp=1, zero=3), num_microbatches=1)
+    hsdp = memory_per_gpu(inputs, Layout(dp=16, tp=1, pp=1, zero=3, dp_replicate=2), num_microbatches=1)
+    assert hsdp.params == pytest.approx(2 * full.params)
+    assert hsdp.optimizer == pytest.approx(2 * full.optimizer)
+
+
+def test_eight_bit_states_shrink_the_optimizer() -> None:
+    spec_inputs = _inputs()
+    from dataclasses import replace
+
+    from leantrain.plan.inputs import MOMENT_BYTES
+    eight = replace(spec_inputs, moment_bytes=MOMENT_BYTES["8bit"])
+    layout = Layout(dp=1, tp=1, pp=1, zero=0)
+    ratio = (memory_per_gpu(eight, layout, num_microbatches=1).optimizer
+             / memory_per_gpu(spec_inputs, layout, num_microbatches=1).optimizer)
+    assert ratio == pytest.approx((4 + 2 * (1 + 4 / 256)) / 12)
+
+
+def test_pipeline_bubble_and_in_flight_microbatches() -> None:
+    assert pipeline_bubble_fraction(pp=4, num_microbatches=12) == pytest.approx(3 / 12)
+    assert pipeline_bubble_fraction(pp=4, num_microbatches=12, virtual_stages=2) == pytest.approx(3 / 24)
+    assert in_flight_microbatches(Layout(dp=1, tp=1, pp=4), 16) == 4  # 1F1B: p on the first stage
+    assert in_flight_microbatches(Layout(dp=1, tp=1, pp=4), 2) == 2
+    assert in_flight_microbatches(Layout(dp=1, tp=1, pp=4, schedule="gpipe"), 16) == 16
+    interleaved = Layout(dp=1, tp=1, pp=4, schedule="interleaved_1f1b", virtual_stages=2)
+    assert in_flight_microbatches(interleaved, 16) == 6  # ceil(4 × (1 + 3/8))
+    inputs = _inputs()
+    st = step_time(inputs, Layout(dp=1, tp=1, pp=4), sequences_per_step=64)
+    assert st.bubble_s / st.compute_s == pytest.approx(3 / 64)
+
+
+def test_ring_costs() -> None:
+    ar = ring_time_s(num_bytes=1e9, ranks=8, bandwidth_bytes_s=1e11, kind="all_reduce")
+    ag = ring_time_s(num_bytes=1e9, ranks=8, bandwidth_bytes_s=1e11, kind="all_gather")
+    assert ar - ag == pytest.approx(7 / 8 * 1e9 / 1e11)
+    assert ring_time_s(num_bytes=1e9, ranks=1, bandwidth_bytes_s=1e11, kind="all_reduce") == 0.0

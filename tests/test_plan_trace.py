@@ -1,0 +1,55 @@
+"""The analytic memory model against our own model traced under FakeTensorMode (nothing allocated)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from leantrain.errors import UserInputError
+from leantrain.plan.command import run
+from leantrain.plan.trace import compare
+from leantrain.spec import load_spec, spec_from_dict
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def spec_for(model: dict, *, seq_len: int, compute: str):
+    sixteen = compute != "fp32"
+    precision = {"compute": compute, "master_weights": "bf16" if sixteen else "fp32",
+                 "grad_reduce": "bf16" if sixteen else "fp32", "optimizer_state": compute}
+    return spec_from_dict({"model": model, "data": {"tokens_total": 1e9, "seq_len": seq_len},
+                           "training": {"global_batch_tokens": 4 * seq_len}, "precision": precision})
+
+
+TINY = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 192, "vocab_size": 512,
+        "tie_embeddings": True}
+
+
+@pytest.mark.parametrize("recompute", ["none", "selective", "full"])
+def test_tiny_model_within_ten_percent(recompute: str) -> None:
+    result = compare(spec_for(TINY, seq_len=128, compute="fp32"), micro_batch=4, recompute=recompute)
+    for key in ("params", "grads", "optimizer", "activations"):
+        assert result.ratio(key) == pytest.approx(1.0, abs=0.10), (key, result.planned, result.traced)
+
+
+def test_one_billion_model_in_bf16_within_ten_percent() -> None:
+    spec = spec_for({"size_billion": 1, "vocab_size": 32000}, seq_len=2048, compute="bf16")
+    result = compare(spec, micro_batch=1, recompute="none")
+    assert result.traced["params"] == pytest.approx(2 * 0.998e9, rel=0.01)  # nothing was allocated for these
+    for key in ("params", "grads", "optimizer", "activations"):
+        assert result.ratio(key) == pytest.approx(1.0, abs=0.10), (key, result.planned, result.traced)
+
+
+def test_cli_prints_planned_vs_traced() -> None:
+    buf = io.StringIO()
+    spec = load_spec(EXAMPLES / "tiny-cpu.yaml", overrides=["plan.trace=true"])
+    run(console=Console(file=buf, width=160), spec=spec, json_out=None, top=1, what_if=None)
+    assert "trace check" in buf.getvalue() and "traced / planned" in buf.getvalue()
+
+
+def test_moe_trace_is_refused_clearly() -> None:
+    with pytest.raises(UserInputError, match="dense models"):
+        compare(load_spec(EXAMPLES / "moe-small-cpu.yaml"), micro_batch=1)
