@@ -1,0 +1,462 @@
+"""Alert rules evaluated on every metrics record, plus a watchdog thread for hangs and low disk.
+
+The engine is a metrics sink (`write(record)`, `close()`), so the trainer adds it beside the JSONL and
+TensorBoard sinks without touching its loop. Each alert has a rule, severity, message, first/last seen and
+a count; it is emitted when it starts firing and again when it resolves, to every output (alerts.jsonl,
+console, webhook). `replay` runs the same rules over a finished run's metrics, so validate and doctor
+judge a run by exactly the rules that watched it.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+import statistics
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from leantrain.errors import UserInputError
+from leantrain.observe.report_data import ALERTS_FILE, append_jsonl, as_float
+
+Severity = Literal["info", "warning", "critical"]
+AlertOutput = Callable[[dict[str, Any]], None]
+
+
+class Rule(BaseModel):
+    """Common switches of every rule."""
+
+    model_config = ConfigDict(extra="forbid")
+    enabled: bool = Field(True, description="Evaluate this rule.")
+    severity: Severity = Field("warning", description="info, warning or critical.")
+
+
+class NonFiniteRule(Rule):
+    severity: Severity = "critical"
+
+
+class LossSpikeRule(Rule):
+    # Short on purpose: early in training the loss falls fast, and a long window's spread hides spikes.
+    window: int = Field(20, ge=3, description="Recent finite losses the spike is measured against.")
+    min_history: int = Field(5, ge=2, description="Losses needed before the rule judges.")
+    z: float = Field(6.0, gt=0, description="Robust z-score (median/MAD) above which a loss is a spike.")
+    min_rel_increase: float = Field(0.1, ge=0, description="And at least this much above the median (relative).")
+
+
+class GradNormRule(Rule):
+    window: int = Field(50, ge=3, description="Recent grad norms for the running median.")
+    min_history: int = Field(5, ge=2, description="Grad norms needed before the rule judges.")
+    factor: float = Field(10.0, gt=1, description="Fire when grad_norm exceeds factor × running median.")
+
+
+class ThroughputDropRule(Rule):
+    window: int = Field(20, ge=3, description="Recent tokens/s values for the median.")
+    min_history: int = Field(5, ge=2, description="Values needed before the rule judges.")
+    drop_fraction: float = Field(0.3, gt=0, lt=1, description="Fire below (1 - drop_fraction) × recent median.")
+
+
+class LowMfuRule(Rule):
+    fraction_of_plan: float = Field(0.5, gt=0, le=1, description="Fire when MFU < this × plan throughput.mfu.")
+    skip_first: int = Field(3, ge=0, description="Records ignored at start (compile, warm caches).")
+
+
+class DataWaitRule(Rule):
+    max_share: float = Field(0.2, gt=0, lt=1, description="Fire when data_wait_s / step_time_s exceeds this.")
+
+
+class HangRule(Rule):
+    severity: Severity = "critical"
+    timeout_s: float | None = Field(None, gt=0, description="No step for this long; default monitoring.hang_timeout_s.")
+    check_every_s: float = Field(5.0, gt=0, description="Watchdog period.")
+
+
+class StragglerRule(Rule):
+    max_ratio: float = Field(1.5, gt=1, description="Fire when the slowest rank's step time / others' median > this.")
+
+
+class CheckpointFailureRule(Rule):
+    severity: Severity = "critical"
+
+
+class LowDiskRule(Rule):
+    min_free_bytes: float = Field(5 * 2**30, ge=0, description="Fire when the run dir's disk has less free.")
+    min_free_fraction: float = Field(0.02, ge=0, lt=1, description="Or less than this share free.")
+    check_every_s: float = Field(60.0, gt=0, description="Disk check period.")
+
+
+class AlertRules(BaseModel):
+    """The rules file (YAML): every key optional; what is absent keeps its default."""
+
+    model_config = ConfigDict(extra="forbid")
+    nonfinite_loss: NonFiniteRule = Field(default_factory=NonFiniteRule)
+    loss_spike: LossSpikeRule = Field(default_factory=LossSpikeRule)
+    grad_norm_explosion: GradNormRule = Field(default_factory=GradNormRule)
+    throughput_drop: ThroughputDropRule = Field(default_factory=ThroughputDropRule)
+    low_mfu: LowMfuRule = Field(default_factory=LowMfuRule)
+    data_wait: DataWaitRule = Field(default_factory=DataWaitRule)
+    hang: HangRule = Field(default_factory=HangRule)
+    straggler: StragglerRule = Field(default_factory=StragglerRule)
+    checkpoint_failure: CheckpointFailureRule = Field(default_factory=CheckpointFailureRule)
+    low_disk: LowDiskRule = Field(default_factory=LowDiskRule)
+
+
+def load_rules(path: Path | None) -> AlertRules:
+    """Defaults, overlaid with a YAML rules file; errors name the file and the key."""
+    if path is None:
+        return AlertRules()
+    if not Path(path).is_file():
+        raise UserInputError(f"monitoring.alert_rules: {path} does not exist")
+    try:
+        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
+        return AlertRules.model_validate(raw)
+    except yaml.YAMLError as err:
+        raise UserInputError(f"alert rules {path}: YAML syntax error: {err}") from None
+    except ValidationError as err:
+        lines = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
+        raise UserInputError(f"alert rules {path}: {lines} (rules: {', '.join(AlertRules.model_fields)})") from None
+
+
+@dataclass
+class Alert:
+    """One alert's life: first fired, last seen while firing, how many records kept it firing."""
+
+    rule: str
+    severity: str
+    message: str
+    state: str
+    first_seen: float
+    last_seen: float
+    count: int = 1
+    step: int | None = None
+    rank: int | None = None
+
+    def to_record(self) -> dict[str, Any]:
+        return {"time": time.time(), **asdict(self)}
+
+
+def spike_score(history: Sequence[float], value: float) -> tuple[float, float]:
+    """(robust z-score, median) of `value` against `history`: (x - median) / (1.4826 × MAD)."""
+    median = statistics.median(history)
+    mad = statistics.median(abs(h - median) for h in history)
+    # A flat history has MAD 0; a floor keeps one tiny wiggle from reading as an infinite z-score.
+    scale = max(1.4826 * mad, 1e-3 * abs(median), 1e-12)
+    return (value - median) / scale, median
+
+
+class AlertEngine:
+    """Evaluate rules on metric records and events; emit firing/resolved alerts to the outputs."""
+
+    def __init__(
+        self,
+        *,
+        rules: AlertRules | None = None,
+        outputs: Sequence[AlertOutput] = (),
+        plan_mfu: float | None = None,
+        hang_timeout_s: float = 600.0,
+        disk_path: Path | None = None,
+        clock: Callable[[], float] = time.time,
+        on_close: Sequence[Callable[[], None]] = (),
+    ) -> None:
+        self.rules = rules or AlertRules()
+        self.outputs = list(outputs)
+        self.plan_mfu = plan_mfu
+        self.hang_timeout_s = self.rules.hang.timeout_s or hang_timeout_s
+        self.disk_path = disk_path
+        self.clock = clock
+        self.on_close = list(on_close)  # e.g. the webhook sender's close: deliver what is queued
+        self.firing: dict[str, Alert] = {}
+        self.history: list[Alert] = []
+        self._lock = threading.Lock()
+        self._losses: deque[float] = deque(maxlen=self.rules.loss_spike.window)
+        self._grad_norms: deque[float] = deque(maxlen=self.rules.grad_norm_explosion.window)
+        self._tokens_per_s: deque[float] = deque(maxlen=self.rules.throughput_drop.window)
+        self._num_records = 0
+        self._last_step: int | None = None
+        self._last_record_s = clock()
+        self._stop = threading.Event()
+        self._watchdog: threading.Thread | None = None
+        self._last_disk_check_s = -math.inf
+
+    # -- the sink protocol -------------------------------------------------------------------------------
+    def write(self, record: dict[str, Any]) -> None:
+        """Evaluate one metrics record (or an event record, which has an `event` key). Never raises."""
+        if "event" in record:
+            self.event(str(record["event"]), **{k: v for k, v in record.items() if k not in ("event", "kind")})
+            return
+        if "eval_loss" in record and "loss" not in record:
+            return  # a held-out evaluation, not a training step
+        now = self._now(record)
+        with self._lock:
+            self._last_record_s = now
+            self._last_step = record.get("step", self._last_step)
+            self._update("hang", False, "", now, record)
+            for name, (condition, message, rank) in self._evaluate(record).items():
+                self._update(name, condition, message, now, record, rank=rank)
+            self._num_records += 1
+
+    def event(self, kind: str, **fields: Any) -> None:
+        """A run event (checkpoint saved/failed, ...); only checkpoint events drive a rule."""
+        now = self._now(fields)
+        with self._lock:
+            if kind == "checkpoint_failed":
+                error = fields.get("error", "unknown error")
+                message = f"checkpoint write failed at step {fields.get('step')}: {error}"
+                self._update("checkpoint_failure", True, message, now, fields)
+            elif kind == "checkpoint_saved":
+                self._update("checkpoint_failure", False, "", now, fields)
+
+    def close(self) -> None:
+        """Stop the watchdog; firing alerts stay as they are (a hang at exit is still a hang)."""
+        self._stop.set()
+        if self._watchdog is not None:
+            self._watchdog.join(timeout=10)
+        for close in self.on_close:
+            close()
+
+    # -- watchdog ------------------------------------------------------------------------------------------
+    def start_watchdog(self) -> None:
+        """A daemon thread that reports a hang while it happens and checks free disk space."""
+        period = self.rules.hang.check_every_s
+        if self.rules.low_disk.enabled:
+            period = min(period, self.rules.low_disk.check_every_s)
+
+        def loop() -> None:
+            while not self._stop.wait(period):
+                self.check_idle(self.clock())
+
+        self._watchdog = threading.Thread(target=loop, name="leantrain-alert-watchdog", daemon=True)
+        self._watchdog.start()
+
+    def check_idle(self, now: float) -> None:
+        """Fire `hang` when no record came for the timeout, and `low_disk` when space is short."""
+        with self._lock:
+            idle_s = now - self._last_record_s
+            if self.rules.hang.enabled and idle_s > self.hang_timeout_s:
+                message = (f"no step for {idle_s:.0f} s (last step {self._last_step}; "
+                           f"timeout {self.hang_timeout_s:.0f} s)")
+                self._update("hang", True, message, now, {"step": self._last_step})
+            if self.disk_path is not None and now - self._last_disk_check_s >= self.rules.low_disk.check_every_s:
+                self._last_disk_check_s = now
+                self._check_disk(now)
+
+    def _check_disk(self, now: float) -> None:
+        rule = self.rules.low_disk
+        try:
+            usage = shutil.disk_usage(self.disk_path)  # type: ignore[arg-type]
+        except OSError as err:
+            self._update("low_disk", True, f"cannot stat {self.disk_path}: {err}", now, {})
+            return
+        low = usage.free < rule.min_free_bytes or usage.free < rule.min_free_fraction * usage.total
+        message = (
+            f"{usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.1f} GiB at {self.disk_path} "
+            f"(limit {rule.min_free_bytes / 2**30:.1f} GiB or {rule.min_free_fraction:.0%})"
+        )
+        self._update("low_disk", low, message, now, {"step": self._last_step})
+
+    # -- rules ---------------------------------------------------------------------------------------------
+    def _evaluate(self, record: dict[str, Any]) -> dict[str, tuple[bool, str, int | None]]:
+        rules = self.rules
+        out: dict[str, tuple[bool, str, int | None]] = {}
+        step = record.get("step")
+        loss, grad_norm = as_float(record.get("loss")), as_float(record.get("grad_norm"))
+        # Live records hold float NaN/inf; the JSONL sink writes them as null and lists them under `nonfinite`.
+        listed = record.get("nonfinite") if isinstance(record.get("nonfinite"), list) else []
+        bad = [n for n, v in (("loss", loss), ("grad_norm", grad_norm))
+               if n in listed or (record.get(n) is not None and not math.isfinite(v))]
+        out["nonfinite_loss"] = (bool(bad), f"non-finite {' and '.join(bad)} at step {step}", None)
+        if math.isfinite(loss):
+            rule = rules.loss_spike
+            if len(self._losses) >= rule.min_history:
+                z, median = spike_score(self._losses, loss)
+                spike = z > rule.z and loss > median * (1 + rule.min_rel_increase)
+                out["loss_spike"] = (spike, f"loss {loss:.4g} at step {step} vs median {median:.4g} "
+                                            f"of the last {len(self._losses)} (robust z {z:.1f})", None)
+            self._losses.append(loss)
+        if math.isfinite(grad_norm):
+            rule_g = rules.grad_norm_explosion
+            if len(self._grad_norms) >= rule_g.min_history:
+                median = statistics.median(self._grad_norms)
+                out["grad_norm_explosion"] = (
+                    grad_norm > rule_g.factor * median,
+                    f"grad_norm {grad_norm:.4g} at step {step} is {grad_norm / max(median, 1e-12):.1f}× "
+                    f"the running median {median:.4g}", None)
+            self._grad_norms.append(grad_norm)
+        out.update(self._throughput_rules(record, step))
+        return out
+
+    def _throughput_rules(self, record: dict[str, Any], step: Any) -> dict[str, tuple[bool, str, int | None]]:
+        rules = self.rules
+        out: dict[str, tuple[bool, str, int | None]] = {}
+        tokens_per_s = as_float(record.get("tokens_per_s"))
+        if math.isfinite(tokens_per_s):
+            rule = rules.throughput_drop
+            if len(self._tokens_per_s) >= rule.min_history:
+                median = statistics.median(self._tokens_per_s)
+                out["throughput_drop"] = (
+                    tokens_per_s < (1 - rule.drop_fraction) * median,
+                    f"tokens/s {tokens_per_s:.4g} at step {step} is {tokens_per_s / max(median, 1e-12):.0%} "
+                    f"of the recent median {median:.4g}", None)
+            self._tokens_per_s.append(tokens_per_s)
+        mfu = as_float(record.get("mfu"))
+        if self.plan_mfu and math.isfinite(mfu) and self._num_records >= rules.low_mfu.skip_first:
+            floor = rules.low_mfu.fraction_of_plan * self.plan_mfu
+            out["low_mfu"] = (mfu < floor, f"MFU {mfu:.1%} at step {step} is below {floor:.1%} "
+                                           f"({rules.low_mfu.fraction_of_plan:.0%} of the plan's {self.plan_mfu:.1%})",
+                              None)
+        wait_s, step_s = as_float(record.get("data_wait_s")), as_float(record.get("step_time_s"))
+        if math.isfinite(wait_s) and math.isfinite(step_s) and step_s > 0:
+            share = wait_s / step_s
+            out["data_wait"] = (share > rules.data_wait.max_share,
+                                f"data wait {wait_s:.3g} s is {share:.0%} of the {step_s:.3g} s step at step {step} "
+                                f"(limit {rules.data_wait.max_share:.0%})", None)
+        per_rank = _rank_times(record.get("rank_step_time_s"))
+        if len(per_rank) >= 2:
+            slow_rank, slow_s = max(per_rank.items(), key=lambda kv: kv[1])
+            # Against the other ranks' median: with two ranks the median of all would include the straggler.
+            median = statistics.median(v for r, v in per_rank.items() if r != slow_rank)
+            ratio = slow_s / max(median, 1e-12)
+            out["straggler"] = (ratio > rules.straggler.max_ratio,
+                                f"rank {slow_rank} step time {slow_s:.3g} s is {ratio:.2f}× the median {median:.3g} s "
+                                f"at step {step}", slow_rank)
+        return out
+
+    # -- state ---------------------------------------------------------------------------------------------
+    def _update(
+        self, name: str, condition: bool, message: str, now: float, record: dict[str, Any], *, rank: int | None = None
+    ) -> None:
+        rule: Rule = getattr(self.rules, name)
+        if not rule.enabled:
+            return
+        current = self.firing.get(name)
+        step = record.get("step") if isinstance(record.get("step"), int) else None
+        if condition and current is None:
+            alert = Alert(rule=name, severity=rule.severity, message=message, state="firing",
+                          first_seen=now, last_seen=now, step=step, rank=rank)
+            self.firing[name] = alert
+            self._emit(alert)
+        elif condition and current is not None:
+            current.last_seen, current.count = now, current.count + 1
+        elif not condition and current is not None:
+            del self.firing[name]
+            resolved = Alert(**{**asdict(current), "state": "resolved", "last_seen": now})
+            self._emit(resolved)
+
+    def _emit(self, alert: Alert) -> None:
+        self.history.append(alert)
+        record = alert.to_record()
+        for output in self.outputs:
+            try:
+                output(record)
+            except Exception as err:  # an alert output must never stop training
+                print(f"leantrain: alert output {output!r} failed: {err}")
+
+    def _now(self, record: dict[str, Any]) -> float:
+        stamp = as_float(record.get("time"))
+        return stamp if math.isfinite(stamp) else self.clock()
+
+
+def _rank_times(value: Any) -> dict[int, float]:
+    """`rank_step_time_s` as {rank: seconds}; it may be a list indexed by rank or a mapping."""
+    items: Iterable[tuple[Any, Any]]
+    if isinstance(value, list):
+        items = enumerate(value)
+    elif isinstance(value, dict):
+        items = value.items()
+    else:
+        return {}
+    out = {}
+    for rank, seconds in items:
+        number = as_float(seconds)
+        if math.isfinite(number):
+            out[int(rank)] = number
+    return out
+
+
+class JsonlAlertOutput:
+    """Append alert records to run_dir/alerts.jsonl."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        append_jsonl(self.path, record)
+
+
+class ConsoleAlertOutput:
+    """One coloured line per alert on the console."""
+
+    COLOURS = {"critical": "bold red", "warning": "yellow", "info": "cyan"}
+
+    def __init__(self, console: Any) -> None:
+        self.console = console
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        from rich.markup import escape
+
+        colour = "green" if record["state"] == "resolved" else self.COLOURS.get(record["severity"], "white")
+        self.console.print(
+            f"[{colour}]alert {record['state']}[/] {record['severity']} {record['rule']}: {escape(record['message'])}"
+        )
+
+
+def engine_from_spec(
+    spec: Any, *, run_dir: Path, console: Any = None, plan: dict[str, Any] | None = None, watchdog: bool = True
+) -> AlertEngine:
+    """The trainer's alert sink: rules from the spec, outputs alerts.jsonl + console + webhook (when set)."""
+    from leantrain.observe.webhook import WebhookSender
+
+    monitoring = spec.monitoring
+    outputs: list[AlertOutput] = [JsonlAlertOutput(Path(run_dir) / ALERTS_FILE)]
+    if console is not None and getattr(monitoring, "alert_console", True):
+        outputs.append(ConsoleAlertOutput(console))
+    sender = WebhookSender.from_monitoring(monitoring)
+    if sender is not None:
+        outputs.append(sender.send)
+    plan_mfu = ((plan or {}).get("throughput") or {}).get("mfu")
+    engine = AlertEngine(
+        rules=load_rules(monitoring.alert_rules), outputs=outputs, plan_mfu=plan_mfu,
+        hang_timeout_s=monitoring.hang_timeout_s, disk_path=Path(run_dir),
+        on_close=[sender.close] if sender is not None else [],
+    )
+    if watchdog:
+        engine.start_watchdog()
+    return engine
+
+
+def replay(
+    records: Iterable[dict[str, Any]],
+    *,
+    rules: AlertRules | None = None,
+    plan_mfu: float | None = None,
+    events: Iterable[dict[str, Any]] = (),
+    hang_timeout_s: float = 600.0,
+) -> list[Alert]:
+    """Run the rules over a finished run (metrics + checkpoint events, in time order); returns every alert.
+
+    Hangs are found from gaps between record `time` stamps, since no watchdog ran over the files.
+    """
+    engine = AlertEngine(rules=rules, plan_mfu=plan_mfu, hang_timeout_s=hang_timeout_s, clock=lambda: 0.0)
+    stream: list[tuple[float, int, dict[str, Any]]] = []
+    for order, record in enumerate(records):
+        stream.append((as_float(record.get("time")), order, record))
+    for order, event in enumerate(events):
+        if event.get("kind") in ("checkpoint_saved", "checkpoint_failed"):
+            stream.append((as_float(event.get("time")), order, {"event": event["kind"], **event}))
+    timed = all(math.isfinite(t) for t, _, _ in stream)
+    if timed:
+        stream.sort(key=lambda item: (item[0], item[1]))
+    previous: float | None = None
+    for stamp, _, record in stream:
+        if timed and previous is not None and "event" not in record:
+            engine.check_idle(stamp - 1e-6)  # the gap before this record, seen just before it ends it
+        engine.write(record)
+        if "event" not in record:
+            previous = stamp
+    return engine.history

@@ -1,0 +1,227 @@
+"""`leantrain report RUN_DIR`: one self-contained HTML file about a run.
+
+Plots of loss, grad norm, LR, tokens/s, MFU, memory, data wait and communication (PNG, base64-embedded);
+plan vs actual; cost and idle time; alerts; checkpoints and restarts on a timeline. It reads only the run
+dir's files (docs/observe.md), so it works on a copied run dir, on another machine, after the fact.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import html
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from leantrain.errors import UserInputError
+from leantrain.observe.report_cost import CostSummary, cost_and_idle
+from leantrain.observe.report_data import METRICS_FILE, RunData, as_float, load_run, steady
+from leantrain.observe.report_plots import metric_plots, timeline_plot
+
+CSS = """
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#1b1f24;max-width:1150px}
+h1{font-size:22px;margin-bottom:4px} h2{font-size:17px;margin-top:28px;border-bottom:1px solid #d0d7de}
+.muted{color:#57606a;font-size:13px} table{border-collapse:collapse;font-size:13px;margin:8px 0}
+th,td{border:1px solid #d0d7de;padding:4px 8px;text-align:left;vertical-align:top} th{background:#f6f8fa}
+.grid{display:grid;grid-template-columns:repeat(2,1fr);gap:12px} .grid img{width:100%;border:1px solid #eee}
+.cards{display:flex;gap:12px;flex-wrap:wrap} .card{border:1px solid #d0d7de;border-radius:6px;padding:8px 14px}
+.card b{display:block;font-size:18px} .critical{color:#cf222e;font-weight:600} .warning{color:#9a6700}
+.resolved{color:#1a7f37} td.num{text-align:right;font-variant-numeric:tabular-nums}
+"""
+
+
+def _fmt(value: Any, unit: str = "", digits: int = 4) -> str:
+    number = as_float(value)
+    if not math.isfinite(number):
+        return "—" if value is None or isinstance(value, int | float) else str(value)
+    if unit == "%":
+        return f"{number * 100:.1f} %"
+    if unit == "GiB":
+        return f"{number / 2**30:.2f} GiB"
+    if unit == "s":
+        return f"{number:.3g} s"
+    return f"{number:.{digits}g}{(' ' + unit) if unit else ''}"
+
+
+def _table(headers: list[str], rows: list[list[str]], *, raw: bool = False) -> str:
+    """An HTML table; cells are escaped unless `raw` (callers that pass markup escape it themselves)."""
+    cell: Callable[[str], str] = (lambda s: s) if raw else html.escape
+    head = "".join(f"<th>{html.escape(h)}</th>" for h in headers)
+    body = "".join("<tr>" + "".join(f"<td>{cell(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"<table><tr>{head}</tr>{body}</table>"
+
+
+def _median(run: RunData, key: str) -> float:
+    _, values = run.series(key)
+    tail = steady(values)
+    return float(np.median(tail)) if tail.size else math.nan
+
+
+def plan_vs_actual(run: RunData) -> list[list[str]]:
+    """Rows (quantity, plan, actual, actual / plan) for what the plan predicts and the run measures."""
+    num_gpus = run.world_size()
+    plan_gpus = run.plan_get("resources.num_gpus")
+    tokens_s, plan_tokens_s = _median(run, "tokens_per_s"), as_float(run.plan_get("throughput.tokens_per_s"))
+    plan_gpu_count = as_float(plan_gpus) if plan_gpus else math.nan
+    saves = [as_float(e.get("duration_s")) for e in run.events_of("checkpoint_saved")]
+    saves = [s for s in saves if math.isfinite(s)]
+    ckpt_steps = [c.step for c in run.checkpoints if c.committed]
+    interval = float(np.median(np.diff(ckpt_steps))) if len(ckpt_steps) >= 2 else math.nan
+    _, mem = run.series("mem_bytes")
+    peak_mem = float(np.nanmax(mem)) if np.any(np.isfinite(mem)) else math.nan
+    rows_spec: list[tuple[str, Any, float, str]] = [
+        ("GPUs", plan_gpus, float(num_gpus), ""),
+        ("tokens/s (job)", plan_tokens_s, tokens_s, ""),
+        ("tokens/s per GPU", plan_tokens_s / plan_gpu_count, tokens_s / num_gpus, ""),
+        ("MFU", run.plan_get("throughput.mfu"), _median(run, "mfu"), "%"),
+        ("memory per GPU (peak)", run.plan_get("memory.per_gpu.total"), peak_mem, "GiB"),
+        ("checkpoint interval (steps)", run.plan_get("checkpoint.interval_steps"), interval, ""),
+        ("checkpoint save time", run.plan_get("checkpoint.save_s"), float(np.median(saves)) if saves else math.nan,
+         "s"),
+    ]
+    rows = []
+    for name, planned, actual, unit in rows_spec:
+        plan_value = as_float(planned)
+        ratio = f"{actual / plan_value:.2f}×" if math.isfinite(actual) and math.isfinite(plan_value) and plan_value \
+            else "—"
+        rows.append([name, _fmt(planned, unit), _fmt(actual, unit), ratio])
+    return rows
+
+
+def _cost_section(cost: CostSummary) -> str:
+    price = "no price (add spec.yaml or plan.json to the run dir)" if cost.price_per_gpu_hour is None else (
+        f"{cost.price_per_gpu_hour:.4g} per GPU-hour ({cost.price_source})")
+    total = "—" if cost.total_cost is None else f"{cost.total_cost:.4g}"
+    idle_cost = cost.idle_cost
+    rows = [[i.name + ("" if i.counted else " *"), _fmt(i.seconds, "s"), f"{i.share:.1%}", f"{i.gpu_hours:.4g}",
+             "—" if i.cost is None else f"{i.cost:.4g}", i.evidence] for i in cost.items]
+    return (
+        f"<p>{cost.num_gpus} GPU(s) × {cost.wall_s:.4g} s wall = {cost.gpu_hours:.4g} GPU-hours; "
+        f"price {html.escape(price)};"
+        f" run cost {total}. Idle share <b>{cost.idle_share:.1%}</b>"
+        f"{'' if idle_cost is None else f', costing {idle_cost:.4g}'}.</p>"
+        + _table(["lost to", "seconds", "share of wall", "GPU-hours", "cost", "how measured"], rows)
+        + "<p class='muted'>* shown for context, not summed as idle.</p>"
+    )
+
+
+def _alerts_section(run: RunData) -> str:
+    if not run.alerts:
+        return "<p>No alerts were recorded in alerts.jsonl.</p>"
+    rows = []
+    for alert in run.alerts:
+        state = str(alert.get("state", "firing"))
+        severity = str(alert.get("severity", ""))
+        css = "resolved" if state == "resolved" else severity
+        first, last = as_float(alert.get("first_seen")), as_float(alert.get("last_seen"))
+        duration = f"{last - first:.0f} s" if math.isfinite(first) and math.isfinite(last) else "—"
+        when = dt.datetime.fromtimestamp(first, tz=dt.UTC).strftime("%Y-%m-%d %H:%M:%S") if math.isfinite(first) \
+            else "—"
+        rows.append([f"<span class='{css}'>{html.escape(severity)}</span>", html.escape(state),
+                     html.escape(str(alert.get("rule", ""))), html.escape(str(alert.get("step", "—"))),
+                     html.escape(when), duration, html.escape(str(alert.get("message", "")))])
+    return _table(["severity", "state", "rule", "step", "first seen (UTC)", "lasted", "message"], rows, raw=True)
+
+
+def _events_table(run: RunData) -> str:
+    rows = []
+    for event in run.events:
+        details = {k: v for k, v in event.items() if k not in ("time", "kind", "step")}
+        stamp = as_float(event.get("time"))
+        when = dt.datetime.fromtimestamp(stamp, tz=dt.UTC).strftime("%H:%M:%S") if math.isfinite(stamp) else "—"
+        rows.append([when, str(event.get("kind", "?")), str(event.get("step", "—")),
+                     ", ".join(f"{k}={v}" for k, v in details.items())])
+    checkpoints = [[f"step-{c.step:08d}", "committed" if c.committed else "NOT committed",
+                    "yes" if c.has_manifest else "no"] for c in run.checkpoints]
+    out = _table(["time (UTC)", "event", "step", "details"], rows) if rows else "<p>No events.jsonl.</p>"
+    if checkpoints:
+        out += _table(["checkpoint", "state", "manifest"], checkpoints)
+    return out
+
+
+def _cards(run: RunData) -> str:
+    steps, losses = run.series("loss")
+    finite = losses[np.isfinite(losses)]
+    cards = [
+        ("last step", f"{int(np.nanmax(steps))}" if steps.size else "—"),
+        ("final loss", f"{finite[-1]:.4g}" if finite.size else "—"),
+        ("tokens/s", _fmt(_median(run, "tokens_per_s"))),
+        ("MFU", _fmt(_median(run, "mfu"), "%")),
+        ("alerts", str(sum(1 for a in run.alerts if a.get("state", "firing") == "firing"))),
+        ("restarts", str(len(run.events_of("restart")))),
+        ("checkpoints", str(sum(c.committed for c in run.checkpoints))),
+    ]
+    return "<div class='cards'>" + "".join(
+        f"<div class='card'><span class='muted'>{html.escape(k)}</span><b>{html.escape(v)}</b></div>" for k, v in cards
+    ) + "</div>"
+
+
+def render_html(run: RunData) -> str:
+    """The whole report as one HTML string (images inline)."""
+    plots = metric_plots(run)
+    timeline = timeline_plot(run)
+    images = "".join(
+        f"<figure><img id='plot-{p.key}' class='plot' alt='{html.escape(p.title)}' "
+        f"src='data:image/png;base64,{p.png_base64}'></figure>" for p in plots
+    )
+    timeline_img = "" if timeline is None else (
+        f"<img id='plot-timeline' class='plot' alt='Run timeline' style='width:100%' "
+        f"src='data:image/png;base64,{timeline.png_base64}'>")
+    problems = "" if not run.bad_lines else (
+        "<h2>Unreadable lines</h2><ul>" + "".join(f"<li>{html.escape(b)}</li>" for b in run.bad_lines[:50]) + "</ul>")
+    name = (run.lineage or {}).get("run_name") or run.run_dir.name
+    generated = dt.datetime.now(tz=dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
+    plan_note = "" if run.plan else "<p class='muted'>No plan.json in the run dir: plan columns are empty.</p>"
+    return f"""<!DOCTYPE html>
+<html lang="en"><head><meta charset="utf-8"><title>leantrain report: {html.escape(str(name))}</title>
+<style>{CSS}</style></head><body>
+<h1>leantrain run report: {html.escape(str(name))}</h1>
+<p class="muted">{html.escape(str(run.run_dir))} · {len(run.metrics)} metric records · generated {generated}</p>
+{_cards(run)}
+<h2>Training curves</h2>
+<p class="muted">Dashed red: resume from a checkpoint. Grey: committed checkpoints.</p>
+<div class="grid">{images}</div>
+<h2>Plan vs actual</h2>{plan_note}
+{_table(["quantity", "plan", "actual", "actual / plan"], plan_vs_actual(run))}
+<h2>Cost and idle time</h2>
+{_cost_section(cost_and_idle(run))}
+<h2>Alerts</h2>
+{_alerts_section(run)}
+<h2>Checkpoints and restarts</h2>
+{timeline_img}
+{_events_table(run)}
+{problems}
+</body></html>
+"""
+
+
+def write_report(run_dir: Path, out: Path | None = None) -> Path:
+    """Read the run dir and write the HTML report; returns its path. A run dir without metrics is an error."""
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserInputError(f"run dir {run_dir} does not exist (no {run_dir / METRICS_FILE} to report on)")
+    if not (run_dir / METRICS_FILE).is_file():
+        raise UserInputError(f"{run_dir / METRICS_FILE} is missing: report needs a run dir written by train/launch")
+    run = load_run(run_dir)
+    if not run.metrics:
+        raise UserInputError(f"{run_dir / METRICS_FILE} holds no metric records (train logs every log_every steps)")
+    out = Path(out) if out is not None else run_dir / "report.html"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render_html(run), encoding="utf-8")
+    return out
+
+
+def run(*, console: Any, run_dir: Path, out: Path | None = None) -> Path:
+    """CLI entry: write the report and print its path."""
+    path = write_report(run_dir, out)
+    console.print(f"report written: {path} ({path.stat().st_size / 1024:.0f} KiB)")
+    return path
+
+
+def demo_stage(ctx: Any) -> str:
+    """Demo: the report of the demo's training run."""
+    path = write_report(ctx.out_dir / "run")
+    return f"report: {path}"

@@ -1,0 +1,333 @@
+"""`leantrain validate RUN_DIR`: the deployment seed's go-live checklist (§7) as checks with evidence.
+
+Categories: health (every rank reported, no unexpected restarts, no errors), convergence (loss falling, no
+spikes or non-finite values, grad norm bounded, within tolerance of a baseline run), throughput (tokens/s
+and MFU vs the plan; when low, whether data- or communication-bound), memory (peak under the device limit
+with headroom), communication share, fault drill. Spikes and grad-norm explosions are judged by replaying
+the alert rules (observe.alerts) over the metrics, so validate and the live alerts agree.
+The verdict is FAIL when any check fails, else PASS (warnings are listed); `strict` makes warnings fail.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from leantrain.errors import CheckFailed, UserInputError
+from leantrain.observe.alerts import AlertRules, load_rules, replay
+from leantrain.observe.report_data import (
+    METRICS_FILE,
+    RunData,
+    as_float,
+    load_plan_file,
+    load_run,
+    nonfinite_steps,
+    resume_points,
+    steady,
+)
+
+Status = Literal["PASS", "WARN", "FAIL"]
+ERROR_RE = re.compile(r"Traceback \(most recent call last\)|out of memory|OutOfMemoryError|NCCL error|"
+                      r"ChildFailedError|RuntimeError|Segmentation fault", re.IGNORECASE)
+
+# Thresholds, documented in docs/observe.md.
+THROUGHPUT_PASS, THROUGHPUT_WARN = 0.9, 0.7      # actual / plan tokens/s per GPU
+MFU_PASS, MFU_WARN = 0.8, 0.6                    # actual / plan MFU
+MEMORY_HEADROOM = 0.95                           # peak ≤ 95 % of the limit passes
+COMM_PASS, COMM_WARN = 0.25, 0.4                 # comm_s / step_time_s
+DATA_BOUND_SHARE, COMM_BOUND_SHARE = 0.15, 0.3
+BASELINE_PASS, BASELINE_WARN = 0.05, 0.10        # mean relative loss difference over the last 20 % of steps
+LOSS_DROP_MIN = 0.02                             # last window at least 2 % below the first
+
+
+@dataclass(frozen=True)
+class Check:
+    """One line of the go-live checklist."""
+
+    category: str
+    name: str
+    status: Status
+    evidence: str
+
+
+def _share(run: RunData, key: str) -> float:
+    _, part = run.series(key)
+    _, whole = run.series("step_time_s")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = steady(part / np.where(whole > 0, whole, np.nan))
+    return float(np.median(ratio)) if ratio.size else math.nan
+
+
+def bound_diagnosis(run: RunData) -> str:
+    """Why throughput is low: data wait, communication, or neither (compute/batch size)."""
+    data, comm = _share(run, "data_wait_s"), _share(run, "comm_s")
+    if math.isfinite(data) and data > DATA_BOUND_SHARE:
+        return f"data-bound: steps wait for data {data:.0%} of the time"
+    if math.isfinite(comm) and comm > COMM_BOUND_SHARE:
+        return f"communication-bound: collectives take {comm:.0%} of the step"
+    shown = ", ".join(f"{name} {v:.0%}" for name, v in (("data wait", data), ("comm", comm)) if math.isfinite(v))
+    return f"neither data nor communication ({shown or 'not measured'}): compute, kernel or batch size"
+
+
+def health_checks(run: RunData) -> list[Check]:
+    checks = []
+    world = run.world_size()
+    last = run.metrics[-1] if run.metrics else {}
+    seen: set[int] = set(run.rank_metrics) | {int(e["rank"]) for e in run.events_of("rank_joined")
+                                              if isinstance(e.get("rank"), int)}
+    if isinstance(last.get("rank_step_time_s"), list):
+        seen |= {i for i, v in enumerate(last["rank_step_time_s"]) if math.isfinite(as_float(v))}
+    if world <= 1:
+        checks.append(Check("health", "every rank reported", "PASS", "single process run"))
+    elif not seen:
+        checks.append(Check("health", "every rank reported", "WARN",
+                            f"world size {world}, but no per-rank records (rank_step_time_s, metrics-rankN.jsonl, "
+                            "rank_joined events) to tell"))
+    else:
+        missing = sorted(set(range(world)) - seen)
+        checks.append(Check("health", "every rank reported", "FAIL" if missing else "PASS",
+                            f"missing ranks {missing} of {world}" if missing else f"all {world} ranks reported"))
+    restarts = run.events_of("restart")
+    jumps = resume_points(run)
+    planned = sum(1 for e in restarts if e.get("planned") or e.get("cause") == "drill")
+    if run.drill:
+        planned = max(planned, int(as_float(run.drill.get("num_kills", 1)) or 1))
+    unexpected = max(len(restarts), len(jumps)) - planned
+    checks.append(Check("health", "no unexpected restarts", "FAIL" if unexpected > 0 else "PASS",
+                        f"{len(restarts)} restart event(s), {len(jumps)} resume(s) in metrics, {planned} planned "
+                        f"(fault drill)" + (f"; {unexpected} unexpected" if unexpected > 0 else "")))
+    errors = [f"{e.get('kind')} at step {e.get('step')}: {e.get('message', e.get('error', ''))}"
+              for e in run.events_of("error", "oom", "node_lost")]
+    errors += [f"alert still firing: {a.get('rule')} ({a.get('message')})" for a in _still_firing(run)]
+    log_errors = [f"{name}: {line.strip()[:160]}" for name, lines in run.logs.items()
+                  for line in lines if ERROR_RE.search(line)]
+    # A passed drill kills a rank on purpose: its traceback in the logs is expected, so it only warns.
+    drill_explains_logs = bool(run.drill and run.drill.get("passed") is True and unexpected <= 0)
+    if errors or (log_errors and not drill_explains_logs):
+        checks.append(Check("health", "no errors", "FAIL", "; ".join([*errors, *log_errors][:4])))
+    elif log_errors:
+        checks.append(Check("health", "no errors", "WARN",
+                            f"only log errors around the planned drill kill: {'; '.join(log_errors[:2])}"))
+    else:
+        checks.append(Check("health", "no errors", "PASS",
+                            f"no error events, log errors or firing critical alerts ({len(run.logs)} log file(s))"))
+    if run.bad_lines:
+        checks.append(Check("health", "run files readable", "WARN", "; ".join(run.bad_lines[:3])))
+    return checks
+
+
+def _still_firing(run: RunData) -> list[dict[str, Any]]:
+    state: dict[str, dict[str, Any]] = {}
+    for alert in run.alerts:
+        state[str(alert.get("rule"))] = alert
+    return [a for a in state.values() if a.get("state") == "firing" and a.get("severity") == "critical"]
+
+
+def convergence_checks(run: RunData, baseline: RunData | None, rules: AlertRules) -> list[Check]:
+    checks = []
+    steps, losses = run.series("loss")
+    finite = losses[np.isfinite(losses)]
+    bad_loss, bad_grad = nonfinite_steps(run, "loss"), nonfinite_steps(run, "grad_norm")
+    checks.append(Check("convergence", "loss and grad norm finite", "FAIL" if bad_loss or bad_grad else "PASS",
+                        f"non-finite loss at steps {bad_loss[:5]}, grad norm at {bad_grad[:5]}"
+                        if bad_loss or bad_grad else f"{len(finite)} finite losses"))
+    if finite.size < 4:
+        checks.append(Check("convergence", "loss falling", "WARN", f"only {finite.size} finite loss records"))
+    else:
+        window = max(2, finite.size // 5)
+        first, last = float(np.mean(finite[:window])), float(np.mean(finite[-window:]))
+        falling = last < first * (1 - LOSS_DROP_MIN)
+        checks.append(Check("convergence", "loss falling", "PASS" if falling else "FAIL",
+                            f"mean loss {first:.4g} over the first {window} records → {last:.4g} "
+                            f"over the last {window}"))
+    alerts = replay(run.metrics, rules=rules)
+    spikes = [a for a in alerts if a.rule == "loss_spike" and a.state == "firing"]
+    checks.append(Check("convergence", "no loss spikes", "FAIL" if spikes else "PASS",
+                        "; ".join(a.message for a in spikes[:3]) if spikes else
+                        f"no loss beyond robust z {rules.loss_spike.z:g} of its running median"))
+    explosions = [a for a in alerts if a.rule == "grad_norm_explosion" and a.state == "firing"]
+    _, grads = run.series("grad_norm")
+    finite_grads = grads[np.isfinite(grads)]
+    checks.append(Check("convergence", "grad norm bounded", "FAIL" if explosions else "PASS",
+                        "; ".join(a.message for a in explosions[:3]) if explosions else
+                        (f"max {finite_grads.max():.3g}, median {np.median(finite_grads):.3g}"
+                         if finite_grads.size else "no grad_norm recorded")))
+    checks.append(_baseline_check(steps, losses, baseline))
+    return checks
+
+
+def _baseline_check(steps: np.ndarray, losses: np.ndarray, baseline: RunData | None) -> Check:
+    if baseline is None:
+        return Check("convergence", "matches baseline", "WARN", "no baseline run given (--baseline RUN_DIR)")
+    base_steps, base_losses = baseline.series("loss")
+    base = {int(s): float(v) for s, v in zip(base_steps, base_losses, strict=True) if math.isfinite(v)}
+    ours = {int(s): float(v) for s, v in zip(steps, losses, strict=True) if math.isfinite(v)}
+    common = sorted(set(base) & set(ours))
+    if not common:
+        return Check("convergence", "matches baseline", "FAIL", "no logged step in common with the baseline")
+    tail = common[-max(1, len(common) // 5):]
+    diff = float(np.mean([abs(ours[s] - base[s]) / max(abs(base[s]), 1e-12) for s in tail]))
+    status: Status = "PASS" if diff <= BASELINE_PASS else "WARN" if diff <= BASELINE_WARN else "FAIL"
+    return Check("convergence", "matches baseline", status,
+                 f"mean relative loss difference {diff:.1%} over steps {tail[0]}–{tail[-1]} "
+                 f"(pass ≤ {BASELINE_PASS:.0%})")
+
+
+def throughput_checks(run: RunData, plan: dict[str, Any] | None) -> list[Check]:
+    checks = []
+    _, tokens = run.series("tokens_per_s")
+    _, mfus = run.series("mfu")
+    tokens_s = float(np.median(steady(tokens))) if steady(tokens).size else math.nan
+    mfu = float(np.median(steady(mfus))) if steady(mfus).size else math.nan
+    throughput = (plan or {}).get("throughput") or {}
+    plan_tokens, plan_mfu = as_float(throughput.get("tokens_per_s")), as_float(throughput.get("mfu"))
+    plan_gpus = as_float(((plan or {}).get("resources") or {}).get("num_gpus"))
+    world = max(1, run.world_size())
+    if not math.isfinite(tokens_s):
+        checks.append(Check("throughput", "tokens/s vs plan", "FAIL", "no tokens_per_s in the metrics"))
+    elif not math.isfinite(plan_tokens):
+        checks.append(Check("throughput", "tokens/s vs plan", "WARN",
+                            f"{tokens_s:.4g} tokens/s; no plan to compare (--plan FILE or plan.json in the run dir)"))
+    else:
+        per_gpu_plan = plan_tokens / (plan_gpus if math.isfinite(plan_gpus) and plan_gpus > 0 else world)
+        ratio = tokens_s / world / per_gpu_plan
+        status: Status = "PASS" if ratio >= THROUGHPUT_PASS else "WARN" if ratio >= THROUGHPUT_WARN else "FAIL"
+        why = "" if status == "PASS" else f"; {bound_diagnosis(run)}"
+        checks.append(Check("throughput", "tokens/s vs plan", status,
+                            f"{tokens_s / world:.4g} tokens/s per GPU vs plan {per_gpu_plan:.4g} ({ratio:.0%}){why}"))
+    if not math.isfinite(mfu):
+        checks.append(Check("throughput", "MFU vs plan", "WARN", "no mfu in the metrics"))
+    elif not math.isfinite(plan_mfu) or plan_mfu <= 0:
+        checks.append(Check("throughput", "MFU vs plan", "WARN", f"MFU {mfu:.1%}; no planned MFU to compare"))
+    else:
+        ratio = mfu / plan_mfu
+        status = "PASS" if ratio >= MFU_PASS else "WARN" if ratio >= MFU_WARN else "FAIL"
+        why = "" if status == "PASS" else f"; {bound_diagnosis(run)}"
+        checks.append(Check("throughput", "MFU vs plan", status,
+                            f"MFU {mfu:.1%} vs plan {plan_mfu:.1%} ({ratio:.0%}){why}"))
+    return checks
+
+
+def memory_check(run: RunData, plan: dict[str, Any] | None) -> Check:
+    _, mem = run.series("mem_bytes")
+    ooms = run.events_of("oom") + [{"step": None} for lines in run.logs.values() for line in lines
+                                   if re.search(r"out of memory|OutOfMemoryError", line, re.IGNORECASE)]
+    limit, source = run.memory_limit_bytes()
+    predicted = as_float((((plan or {}).get("memory") or {}).get("per_gpu") or {}).get("total"))
+    note = f"; plan predicted {predicted / 2**30:.2f} GiB" if math.isfinite(predicted) else ""
+    if ooms:
+        return Check("memory", "peak under limit with headroom", "FAIL", f"{len(ooms)} out-of-memory event(s){note}")
+    if not np.any(np.isfinite(mem)):
+        return Check("memory", "peak under limit with headroom", "WARN", "no mem_bytes in the metrics")
+    peak = float(np.nanmax(mem))
+    if limit is None:
+        return Check("memory", "peak under limit with headroom", "WARN",
+                     f"peak {peak / 2**30:.2f} GiB; limit unknown ({source}){note}")
+    share = peak / limit
+    status: Status = "PASS" if share <= MEMORY_HEADROOM else "WARN" if share <= 1 else "FAIL"
+    return Check("memory", "peak under limit with headroom", status,
+                 f"peak {peak / 2**30:.2f} GiB of {limit / 2**30:.2f} GiB ({share:.0%}, {source}){note}")
+
+
+def comm_check(run: RunData) -> Check:
+    share = _share(run, "comm_s")
+    if not math.isfinite(share):
+        if run.world_size() <= 1:
+            return Check("communication", "communication share", "PASS", "single process: no collectives")
+        return Check("communication", "communication share", "WARN", "no comm_s in the metrics")
+    status: Status = "PASS" if share <= COMM_PASS else "WARN" if share <= COMM_WARN else "FAIL"
+    return Check("communication", "communication share", status,
+                 f"collectives take {share:.0%} of the step (pass ≤ {COMM_PASS:.0%}, fail > {COMM_WARN:.0%})")
+
+
+def drill_check(run: RunData) -> Check:
+    drill = run.drill
+    if drill is None:
+        return Check("fault tolerance", "fault drill", "WARN",
+                     "no drill.json: run `leantrain drill SPEC` on this setup")
+    facts = ", ".join(f"{k} {drill[k]}" for k in ("recovery_s", "steps_lost", "goodput", "max_loss_diff")
+                      if k in drill)
+    if drill.get("passed") is True:
+        return Check("fault tolerance", "fault drill", "PASS", f"drill passed: {facts}")
+    reason = drill.get("reason") or drill.get("message") or "drill.json says passed: false"
+    return Check("fault tolerance", "fault drill", "FAIL", f"{reason}; {facts}")
+
+
+def validate_run(
+    run_dir: Path, *, plan_file: Path | None = None, baseline: Path | None = None, rules: AlertRules | None = None
+) -> list[Check]:
+    """Every check of the go-live list for one run dir."""
+    run_dir = Path(run_dir)
+    if not (run_dir / METRICS_FILE).is_file():
+        raise UserInputError(f"{run_dir / METRICS_FILE} is missing: validate needs a run dir written by train/launch")
+    run = load_run(run_dir)
+    plan = load_plan_file(plan_file) if plan_file is not None else run.plan
+    base = None
+    if baseline is not None:
+        if not (Path(baseline) / METRICS_FILE).is_file():
+            raise UserInputError(f"--baseline {baseline}: no {METRICS_FILE} there")
+        base = load_run(Path(baseline))
+    rules = rules or AlertRules()
+    return [
+        *health_checks(run),
+        *convergence_checks(run, base, rules),
+        *throughput_checks(run, plan),
+        memory_check(run, plan),
+        comm_check(run),
+        drill_check(run),
+    ]
+
+
+def verdict(checks: list[Check], *, strict: bool = False) -> Status:
+    if any(c.status == "FAIL" for c in checks) or (strict and any(c.status == "WARN" for c in checks)):
+        return "FAIL"
+    return "PASS"
+
+
+def render(checks: list[Check], *, console: Any, result: Status) -> None:
+    from rich.table import Table
+
+    colour = {"PASS": "green", "WARN": "yellow", "FAIL": "bold red"}
+    table = Table(title="go-live validation")
+    for column in ("category", "check", "status", "evidence"):
+        table.add_column(column, overflow="fold")
+    for check in checks:
+        table.add_row(check.category, check.name, f"[{colour[check.status]}]{check.status}[/]", check.evidence)
+    console.print(table)
+    warnings = sum(c.status == "WARN" for c in checks)
+    console.print(f"verdict: [{colour[result]}]{result}[/] ({len(checks)} checks, {warnings} warning(s))")
+
+
+def run(
+    *, console: Any, run_dir: Path, plan_file: Path | None = None, baseline: Path | None = None,
+    json_out: Path | None = None, strict: bool = False, rules_file: Path | None = None,
+) -> list[Check]:
+    """CLI entry: print the table, write --json, raise CheckFailed (exit 1) unless the verdict is PASS."""
+    checks = validate_run(run_dir, plan_file=plan_file, baseline=baseline, rules=load_rules(rules_file))
+    result = verdict(checks, strict=strict)
+    render(checks, console=console, result=result)
+    if json_out is not None:
+        Path(json_out).write_text(json.dumps({"verdict": result, "run_dir": str(run_dir),
+                                              "checks": [asdict(c) for c in checks]}, indent=2), encoding="utf-8")
+    if result != "PASS":
+        failed = [f"{c.category}/{c.name}" for c in checks if c.status == "FAIL" or (strict and c.status == "WARN")]
+        raise CheckFailed(f"validation failed: {', '.join(failed)}")
+    return checks
+
+
+def demo_stage(ctx: Any) -> str:
+    """Demo: validate the demo's run and report the verdict (the demo goes on either way, and says so)."""
+    run_dir = ctx.out_dir / "run"
+    checks = validate_run(run_dir)
+    result = verdict(checks)
+    render(checks, console=ctx.console, result=result)
+    failed = [c.name for c in checks if c.status == "FAIL"]
+    warned = sum(c.status == "WARN" for c in checks)
+    return f"go-live verdict {result}" + (f" (failed: {', '.join(failed)})" if failed else "") + \
+        f", {warned} warning(s)"

@@ -1,0 +1,133 @@
+"""`leantrain report`: one self-contained HTML file, its numbers, and a headless-Chromium render check."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+from rich.console import Console
+
+from leantrain.cli import main
+from leantrain.errors import UserInputError
+from leantrain.observe.report import demo_stage, write_report
+from leantrain.observe.report_cost import cost_and_idle
+from leantrain.observe.report_data import load_run
+from test_observe_scenarios import STEP_S, make_run
+
+ARTIFACTS = Path(__file__).resolve().parents[1] / "test-artifacts"
+CHROMIUM_FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
+                  "--disable-background-networking", "--disable-component-update", "--disable-sync"]
+
+
+def _chromium() -> str:
+    for name in ("chromium", "chromium-browser", "google-chrome"):
+        found = shutil.which(name)
+        if found:
+            return found
+    message = "chromium is not installed (Debian: apt-get install -y chromium; .ci/run installs it)"
+    if os.environ.get("CI", "").lower() == "true":
+        pytest.fail(message)
+    pytest.skip(message)
+
+
+def test_report_is_self_contained_with_every_section(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "resume_jump")
+    (run_dir / "alerts.jsonl").write_text(
+        '{"rule": "loss_spike", "severity": "warning", "state": "firing", "message": "loss 9 vs 3", '
+        '"first_seen": 1800000030.0, "last_seen": 1800000050.0, "step": 62}\n')
+    out = write_report(run_dir, tmp_path / "r" / "report.html")
+    text = out.read_text()
+    assert not re.search(r"(src|href)=['\"](?!data:)", text), "report must not reference external files"
+    ids = set(re.findall(r"id='plot-(\w+)'", text))
+    assert ids == {"loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_bytes", "data_wait_s", "comm_s", "timeline"}
+    for heading in ("Plan vs actual", "Cost and idle time", "Alerts", "Checkpoints and restarts"):
+        assert f"<h2>{heading}</h2>" in text
+    assert "loss 9 vs 3" in text and "20 s" in text  # alert message and how long it lasted
+    assert "<td>tokens/s per GPU</td><td>2.048e+04</td><td>2.048e+04</td><td>1.00×</td>" in text
+    assert "step-00000040" in text and "restart" in text
+
+
+def test_cost_and_idle_numbers(tmp_path: Path) -> None:
+    cost = cost_and_idle(load_run(make_run(tmp_path, "resume_jump")))
+    items = {i.name: i for i in cost.items}
+    assert cost.num_gpus == 2 and cost.price_per_gpu_hour == 2.5
+    # 60 records × 2 steps × 10 ms data wait; 5 saves × 0.5 s stall; 25 s recovery + 19 redone steps.
+    assert items["data wait"].seconds == pytest.approx(60 * 2 * 0.01)
+    assert items["checkpoint stalls"].seconds == pytest.approx(2.5)
+    assert items["restarts"].seconds == pytest.approx(25 + 19 * STEP_S, rel=0.02)
+    assert items["pipeline bubble"].seconds == 0 and "pp = 1" in items["pipeline bubble"].evidence
+    restart = items["restarts"]
+    assert restart.gpu_hours == pytest.approx(restart.seconds * 2 / 3600)
+    assert restart.cost == pytest.approx(restart.gpu_hours * 2.5)
+    assert cost.idle_share == pytest.approx(sum(i.seconds for i in cost.items if i.counted) / cost.wall_s)
+
+
+def test_pipeline_bubble_from_plan_layout(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "healthy")
+    run = load_run(run_dir)
+    assert run.plan is not None
+    run.plan["layout"].update(pp=4, num_microbatches=12)
+    items = {i.name: i for i in cost_and_idle(run).items}
+    total_step_s = sum(r["step_time_s"] * 2 for r in run.metrics)  # the bubble is a share of compute
+    # (pp - 1) / (m + pp - 1) = 3 / 15
+    assert items["pipeline bubble"].seconds == pytest.approx(total_step_s * 3 / 15)
+
+
+def test_report_errors_and_cli(tmp_path: Path) -> None:
+    with pytest.raises(UserInputError, match="metrics.jsonl is missing"):
+        write_report(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(UserInputError, match="no metric records"):
+        write_report(tmp_path)
+    run_dir = make_run(tmp_path, "healthy")
+    assert main(["report", str(run_dir)]) == 0 and (run_dir / "report.html").is_file()
+
+    class Ctx:
+        out_dir = tmp_path / "demo"
+        console = Console(quiet=True)
+
+    with pytest.raises(UserInputError, match="metrics.jsonl"):
+        demo_stage(Ctx())
+    shutil.copytree(run_dir, Ctx.out_dir / "run")
+    assert demo_stage(Ctx()).startswith("report: ")
+
+
+def test_report_renders_in_headless_chromium(tmp_path: Path) -> None:
+    chromium = _chromium()
+    out = write_report(make_run(tmp_path, "nan"))
+    shot = tmp_path / "report.png"
+    command = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1200,2400",
+               "--hide-scrollbars", f"--screenshot={shot}", out.as_uri()]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=90, check=False)
+    assert shot.is_file(), f"chromium wrote no screenshot (exit {result.returncode}): {result.stderr[-2000:]}"
+    ARTIFACTS.mkdir(exist_ok=True)
+    shutil.copy(shot, ARTIFACTS / "report-screenshot.png")
+    pixels = np.asarray(Image.open(shot).convert("RGB")).astype(int)
+    assert pixels.shape[:2] == (2400, 1200)
+    non_white = np.mean(np.any(pixels < 240, axis=2))
+    assert non_white > 0.02, f"screenshot is blank ({non_white:.1%} non-white)"
+    red, green, blue_channel = pixels[..., 0], pixels[..., 1], pixels[..., 2]
+    # tab:blue and its anti-aliased blends with white: clearly more blue than red and green.
+    blue = (blue_channel - red > 50) & (blue_channel - green > 20)
+    # The curves of the 8 plots (a 2-column grid, 4 rows) are drawn in matplotlib's tab:blue, and nothing
+    # else on the page is blue: a broken or missing image draws none.
+    assert blue.sum() > 1000, f"plots did not render ({blue.sum()} plot-blue pixels)"
+    half = pixels.shape[1] // 2
+    assert blue[:, :half].sum() > 200 and blue[:, half:].sum() > 200, "one column of plots is missing"
+    rows = np.flatnonzero(blue.any(axis=1))
+    num_bands = 1 + int(np.sum(np.diff(rows) > 40))
+    assert num_bands >= 4, f"plot curves found in {num_bands} grid rows, expected 4"
+
+
+def test_report_without_plan_shows_dashes_not_nan(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "healthy")
+    (run_dir / "plan.json").unlink()
+    text = write_report(run_dir).read_text()
+    table = text.split("<h2>Plan vs actual</h2>")[1].split("<h2>")[0]
+    assert "No plan.json" in table and ">nan<" not in table and "<td>tokens/s (job)</td><td>—</td>" in table

@@ -1,0 +1,96 @@
+"""`leantrain validate`: a healthy run passes; each broken run fails for the right reason, with evidence."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+
+from leantrain.cli import main
+from leantrain.errors import CheckFailed, UserInputError
+from leantrain.ops.validate import run as validate_command
+from leantrain.ops.validate import validate_run, verdict
+from test_observe_scenarios import make_run
+
+
+def _by_name(run_dir: Path, **kwargs: object) -> dict[str, tuple[str, str]]:
+    return {c.name: (c.status, c.evidence) for c in validate_run(run_dir, **kwargs)}  # type: ignore[arg-type]
+
+
+def test_healthy_run_passes_and_writes_json(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "healthy")
+    out = tmp_path / "verdict.json"
+    checks = validate_command(console=Console(file=open(tmp_path / "out.txt", "w")), run_dir=run_dir,  # noqa: SIM115
+                              plan_file=None, baseline=run_dir, json_out=out)
+    assert verdict(checks) == "PASS"
+    data = json.loads(out.read_text())
+    assert data["verdict"] == "PASS"
+    statuses = {c["name"]: c["status"] for c in data["checks"]}
+    assert all(s == "PASS" for s in statuses.values()), statuses
+    assert {"every rank reported", "loss falling", "tokens/s vs plan", "MFU vs plan", "fault drill",
+            "peak under limit with headroom", "communication share", "matches baseline"} <= set(statuses)
+
+
+@pytest.mark.parametrize(("scenario", "check", "evidence"), [
+    ("nan", "loss and grad norm finite", "non-finite loss at steps [22]"),
+    ("spike", "no loss spikes", "robust z"),
+    ("data_bound", "tokens/s vs plan", "data-bound"),
+    ("data_bound", "MFU vs plan", "data-bound"),
+    ("oom", "peak under limit with headroom", "out-of-memory"),
+    ("oom", "no errors", "OutOfMemoryError"),
+    ("resume_jump", "no unexpected restarts", "1 unexpected"),
+])
+def test_problem_runs_fail_for_the_right_reason(tmp_path: Path, scenario: str, check: str, evidence: str) -> None:
+    checks = _by_name(make_run(tmp_path, scenario))
+    status, text = checks[check]
+    assert status == "FAIL" and evidence in text, (status, text)
+
+
+def test_missing_rank_baseline_mismatch_and_failed_drill(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "healthy")
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for record in lines:
+        record["rank_step_time_s"] = [record["step_time_s"]]  # rank 1 never reported
+        record["loss"] *= 1.3
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (run_dir / "events.jsonl").write_text("")
+    (run_dir / "drill.json").write_text(json.dumps({"passed": False, "reason": "loss curve not continuous"}))
+    checks = _by_name(run_dir, baseline=make_run(tmp_path / "base", "healthy"))
+    assert checks["every rank reported"] == ("FAIL", "missing ranks [1] of 2")
+    assert checks["matches baseline"][0] == "FAIL" and "30.0%" in checks["matches baseline"][1]
+    assert checks["fault drill"][0] == "FAIL" and "not continuous" in checks["fault drill"][1]
+
+
+def test_plan_flag_overrides_and_cli_exit_codes(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "healthy")
+    assert main(["validate", str(run_dir)]) == 0
+    fast_plan = tmp_path / "fast-plan.json"
+    plan = json.loads((run_dir / "plan.json").read_text())
+    plan["throughput"]["tokens_per_s"] *= 3
+    fast_plan.write_text(json.dumps(plan))
+    checks = _by_name(run_dir, plan_file=fast_plan)
+    assert checks["tokens/s vs plan"][0] == "FAIL"
+    assert "neither data nor communication" in checks["tokens/s vs plan"][1]
+    assert main(["validate", str(run_dir), "--plan", str(fast_plan)]) == 1
+    assert main(["validate", str(tmp_path / "nowhere")]) == 2
+    with pytest.raises(CheckFailed, match="validation failed: .*no loss spikes"):
+        validate_command(console=Console(quiet=True), run_dir=make_run(tmp_path, "spike"))
+    with pytest.raises(UserInputError, match="--plan"):
+        validate_run(run_dir, plan_file=tmp_path / "missing.json")
+
+
+def test_planned_drill_restart_passes(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "healthy")
+    with (run_dir / "events.jsonl").open("a") as handle:
+        handle.write(json.dumps({"time": 1.8e9 + 30, "kind": "restart", "step": 40, "planned": True,
+                                 "cause": "drill", "recovery_s": 3.1}) + "\n")
+    with (run_dir / "logs" / "rank-1.log").open("a") as handle:
+        handle.write("torch.distributed.elastic.multiprocessing.errors.ChildFailedError: rank 1 (SIGKILL)\n")
+    checks = _by_name(run_dir)
+    assert checks["no unexpected restarts"][0] == "PASS"
+    assert checks["no errors"][0] == "WARN" and "ChildFailedError" in checks["no errors"][1]
+    (run_dir / "drill.json").unlink()  # without the drill, the same restart and traceback fail
+    checks = _by_name(run_dir)
+    assert checks["no errors"][0] == "FAIL" and checks["fault drill"][0] == "WARN"
