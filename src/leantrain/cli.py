@@ -92,13 +92,14 @@ def plan(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write plan.json here.")] = None,
     top: Annotated[int, typer.Option(help="Layouts to show.")] = 5,
     what_if: Annotated[str | None, typer.Option("--what-if", help="e.g. gpus=64,128,256")] = None,
+    plot: Annotated[Path | None, typer.Option(help="With --what-if: write a PNG plot of days/cost here.")] = None,
 ) -> None:
     """Compute budget, GPU count, per-GPU memory, best layout, storage, checkpoint interval, cost.
 
     Reads SPEC; prints a table and writes plan.json with --json.
     """
     job = _spec(spec, set_, profile)
-    _stage("plan", "leantrain.plan.command", spec=job, json_out=json_out, top=top, what_if=what_if)
+    _stage("plan", "leantrain.plan.command", spec=job, json_out=json_out, top=top, what_if=what_if, plot=plot)
 
 
 @app.command()
