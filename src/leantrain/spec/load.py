@@ -27,7 +27,7 @@ SECRET_KEY_RE = re.compile(
 # Profiles change scale and resources only (the seed: environments differ only in data scale and resources).
 PROFILE_ALLOWED_PREFIXES = (
     "data.tokens_total", "data.dir", "data.sources", "data.replicas",
-    "hardware", "budget", "parallelism", "fault", "monitoring", "run", "checkpoint",
+    "hardware", "budget", "parallelism", "fault", "monitoring", "run", "checkpoint", "cluster",
     "precision.compute",
     "training.max_steps", "training.micro_batch", "training.global_batch_tokens", "training.device",
     "training.compile", "training.log_every", "training.activation_checkpointing", "training.warmup_steps",
@@ -197,6 +197,7 @@ def _resolve_paths(spec: JobSpec, base_dir: Path) -> JobSpec:
         source.path = resolve(source.path)  # type: ignore[assignment]
     spec.data.tokenizer.path = resolve(spec.data.tokenizer.path)
     spec.run.dir = resolve(spec.run.dir)  # type: ignore[assignment]
+    spec.run.registry = resolve(spec.run.registry)
     spec.monitoring.alert_rules = resolve(spec.monitoring.alert_rules)
     if spec.checkpoint.storage == "local" and spec.checkpoint.url:
         spec.checkpoint.url = str(resolve(Path(spec.checkpoint.url)))

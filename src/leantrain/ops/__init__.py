@@ -1,0 +1,1 @@
+"""Operating runs: launch (torchrun, Slurm, Kubernetes), preflight, health, lineage, registry, staging."""

@@ -1,0 +1,123 @@
+"""Node health: a file in the run dir that records hosts which failed preflight or crashed repeatedly.
+
+`node_health.json` (owner-only, rewritten atomically under a lock, so ranks and the launcher can all write):
+
+    {"version": 1, "hosts": {"node17": {"status": "excluded", "crashes": 2, "preflight_failures": 1,
+                                         "ranks": [8, 9], "events": [{"ts": ..., "kind": ..., "reason": ...}]}}}
+
+A host is excluded when it failed preflight or crashed `cluster.unhealthy_after_crashes` times. The Slurm job
+passes the excluded hosts to `--exclude` (and refreshes it before a requeue with
+`python -m leantrain.ops.health RUN_DIR`); the Kubernetes job keeps its pods off them by node affinity; a local
+launch refuses to start on an excluded host. `clear_host` takes a repaired host back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from leantrain.security import private_opener, redact
+
+HEALTH_FILE_NAME = "node_health.json"
+MAX_EVENTS_PER_HOST = 50  # the file stays small however long a host keeps failing
+EventKind = Literal["preflight", "crash"]
+
+
+def health_path(run_dir: Path) -> Path:
+    return Path(run_dir) / HEALTH_FILE_NAME
+
+
+@dataclass
+class HostHealth:
+    """What is known about one host."""
+
+    crashes: int = 0
+    preflight_failures: int = 0
+    ranks: list[int] = field(default_factory=list)
+    events: list[dict[str, Any]] = field(default_factory=list)
+
+    def excluded(self, *, crash_threshold: int) -> bool:
+        return self.preflight_failures > 0 or self.crashes >= crash_threshold
+
+
+@contextlib.contextmanager
+def _locked_state(run_dir: Path) -> Iterator[dict[str, HostHealth]]:
+    """Read-modify-write the health file under an exclusive lock (a sibling .lock file)."""
+    path = health_path(run_dir)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path.with_suffix(".lock"), "a", opener=private_opener) as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        hosts = read_health(run_dir)
+        yield hosts
+        _write(path, hosts)
+
+
+def read_health(run_dir: Path) -> dict[str, HostHealth]:
+    """Hosts recorded in the run dir's health file (empty when there is none)."""
+    path = health_path(run_dir)
+    if not path.exists():
+        return {}
+    raw = json.loads(path.read_text(encoding="utf-8"))
+    return {host: HostHealth(**info) for host, info in raw.get("hosts", {}).items()}
+
+
+def _write(path: Path, hosts: dict[str, HostHealth]) -> None:
+    body = {"version": 1, "hosts": {h: vars(info) for h, info in sorted(hosts.items())}}
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8", opener=private_opener) as fh:
+        json.dump(body, fh, indent=2, sort_keys=True)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def record_failure(
+    run_dir: Path, *, host: str, kind: EventKind, reason: str, rank: int | None = None, ranks: Iterable[int] = ()
+) -> HostHealth:
+    """Record that `host` (running `rank`, or `ranks`) failed preflight or crashed; returns its updated record."""
+    with _locked_state(run_dir) as hosts:
+        info = hosts.setdefault(host, HostHealth())
+        if kind == "preflight":
+            info.preflight_failures += 1
+        else:
+            info.crashes += 1
+        failed_ranks = sorted({*ranks, *([] if rank is None else [rank])})
+        info.ranks = sorted({*info.ranks, *failed_ranks})
+        info.events.append({"ts": time.time(), "kind": kind, "ranks": failed_ranks, "reason": redact(reason)})
+        del info.events[:-MAX_EVENTS_PER_HOST]
+        return info
+
+
+def clear_host(run_dir: Path, host: str) -> bool:
+    """Forget a host (after it was repaired); returns whether it was recorded."""
+    with _locked_state(run_dir) as hosts:
+        return hosts.pop(host, None) is not None
+
+
+def excluded_hosts(run_dir: Path | None, *, crash_threshold: int = 2) -> list[str]:
+    """Hosts to keep jobs off, sorted."""
+    if run_dir is None:
+        return []
+    return sorted(h for h, info in read_health(run_dir).items() if info.excluded(crash_threshold=crash_threshold))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Print the comma-separated exclude list (what the Slurm job uses before it requeues itself)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--crash-threshold", type=int, default=2)
+    args = parser.parse_args(argv)
+    print(",".join(excluded_hosts(args.run_dir, crash_threshold=args.crash_threshold)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

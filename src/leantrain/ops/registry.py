@@ -1,0 +1,239 @@
+"""The run registry: a small SQLite index of runs and their checkpoints, and the `leantrain runs` command.
+
+The run dir's lineage.json files are the source of truth; the registry indexes them so `leantrain runs` can
+list every run on a machine or shared file system without walking folders. Rank 0 calls `register_run` when
+training starts (after `write_lineage`), `register_checkpoint` after each commit, and `set_run_status` at the
+end. The database lives at `run.registry`, else $LEANTRAIN_REGISTRY, else ~/.leantrain/runs.db (owner-only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from leantrain.errors import UserInputError
+from leantrain.ops.lineage import LINEAGE_FILE_NAME, read_lineage, sha256_file
+from leantrain.security import AuditLog, make_private_dir
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id TEXT PRIMARY KEY,
+    name TEXT,
+    run_dir TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    updated_at REAL NOT NULL,
+    status TEXT NOT NULL,
+    attempt INTEGER NOT NULL,
+    spec_sha256 TEXT,
+    git_commit TEXT,
+    git_dirty INTEGER,
+    data_manifest_sha256 TEXT,
+    packages_sha256 TEXT,
+    image_digest TEXT,
+    hostname TEXT
+);
+CREATE TABLE IF NOT EXISTS checkpoints (
+    run_id TEXT NOT NULL REFERENCES runs(run_id),
+    step INTEGER NOT NULL,
+    path TEXT NOT NULL,
+    saved_at REAL NOT NULL,
+    lineage_sha256 TEXT,
+    attempt INTEGER,
+    spec_sha256 TEXT,
+    git_commit TEXT,
+    git_dirty INTEGER,
+    data_manifest_sha256 TEXT,
+    packages_sha256 TEXT,
+    PRIMARY KEY (run_id, step)
+);
+"""
+
+
+def default_registry_path(configured: Path | None = None) -> Path:
+    if configured is not None:
+        return Path(configured).expanduser()
+    env = os.environ.get("LEANTRAIN_REGISTRY")
+    return Path(env).expanduser() if env else Path.home() / ".leantrain" / "runs.db"
+
+
+@contextlib.contextmanager
+def connect(path: Path | None = None) -> Iterator[sqlite3.Connection]:
+    """Open (creating, owner-only) the registry; commits on success."""
+    db_path = default_registry_path(path)
+    if not db_path.parent.exists():
+        make_private_dir(db_path.parent)
+    created = not db_path.exists()
+    conn = sqlite3.connect(db_path, timeout=30)
+    try:
+        if created:
+            os.chmod(db_path, 0o600)
+        conn.row_factory = sqlite3.Row
+        conn.executescript(SCHEMA)
+        yield conn
+        conn.commit()
+    finally:
+        conn.close()
+
+
+def _summary(lineage: dict[str, Any]) -> dict[str, Any]:
+    git = lineage.get("code", {}).get("git") or {}
+    return {
+        "spec_sha256": lineage.get("spec", {}).get("sha256"),
+        "git_commit": git.get("commit"),
+        "git_dirty": None if not git else int(bool(git.get("dirty"))),
+        "data_manifest_sha256": lineage.get("data", {}).get("manifest_sha256"),
+        "packages_sha256": lineage.get("software", {}).get("packages", {}).get("sha256"),
+    }
+
+
+def register_run(lineage: dict[str, Any], *, registry: Path | None = None, status: str = "running") -> str:
+    """Insert or update a run from its lineage (as `write_lineage` returns it); returns the run_id."""
+    now = time.time()
+    row = {
+        "run_id": lineage["run_id"],
+        "name": lineage.get("run", {}).get("name"),
+        "run_dir": lineage.get("run", {}).get("dir"),
+        "created_at": lineage.get("created_at", now),
+        "updated_at": now,
+        "status": status,
+        "attempt": lineage.get("attempt", 0),
+        "image_digest": lineage.get("container", {}).get("image_digest"),
+        "hostname": lineage.get("hardware", {}).get("hostname"),
+        **_summary(lineage),
+    }
+    with connect(registry) as conn:
+        existing = conn.execute("SELECT created_at FROM runs WHERE run_id = ?", (row["run_id"],)).fetchone()
+        if existing:
+            row["created_at"] = existing["created_at"]
+        columns = ", ".join(row)
+        conn.execute(f"INSERT OR REPLACE INTO runs ({columns}) VALUES ({', '.join('?' * len(row))})",
+                     tuple(row.values()))
+    return str(row["run_id"])
+
+
+def register_checkpoint(checkpoint_dir: Path, *, registry: Path | None = None) -> int:
+    """Index a committed checkpoint from its lineage.json (as `write_checkpoint_lineage` wrote it)."""
+    lineage = read_lineage(checkpoint_dir)
+    if lineage is None or "checkpoint" not in lineage:
+        raise UserInputError(f"{Path(checkpoint_dir) / LINEAGE_FILE_NAME} is missing or is not a checkpoint lineage")
+    step = int(lineage["checkpoint"]["step"])
+    row = {
+        "run_id": lineage["run_id"],
+        "step": step,
+        "path": str(Path(checkpoint_dir).resolve()),
+        "saved_at": lineage["checkpoint"].get("saved_at", time.time()),
+        "lineage_sha256": sha256_file(Path(checkpoint_dir) / LINEAGE_FILE_NAME),
+        "attempt": lineage.get("attempt", 0),
+        **_summary(lineage),
+    }
+    with connect(registry) as conn:
+        conn.execute(f"INSERT OR REPLACE INTO checkpoints ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
+                     tuple(row.values()))
+    return step
+
+
+def set_run_status(run_id: str, status: str, *, registry: Path | None = None) -> None:
+    """Mark a run finished / failed / preempted."""
+    with connect(registry) as conn:
+        conn.execute("UPDATE runs SET status = ?, updated_at = ? WHERE run_id = ?", (status, time.time(), run_id))
+
+
+def list_runs(*, registry: Path | None = None) -> list[dict[str, Any]]:
+    """Every registered run, newest first, with its checkpoint count and latest step."""
+    with connect(registry) as conn:
+        rows = conn.execute(
+            "SELECT r.*, COUNT(c.step) AS num_checkpoints, MAX(c.step) AS latest_step FROM runs r "
+            "LEFT JOIN checkpoints c ON c.run_id = r.run_id GROUP BY r.run_id ORDER BY r.created_at DESC"
+        ).fetchall()
+    return [dict(r) for r in rows]
+
+
+def checkpoint_lineages(run_dir: Path) -> list[dict[str, Any]]:
+    """What produced each checkpoint of a run, read from the checkpoints' own lineage.json files."""
+    rows = []
+    for path in sorted((Path(run_dir) / "checkpoints").glob("*/" + LINEAGE_FILE_NAME)):
+        lineage = json.loads(path.read_text(encoding="utf-8"))
+        rows.append({
+            "step": lineage.get("checkpoint", {}).get("step"),
+            "path": str(path.parent),
+            "attempt": lineage.get("attempt"),
+            "saved_at": lineage.get("checkpoint", {}).get("saved_at"),
+            "image_digest": lineage.get("container", {}).get("image_digest"),
+            "torch": lineage.get("software", {}).get("torch"),
+            **_summary(lineage),
+        })
+    return sorted(rows, key=lambda r: r["step"] if r["step"] is not None else -1)
+
+
+def _short(value: Any, n: int = 8) -> str:
+    return "-" if value is None else str(value)[:n]
+
+
+def _when(ts: float | None) -> str:
+    return "-" if ts is None else time.strftime("%m-%d %H:%M", time.localtime(ts))
+
+
+def _git_cell(commit: str | None, dirty: int | None) -> str:
+    return "-" if commit is None else _short(commit, 8) + ("+dirty" if dirty else "")
+
+
+def _show_runs(console: Console, registry: Path | None) -> None:
+    db_path = default_registry_path(registry)
+    if not db_path.exists():
+        console.print(f"no runs registered yet ({db_path} does not exist)")
+        return
+    runs = list_runs(registry=db_path)
+    table = Table(title=f"runs in {db_path}")
+    table.add_column("run id", no_wrap=True)
+    for column in ("name", "status", "created", "tries", "ckpts", "last step", "git", "run dir"):
+        table.add_column(column, overflow="fold")
+    for r in runs:
+        table.add_row(r["run_id"], r["name"] or "-", r["status"], _when(r["created_at"]), str(r["attempt"] + 1),
+                      str(r["num_checkpoints"]), _short(r["latest_step"]), _git_cell(r["git_commit"], r["git_dirty"]),
+                      r["run_dir"])
+    console.print(table)
+
+
+def _show_run(console: Console, run_dir: Path) -> None:
+    lineage = read_lineage(run_dir)
+    if lineage is None:
+        raise UserInputError(f"{run_dir} has no {LINEAGE_FILE_NAME}: not a run dir written by train/launch")
+    summary = _summary(lineage)
+    console.print(
+        f"run {lineage['run_id']} ({lineage.get('run', {}).get('name') or 'unnamed'}), attempt "
+        f"{lineage.get('attempt', 0) + 1}: git {_git_cell(summary['git_commit'], summary['git_dirty'])}, "
+        f"spec {_short(summary['spec_sha256'])}, data {_short(summary['data_manifest_sha256'])}, "
+        f"torch {lineage.get('software', {}).get('torch')}, "
+        f"image {lineage.get('container', {}).get('image_digest') or '-'}"
+    )
+    audit = AuditLog(Path(run_dir) / "audit.log").verify()
+    state = "intact" if audit.ok else f"BROKEN at line {audit.bad_line}: {audit.reason}"
+    console.print(f"audit.log: {audit.num_entries} entries, chain {state}")
+    table = Table(title="checkpoints and what produced them")
+    for column in ("step", "saved", "try", "git", "spec", "data", "packages", "torch", "image"):
+        table.add_column(column, overflow="fold")
+    for row in checkpoint_lineages(run_dir):
+        table.add_row(str(row["step"]), _when(row["saved_at"]), str((row["attempt"] or 0) + 1),
+                      _git_cell(row["git_commit"], row["git_dirty"]), _short(row["spec_sha256"]),
+                      _short(row["data_manifest_sha256"]), _short(row["packages_sha256"]), row["torch"] or "-",
+                      _short(row["image_digest"], 15))
+    console.print(table)
+
+
+def run(*, console: Console, run_dir: Path | None, registry: Path | None) -> None:
+    """`leantrain runs [RUN_DIR]`: list registered runs, or show one run's checkpoints and their lineage."""
+    if run_dir is None:
+        _show_runs(console, registry)
+    else:
+        if not Path(run_dir).is_dir():
+            raise UserInputError(f"run dir {run_dir} does not exist")
+        _show_run(console, Path(run_dir))

@@ -1,0 +1,196 @@
+"""Slurm job files: #SBATCH lines, the srun torchrun command (parsed by torchrun's own parser), the node-health
+exclude list, and the time-limit signal → checkpoint → requeue path run against fake srun/scontrol."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+from torch.distributed.run import get_args_parser
+
+from leantrain.cli import main
+from leantrain.ops.emit import CHECKPOINT_REQUEST_NAME, TrainCommand, job_resources, slurm_script
+from leantrain.ops.health import excluded_hosts, record_failure
+from leantrain.spec import load_spec
+
+REPO = Path(__file__).resolve().parents[1]
+SEED = REPO / "examples" / "seed-10b.yaml"
+TINY = REPO / "examples" / "tiny-cpu.yaml"
+
+
+def sbatch_options(text: str) -> dict[str, str | None]:
+    options: dict[str, str | None] = {}
+    for line in text.splitlines():
+        if line.startswith("#SBATCH "):
+            flag = line.removeprefix("#SBATCH ").strip()
+            key, _, value = flag.partition("=")
+            options[key] = value or None
+    return options
+
+
+def srun_torchrun_lines(text: str) -> list[list[str]]:
+    """Each `srun ... torchrun ...` line split as bash would (variables left unexpanded)."""
+    lines = []
+    for line in text.splitlines():
+        if line.startswith("srun "):
+            words = shlex.split(line.removesuffix(" &"))
+            if "torchrun" in words:
+                lines.append(words)
+    return lines
+
+
+def torchrun_parsed(words: list[str]):
+    """Parse the words after `torchrun` with torchrun's own argument parser: it must accept them."""
+    return get_args_parser().parse_args(words[words.index("torchrun") + 1:])
+
+
+def test_slurm_job_has_nodes_gpus_exclusive_requeue_signal_and_c10d_torchrun(tmp_path: Path) -> None:
+    spec = load_spec(SEED, profile="rehearsal", overrides=["cluster.slurm_partition=gpu", "fault.max_restarts=5"])
+    text = slurm_script(spec, command=TrainCommand(spec_path=SEED, profile="rehearsal"), run_dir=tmp_path / "run")
+    options = sbatch_options(text)
+    assert options["--nodes"] == "4" and options["--gpus-per-node"] == "8"
+    assert "--exclusive" in options and "--requeue" in options
+    assert options["--signal"] == "B:USR1@120" and options["--time"] == "24:00:00"
+    assert options["--partition"] == "gpu" and options["--ntasks-per-node"] == "1"
+    assert "--exclude" not in options
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+
+    preflight, train = srun_torchrun_lines(text)
+    args = torchrun_parsed(train)
+    assert args.nnodes == "4" and args.nproc_per_node == "8" and args.max_restarts == 5
+    assert args.rdzv_backend == "c10d" and args.rdzv_endpoint == "$HEAD_NODE:$RDZV_PORT"
+    assert args.module and args.training_script == "leantrain.cli"
+    assert args.training_script_args[:2] == ["train", str(SEED)]
+    assert args.training_script_args[2:4] == ["--profile", "rehearsal"]
+    assert 'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")\nHEAD_NODE="${NODES[0]}"' in text
+    pre = torchrun_parsed(preflight)
+    assert pre.training_script == "leantrain.ops.preflight_worker" and pre.max_restarts == 0
+    assert text.index("preflight_worker") < text.index("leantrain.cli train")
+
+
+def test_elastic_nodes_and_remote_data_are_staged_first(tmp_path: Path) -> None:
+    spec = load_spec(SEED, profile="rehearsal", overrides=[
+        "fault.min_nodes=2", "fault.max_nodes=6", "cluster.data_url=s3://bucket/data", "cluster.preflight=false",
+    ])
+    text = slurm_script(spec, command=TrainCommand(spec_path=SEED, profile="rehearsal"), run_dir=tmp_path)
+    assert sbatch_options(text)["--nodes"] == "2-6"
+    (train,) = srun_torchrun_lines(text)
+    args = torchrun_parsed(train)
+    assert args.nnodes == "2:6"
+    local_dir = "/tmp/leantrain/run/data"
+    assert ["--set", f"data.dir={local_dir}"] == args.training_script_args[4:6]
+    stage = next(line for line in text.splitlines() if "leantrain.ops.staging" in line)
+    assert shlex.split(stage)[-2:] == ["s3://bucket/data", local_dir]
+    assert text.index("leantrain.ops.staging") < text.index("leantrain.cli")
+
+
+def test_health_file_hosts_are_excluded(tmp_path: Path) -> None:
+    record_failure(tmp_path, host="node07", kind="preflight", reason="torch 2.0.0 (others 2.13.0)", rank=3)
+    record_failure(tmp_path, host="node09", kind="crash", reason="SIGKILL", rank=5)
+    assert excluded_hosts(tmp_path) == ["node07"]  # one crash is not yet "repeatedly"
+    record_failure(tmp_path, host="node09", kind="crash", reason="SIGKILL again", rank=5)
+    spec = load_spec(SEED, profile="rehearsal")
+    text = slurm_script(spec, command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
+    assert sbatch_options(text)["--exclude"] == "node07,node09"
+
+
+def test_resources_flags_override_spec_and_bad_nnodes_is_a_user_error() -> None:
+    spec = load_spec(SEED, profile="rehearsal")
+    res = job_resources(spec, nnodes="2:8", nproc=4)
+    assert (res.min_nodes, res.num_nodes, res.max_nodes, res.gpus_per_node) == (2, 8, 8, 4)
+    assert res.gpu_resource == "nvidia.com/gpu"
+    assert job_resources(load_spec(TINY)).gpu_resource is None
+    open_size = load_spec(SEED)  # no node count in the spec: the planner sizes the job
+    planned = job_resources(open_size)
+    from leantrain.plan.planner import make_plan
+
+    assert planned.source == "plan resources.num_gpus"
+    assert planned.num_nodes == -(-make_plan(open_size)["resources"]["num_gpus"] // 8)
+    with pytest.raises(Exception, match="MIN:MAX"):
+        job_resources(spec, nnodes="8:2")
+
+
+def test_cli_emit_writes_owner_only_file_and_audits(tmp_path: Path) -> None:
+    out = tmp_path / "job.sbatch"
+    code = main(["launch", str(SEED), "--profile", "rehearsal", "--emit", "slurm", "--out", str(out),
+                 "--run-dir", str(tmp_path / "run")])
+    assert code == 0
+    assert out.stat().st_mode & 0o077 == 0
+    assert "launch.emit" in (tmp_path / "run" / "audit.log").read_text()
+    assert main(["launch", str(SEED), "--profile", "rehearsal", "--emit", "pbs", "--out", str(out)]) == 2
+    assert main(["launch", str(TINY), "--run-dir", str(tmp_path / "r2")]) == 2  # local launch: issue #6
+
+
+def _fake_slurm_bin(bin_dir: Path, log: Path) -> None:
+    """srun runs the step's command line only as a marker; the train step acts like a trainer that saves
+    when asked. scontrol prints two hosts and records updates/requeues."""
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        "#!/bin/bash\n"
+        f'if [ "$1" = show ]; then echo node01; echo node02; else echo "scontrol $*" >> {log}; fi\n'
+    )
+    (bin_dir / "srun").write_text(
+        "#!/bin/bash\n"
+        f'echo "srun $*" >> {log}\n'
+        'case "$*" in *leantrain.cli*)\n'
+        f'  touch {log}.train-started\n'
+        f'  for i in $(seq 1 300); do [ -e "$RUN_DIR/{CHECKPOINT_REQUEST_NAME}" ] && break; sleep 0.05; done\n'
+        f'  echo "trainer saved" >> {log}; rm -f "$RUN_DIR/{CHECKPOINT_REQUEST_NAME}";;\n'
+        "esac\n"
+    )
+    for tool in ("scontrol", "srun"):
+        (bin_dir / tool).chmod(0o755)
+
+
+@pytest.mark.slow
+def test_time_limit_signal_asks_for_checkpoint_then_requeues_with_exclusions(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    record_failure(run_dir, host="node07", kind="preflight", reason="driver mismatch")
+    spec = load_spec(SEED, profile="rehearsal", overrides=["cluster.checkpoint_signal_s=40"])
+    script = tmp_path / "job.sbatch"
+    script.write_text(slurm_script(spec, command=TrainCommand(spec_path=SEED, profile="rehearsal"), run_dir=run_dir))
+    log = tmp_path / "slurm.log"
+    _fake_slurm_bin(tmp_path / "bin", log)
+    env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "42",
+           "SLURM_JOB_NODELIST": "node[01-02]", "RUN_DIR": str(run_dir)}
+    proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 20
+    while not Path(f"{log}.train-started").exists():
+        assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGUSR1)
+    output, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, output
+    lines = log.read_text().splitlines()
+    assert any("--rdzv-endpoint=node01:29500" in line and "--rdzv-id=42" in line for line in lines)
+    saved = lines.index("trainer saved")
+    assert lines[saved + 1:] == ["scontrol update JobId=42 ExcNodeList=node07", "scontrol requeue 42"]
+    assert not (run_dir / CHECKPOINT_REQUEST_NAME).exists()
+
+
+def test_container_mode_runs_every_step_in_the_image_with_the_needed_mounts(tmp_path: Path) -> None:
+    spec = load_spec(SEED, profile="rehearsal", overrides=["cluster.slurm_container=true"])
+    text = slurm_script(spec, command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
+    for words in srun_torchrun_lines(text):
+        image = next(w for w in words if w.startswith("--container-image="))
+        assert image == f"--container-image={spec.cluster.image}"
+        mounts = next(w for w in words if w.startswith("--container-mounts=")).split("=", 1)[1].split(",")
+        assert {f"{tmp_path}:{tmp_path}", f"{SEED.parent}:{SEED.parent}"} <= set(mounts)
+    assert f"export LEANTRAIN_IMAGE={spec.cluster.image}" in text  # lineage records the image
+
+
+def test_demo_stage_writes_both_job_files(tmp_path: Path) -> None:
+    from types import SimpleNamespace
+
+    from leantrain.ops.launch import demo_stage
+
+    summary = demo_stage(SimpleNamespace(out_dir=tmp_path))
+    sbatch, manifests = tmp_path / "jobs" / "seed-10b.sbatch", tmp_path / "jobs" / "seed-10b.k8s.yaml"
+    assert str(sbatch) in summary and str(manifests) in summary
+    subprocess.run(["bash", "-n", str(sbatch)], check=True)
+    assert "kind: PyTorchJob" in manifests.read_text()

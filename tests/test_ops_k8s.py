@@ -1,0 +1,107 @@
+"""Kubernetes manifests checked against the operators' schemas: the Kubeflow training-operator SDK's
+PyTorchJob models and the Kubernetes client's ConfigMap/DaemonSet models. A manifest passes only when it
+deserializes into the models and serializes back unchanged (an unknown or misspelled field would be dropped,
+a missing required field or a wrong type raises)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from leantrain.ops.emit_k8s import RUN_AS_UID, k8s_documents, k8s_yaml, prepull_daemonset
+from leantrain.ops.health import record_failure
+from leantrain.spec import load_spec, spec_from_dict
+from leantrain.spec.schema import ClusterSpec
+
+kubernetes_client = pytest.importorskip("kubernetes.client")
+kubeflow_training = pytest.importorskip("kubeflow.training")
+
+REPO = Path(__file__).resolve().parents[1]
+SEED = REPO / "examples" / "seed-10b.yaml"
+
+
+def roundtrip(doc: dict[str, Any], model: str) -> Any:
+    """Deserialize into the SDK model and back; the manifest must survive unchanged."""
+    client = kubeflow_training.ApiClient() if model.startswith("KubeflowOrg") else kubernetes_client.ApiClient()
+    obj = client._ApiClient__deserialize(doc, model)
+    assert client.sanitize_for_serialization(obj) == doc
+    return obj
+
+
+def emitted(tmp_path: Path, *overrides: str) -> list[dict[str, Any]]:
+    spec = load_spec(SEED, profile="rehearsal", overrides=list(overrides))
+    text = k8s_yaml(k8s_documents(spec, run_dir=tmp_path))
+    return list(yaml.safe_load_all(text))
+
+
+def test_roundtrip_catches_a_misspelled_or_missing_field() -> None:
+    job = {"apiVersion": "kubeflow.org/v1", "kind": "PyTorchJob", "metadata": {"name": "x"},
+           "spec": {"pytorchReplicaSpecs": {}, "runPolicy": {"backoffLimit": 1}}}
+    roundtrip(job, "KubeflowOrgV1PyTorchJob")
+    with pytest.raises(AssertionError):
+        roundtrip({**job, "spec": {**job["spec"], "elasticPolice": {"minReplicas": 1}}}, "KubeflowOrgV1PyTorchJob")
+    with pytest.raises(ValueError, match="run_policy"):
+        roundtrip({**job, "spec": {"pytorchReplicaSpecs": {}}}, "KubeflowOrgV1PyTorchJob")
+
+
+def test_pytorchjob_matches_operator_schema_gang_elastic_volumes_secrets_resources(tmp_path: Path) -> None:
+    config_map, job_doc, daemonset = emitted(tmp_path, "fault.min_nodes=2", "fault.max_nodes=4",
+                                             "fault.max_restarts=7", "cluster.k8s_queue=research")
+    job = roundtrip(job_doc, "KubeflowOrgV1PyTorchJob")
+    roundtrip(config_map, "V1ConfigMap")
+    roundtrip(daemonset, "V1DaemonSet")
+
+    elastic = job.spec.elastic_policy
+    assert (elastic.min_replicas, elastic.max_replicas, elastic.rdzv_backend, elastic.max_restarts) == (2, 4, "c10d", 7)
+    gang = job.spec.run_policy.scheduling_policy
+    assert gang.min_available == 2 and gang.queue == "research"  # the minimum set starts together or not at all
+    worker = job.spec.pytorch_replica_specs["Worker"]
+    assert worker.replicas == 4 and worker.restart_policy == "OnFailure"
+    pod = worker.template.spec
+    assert pod.scheduler_name == "volcano"
+    assert pod.security_context.run_as_non_root and pod.security_context.run_as_user == RUN_AS_UID
+    (container,) = pod.containers
+    assert container.name == "pytorch" and container.image == ClusterSpec().image
+    assert container.resources.limits == {"cpu": "64", "memory": "512Gi", "nvidia.com/gpu": "8"}
+    claims = {v.name: v.persistent_volume_claim.claim_name for v in pod.volumes if v.persistent_volume_claim}
+    assert claims == {"runs": "leantrain-checkpoints", "data": "leantrain-data"}
+    assert any(v.empty_dir and v.empty_dir.medium == "Memory" for v in pod.volumes)
+    secret_refs = {e.name: e.value_from.secret_key_ref.name for e in container.env if e.value_from}
+    assert secret_refs == {"AWS_ACCESS_KEY_ID": "leantrain-secrets", "AWS_SECRET_ACCESS_KEY": "leantrain-secrets"}
+    script = container.command[-1]
+    assert "leantrain.ops.preflight_worker" in script and "leantrain.cli train /etc/leantrain/spec.yaml" in script
+    assert script.index("preflight_worker") < script.index("leantrain.cli train")
+    assert daemonset["spec"]["template"]["spec"]["initContainers"][0]["image"] == container.image
+
+
+def test_configmap_spec_reloads_with_pod_paths_and_secret_references(tmp_path: Path) -> None:
+    config_map, _, _ = emitted(tmp_path)
+    raw = yaml.safe_load(config_map["data"]["spec.yaml"])
+    assert raw["checkpoint"]["secret_key"] == "${AWS_SECRET_ACCESS_KEY}"
+    assert "profiles" not in raw
+    spec = spec_from_dict(raw, base_dir=Path("/"))
+    assert str(spec.data.dir) == "/mnt/data" and str(spec.run.dir) == "/mnt/runs/run"
+    assert spec.hardware.num_nodes == 4 and spec.parallelism.data_parallel == 4
+
+
+def test_staged_data_uses_init_container_and_excluded_hosts_get_anti_affinity(tmp_path: Path) -> None:
+    record_failure(tmp_path, host="gpu-node-3", kind="preflight", reason="nccl 2.18 (others 2.29)")
+    _, job_doc, _ = emitted(tmp_path, "cluster.data_url=s3://bucket/prepared")
+    job = roundtrip(job_doc, "KubeflowOrgV1PyTorchJob")
+    pod = job.spec.pytorch_replica_specs["Worker"].template.spec
+    (init,) = pod.init_containers
+    assert init.command[-2:] == ["s3://bucket/prepared", "/mnt/local/data"]
+    assert {e.name for e in init.env} >= {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+    assert "data" not in {v.name for v in pod.volumes}
+    term = pod.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms[0]
+    expr = term.match_expressions[0]
+    assert (expr.key, expr.operator, expr.values) == ("kubernetes.io/hostname", "NotIn", ["gpu-node-3"])
+
+
+def test_shipped_prepull_daemonset_is_what_the_code_emits() -> None:
+    shipped = yaml.safe_load((REPO / "docker" / "prepull-daemonset.yaml").read_text())
+    assert shipped == prepull_daemonset(image=ClusterSpec().image)
+    roundtrip(shipped, "V1DaemonSet")

@@ -1,0 +1,101 @@
+"""lineage.json per run and per checkpoint, the SQLite run registry, and `leantrain runs`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+
+from leantrain import cli
+from leantrain.cli import main
+from leantrain.ops.lineage import read_lineage, spec_sha256, write_checkpoint_lineage, write_lineage
+from leantrain.ops.registry import list_runs, register_checkpoint, register_run, set_run_status
+from leantrain.security import AuditLog
+from leantrain.spec import load_spec
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "examples" / "tiny-cpu.yaml"
+DIGEST = "sha256:" + "ab" * 32
+
+
+@pytest.fixture
+def data_dir(tmp_path: Path) -> Path:
+    root = tmp_path / "data"
+    root.mkdir()
+    (root / "tokenizer.json").write_text('{"model": "bpe"}')
+    manifest = {"tokenizer": {"path": "tokenizer.json", "sha256": "feed" * 16}, "shards": [{"path": "a.bin"}]}
+    (root / "manifest.json").write_text(json.dumps(manifest))
+    return root
+
+
+def test_run_lineage_records_code_spec_data_versions_hardware_and_image(
+    tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("LEANTRAIN_IMAGE", f"registry.example/leantrain/train@{DIGEST}")
+    spec = load_spec(TINY)
+    lineage = write_lineage(tmp_path / "run", spec, data_dir=data_dir, spec_path=TINY)
+    assert read_lineage(tmp_path / "run") == lineage
+    head = subprocess.run(["git", "-C", str(REPO), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:
+        assert lineage["code"]["git"]["commit"] == head.stdout.strip()
+        assert isinstance(lineage["code"]["git"]["dirty"], bool)
+    assert lineage["spec"]["sha256"] == spec_sha256(spec)
+    assert spec_sha256(load_spec(TINY, overrides=["training.lr=1e-3"])) != spec_sha256(spec)
+    manifest_sha = hashlib.sha256((data_dir / "manifest.json").read_bytes()).hexdigest()
+    assert lineage["data"]["manifest_sha256"] == manifest_sha
+    assert lineage["data"]["tokenizer_sha256"] == "feed" * 16
+    assert lineage["software"]["torch"] == torch.__version__
+    assert lineage["software"]["packages"]["num_packages"] > 10
+    assert len(lineage["software"]["packages"]["sha256"]) == 64
+    assert lineage["hardware"]["num_cpus"] and lineage["hardware"]["spec_accelerator"] == "cpu"
+    assert lineage["container"]["image_digest"] == DIGEST
+    assert (tmp_path / "run" / "lineage.json").stat().st_mode & 0o077 == 0
+
+
+def test_resumed_run_keeps_its_id_and_lists_earlier_attempts(tmp_path: Path, data_dir: Path) -> None:
+    spec = load_spec(TINY)
+    first = write_lineage(tmp_path, spec, data_dir=data_dir)
+    second = write_lineage(tmp_path, spec, data_dir=data_dir)
+    assert second["run_id"] == first["run_id"] and second["attempt"] == 1
+    assert second["previous_attempts"][0]["spec_sha256"] == first["spec"]["sha256"]
+
+
+def test_registry_and_runs_command_show_what_produced_each_checkpoint(
+    tmp_path: Path, data_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(cli.console, "width", 220)  # a wide terminal: table cells are not wrapped
+    registry = tmp_path / "reg" / "runs.db"
+    run_dir = tmp_path / "run"
+    spec = load_spec(TINY, overrides=["run.name=tiny-lineage"])
+    lineage = write_lineage(run_dir, spec, data_dir=data_dir)
+    run_id = register_run(lineage, registry=registry)
+    AuditLog(run_dir / "audit.log").append("command", argv=["leantrain", "train"])
+    for step in (20, 40):
+        ckpt = run_dir / "checkpoints" / f"step-{step:08d}"
+        ckpt.mkdir(parents=True)
+        ckpt_lineage = write_checkpoint_lineage(ckpt, run_dir=run_dir, step=step)
+        assert ckpt_lineage["checkpoint"]["step"] == step and ckpt_lineage["run_id"] == run_id
+        register_checkpoint(ckpt, registry=registry)
+    set_run_status(run_id, "finished", registry=registry)
+    (row,) = list_runs(registry=registry)
+    assert (row["name"], row["status"]) == ("tiny-lineage", "finished")
+    assert (row["num_checkpoints"], row["latest_step"]) == (2, 40)
+    assert registry.stat().st_mode & 0o077 == 0 and registry.parent.stat().st_mode & 0o077 == 0
+
+    assert main(["runs", "--registry", str(registry)]) == 0
+    listing = capsys.readouterr().out
+    assert run_id in listing and "tiny-lineage" in listing and "finished" in listing
+    assert main(["runs", str(run_dir)]) == 0
+    shown = capsys.readouterr().out
+    assert "audit.log: 1 entries, chain intact" in shown
+    assert all(f" {step} " in shown for step in (20, 40)) and lineage["spec"]["sha256"][:8] in shown
+    assert main(["runs", str(tmp_path / "missing")]) == 2
+
+
+def test_empty_registry_is_not_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["runs", "--registry", str(tmp_path / "none.db")]) == 0
+    assert "no runs registered yet" in capsys.readouterr().out
