@@ -1,0 +1,136 @@
+"""Text normalisation and quality filters in the spirit of Gopher (Rae et al. 2021, App. A) and C4.
+
+Words: a Han or kana character is one word; any other run of letters/digits is one word. So the length,
+n-gram and stop-word rules work on Chinese/Japanese text (no spaces) the same way as on English; the
+n-gram rules use n-grams of 2n characters for CJK-dominant text (a Chinese word averages about two
+characters), so "2-gram" and "5-gram" mean roughly the same amount of text in both scripts.
+Each filter returns the name of the first rule a document breaks (the drop reason), or None.
+"""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+from collections import Counter
+from dataclasses import dataclass
+
+from leantrain.spec.schema import CleaningSpec
+
+CJK_CLASS = r"\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
+WORD_RE = re.compile(rf"[{CJK_CLASS}]|[^\W_{CJK_CLASS}]+")
+CJK_CHAR_RE = re.compile(rf"[{CJK_CLASS}]")
+NON_WORD_RE = re.compile(r"[^\w\s]")
+SPACES_RE = re.compile(r"[^\S\n]+")  # whitespace other than newline
+MANY_NEWLINES_RE = re.compile(r"\n{3,}")
+# Gopher's English stop words; for Chinese, the most frequent function characters.
+EN_STOP_WORDS = frozenset({"the", "be", "to", "of", "and", "that", "have", "with"})
+ZH_STOP_WORDS = frozenset("的了是在和有不这也就都与及着")
+CJK_NGRAM_SCALE = 2
+_ZERO_WIDTH = "\u200b\u200c\u200d\u2060\ufeff"
+_CONTROL_TABLE = {
+    **{c: None for c in range(0x20) if chr(c) not in "\n\t"},
+    0x7F: None,
+    **{c: None for c in range(0x80, 0xA0)},
+    **{ord(c): None for c in _ZERO_WIDTH},
+    ord("\t"): " ",
+}
+
+
+def normalize(text: str, *, form: str) -> str:
+    """Unicode normal form, control/zero-width characters removed, spaces collapsed, line ends unified."""
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    if form != "none":
+        text = unicodedata.normalize(form, text)
+    text = text.translate(_CONTROL_TABLE)
+    text = SPACES_RE.sub(" ", text)
+    text = "\n".join(line.strip() for line in text.split("\n"))
+    return MANY_NEWLINES_RE.sub("\n\n", text).strip()
+
+
+@dataclass(frozen=True)
+class TextStats:
+    """What the filters look at, computed once per document."""
+
+    words: list[str]
+    num_cjk: int
+
+    @property
+    def cjk_share(self) -> float:
+        return self.num_cjk / len(self.words) if self.words else 0.0
+
+
+def text_stats(text: str) -> TextStats:
+    words = WORD_RE.findall(text)
+    return TextStats(words=words, num_cjk=len(CJK_CHAR_RE.findall(text)))  # each CJK character is one word
+
+
+def _symbol_ratio(text: str, num_words: int) -> float:
+    # only non-word, non-space characters can be symbols: a C-speed regex finds them first
+    symbols = sum(1 for ch in NON_WORD_RE.findall(text) if ch in "#…" or unicodedata.category(ch)[0] == "S")
+    return (symbols + text.count("...")) / max(num_words, 1)
+
+
+def _duplicate_line_fraction(text: str) -> float:
+    lines = [line for line in text.split("\n") if line]
+    if len(lines) < 2:
+        return 0.0
+    return 1.0 - len(set(lines)) / len(lines)
+
+
+def _top_ngram_fraction(words: list[str], n: int) -> float:
+    """Share of word characters covered by the most frequent n-gram (Gopher's top n-gram rule)."""
+    if len(words) < n + 1:
+        return 0.0
+    grams = Counter(tuple(words[i : i + n]) for i in range(len(words) - n + 1))
+    (top, count), = grams.most_common(1)
+    if count < 2:
+        return 0.0
+    return min(1.0, count * sum(len(w) for w in top) / sum(len(w) for w in words))
+
+
+def _duplicate_ngram_fraction(words: list[str], n: int) -> float:
+    """Share of word characters inside n-grams that occur more than once (Gopher's duplicate n-gram rule)."""
+    if len(words) < 2 * n:
+        return 0.0
+    grams = [tuple(words[i : i + n]) for i in range(len(words) - n + 1)]
+    counts = Counter(grams)
+    covered = bytearray(len(words))
+    for i, gram in enumerate(grams):
+        if counts[gram] > 1:
+            covered[i : i + n] = b"\x01" * n
+    total = sum(len(w) for w in words)
+    return sum(len(w) for w, c in zip(words, covered, strict=True) if c) / total
+
+
+def _stop_words_present(stats: TextStats) -> int:
+    if stats.cjk_share >= 0.5:
+        return len(ZH_STOP_WORDS.intersection(stats.words))
+    return len(EN_STOP_WORDS.intersection(w.lower() for w in stats.words))
+
+
+def quality_problem(text: str, spec: CleaningSpec) -> str | None:
+    """The first quality rule `text` breaks (a drop reason), or None when it passes all of them."""
+    stats = text_stats(text)
+    num_words = len(stats.words)
+    if num_words < spec.min_words:
+        return "too_short"
+    if num_words > spec.max_words:
+        return "too_long"
+    if stats.cjk_share < 0.5:
+        num_latin = num_words - stats.num_cjk
+        mean_length = (sum(map(len, stats.words)) - stats.num_cjk) / max(num_latin, 1)
+        if not spec.min_mean_word_length <= mean_length <= spec.max_mean_word_length:
+            return "mean_word_length"
+    if _symbol_ratio(text, num_words) > spec.max_symbol_ratio:
+        return "symbol_ratio"
+    if _duplicate_line_fraction(text) > spec.max_duplicate_line_fraction:
+        return "duplicate_lines"
+    # A Chinese word is about two characters, so CJK text uses n-grams of twice as many characters.
+    scale = CJK_NGRAM_SCALE if stats.cjk_share >= 0.5 else 1
+    if _top_ngram_fraction(stats.words, 2 * scale) > spec.max_top_2gram_fraction:
+        return "top_2gram"
+    if _duplicate_ngram_fraction(stats.words, 5 * scale) > spec.max_duplicate_5gram_fraction:
+        return "duplicate_5grams"
+    if _stop_words_present(stats) < spec.min_stop_words:
+        return "no_stop_words"
+    return None

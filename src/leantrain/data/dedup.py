@@ -1,0 +1,123 @@
+"""Exact and near-duplicate detection: a hash of normalised text, and MinHash signatures + banded LSH.
+
+Near duplicates (Broder 1997; Leskovec et al., Mining of Massive Datasets ch. 3):
+- Shingles: word n-grams (default 5, as datatrove) of the lower-cased words; for CJK-dominant text the
+  "words" are characters, so the shingles are character n-grams.
+- Signature: k = bands × rows MinHash values. Each shingle is hashed once to 64 bits (token hashes from
+  blake2b, combined polynomially in numpy); permutation i is the multiply-shift hash
+  h_i(x) = ((a_i·x + b_i) mod 2^64) >> 32 with odd a_i. All of it is vectorised: no per-shingle Python.
+- LSH: a document is a candidate duplicate of an earlier kept one when all `rows` values of any band agree;
+  P(candidate | Jaccard s) = 1 − (1 − s^r)^b. Optionally the candidate is confirmed when the signatures
+  agree on at least `verify_jaccard` of the k values (an unbiased estimate of Jaccard), which removes
+  most of the S-curve's false positives below the threshold.
+The first occurrence is kept (documents arrive in a fixed order), so the result is deterministic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import defaultdict
+
+import numpy as np
+
+from leantrain.data.clean import WORD_RE, TextStats
+from leantrain.spec.schema import DedupSpec
+
+_POLY = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit multiplier (golden ratio) for combining token hashes
+
+
+def exact_key(stats: TextStats) -> bytes:
+    """Hash of the text with case, punctuation and spacing removed: equal keys mean equal documents."""
+    return hashlib.blake2b(" ".join(stats.words).lower().encode("utf-8"), digest_size=16).digest()
+
+
+def detection_probability(similarity: float, *, bands: int, rows: int) -> float:
+    """LSH S-curve: probability that a pair with this Jaccard similarity shares at least one band."""
+    return 1.0 - (1.0 - similarity**rows) ** bands
+
+
+def s_curve(*, bands: int, rows: int) -> dict[str, float]:
+    """Detection probability at Jaccard 0.1 … 1.0 and the curve's threshold (1/b)^(1/r), for the report."""
+    curve = {f"{s / 10:.1f}": round(detection_probability(s / 10, bands=bands, rows=rows), 4) for s in range(1, 11)}
+    curve["threshold"] = round((1.0 / bands) ** (1.0 / rows), 4)
+    return curve
+
+
+class _TokenHashes(dict[str, int]):
+    """token → 64-bit blake2b hash of the lower-cased token, computed on first use; lookups run in C (`map`)."""
+
+    def __missing__(self, token: str) -> int:
+        value = int.from_bytes(hashlib.blake2b(token.lower().encode("utf-8"), digest_size=8).digest(), "little")
+        self[token] = value
+        return value
+
+
+class MinHasher:
+    """Signatures of shingle sets; token hashes are cached (vocabularies are small next to corpora)."""
+
+    def __init__(self, *, num_perm: int, seed: int, shingle_words: int, shingle_chars: int) -> None:
+        rng = np.random.default_rng(seed)
+        self._a = rng.integers(1, 2**63, num_perm, dtype=np.uint64) * np.uint64(2) + np.uint64(1)  # odd
+        self._b = rng.integers(0, 2**63, num_perm, dtype=np.uint64)
+        self._n_words, self._n_chars = shingle_words, shingle_chars
+        self._token_hash = _TokenHashes()
+        self.num_perm = num_perm
+
+    def _hash_tokens(self, tokens: list[str]) -> np.ndarray:
+        return np.fromiter(map(self._token_hash.__getitem__, tokens), dtype=np.uint64, count=len(tokens))
+
+    def shingles(self, words: list[str], *, cjk: bool) -> np.ndarray:
+        """Unique 64-bit shingle hashes of a document's words (n-grams of n words, or n chars for CJK)."""
+        n = self._n_chars if cjk else self._n_words
+        hashes = self._hash_tokens(words or [""])
+        n = min(n, len(hashes))
+        count = len(hashes) - n + 1
+        combined = hashes[:count].copy()
+        for j in range(1, n):
+            combined = combined * _POLY + hashes[j : j + count]
+        return np.unique(combined)
+
+    def signature(self, shingles: np.ndarray) -> np.ndarray:
+        """(num_perm,) uint32 MinHash values of a shingle set."""
+        mixed = self._a[:, None] * shingles[None, :] + self._b[:, None]  # (num_perm, num_shingles), wraps mod 2^64
+        return (mixed.min(axis=1) >> np.uint64(32)).astype(np.uint32)
+
+    def signature_of_text(self, text: str) -> np.ndarray:
+        words = WORD_RE.findall(text)
+        num_cjk = sum(1 for w in words if len(w) == 1 and ord(w) >= 0x3040)
+        return self.signature(self.shingles(words, cjk=num_cjk * 2 >= max(len(words), 1)))
+
+
+class NearDeduplicator:
+    """Greedy near-duplicate filter over a stream: keeps a document unless it matches an earlier kept one."""
+
+    def __init__(self, spec: DedupSpec) -> None:
+        self.bands, self.rows = spec.num_bands, spec.rows_per_band
+        self.verify = spec.verify_jaccard
+        self.hasher = MinHasher(num_perm=self.bands * self.rows, seed=spec.seed,
+                                shingle_words=spec.shingle_words, shingle_chars=spec.shingle_chars)
+        self._tables: list[dict[bytes, list[int]]] = [defaultdict(list) for _ in range(self.bands)]
+        self._signatures: list[np.ndarray] = []
+        self.num_candidates = 0
+        self.num_rejected_by_verify = 0
+
+    def check_and_add(self, stats: TextStats) -> int | None:
+        """Index (in kept order) of the earlier document this one duplicates, else None (and it is kept)."""
+        signature = self.hasher.signature(self.hasher.shingles(stats.words, cjk=stats.cjk_share >= 0.5))
+        keys = [signature[i * self.rows : (i + 1) * self.rows].tobytes() for i in range(self.bands)]
+        seen: set[int] = set()
+        for table, key in zip(self._tables, keys, strict=True):
+            for other in table.get(key, ()):
+                if other in seen:
+                    continue
+                seen.add(other)
+                self.num_candidates += 1
+                agreement = float(np.mean(self._signatures[other] == signature))
+                if agreement >= self.verify:
+                    return other
+                self.num_rejected_by_verify += 1
+        index = len(self._signatures)
+        self._signatures.append(signature)
+        for table, key in zip(self._tables, keys, strict=True):
+            table[key].append(index)
+        return None

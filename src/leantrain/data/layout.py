@@ -1,0 +1,198 @@
+"""The data dir contract: file names, `manifest.json` reading/writing, and a builder from token lists.
+
+A data dir holds `manifest.json`, `tokenizer.json`, `report.json`, `pii_audit.jsonl` and the shards
+`train/<source>_<NNNNN>.{bin,idx}` and `valid/<source>_<NNNNN>.{bin,idx}`. `manifest.json` is the only file
+the trainer needs to open first; everything else is found through it.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from leantrain.data.shards import ShardInfo, ShardWriter, atomic_write_bytes, token_dtype
+from leantrain.errors import UserInputError
+
+MANIFEST = "manifest.json"
+REPORT = "report.json"
+TOKENIZER = "tokenizer.json"
+PII_AUDIT = "pii_audit.jsonl"
+SPLITS = ("train", "valid")
+FORMAT_NAME = "leantrain-data"
+FORMAT_VERSION = 1
+
+
+def shard_prefix(split: str, source: str, number: int) -> str:
+    """Shard path (without suffix) relative to the data dir."""
+    return f"{split}/{source}_{number:05d}"
+
+
+@dataclass
+class MixtureStage:
+    """Curriculum stage: these weights apply to samples until `until_tokens` training tokens (None: to the end)."""
+
+    weights: dict[str, float]
+    until_tokens: float | None = None
+
+
+@dataclass
+class Manifest:
+    """Parsed `manifest.json`. Extra sections (dedup, pii, sources' statistics) ride along in `extra`."""
+
+    vocab_size: int
+    eos_id: int
+    dtype: str
+    sources: list[dict[str, Any]]
+    shards: list[ShardInfo]
+    stages: list[MixtureStage]
+    tokenizer: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def source_names(self) -> list[str]:
+        return [s["name"] for s in self.sources]
+
+    def shards_for(self, *, split: str, source: str) -> list[ShardInfo]:
+        return [s for s in self.shards if s.split == split and s.source == source]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT_NAME,
+            "version": FORMAT_VERSION,
+            "vocab_size": self.vocab_size,
+            "eos_id": self.eos_id,
+            "dtype": self.dtype,
+            "tokenizer": self.tokenizer,
+            "sources": self.sources,
+            "mixture": {
+                "weights": {s["name"]: s["weight"] for s in self.sources},
+                "stages": [{"weights": st.weights, "until_tokens": st.until_tokens} for st in self.stages],
+            },
+            "shards": [s.to_json() for s in self.shards],
+            **self.extra,
+        }
+
+    def write(self, data_dir: Path) -> None:
+        text = json.dumps(self.to_json(), indent=2, ensure_ascii=False) + "\n"
+        atomic_write_bytes(data_dir / MANIFEST, text.encode("utf-8"))
+
+
+def load_manifest(data_dir: Path) -> Manifest:
+    """Read and check `manifest.json`; a missing or foreign file is a user error naming the path."""
+    path = Path(data_dir) / MANIFEST
+    if not path.is_file():
+        raise UserInputError(f"{path} not found: run `leantrain prepare SPEC` to build the data dir first")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except json.JSONDecodeError as err:
+        raise UserInputError(f"{path} is not valid JSON ({err}); re-run `leantrain prepare`") from None
+    if raw.get("format") != FORMAT_NAME or raw.get("version") != FORMAT_VERSION:
+        raise UserInputError(f"{path}: not a {FORMAT_NAME} v{FORMAT_VERSION} manifest; re-run `leantrain prepare`")
+    known = {"format", "version", "vocab_size", "eos_id", "dtype", "tokenizer", "sources", "mixture", "shards"}
+    stages = [MixtureStage(weights=dict(st["weights"]), until_tokens=st.get("until_tokens"))
+              for st in raw["mixture"].get("stages", [])]
+    return Manifest(
+        vocab_size=int(raw["vocab_size"]),
+        eos_id=int(raw["eos_id"]),
+        dtype=str(raw["dtype"]),
+        sources=list(raw["sources"]),
+        shards=[ShardInfo.from_json(s) for s in raw["shards"]],
+        stages=stages,
+        tokenizer=dict(raw.get("tokenizer", {})),
+        extra={k: v for k, v in raw.items() if k not in known},
+    )
+
+
+def write_split_shards(
+    data_dir: Path,
+    *,
+    split: str,
+    source: str,
+    docs: Iterable[Sequence[int] | np.ndarray],
+    dtype: type[np.number],
+    shard_size_tokens: int,
+    first_number: int = 0,
+    on_shard: Callable[[ShardInfo], None] | None = None,
+) -> list[ShardInfo]:
+    """Write documents (EOS already appended) into shards of about `shard_size_tokens` each.
+
+    A shard is closed after the document that reaches the size, so a document never spans shards and the
+    cut points depend only on the documents (a resumed run cuts the same shards). `on_shard` is called after
+    each shard is published (the pipeline logs it for crash-resume). Numbering starts at `first_number`.
+    """
+    infos: list[ShardInfo] = []
+    writer: ShardWriter | None = None
+    try:
+        for doc in docs:
+            if writer is None:
+                prefix = shard_prefix(split, source, first_number + len(infos))
+                writer = ShardWriter(data_dir / prefix, dtype=dtype)
+            writer.add(np.asarray(doc))
+            if writer.num_tokens >= shard_size_tokens:
+                infos.append(_close(writer, data_dir=data_dir, split=split, source=source, on_shard=on_shard))
+                writer = None
+        if writer is not None:
+            infos.append(_close(writer, data_dir=data_dir, split=split, source=source, on_shard=on_shard))
+            writer = None
+    finally:
+        if writer is not None:
+            writer.abort()
+    return infos
+
+
+def _close(
+    writer: ShardWriter, *, data_dir: Path, split: str, source: str, on_shard: Callable[[ShardInfo], None] | None
+) -> ShardInfo:
+    bin_sha, idx_sha, num_bytes = writer.finish()
+    info = ShardInfo(
+        path=writer.bin_path.relative_to(data_dir).as_posix(), split=split, source=source, sha256=bin_sha,
+        idx_sha256=idx_sha, num_tokens=writer.num_tokens, num_docs=writer.num_docs, num_bytes=num_bytes,
+    )
+    if on_shard is not None:
+        on_shard(info)
+    return info
+
+
+def write_token_data_dir(
+    path: Path,
+    docs_by_source: Mapping[str, Sequence[Sequence[int]]],
+    *,
+    vocab_size: int,
+    eos_id: int,
+    weights: Mapping[str, float] | None = None,
+    valid_docs_by_source: Mapping[str, Sequence[Sequence[int]]] | None = None,
+    stages: Sequence[MixtureStage] = (),
+    shard_size_tokens: int = 1 << 20,
+) -> Manifest:
+    """Build a data dir straight from token lists (for tests and tools; no cleaning, no tokenizer file).
+
+    Each document is a list of token ids *without* EOS; EOS (`eos_id`) is appended after every document,
+    as `prepare` does. `weights` defaults to 1 per source. Returns the manifest it wrote.
+    """
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(vocab_size)
+    shards: list[ShardInfo] = []
+    sources: list[dict[str, Any]] = []
+    for name, docs in docs_by_source.items():
+        splits = {"train": docs, "valid": (valid_docs_by_source or {}).get(name, [])}
+        tokens_by_split = {}
+        for split, split_docs in splits.items():
+            with_eos = [[*doc, eos_id] for doc in split_docs]
+            shards += write_split_shards(
+                path, split=split, source=name, docs=with_eos, dtype=dtype, shard_size_tokens=shard_size_tokens
+            )
+            tokens_by_split[split] = sum(len(d) for d in with_eos)
+        weight = float((weights or {}).get(name, 1.0))
+        sources.append({"name": name, "weight": weight, "tokens": tokens_by_split})
+    manifest = Manifest(
+        vocab_size=vocab_size, eos_id=eos_id, dtype=np.dtype(dtype).name, sources=sources, shards=shards,
+        stages=list(stages),
+    )
+    manifest.write(path)
+    return manifest

@@ -1,0 +1,204 @@
+"""Sensitive-information detection and redaction with typed placeholders.
+
+Patterns find candidates; validators keep false positives down: Luhn for bank cards, the ISO 7064
+MOD 11-2 check digit and a real birth date for Chinese resident IDs, the `ipaddress` module for IPs,
+SSA rules for US SSNs, digit counts for phones. Digit runs are delimited by "no digit next to it" rather
+than `\\b`, because `\\b` does not separate digits from Chinese characters ("拨打13812345678联系").
+Overlaps: the earliest match wins; at the same start, the longer one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import ipaddress
+import re
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from datetime import date
+
+PLACEHOLDERS = {
+    "email": "<EMAIL>", "phone": "<PHONE>", "ip": "<IP>", "cn_id": "<CN_ID>", "bank_card": "<BANK_CARD>",
+    "us_ssn": "<US_SSN>", "secret": "<SECRET>",
+}
+ALL_TYPES = tuple(PLACEHOLDERS)
+
+
+@dataclass(frozen=True)
+class Finding:
+    """One sensitive value: its type and [start, end) character offsets in the text before redaction."""
+
+    kind: str
+    start: int
+    end: int
+
+
+def luhn_ok(digits: str) -> bool:
+    total = 0
+    for i, ch in enumerate(reversed(digits)):
+        d = int(ch)
+        if i % 2:
+            d = d * 2 - 9 if d > 4 else d * 2
+        total += d
+    return total % 10 == 0
+
+
+_CN_ID_WEIGHTS = (7, 9, 10, 5, 8, 4, 2, 1, 6, 3, 7, 9, 10, 5, 8, 4, 2)
+_CN_ID_CHECK = "10X98765432"
+
+
+def cn_id_ok(value: str) -> bool:
+    """GB 11643-1999: 6-digit area, YYYYMMDD birth date, 3-digit order, MOD 11-2 check character."""
+    value = value.upper()
+    try:
+        born = date(int(value[6:10]), int(value[10:12]), int(value[12:14]))
+    except ValueError:
+        return False
+    if not 1900 <= born.year <= 2100:
+        return False
+    total = sum(int(d) * w for d, w in zip(value[:17], _CN_ID_WEIGHTS, strict=True))
+    return _CN_ID_CHECK[total % 11] == value[17]
+
+
+# Issuer prefixes of the major networks (Visa, Mastercard, Amex, Discover, JCB, UnionPay, Diners, Maestro).
+_CARD_PREFIX_RE = re.compile(r"^(4|5[1-5]|2[2-7]|3[47]|6011|65|64[4-9]|35|62|30[0-5]|36|38|50|5[6-8]|6[37])")
+
+
+def bank_card_ok(value: str) -> bool:
+    digits = re.sub(r"[ -]", "", value)
+    return 13 <= len(digits) <= 19 and bool(_CARD_PREFIX_RE.match(digits)) and luhn_ok(digits)
+
+
+def us_ssn_ok(value: str) -> bool:
+    area, group, serial = value.split("-")
+    return area not in ("000", "666") and not area.startswith("9") and group != "00" and serial != "0000"
+
+
+def phone_ok(value: str) -> bool:
+    digits = re.sub(r"\D", "", value)
+    if value.startswith("+"):
+        return 8 <= len(digits) <= 15  # E.164: country code + subscriber number, at most 15 digits
+    return 10 <= len(digits) <= 12
+
+
+def ip_ok(value: str) -> bool:
+    try:
+        ipaddress.ip_address(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _always(_: str) -> bool:
+    return True
+
+
+_ND = r"(?<![\d])"  # no digit before
+_NDA = r"(?![\d])"  # no digit after
+_SEP = r"[ .-]?"
+PATTERNS: dict[str, list[tuple[re.Pattern[str], Callable[[str], bool]]]] = {
+    "secret": [
+        (re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z0-9 ]*PRIVATE KEY-----"), _always),
+        (re.compile(r"(?<![A-Z0-9])(?:AKIA|ASIA)[0-9A-Z]{16}(?![A-Z0-9])"), _always),
+        (re.compile(r"(?<![A-Za-z0-9_])(?:gh[pousr]_[A-Za-z0-9]{36,255}|github_pat_[A-Za-z0-9_]{22,255})"), _always),
+        (re.compile(r"(?<![A-Za-z0-9])xox[abposr]-[A-Za-z0-9-]{10,}"), _always),
+    ],
+    "email": [(re.compile(r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}"),
+               _always)],
+    "cn_id": [(re.compile(_ND + r"\d{6}(?:18|19|20)\d{2}(?:0[1-9]|1[0-2])\d{2}\d{3}[\dXx]" + r"(?![\dA-Za-z])"),
+               cn_id_ok)],
+    "bank_card": [(re.compile(_ND + r"(?:\d{4}[ -]){3}\d{1,7}" + _NDA), bank_card_ok),
+                  (re.compile(_ND + r"\d{13,19}" + _NDA), bank_card_ok)],
+    "us_ssn": [(re.compile(_ND + r"\d{3}-\d{2}-\d{4}" + _NDA), us_ssn_ok)],
+    "phone": [
+        # E.164 / international: +CC then groups of digits with optional separators or (area) parentheses
+        (re.compile(r"(?<![\w+])\+\d{1,3}(?:[ .-]?\(?\d{1,4}\)?){2,5}" + _NDA), phone_ok),
+        # Chinese mobile: 1[3-9]x xxxx xxxx, optionally split 3-4-4
+        (re.compile(_ND + r"1[3-9]\d" + _SEP + r"\d{4}" + _SEP + r"\d{4}" + _NDA), phone_ok),
+        # North American national: (415) 555-0134, 415-555-0134, 415.555.0134
+        (re.compile(_ND + r"(?:\(\d{3}\) ?|\d{3}[.-])\d{3}[.-]\d{4}" + _NDA), phone_ok),
+        # Chinese landline with area code: 010-12345678, 0755-1234567
+        (re.compile(_ND + r"0\d{2,3}-\d{7,8}" + _NDA), phone_ok),
+    ],
+    "ip": [
+        (re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?![\w]|\.\d)"), ip_ok),
+        (re.compile(r"(?<![\w:])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:])"),
+         lambda v: ("::" in v or v.count(":") == 7) and any(c.isalnum() for c in v) and ip_ok(v)),
+    ],
+}
+# Cheap tests that rule a kind out for most text before its (slower) patterns run: ~3× faster on prose.
+_DIGITS_RE = re.compile(r"\d\d\d")
+_IP_HINT_RE = re.compile(r"\d\.\d|::|[0-9A-Fa-f]:[0-9A-Fa-f]{1,4}:[0-9A-Fa-f]")
+_SECRET_HINTS = ("AKIA", "ASIA", "gh", "github_pat_", "xox", "PRIVATE KEY")
+GUARDS: dict[str, Callable[[str], bool]] = {
+    "secret": lambda t: any(h in t for h in _SECRET_HINTS),
+    "email": lambda t: "@" in t,
+    "cn_id": lambda t: bool(_DIGITS_RE.search(t)),
+    "bank_card": lambda t: bool(_DIGITS_RE.search(t)),
+    "us_ssn": lambda t: "-" in t and bool(_DIGITS_RE.search(t)),
+    "phone": lambda t: bool(_DIGITS_RE.search(t)),
+    "ip": lambda t: bool(_IP_HINT_RE.search(t)),
+}
+# `key = value` assignments of credentials: only the value is redacted.
+ASSIGNMENT_RE = re.compile(
+    r"(?i)\b(?:api[_-]?key|apikey|secret[_-]?key|access[_-]?key[_-]?id|secret|password|passwd|pwd|token|"
+    r"access[_-]?token|auth[_-]?token|client[_-]?secret)\b[\"']?\s*[:=]\s*[\"']?([^\s\"',;]{6,})"
+)
+
+
+# Dotted quads right after these words are section or version numbers, not addresses.
+_NOT_IP_BEFORE_RE = re.compile(r"(?i)(?:version|ver\.?|v|chapter|section|sec\.|§|版本|章节|第)\s*$")
+
+
+def _context_ok(kind: str, text: str, start: int) -> bool:
+    return kind != "ip" or not _NOT_IP_BEFORE_RE.search(text[max(0, start - 12) : start])
+
+
+def find_pii(text: str, *, types: Iterable[str] = ALL_TYPES) -> list[Finding]:
+    """Validated, non-overlapping findings in text order."""
+    wanted = set(types)
+    found: list[Finding] = []
+    if "secret" in wanted:
+        found += [Finding("secret", m.start(1), m.end(1)) for m in ASSIGNMENT_RE.finditer(text)]
+    for kind, patterns in PATTERNS.items():
+        if kind not in wanted:
+            continue
+        if not GUARDS[kind](text):
+            continue
+        for pattern, valid in patterns:
+            found += [Finding(kind, m.start(), m.end()) for m in pattern.finditer(text)
+                      if valid(m.group()) and _context_ok(kind, text, m.start())]
+    found.sort(key=lambda f: (f.start, -(f.end - f.start)))
+    chosen: list[Finding] = []
+    for finding in found:
+        if not chosen or finding.start >= chosen[-1].end:
+            chosen.append(finding)
+    return chosen
+
+
+def redact(text: str, findings: list[Finding]) -> str:
+    parts, last = [], 0
+    for f in findings:
+        parts += [text[last : f.start], PLACEHOLDERS[f.kind]]
+        last = f.end
+    parts.append(text[last:])
+    return "".join(parts)
+
+
+class PIIRedactor:
+    """Redacts documents, counts findings per type and yields audit rows (salted hash, never the value)."""
+
+    def __init__(self, *, types: Iterable[str], salt: bytes) -> None:
+        self.types = tuple(types)
+        self._salt = salt
+        self.counts: Counter[str] = Counter()
+
+    def value_hash(self, value: str) -> str:
+        return hashlib.sha256(self._salt + value.encode("utf-8")).hexdigest()[:32]
+
+    def __call__(self, text: str, *, doc_id: str, source: str) -> tuple[str, list[dict[str, object]]]:
+        findings = find_pii(text, types=self.types)
+        self.counts.update(f.kind for f in findings)
+        audit = [{"source": source, "doc_id": doc_id, "type": f.kind, "start": f.start, "end": f.end,
+                  "value_sha256": self.value_hash(text[f.start : f.end])} for f in findings]
+        return (redact(text, findings) if findings else text), audit

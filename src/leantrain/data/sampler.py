@@ -1,0 +1,226 @@
+"""The training sampler: a deterministic sequence of packed samples over a GLOBAL sample index.
+
+Definitions (docs/data.md has the worked example):
+- Source stream. Per source, each epoch is a seeded permutation of its documents (EOS-terminated), laid end
+  to end; epochs follow each other without a gap. Sample k of the source is the window
+  [k·seq_len, k·seq_len + seq_len + 1) of that endless stream (inputs `[:-1]`, targets `[1:]`; neighbouring
+  samples share one token, as in Megatron's GPTDataset). Documents are packed: a window may hold the end of
+  one document, EOS, and the start of the next.
+- Mixture. Global samples are cut into blocks of `BLOCK_SAMPLES`. A block holds a fixed count per source
+  (largest-remainder rounding of the weights of the curriculum stage the block falls in), in a seeded order.
+  So global index g maps to (source, source-local index) in O(number of stages), with no state.
+- Ranks. Every `next_batch` consumes micro_batch × dp_size global samples; rank r takes the r-th block of
+  micro_batch. The state is one integer (the next global index), so a resume at another dp_size continues
+  the same global sequence.
+Shards are read through np.memmap; the only Python loop is over the (few) documents a window touches.
+"""
+
+from __future__ import annotations
+
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from leantrain.data.layout import Manifest, MixtureStage, load_manifest
+from leantrain.data.shards import ShardReader
+from leantrain.errors import UserInputError
+
+BLOCK_SAMPLES = 1024  # granularity of the mixture: weights are honoured exactly per block, to 1/1024
+
+
+@dataclass
+class Batch:
+    """One rank's micro-batch."""
+
+    tokens: torch.Tensor  # (micro_batch, seq_len + 1) int64: inputs are [:, :-1], targets [:, 1:]
+    source_ids: torch.Tensor  # (micro_batch, seq_len + 1) int64: index into sampler.source_names per token
+
+
+def largest_remainder_counts(weights: np.ndarray, total: int) -> np.ndarray:
+    """Integer counts summing to `total`, proportional to `weights` (Hamilton's method, ties to lower index)."""
+    share = weights / weights.sum() * total
+    counts = np.floor(share).astype(np.int64)
+    remainder = share - counts
+    order = np.lexsort((np.arange(len(weights)), -remainder))
+    counts[order[: total - int(counts.sum())]] += 1
+    return counts
+
+
+class SourceStream:
+    """One source's endless, epoch-shuffled, packed token stream over its shards."""
+
+    def __init__(self, readers: list[ShardReader], *, name: str, seed: int, seq_len: int) -> None:
+        self.name = name
+        self.seq_len = seq_len
+        self._readers = readers
+        self._seed = [seed, zlib.crc32(name.encode("utf-8"))]
+        self.doc_shard = np.concatenate([np.full(r.num_docs, i, np.int64) for i, r in enumerate(readers)])
+        self.doc_start = np.concatenate([r.doc_starts for r in readers])
+        self.doc_len = np.concatenate([r.doc_lengths for r in readers])
+        self.tokens_per_epoch = int(self.doc_len.sum())
+        self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+
+    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
+        """(document order, end offset of each document in that order) for one epoch, cached (two newest)."""
+        if epoch not in self._epochs:
+            order = np.random.default_rng([*self._seed, epoch]).permutation(len(self.doc_len))
+            self._epochs[epoch] = (order, np.cumsum(self.doc_len[order]))
+            while len(self._epochs) > 2:
+                self._epochs.popitem(last=False)
+        return self._epochs[epoch]
+
+    def sample(self, index: int, out: np.ndarray) -> None:
+        """Fill `out` (seq_len + 1,) with source sample `index`."""
+        offset = index * self.seq_len
+        epoch, within = divmod(offset, self.tokens_per_epoch)
+        filled = 0
+        need = len(out)
+        while filled < need:
+            order, ends = self._epoch(epoch)
+            pos = int(np.searchsorted(ends, within, side="right"))
+            while pos < len(order) and filled < need:
+                doc = int(order[pos])
+                doc_begin = int(ends[pos]) - int(self.doc_len[doc])
+                skip = within - doc_begin
+                take = min(int(self.doc_len[doc]) - skip, need - filled)
+                start = int(self.doc_start[doc]) + skip
+                out[filled : filled + take] = self._readers[int(self.doc_shard[doc])].tokens[start : start + take]
+                filled += take
+                within += take
+                pos += 1
+            epoch, within = epoch + 1, 0
+
+
+class MixtureSchedule:
+    """Maps a global sample index to (source, source-local sample index); pure function of seed and stages."""
+
+    def __init__(self, stages: list[tuple[int | None, np.ndarray]], *, seed: int) -> None:
+        # stages: (end block exclusive or None, counts per source per block)
+        self._stages = stages
+        self._seed = seed
+        self._blocks: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+
+    def _block(self, block: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """(source per slot, rank of the slot within its source, samples per source before this block)."""
+        before = np.zeros(len(self._stages[0][1]), dtype=np.int64)
+        start = 0
+        for end, counts in self._stages:
+            if end is None or block < end:
+                break
+            before += (end - start) * counts
+            start = end
+        if block not in self._blocks:
+            labels = np.random.default_rng([self._seed, 0x5EED, block]).permutation(
+                np.repeat(np.arange(len(counts)), counts)
+            )
+            ranks = np.zeros(len(labels), dtype=np.int64)
+            for source in range(len(counts)):
+                mask = labels == source
+                ranks[mask] = np.arange(int(mask.sum()))
+            self._blocks[block] = (labels, ranks)
+            while len(self._blocks) > 4:
+                self._blocks.popitem(last=False)
+        labels, ranks = self._blocks[block]
+        return labels, ranks, before + (block - start) * counts
+
+    def locate(self, global_index: int) -> tuple[int, int]:
+        block, slot = divmod(global_index, BLOCK_SAMPLES)
+        labels, ranks, before = self._block(block)
+        source = int(labels[slot])
+        return source, int(before[source] + ranks[slot])
+
+
+def _stage_counts(
+    manifest: Manifest, *, names: list[str], available: np.ndarray, seq_len: int
+) -> list[tuple[int | None, np.ndarray]]:
+    stages = manifest.stages or [MixtureStage(weights={s["name"]: s["weight"] for s in manifest.sources})]
+    out: list[tuple[int | None, np.ndarray]] = []
+    for number, stage in enumerate(stages):
+        unknown = sorted(set(stage.weights) - set(names))
+        if unknown:
+            raise UserInputError(f"mixture stage {number} names unknown sources {unknown}; sources: {names}")
+        weights = np.array([float(stage.weights.get(n, 0.0)) for n in names]) * available
+        if weights.sum() <= 0:
+            raise UserInputError(f"mixture stage {number}: no source with data has a positive weight")
+        end = None
+        if stage.until_tokens is not None:
+            end = int(np.ceil(stage.until_tokens / seq_len / BLOCK_SAMPLES))
+        out.append((end, largest_remainder_counts(weights, BLOCK_SAMPLES)))
+    ends = [e for e, _ in out[:-1]]
+    if any(e is None for e in ends) or ends != sorted(ends):
+        raise UserInputError("mixture stages: every stage but the last needs an increasing until_tokens")
+    return out
+
+
+class PackedBatchSampler:
+    """This rank's view of the global packed-sample sequence (see the module docstring)."""
+
+    def __init__(
+        self, data_dir: Path, *, seq_len: int, micro_batch: int, dp_rank: int, dp_size: int, seed: int,
+        split: str = "train",
+    ) -> None:
+        if not 0 <= dp_rank < dp_size:
+            raise UserInputError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
+        manifest = load_manifest(Path(data_dir))
+        self.data_dir = Path(data_dir)
+        self.seq_len, self.micro_batch, self.dp_rank, self.dp_size = seq_len, micro_batch, dp_rank, dp_size
+        self.split = split
+        self.source_names: list[str] = manifest.source_names
+        self.vocab_size: int = manifest.vocab_size
+        self.eos_id: int = manifest.eos_id
+        self._streams: list[SourceStream | None] = []
+        for name in self.source_names:
+            readers = [ShardReader(self.data_dir / s.path) for s in manifest.shards_for(split=split, source=name)]
+            stream = SourceStream(readers, name=name, seed=seed, seq_len=seq_len) if readers else None
+            self._streams.append(stream if stream is not None and stream.tokens_per_epoch > 0 else None)
+        available = np.array([s is not None for s in self._streams], dtype=np.float64)
+        if not available.any():
+            raise UserInputError(f"{self.data_dir}: no {split} tokens in any source; re-run `leantrain prepare`")
+        counts = _stage_counts(manifest, names=self.source_names, available=available, seq_len=seq_len)
+        self._schedule = MixtureSchedule(counts, seed=seed)
+        self._position = 0
+
+    @property
+    def global_sample_index(self) -> int:
+        """The next global sample index that the next `next_batch` (on rank 0) starts from."""
+        return self._position
+
+    def tokens_per_epoch(self) -> dict[str, int]:
+        """Tokens of each source in this split (0 for a source without data here)."""
+        return {n: (s.tokens_per_epoch if s else 0) for n, s in zip(self.source_names, self._streams, strict=True)}
+
+    def sample(self, global_index: int) -> tuple[np.ndarray, int]:
+        """Global sample `global_index`: its (seq_len + 1,) int64 tokens and its source id."""
+        source, local = self._schedule.locate(global_index)
+        out = np.empty(self.seq_len + 1, dtype=np.int64)
+        stream = self._streams[source]
+        assert stream is not None, "schedule gave a slot to a source without data"
+        stream.sample(local, out)
+        return out, source
+
+    def next_batch(self) -> Batch:
+        first = self._position + self.dp_rank * self.micro_batch
+        tokens = np.empty((self.micro_batch, self.seq_len + 1), dtype=np.int64)
+        sources = np.empty(self.micro_batch, dtype=np.int64)
+        for row in range(self.micro_batch):
+            source, local = self._schedule.locate(first + row)
+            stream = self._streams[source]
+            assert stream is not None, "schedule gave a slot to a source without data"
+            stream.sample(local, tokens[row])
+            sources[row] = source
+        self._position += self.micro_batch * self.dp_size
+        source_ids = np.broadcast_to(sources[:, None], tokens.shape).copy()
+        return Batch(tokens=torch.from_numpy(tokens), source_ids=torch.from_numpy(source_ids))
+
+    def state_dict(self) -> dict:
+        return {"global_sample_index": self._position}
+
+    def load_state_dict(self, state: dict) -> None:
+        position = int(state["global_sample_index"])
+        if position < 0:
+            raise UserInputError(f"sampler state global_sample_index must be ≥ 0, got {position}")
+        self._position = position

@@ -1,0 +1,134 @@
+"""The packed sampler: determinism across world sizes, one-integer resume, packing, mixture weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from leantrain.data import MixtureStage, PackedBatchSampler, write_token_data_dir
+from leantrain.data.sampler import BLOCK_SAMPLES, largest_remainder_counts
+from leantrain.errors import UserInputError
+
+SEQ_LEN = 16
+
+
+def _docs(seed: int, *, low: int, high: int, num_docs: int) -> list[list[int]]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(low, high, int(rng.integers(2, 40))).tolist() for _ in range(num_docs)]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("data")
+    docs = {"en": _docs(1, low=1, high=100, num_docs=60), "zh": _docs(2, low=100, high=200, num_docs=40)}
+    valid = {"en": _docs(3, low=1, high=100, num_docs=5)}
+    write_token_data_dir(path, docs, vocab_size=256, eos_id=0, weights={"en": 0.75, "zh": 0.25},
+                         valid_docs_by_source=valid, shard_size_tokens=200)
+    return path
+
+
+def _sampler(path: Path, *, rank: int = 0, size: int = 1, micro_batch: int = 2, **kw: object) -> PackedBatchSampler:
+    return PackedBatchSampler(path, seq_len=SEQ_LEN, micro_batch=micro_batch, dp_rank=rank, dp_size=size,
+                              seed=7, **kw)  # type: ignore[arg-type]
+
+
+def _global_rows(path: Path, *, size: int, steps: int, micro_batch: int = 2) -> np.ndarray:
+    """Rows of `steps` batches from every rank, put back in global-index order."""
+    samplers = [_sampler(path, rank=r, size=size, micro_batch=micro_batch) for r in range(size)]
+    rows = []
+    for _ in range(steps):
+        for sampler in samplers:
+            rows.append(sampler.next_batch().tokens.numpy())
+    return np.concatenate(rows)
+
+
+def test_same_global_sequence_at_world_sizes_1_2_4(data_dir: Path) -> None:
+    one = _global_rows(data_dir, size=1, steps=16)
+    two = _global_rows(data_dir, size=2, steps=8)
+    four = _global_rows(data_dir, size=4, steps=4)
+    assert one.shape == (32, SEQ_LEN + 1)
+    np.testing.assert_array_equal(one, two)
+    np.testing.assert_array_equal(one, four)
+
+
+def test_resume_from_one_integer_at_another_world_size(data_dir: Path) -> None:
+    reference = _global_rows(data_dir, size=1, steps=12)
+    first = _sampler(data_dir, size=1)
+    for _ in range(4):
+        first.next_batch()
+    state = first.state_dict()
+    assert state == {"global_sample_index": 8}
+    resumed = [_sampler(data_dir, rank=r, size=2) for r in range(2)]
+    for sampler in resumed:
+        sampler.load_state_dict(state)
+    rows = np.concatenate([s.next_batch().tokens.numpy() for _ in range(4) for s in resumed])
+    np.testing.assert_array_equal(rows, reference[8:24])
+
+
+def test_seed_changes_order_and_batch_layout(data_dir: Path) -> None:
+    batch = _sampler(data_dir).next_batch()
+    assert batch.tokens.dtype.is_floating_point is False and batch.tokens.shape == (2, SEQ_LEN + 1)
+    assert batch.source_ids.shape == batch.tokens.shape
+    other = PackedBatchSampler(data_dir, seq_len=SEQ_LEN, micro_batch=2, dp_rank=0, dp_size=1, seed=8).next_batch()
+    assert not np.array_equal(batch.tokens.numpy(), other.tokens.numpy())
+
+
+def test_samples_are_windows_of_the_packed_epoch_stream(data_dir: Path) -> None:
+    """Rebuild the stream of each source from its epoch permutations and compare every window."""
+    sampler = _sampler(data_dir)
+    for global_index in range(0, 200, 7):
+        tokens, source = sampler.sample(global_index)
+        name = sampler.source_names[source]
+        tokens_ids = tokens.tolist()
+        assert set(tokens_ids) <= ({0} | set(range(1, 100)) if name == "en" else {0} | set(range(100, 200)))
+    stream = sampler._streams[0]
+    assert stream is not None
+    epochs = [stream._epoch(e)[0] for e in range(3)]
+    flat = []
+    for order in epochs:
+        for doc in order:
+            reader = stream._readers[int(stream.doc_shard[doc])]
+            start = int(stream.doc_start[doc])
+            flat.extend(reader.tokens[start : start + int(stream.doc_len[doc])].tolist())
+    out = np.empty(SEQ_LEN + 1, dtype=np.int64)
+    for local in (0, 1, 5, stream.tokens_per_epoch // SEQ_LEN, stream.tokens_per_epoch // SEQ_LEN + 3):
+        stream.sample(local, out)
+        assert out.tolist() == flat[local * SEQ_LEN : local * SEQ_LEN + SEQ_LEN + 1]
+        assert flat[local * SEQ_LEN + SEQ_LEN] == out[-1]  # windows overlap by one token
+
+
+def test_mixture_weights_are_exact_per_block(data_dir: Path) -> None:
+    sampler = _sampler(data_dir)
+    counts = np.bincount([sampler._schedule.locate(g)[0] for g in range(BLOCK_SAMPLES)], minlength=2)
+    assert counts.tolist() == [768, 256]
+    assert largest_remainder_counts(np.array([1.0, 1.0, 1.0]), 10).tolist() == [4, 3, 3]
+
+
+def test_curriculum_stages_switch_weights(tmp_path: Path) -> None:
+    docs = {"a": _docs(4, low=1, high=50, num_docs=20), "b": _docs(5, low=50, high=99, num_docs=20)}
+    stages = [MixtureStage(weights={"a": 1.0}, until_tokens=BLOCK_SAMPLES * SEQ_LEN),
+              MixtureStage(weights={"a": 0.5, "b": 0.5})]
+    write_token_data_dir(tmp_path, docs, vocab_size=100, eos_id=0, stages=stages)
+    sampler = _sampler(tmp_path)
+    first = [sampler._schedule.locate(g)[0] for g in range(BLOCK_SAMPLES)]
+    second = [sampler._schedule.locate(g)[0] for g in range(BLOCK_SAMPLES, 2 * BLOCK_SAMPLES)]
+    assert set(first) == {0} and second.count(1) == BLOCK_SAMPLES // 2
+    # source "a" local indices continue across the stage boundary without a gap or repeat
+    a_local = [sampler._schedule.locate(g)[1] for g in range(2 * BLOCK_SAMPLES) if sampler._schedule.locate(g)[0] == 0]
+    assert a_local == list(range(len(a_local)))
+
+
+def test_valid_split_uses_only_sources_with_valid_data(data_dir: Path) -> None:
+    sampler = _sampler(data_dir, split="valid", micro_batch=4)
+    batch = sampler.next_batch()
+    assert set(batch.source_ids.flatten().tolist()) == {0}
+    assert sampler.tokens_per_epoch()["zh"] == 0
+
+
+def test_bad_inputs_are_user_errors(data_dir: Path, tmp_path: Path) -> None:
+    with pytest.raises(UserInputError, match="dp_rank"):
+        _sampler(data_dir, rank=2, size=2)
+    with pytest.raises(UserInputError, match="manifest.json not found"):
+        _sampler(tmp_path)

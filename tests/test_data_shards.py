@@ -1,0 +1,69 @@
+"""Shards in Megatron's IndexedDataset layout: byte layout, megatron-core's own reader, atomic publish."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from leantrain.data.layout import load_manifest, write_token_data_dir
+from leantrain.data.shards import INDEX_HEADER, ShardReader, ShardWriter, read_index, sha256_file, token_dtype
+
+DOCS = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
+
+
+def test_idx_byte_layout(tmp_path: Path) -> None:
+    writer = ShardWriter(tmp_path / "s", dtype=np.uint16)
+    for doc in DOCS:
+        writer.add(np.array(doc))
+    writer.finish()
+    raw = (tmp_path / "s.idx").read_bytes()
+    assert raw[:9] == INDEX_HEADER == b"MMIDIDX\x00\x00"
+    assert struct.unpack("<Q", raw[9:17]) == (1,)
+    assert raw[17] == 8  # uint16
+    assert struct.unpack("<QQ", raw[18:34]) == (3, 4)
+    lengths = np.frombuffer(raw, np.int32, 3, 34)
+    pointers = np.frombuffer(raw, np.int64, 3, 34 + 12)
+    documents = np.frombuffer(raw, np.int64, 4, 34 + 12 + 24)
+    assert lengths.tolist() == [3, 1, 5] and pointers.tolist() == [0, 6, 8] and documents.tolist() == [0, 1, 2, 3]
+    assert len(raw) == 34 + 12 + 24 + 32
+    assert np.fromfile(tmp_path / "s.bin", np.uint16).tolist() == sum(DOCS, [])
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_dtype_switches_to_int32_for_large_vocab(tmp_path: Path) -> None:
+    assert token_dtype(512) is np.uint16 and token_dtype(128256) is np.int32
+    write_token_data_dir(tmp_path, {"a": [[70000, 1, 2]]}, vocab_size=128256, eos_id=3)
+    manifest = load_manifest(tmp_path)
+    assert manifest.dtype == "int32"
+    reader = ShardReader(tmp_path / manifest.shards[0].path)
+    assert reader.doc(0).tolist() == [70000, 1, 2, 3]
+
+
+def test_manifest_hashes_and_counts(tmp_path: Path) -> None:
+    manifest = write_token_data_dir(tmp_path, {"a": DOCS * 10}, vocab_size=64, eos_id=0, shard_size_tokens=20)
+    assert len(manifest.shards) > 1
+    assert sum(s.num_docs for s in manifest.shards) == 30
+    assert sum(s.num_tokens for s in manifest.shards) == 30 + 10 * sum(len(d) for d in DOCS)
+    for shard in manifest.shards:
+        assert sha256_file(tmp_path / shard.path) == shard.sha256
+        assert read_index(tmp_path / shard.path.replace(".bin", ".idx")).document_indices[-1] == shard.num_docs
+
+
+def test_megatron_core_reads_our_shards(tmp_path: Path) -> None:
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset", reason="test extra megatron-core")
+    write_token_data_dir(tmp_path, {"a": DOCS}, vocab_size=64, eos_id=0)
+    prefix = str(tmp_path / "train" / "a_00000")
+    dataset = indexed.IndexedDataset(prefix)
+    assert len(dataset) == 3
+    assert [dataset[i].tolist() for i in range(3)] == [[*d, 0] for d in DOCS]
+    assert dataset.document_indices.tolist() == [0, 1, 2, 3]
+    # and we read what megatron-core's own builder writes
+    builder = indexed.IndexedDatasetBuilder(str(tmp_path / "m.bin"), dtype=np.uint16)
+    for doc in DOCS:
+        builder.add_document(np.array(doc), [len(doc)])
+    builder.finalize(str(tmp_path / "m.idx"))
+    reader = ShardReader(tmp_path / "m.bin")
+    assert [reader.doc(i).tolist() for i in range(3)] == DOCS
