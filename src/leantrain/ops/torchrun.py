@@ -1,0 +1,218 @@
+"""Local and multi-node launches through torchrun (elastic agent), and the `--sweep nproc=1,2,4` scaling sweep.
+
+One node: `torchrun --standalone`. Several: c10d rendezvous with `--nnodes MIN:MAX` at
+`$LEANTRAIN_RDZV_ENDPOINT` (default: localhost:cluster.rdzv_port); run the same command on every node.
+Restarts come from `fault.max_restarts` (0 when `fault.auto_restart` is off) unless `--max-restarts` says
+otherwise. Every rank's stdout/stderr goes to its own file under `RUN_DIR/logs/HOST/` (torchrun's
+`--log-dir --redirects 3 --tee 3`: `<run id>/attempt_<k>/<local rank>/{stdout,stderr}.log`); the console shows
+local rank 0. Each rank runs `python -m leantrain.cli train SPEC ... --run-dir RUN_DIR`; rank 0 writes the
+metrics. The layout is checked for every world size the job may have *before* torchrun starts.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from rich.console import Console
+
+from leantrain.errors import UserInputError
+from leantrain.ops.emit import TORCHRUN_ENV, TrainCommand, parse_nnodes
+from leantrain.parallel.dims import ParallelDims, resolve_parallelism
+from leantrain.spec.schema import JobSpec
+from leantrain.spec.shapes import resolve_shape
+
+RDZV_ENV = "LEANTRAIN_RDZV_ENDPOINT"
+LOGS_DIR = "logs"
+SWEEP_FILE = "sweep.json"
+# Below this share of linear scaling, more ranks are judged not to pay (the seed: find the inflection first).
+EFFICIENCY_FLOOR = 0.8
+
+
+def check_layout(spec: JobSpec, *, nproc: int, min_nodes: int = 1, max_nodes: int = 1) -> list[ParallelDims]:
+    """The layout at every world size the job may run at (elastic: the smallest and the largest);
+    raises UserInputError naming the axis that does not fit. Nothing is started."""
+    shape = resolve_shape(spec.model)
+    dims = []
+    for nodes in sorted({min_nodes, max_nodes}):
+        world = nodes * nproc
+        par = resolve_parallelism(spec, world_size=world)
+        dims.append(ParallelDims.from_spec(par, world_size=world, shape=shape, gpus_per_node=nproc))
+        tokens_per_micro_step = spec.training.micro_batch * spec.data.seq_len * dims[-1].dp
+        if spec.training.global_batch_tokens % tokens_per_micro_step:
+            raise UserInputError(
+                f"training.global_batch_tokens ({spec.training.global_batch_tokens}) is not a multiple of "
+                f"micro_batch × seq_len × data-parallel ranks ({spec.training.micro_batch} × {spec.data.seq_len} × "
+                f"{dims[-1].dp} = {tokens_per_micro_step}) at {world} ranks"
+            )
+    return dims
+
+
+def restarts(spec: JobSpec, max_restarts: int | None) -> int:
+    if max_restarts is not None:
+        return max_restarts
+    return spec.fault.max_restarts if spec.fault.auto_restart else 0
+
+
+def torchrun_argv(
+    spec: JobSpec,
+    *,
+    train: TrainCommand,
+    run_dir: Path,
+    nproc: int,
+    nnodes: str | None = None,
+    max_restarts: int | None = None,
+    max_steps: int | None = None,
+    rdzv_endpoint: str | None = None,
+    rdzv_id: str | None = None,
+) -> list[str]:
+    """The full torchrun command line that trains `spec` on `nproc` processes per node."""
+    min_nodes, max_nodes = parse_nnodes(nnodes) if nnodes else (1, 1)
+    argv = [sys.executable, "-m", "torch.distributed.run"]
+    if max_nodes == 1:
+        argv += ["--standalone", "--nnodes=1"]
+    else:
+        endpoint = rdzv_endpoint or os.environ.get(RDZV_ENV) or f"localhost:{spec.cluster.rdzv_port}"
+        argv += [f"--nnodes={min_nodes}:{max_nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
+                 f"--rdzv-id={rdzv_id or spec.run.name or Path(run_dir).name}"]
+    log_dir = Path(run_dir) / LOGS_DIR / socket.gethostname()
+    argv += [f"--nproc-per-node={nproc}", f"--max-restarts={restarts(spec, max_restarts)}",
+             f"--log-dir={log_dir}", "--redirects=3", "--tee=3", "--local-ranks-filter=0",
+             "-m", "leantrain.cli", "train", *train.spec_args(run_dir=str(run_dir))]
+    if max_steps is not None:
+        argv += ["--max-steps", str(max_steps)]
+    return argv
+
+
+def torchrun_env() -> dict[str, str]:
+    """This environment plus what elastic restarts need (see shared/PYTORCH_CPU_NOTES.md)."""
+    return {**os.environ, **TORCHRUN_ENV}
+
+
+def run_torchrun(argv: Sequence[str], *, console: Console, timeout_s: float | None = None) -> int:
+    """Run torchrun in its own session, echo its output, return its exit code (killing the group on timeout)."""
+    proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env=torchrun_env(), start_new_session=True)
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    try:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            console.print(line.rstrip("\n"), markup=False, highlight=False, soft_wrap=True)
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError
+        return proc.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
+    except (TimeoutError, subprocess.TimeoutExpired, KeyboardInterrupt):
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        raise
+
+
+def rank_logs(run_dir: Path) -> list[Path]:
+    """Every per-rank log file torchrun wrote under the run dir."""
+    return sorted((Path(run_dir) / LOGS_DIR).glob("**/std*.log"))
+
+
+def launch_local(
+    spec: JobSpec, *, train: TrainCommand, run_dir: Path, nproc: int, nnodes: str | None, max_restarts: int | None,
+    console: Console, max_steps: int | None = None, timeout_s: float | None = None,
+) -> int:
+    """Check the layout, then run torchrun; returns its exit code."""
+    min_nodes, max_nodes = parse_nnodes(nnodes) if nnodes else (1, 1)
+    for dims in check_layout(spec, nproc=nproc, min_nodes=min_nodes, max_nodes=max_nodes):
+        console.print(f"layout at {dims.world_size} rank(s): {dims.describe()}")
+        for note in dims.notes:
+            console.print(f"[yellow]note: {note}")
+    argv = torchrun_argv(spec, train=train, run_dir=run_dir, nproc=nproc, nnodes=nnodes,
+                         max_restarts=max_restarts, max_steps=max_steps)
+    console.print("torchrun: " + " ".join(argv[1:]), markup=False, soft_wrap=True)
+    code = run_torchrun(argv, console=console, timeout_s=timeout_s)
+    console.print(f"per-rank logs: {Path(run_dir) / LOGS_DIR}; exit code {code}")
+    return code
+
+
+@dataclass(frozen=True)
+class SweepPoint:
+    """One size of the scaling sweep."""
+
+    nproc: int
+    tokens_per_s: float | None
+    efficiency: float | None  # tokens/s ÷ (smallest size's tokens/s × nproc / smallest nproc)
+    step_time_s: float | None
+    comm_s: float | None
+    exit_code: int | None
+    skipped: str | None = None
+
+
+def parse_sweep(text: str) -> list[int]:
+    """`nproc=1,2,4` → [1, 2, 4]."""
+    key, _, values = text.partition("=")
+    sizes = [v.strip() for v in values.split(",") if v.strip()]
+    if key.strip() != "nproc" or not sizes or not all(v.isdigit() and int(v) > 0 for v in sizes):
+        raise UserInputError(f"--sweep {text!r}: expected nproc=N1,N2,... with positive integers (e.g. nproc=1,2,4)")
+    return sorted({int(v) for v in sizes})
+
+
+def _steady_metrics(metrics_path: Path) -> dict[str, float] | None:
+    """Mean tokens/s, step time and comm time over the logged records after the first (warm-up) one."""
+    if not metrics_path.exists():
+        return None
+    records = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    records = [r for r in records if "tokens_per_s" in r]
+    steady = records[1:] or records
+    if not steady:
+        return None
+    mean = lambda key: sum(float(r.get(key) or 0.0) for r in steady) / len(steady)  # noqa: E731
+    return {"tokens_per_s": mean("tokens_per_s"), "step_time_s": mean("step_time_s"), "comm_s": mean("comm_s")}
+
+
+def scaling_sweep(
+    spec: JobSpec, *, train: TrainCommand, run_dir: Path, sizes: list[int], steps: int, console: Console,
+    timeout_s: float | None = None,
+) -> list[SweepPoint]:
+    """Train `steps` steps at each size (strong scaling: same global batch), write RUN_DIR/sweep.json."""
+    points: list[SweepPoint] = []
+    base: tuple[int, float] | None = None
+    for nproc in sizes:
+        try:
+            check_layout(spec, nproc=nproc)
+        except UserInputError as err:
+            points.append(SweepPoint(nproc, None, None, None, None, None, skipped=str(err)))
+            continue
+        sub_dir = Path(run_dir) / "sweep" / f"nproc-{nproc}"
+        argv = torchrun_argv(spec, train=train, run_dir=sub_dir, nproc=nproc, max_restarts=0, max_steps=steps)
+        code = run_torchrun(argv, console=console, timeout_s=timeout_s)
+        steady = _steady_metrics(sub_dir / "metrics.jsonl") if code == 0 else None
+        if steady is None:
+            points.append(SweepPoint(nproc, None, None, None, None, code, skipped="no metrics"))
+            continue
+        if base is None:
+            base = (nproc, steady["tokens_per_s"])
+        efficiency = steady["tokens_per_s"] / (base[1] * nproc / base[0])
+        points.append(SweepPoint(nproc, steady["tokens_per_s"], efficiency, steady["step_time_s"], steady["comm_s"],
+                                 code))
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    summary = {"points": [asdict(p) for p in points], "stops_paying_at": stops_paying_at(points)}
+    (Path(run_dir) / SWEEP_FILE).write_text(json.dumps(summary, indent=2) + "\n")
+    return points
+
+
+def stops_paying_at(points: list[SweepPoint], *, floor: float = EFFICIENCY_FLOOR) -> int | None:
+    """The first size whose efficiency falls below `floor` or whose tokens/s does not grow; None if all pay."""
+    measured = [p for p in points if p.tokens_per_s is not None and p.efficiency is not None]
+    for previous, point in zip(measured, measured[1:], strict=False):
+        assert point.tokens_per_s is not None and previous.tokens_per_s is not None and point.efficiency is not None
+        if point.efficiency < floor or point.tokens_per_s <= previous.tokens_per_s:
+            return point.nproc
+    return None

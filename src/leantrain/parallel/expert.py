@@ -1,0 +1,99 @@
+"""Expert parallelism: each MoE layer's experts are split over the `ep` axis; tokens travel by all-to-all.
+
+The MoE layer sorts its (token, expert) assignments by expert before calling `experts(x_sorted, expert_ids,
+counts)`, so the rows bound for one rank are contiguous (rank r owns experts [r·E/ep, (r+1)·E/ep)). Dispatch:
+1. exchange per-expert counts (all-to-all of E numbers) so every rank knows how many rows it receives;
+2. all-to-all the rows (autograd-aware: backward sends the gradients back the same way);
+3. regroup the received rows by local expert and run the local experts' batched matmuls;
+4. undo the regrouping and all-to-all the outputs back (combine). The caller un-sorts and weights them.
+
+Expert weights become DTensors sharded on dim 0 over the ep mesh (so checkpoints see the global tensor),
+are kept out of FSDP, and their gradients are averaged over data parallelism by `finish_expert_grads`:
+rows from all ep ranks already summed into them, so they are divided by the data-parallel degree and
+summed over the ranks holding the same experts (dp_mod_ep).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Shard, distribute_module
+
+
+def expert_modules(model: nn.Module) -> list[nn.Module]:
+    """The GroupedExperts of every MoE layer of `model` (a Transformer or a pipeline stage)."""
+    return [block.feed_forward.experts for block in model.layers.values() if getattr(block, "is_moe", False)]  # type: ignore[union-attr]
+
+
+def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh) -> list[nn.Parameter]:
+    """Split every MoE layer's experts over `ep_mesh` in place; returns the expert parameters (kept out of FSDP)."""
+    params: list[nn.Parameter] = []
+    for experts in expert_modules(model):
+        distribute_module(experts, ep_mesh, partition_fn=_shard_experts, input_fn=_dispatch, output_fn=_combine)
+        params.extend(experts.parameters())
+    return params
+
+
+def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    """Replace each stacked expert weight by its rank's slice, wrapped as a DTensor (no communication)."""
+    if module is not None and not isinstance(module, nn.Module):
+        return
+    for param_name, param in list(module.named_parameters(recurse=False)):
+        ep, rank = mesh.size(), mesh.get_local_rank()
+        local = param.detach().chunk(ep, dim=0)[rank]
+        sharded = DTensor.from_local(local, mesh, [Shard(0)], run_check=False)
+        module.register_parameter(param_name, nn.Parameter(sharded, requires_grad=param.requires_grad))
+
+
+def _dispatch(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+    """(x_sorted, expert_ids, counts) for all experts → the rows this rank's experts must process."""
+    x_sorted, _expert_ids, counts = inputs
+    ep = mesh.size()
+    num_local = counts.shape[0] // ep
+    group = mesh.get_group()
+    # recv_counts[s, j]: rows rank s sends to this rank's j-th expert.
+    recv_counts = torch.empty_like(counts)
+    dist.all_to_all_single(recv_counts, counts, group=group)
+    send_splits = counts.view(ep, num_local).sum(dim=1).tolist()
+    recv_counts = recv_counts.view(ep, num_local)
+    recv_splits = recv_counts.sum(dim=1).tolist()
+    received = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group)  # (rows_in, d_model)
+    local_ids = torch.arange(num_local, device=counts.device).repeat(ep)
+    local_ids = local_ids.repeat_interleave(recv_counts.flatten())  # (rows_in,), by source rank then expert
+    order = local_ids.argsort(stable=True)
+    module._ep_state = (order, send_splits, recv_splits, group)  # read by _combine
+    return received[order], local_ids[order], recv_counts.sum(dim=0)
+
+
+def _combine(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Outputs of the local experts → back to the ranks (and rows) the tokens came from."""
+    order, send_splits, recv_splits, group = module._ep_state
+    module._ep_state = None
+    unsorted = torch.empty_like(output)
+    unsorted[order] = output
+    return all_to_all_single_autograd(unsorted, send_splits, recv_splits, group)
+
+
+def local_weight(weight: torch.Tensor) -> torch.Tensor:
+    """This rank's experts of a stacked weight (the whole tensor when not expert-parallel)."""
+    return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def finish_expert_grads(parts: list[nn.Module], *, dp_mod_ep_mesh: DeviceMesh, dp_degree: int) -> None:
+    """After backward: expert gradients → the mean over data-parallel ranks, like every other gradient.
+
+    Rows from all ep ranks were already summed into each rank's expert gradient; what remains is the sum over
+    the ranks that hold the same experts (dp_mod_ep) and the division by the data-parallel degree.
+    """
+    grads = [p.grad for part in parts for experts in expert_modules(part) for p in experts.parameters()
+             if p.grad is not None]
+    for grad in grads:
+        local = local_weight(grad)
+        if dp_mod_ep_mesh.size() > 1:
+            dist.all_reduce(local, group=dp_mod_ep_mesh.get_group())
+        local.div_(dp_degree)

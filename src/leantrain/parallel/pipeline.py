@@ -1,0 +1,136 @@
+"""Pipeline parallelism: the model split by layers into stages, run by a torch.distributed.pipelining schedule.
+
+Stages: `pp × virtual_stages` chunks of consecutive layers, sizes as equal as possible (earlier stages get
+the remainder). The first stage also holds the embedding, the last the final norm and output head. Stage i
+lives on pipeline rank i mod pp (the interleaved layout; with one chunk per rank it is just rank i).
+Each stage keeps the full model's attribute and layer names (`layers.7.attention.wq` stays that), so
+checkpoints are the same whatever the split.
+
+Micro-batches are the gradient-accumulation micro-batches: the schedule takes the step's whole batch and
+cuts it into `num_microbatches` pieces; gradients are averaged over them (the schedule scales them). The
+loss exists only on the last stage: `broadcast_loss` sends it to every rank for logging.
+The MoE auxiliary loss is not added under pipeline parallelism (use `moe.balance: aux_free`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+from torch.distributed.pipelining.schedules import _PipelineSchedule
+
+from leantrain.errors import UserInputError
+from leantrain.model.transformer import Transformer
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
+
+
+class StageModule(nn.Module):
+    """A run of consecutive layers (+ the embedding on the first stage, norm and head on the last)."""
+
+    def __init__(self, model: Transformer, *, layer_ids: list[str], first: bool, last: bool) -> None:
+        super().__init__()
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({i: model.layers[i] for i in layer_ids})
+        self.norm = model.norm if last else None
+        self.output = model.output if last else None
+        self.register_buffer("rope", model.rope, persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Tokens (batch, seq) on the first stage, else hidden states (batch, seq, d_model)."""
+        h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        if self.norm is None:
+            return h
+        assert self.output is not None  # tied embeddings are refused under pipeline parallelism
+        return self.output(self.norm(h))  # (batch, seq, vocab)
+
+
+def split_layers(num_layers: int, num_chunks: int) -> list[list[int]]:
+    """Consecutive layer indices per chunk, as equal as possible."""
+    if num_chunks > num_layers:
+        raise UserInputError(f"pipeline: {num_chunks} stages for {num_layers} layers; each stage needs a layer")
+    base, extra = divmod(num_layers, num_chunks)
+    chunks, start = [], 0
+    for i in range(num_chunks):
+        size = base + (1 if i < extra else 0)
+        chunks.append(list(range(start, start + size)))
+        start += size
+    return chunks
+
+
+def build_stage_modules(
+    model: Transformer, *, pp_rank: int, pp: int, virtual_stages: int
+) -> list[tuple[int, StageModule]]:
+    """(stage index, module) for the stages of this pipeline rank: indices pp_rank, pp_rank + pp, ..."""
+    if model.output is None:
+        raise UserInputError("parallelism.pipeline_parallel > 1 needs model.tie_embeddings: false")
+    num_chunks = pp * virtual_stages
+    chunks = split_layers(len(model.layers), num_chunks)
+    stages = []
+    for index in range(pp_rank, num_chunks, pp):
+        ids = [str(i) for i in chunks[index]]
+        stages.append((index, StageModule(model, layer_ids=ids, first=index == 0, last=index == num_chunks - 1)))
+    return stages
+
+
+def token_loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy of one micro-batch (the schedule averages over micro-batches)."""
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def build_schedule(
+    stage_modules: list[tuple[int, nn.Module]],
+    *,
+    pp_mesh: DeviceMesh,
+    schedule: str,
+    num_microbatches: int,
+    device: torch.device,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_fn,
+) -> tuple[list[PipelineStage], _PipelineSchedule]:
+    """PipelineStage objects for this rank's modules and the schedule that runs them."""
+    pp = pp_mesh.size()
+    num_stages = pp * len(stage_modules)
+    if schedule != "interleaved_1f1b" and len(stage_modules) != 1:
+        raise UserInputError("parallelism.virtual_stages > 1 needs pipeline_schedule: interleaved_1f1b")
+    if num_microbatches < pp:
+        raise UserInputError(
+            f"pipeline_parallel {pp} needs at least {pp} micro-batches per step (gradient accumulation gives "
+            f"{num_microbatches}): raise training.global_batch_tokens or lower training.micro_batch"
+        )
+    group = pp_mesh.get_group()
+    stages = [PipelineStage(module, index, num_stages, device, group=group) for index, module in stage_modules]
+    cls = SCHEDULES[schedule]
+    if schedule == "interleaved_1f1b":
+        return stages, cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn)
+    return stages, cls(stages[0], n_microbatches=num_microbatches, loss_fn=loss_fn)
+
+
+def run_schedule(
+    schedule: _PipelineSchedule, *, inputs: torch.Tensor, targets: torch.Tensor, is_first: bool, is_last: bool
+) -> torch.Tensor | None:
+    """One forward/backward over the whole step batch; the mean micro-batch loss on the last stage, else None."""
+    losses: list[torch.Tensor] = []
+    if is_first and is_last:
+        schedule.step(inputs, target=targets, losses=losses)
+    elif is_first:
+        schedule.step(inputs)
+    elif is_last:
+        schedule.step(target=targets, losses=losses)
+    else:
+        schedule.step()
+    return torch.stack(losses).mean().detach() if losses else None
+
+
+def broadcast_loss(loss: torch.Tensor | None, *, pp_mesh: DeviceMesh, device: torch.device) -> torch.Tensor:
+    """The last stage's loss on every pipeline rank (for logging; it takes no part in backward)."""
+    value = loss.clone() if loss is not None else torch.zeros((), device=device)
+    group = pp_mesh.get_group()
+    dist.broadcast(value, src=dist.get_global_rank(group, pp_mesh.size() - 1), group=group)
+    return value

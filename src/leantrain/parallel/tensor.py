@@ -1,0 +1,126 @@
+"""Tensor parallelism (Megatron-style, with DTensor): attention and MLP split over the `tp` axis.
+
+Per block: wq/wk/wv and w1/w3 column-wise (each rank holds n_heads/tp heads and ffn_hidden/tp hidden
+units), wo and w2 row-wise (partial sums reduced). With sequence parallelism the residual stream between
+blocks is split along the sequence (Korthikanti et al. 2022): the norms run on 1/tp of the tokens, and the
+row-wise outputs reduce-scatter instead of all-reduce, the column-wise inputs all-gather.
+
+The embedding is not vocab-split: FSDP already shards it over the data-parallel ranks, and leaving it whole
+keeps tied embeddings working. The untied output projection is column-wise (vocab split); with loss
+parallel its logits stay vocab-sharded (a DTensor) and the cross-entropy runs under `loss_parallel()`.
+MoE feed-forwards are not tensor-split (their experts are split by expert parallelism): their input is
+gathered to the full sequence and their output split again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    PrepareModuleOutput,
+    RowwiseParallel,
+    SequenceParallel,
+    loss_parallel,
+    parallelize_module,
+)
+from torch.distributed.tensor.parallel.style import ParallelStyle
+
+from leantrain.errors import UserInputError
+
+
+def apply_tensor_parallel(
+    model: nn.Module,
+    *,
+    tp_mesh: DeviceMesh,
+    sequence_parallel: bool,
+    loss_parallel_enabled: bool,
+    seq_len: int | None = None,
+) -> None:
+    """Shard `model` (a Transformer or a pipeline stage with the same attribute names) over `tp_mesh` in place."""
+    tp = tp_mesh.size()
+    if sequence_parallel and seq_len is not None and seq_len % tp:
+        raise UserInputError(
+            f"parallelism.sequence_parallel needs data.seq_len ({seq_len}) divisible by tensor_parallel ({tp})"
+        )
+    seq_layout = Shard(1) if sequence_parallel else Replicate()
+    top: dict[str, ParallelStyle] = {}
+    has_output = getattr(model, "output", None) is not None
+    if getattr(model, "tok_embeddings", None) is not None and sequence_parallel:
+        # The whole embedding output is on every rank; keeping only this rank's sequence chunk needs no communication.
+        top["tok_embeddings"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+    if getattr(model, "norm", None) is not None and sequence_parallel:
+        if has_output:
+            top["norm"] = SequenceParallel()
+        else:  # tied embeddings: the head is a plain matmul with the (unsplit) embedding, so gather first
+            top["norm"] = PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                                             use_local_output=True)
+    if has_output:
+        top["output"] = ColwiseParallel(
+            input_layouts=seq_layout,
+            output_layouts=Shard(-1) if loss_parallel_enabled else Replicate(),
+            use_local_output=not loss_parallel_enabled,
+        )
+    if top:
+        parallelize_module(model, tp_mesh, top)
+    for block in model.layers.values():  # type: ignore[union-attr]
+        parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel=sequence_parallel))
+
+
+def _block_plan(block: nn.Module, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+    seq_layout = Shard(1) if sequence_parallel else Replicate()
+    plan: dict[str, ParallelStyle] = {
+        "attention.wq": ColwiseParallel(),
+        "attention.wk": ColwiseParallel(),
+        "attention.wv": ColwiseParallel(),
+        "attention.wo": RowwiseParallel(output_layouts=seq_layout),
+    }
+    if sequence_parallel:
+        plan["attention_norm"] = SequenceParallel()
+        plan["ffn_norm"] = SequenceParallel()
+        plan["attention"] = PrepareModuleInput(
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True
+        )
+    if getattr(block, "is_moe", False):
+        if sequence_parallel:
+            plan["feed_forward"] = _moe_gather_and_split()
+        return plan
+    plan.update({
+        "feed_forward.w1": ColwiseParallel(),
+        "feed_forward.w3": ColwiseParallel(),
+        "feed_forward.w2": RowwiseParallel(output_layouts=seq_layout),
+    })
+    if sequence_parallel:
+        plan["feed_forward"] = PrepareModuleInput(
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+        )
+    return plan
+
+
+class _GatherThenSplit(ParallelStyle):
+    """Run a module on the whole sequence inside a sequence-parallel region: gather its input, split its output."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+                           use_local_output=True)._apply(module, device_mesh)
+        PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))._apply(module, device_mesh)
+        return module
+
+
+def _moe_gather_and_split() -> ParallelStyle:
+    return _GatherThenSplit()
+
+
+@contextlib.contextmanager
+def maybe_loss_parallel(enabled: bool) -> Iterator[None]:
+    """The context the loss must be computed in when the logits are vocab-sharded (loss parallel)."""
+    if enabled:
+        with loss_parallel():
+            yield
+    else:
+        yield

@@ -1,0 +1,155 @@
+"""Shared harness for the parallelism tests: train the real model for N steps in a given layout.
+
+`reference_run` trains in this process (no process group): the ground truth. `spawn_layouts` starts
+`world_size` processes (gloo, one thread each) that run one or more layouts in turn on the same process
+group and write, from rank 0, each layout's per-step losses and gradient norms as JSON. Both use the same
+seeded weights (`build_model` on the CPU), the same synthetic token batches and AdamW with clipping, so
+the only difference is the layout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+from leantrain.model.transformer import Transformer, build_model, model_args_from_spec
+from leantrain.parallel import CommTimer, ParallelDims, parallelize
+from leantrain.parallel.expert import expert_modules
+from leantrain.spec.schema import JobSpec
+
+SEQ_LEN = 16
+MICRO_BATCH = 2
+GLOBAL_SEQUENCES = 8  # per optimizer step, all ranks
+LR = 1e-2
+GRAD_CLIP = 1.0
+SEED = 7
+
+
+def make_spec(
+    *, moe: bool = False, tie: bool = False, n_layers: int = 2, compute: str = "fp32", **parallelism: Any
+) -> JobSpec:
+    """A tiny fp32 job; `parallelism` sets spec.parallelism fields."""
+    model: dict[str, Any] = {
+        "architecture": "moe" if moe else "dense", "n_layers": n_layers, "d_model": 32, "n_heads": 4, "n_kv_heads": 2,
+        "ffn_hidden": 64, "vocab_size": 64, "tie_embeddings": tie,
+    }
+    if moe:
+        model["moe"] = {"num_experts": 4, "top_k": 2, "expert_hidden": 32, "num_shared_experts": 1}
+    return JobSpec.model_validate({
+        "model": model,
+        "parallelism": {"zero_stage": 3, **parallelism},
+        "precision": {"compute": compute, "optimizer_state": "fp32"},
+        "data": {"tokens_total": 1e5, "seq_len": SEQ_LEN},
+        "training": {"global_batch_tokens": GLOBAL_SEQUENCES * SEQ_LEN, "micro_batch": MICRO_BATCH,
+                     "device": "cpu", "seed": SEED},
+        "hardware": {"accelerator": "cpu", "gpus_per_node": 8},
+    })
+
+
+def batches(step: int, *, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """The step's global batch as micro-batches of (inputs, targets); the same on every rank."""
+    gen = torch.Generator().manual_seed(1000 + step)
+    # Learnable sequences (a random start, then steps of 1 or 2), so the loss falls and equal losses mean something.
+    starts = torch.randint(0, vocab, (GLOBAL_SEQUENCES, 1), generator=gen)
+    strides = torch.randint(1, 3, (GLOBAL_SEQUENCES, 1), generator=gen)
+    tokens = (starts + strides * torch.arange(SEQ_LEN + 1)) % vocab  # (sequences, seq + 1)
+    chunks = tokens.split(MICRO_BATCH)
+    return [(c[:, :-1], c[:, 1:]) for c in chunks]
+
+
+def full_model(spec: JobSpec) -> Transformer:
+    args = model_args_from_spec(spec.model, max_seq_len=SEQ_LEN)
+    return build_model(args, device=torch.device("cpu"), seed=SEED)
+
+
+def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
+
+
+def reference_run(spec: JobSpec, *, steps: int) -> dict[str, list[float]]:
+    """Single process: accumulate over all micro-batches, clip, AdamW."""
+    torch.manual_seed(SEED)
+    model = full_model(spec)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses, norms = [], []
+    for step in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        micro = batches(step, vocab=spec.model.vocab_size or 64)
+        total = 0.0
+        for inputs, targets in micro:
+            loss = _loss(model(inputs), targets)
+            aux = model.auxiliary_loss()
+            ((loss if aux is None else loss + aux) / len(micro)).backward()
+            total += float(loss.detach())
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), GRAD_CLIP)))
+        optimizer.step()
+        losses.append(total / len(micro))
+    return {"loss": losses, "grad_norm": norms}
+
+
+def layout_run(spec: JobSpec, *, steps: int) -> dict[str, list[float]]:
+    """One rank of a distributed run (the process group is already up)."""
+    world = dist.get_world_size()
+    args = model_args_from_spec(spec.model, max_seq_len=SEQ_LEN)
+    dims = ParallelDims.from_spec(spec.parallelism, world_size=world, shape=args.shape)
+    mesh = dims.build_mesh("cpu")
+    with torch.device("meta"):
+        model = Transformer(args)
+    num_micro = GLOBAL_SEQUENCES // MICRO_BATCH // dims.dp
+    pm = parallelize(model, dims, spec, mesh=mesh, device=torch.device("cpu"), num_microbatches=num_micro)
+    pm.materialize(full_model=full_model(spec))
+    optimizer = torch.optim.AdamW(list(pm.parameters()), lr=LR, weight_decay=0.0)
+    losses, norms, comm = [], [], {}
+    timer = CommTimer(device_type="cpu")
+    for step in range(steps):
+        start = time.perf_counter()
+        with timer.measure() if step == 1 else contextlib.nullcontext() as measured:  # step 0 has lazy setup
+            optimizer.zero_grad(set_to_none=True)
+            mine = batches(step, vocab=spec.model.vocab_size or 64)[pm.dp_rank :: pm.dp_size]
+            loss = pm.forward_backward(mine, loss_fn=_loss)
+            pm.finish_gradients()
+            norms.append(float(pm.clip_grad_norm_(GRAD_CLIP)))
+            optimizer.step()
+        if measured is not None:
+            comm = {"comm_s": measured.comm_s, "num_events": measured.num_events,
+                    "step_s": time.perf_counter() - start}
+        dist.all_reduce(loss, group=mesh["dp"].get_group())  # mean over data-parallel ranks
+        losses.append(float(loss) / dims.dp)
+    experts = [m for part in pm.parts for m in expert_modules(part)]
+    local_experts = experts[0].w1.to_local().shape[0] if experts and isinstance(experts[0].w1, DTensor) else None
+    param_dtypes = sorted({str(p.dtype) for p in pm.parameters()})
+    return {"loss": losses, "grad_norm": norms, "comm": comm, "local_experts": local_experts,
+            "param_dtypes": param_dtypes}
+
+
+def _worker(rank: int, world_size: int, jobs: list[tuple[str, dict[str, Any]]], steps: int, out_dir: str) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world_size)
+    try:
+        for name, spec_kwargs in jobs:
+            result = layout_run(make_spec(**spec_kwargs), steps=steps)
+            if rank == 0:
+                Path(out_dir, f"{name}.json").write_text(json.dumps(result))
+    finally:
+        dist.destroy_process_group()
+
+
+def spawn_layouts(
+    jobs: list[tuple[str, dict[str, Any]]], *, world_size: int, steps: int, out_dir: Path
+) -> dict[str, dict[str, list[float]]]:
+    """Run each (name, make_spec kwargs) layout on `world_size` fresh processes; rank 0's results by name."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    mp.start_processes(_worker, args=(world_size, jobs, steps, str(out_dir)), nprocs=world_size,
+                       join=True, start_method="spawn")
+    return {name: json.loads((out_dir / f"{name}.json").read_text()) for name, _ in jobs}

@@ -1,0 +1,91 @@
+"""Equivalence of every layout with one process: same losses (1e-4 relative) and gradient norms, fp32.
+
+Each layout trains the real model for STEPS steps with AdamW and clipping on the same seeded weights and
+token batches (tests/parallel_harness.py). The 2-rank layouts share one set of processes; the 4-rank
+compositions another.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from parallel_harness import make_spec, reference_run, spawn_layouts
+
+STEPS = 10
+REL_TOL = 1e-4
+
+TWO_RANK: dict[str, dict[str, Any]] = {
+    "fsdp": {"data_parallel": 2},
+    "hsdp": {"data_parallel": 2, "data_parallel_replicate": 2},
+    "fsdp_cpu_offload": {"data_parallel": 2, "cpu_offload": True},
+    "tp": {"tensor_parallel": 2},
+    "tp_loss_parallel": {"tensor_parallel": 2, "loss_parallel": True},
+    "pp_1f1b": {"pipeline_parallel": 2, "pipeline_schedule": "1f1b"},
+    "pp_gpipe": {"pipeline_parallel": 2, "pipeline_schedule": "gpipe"},
+    "pp_interleaved": {"pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2,
+                       "n_layers": 4},
+    "ep_moe": {"moe": True, "data_parallel": 2, "expert_parallel": 2},
+}
+# bf16 compute through FSDP's MixedPrecisionPolicy: masters stay fp32, the loss tracks fp32 to bf16 accuracy.
+BF16 = {"fsdp_bf16": {"data_parallel": 2, "compute": "bf16"}}
+BF16_REL_TOL = 2e-2
+FOUR_RANK: dict[str, dict[str, Any]] = {
+    "fsdp_tp_tied": {"data_parallel": 2, "tensor_parallel": 2, "tie": True},
+    "fsdp_pp": {"data_parallel": 2, "pipeline_parallel": 2},
+    "tp_pp": {"tensor_parallel": 2, "pipeline_parallel": 2},
+    "fsdp_ep_replicated_experts": {"moe": True, "data_parallel": 4, "expert_parallel": 2},  # dp_mod_ep = 2
+}
+
+
+def _assert_matches(name: str, got: dict[str, list[float]], kwargs: dict[str, Any]) -> None:
+    ref = reference_run(make_spec(**kwargs), steps=STEPS)
+    assert len(got["loss"]) == STEPS
+    for key in ("loss", "grad_norm"):
+        for step, (mine, expected) in enumerate(zip(got[key], ref[key], strict=True)):
+            assert mine == pytest.approx(expected, rel=REL_TOL), f"{name}: {key} differs at step {step}"
+    assert ref["loss"][-1] < ref["loss"][0], "the reference must learn, or equal losses prove little"
+
+
+@pytest.fixture(scope="module")
+def two_rank(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    out: Path = tmp_path_factory.mktemp("two_rank")
+    return spawn_layouts([*TWO_RANK.items(), *BF16.items()], world_size=2, steps=STEPS, out_dir=out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TWO_RANK))
+def test_two_rank_layout_matches_one_process(name: str, two_rank: dict[str, dict[str, Any]]) -> None:
+    _assert_matches(name, two_rank[name], TWO_RANK[name])
+
+
+@pytest.mark.slow
+def test_fsdp_bf16_mixed_precision_keeps_fp32_masters(two_rank: dict[str, dict[str, Any]]) -> None:
+    got = two_rank["fsdp_bf16"]
+    assert got["param_dtypes"] == ["torch.float32"]
+    ref = reference_run(make_spec(), steps=STEPS)
+    assert got["loss"] == pytest.approx(ref["loss"], rel=BF16_REL_TOL)
+    assert got["loss"] != pytest.approx(ref["loss"], rel=1e-6), "bf16 compute should not be bitwise fp32"
+
+
+@pytest.mark.slow
+def test_expert_parallel_really_splits_experts(two_rank: dict[str, dict[str, Any]]) -> None:
+    assert two_rank["ep_moe"]["local_experts"] == 2  # 4 experts over ep 2
+    assert two_rank["fsdp"]["local_experts"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["fsdp", "tp", "pp_1f1b", "ep_moe"])
+def test_comm_time_is_measured(name: str, two_rank: dict[str, dict[str, Any]]) -> None:
+    comm = two_rank[name]["comm"]
+    assert comm["num_events"] > 0
+    assert 0 < comm["comm_s"] < comm["step_s"]
+
+
+@pytest.mark.slow
+def test_four_rank_compositions_match_one_process(tmp_path: Path) -> None:
+    results = spawn_layouts(list(FOUR_RANK.items()), world_size=4, steps=STEPS, out_dir=tmp_path)
+    for name, kwargs in FOUR_RANK.items():
+        _assert_matches(name, results[name], kwargs)
