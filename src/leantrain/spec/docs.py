@@ -88,7 +88,8 @@ CROSS_FIELD_RULES = """## Cross-field rules
 - `training.global_batch_tokens` is a multiple of `micro_batch × seq_len × data_parallel`.
 - `hardware.num_nodes` lies within `fault.min_nodes .. fault.max_nodes` when those are given.
 - Keys named like secrets (`secret`, `password`, `token`, `access_key`, `secret_key`, `api_key`,
-  `private_key`, `credentials`, or ending in `_token`, `_password`, ...) must be `${{VAR}}` references.
+  `private_key`, `encryption_key`, `credentials`, or ending in `_token`, `_password`, ...) must be
+  `${{VAR}}` references.
 - A profile (`profiles.NAME`, chosen with `--profile NAME`) changes only scale and resources; the paths
   it may set: {allowed}.
 """

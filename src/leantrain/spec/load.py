@@ -21,7 +21,7 @@ from leantrain.spec.schema import SECRET_REF_RE, JobSpec
 
 ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 SECRET_KEY_RE = re.compile(
-    r"(^|_)(secret|secrets|password|passwd|token|access_key|secret_key|api_key|private_key|credentials?)$",
+    r"(^|_)(secret|secrets|password|passwd|token|access_key|secret_key|api_key|private_key|encryption_key|credentials?)$",
     re.IGNORECASE,
 )
 # Profiles change scale and resources only (the seed: environments differ only in data scale and resources).

@@ -1,0 +1,65 @@
+"""Checkpoint events as JSON lines in run_dir/events.jsonl, read by observe/validate/drill.
+
+One object per line: {"time": unix seconds, "event": name, "kind": name, ...fields}. The name is written under
+both keys because observe's reader (observe/report_data.py) keys on "kind"; names are in docs/checkpoints.md.
+Only rank 0 writes, so lines never interleave across processes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("leantrain.ckpt")
+
+# Events that mean something went wrong: also passed to the alert callback.
+ALERT_EVENTS = frozenset(
+    {"checkpoint_failed", "checkpoint_invalid", "checkpoint_fallback", "checkpoint_load_failed",
+     "checkpoint_none_valid", "checkpoint_delete_failed"}
+)
+
+# Events that change or use what is stored: also appended to the run's hash-chained audit.log.
+AUDIT_EVENTS = frozenset(
+    {"checkpoint_saved", "checkpoint_failed", "checkpoint_deleted", "checkpoint_loaded", "checkpoint_invalid",
+     "checkpoint_fallback", "preemption_requested"}
+)
+
+AlertCallback = Callable[[str, dict[str, Any]], None]
+AuditCallback = Callable[..., Any]
+
+
+class EventLog:
+    """Appends events (thread-safe: async saves report from a worker thread)."""
+
+    def __init__(
+        self, path: Path | None, *, on_alert: AlertCallback | None = None, audit: AuditCallback | None = None
+    ) -> None:
+        self.path = path
+        self.on_alert = on_alert
+        self.audit = audit  # e.g. security.AuditLog(...).append
+        self._lock = threading.Lock()
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+
+    def emit(self, event: str, **fields: Any) -> None:
+        if self.path is None:
+            return
+        record = {"time": time.time(), "event": event, "kind": event, **fields}
+        line = json.dumps(record, default=str)
+        with self._lock, open(self.path, "a", encoding="utf-8") as out:
+            out.write(line + "\n")
+            out.flush()
+        if self.audit is not None and event in AUDIT_EVENTS:
+            try:
+                self.audit(event.replace("_", ".", 1), **fields)
+            except OSError as err:  # the audit trail must not stop training; the event line above is kept
+                log.error("audit.log append failed for %s: %s", event, err)
+        if event in ALERT_EVENTS:
+            log.warning("%s: %s", event, {k: v for k, v in fields.items()})
+            if self.on_alert is not None:
+                self.on_alert(event, record)

@@ -1,0 +1,389 @@
+"""Checkpoint manager on one process: round trip, corruption fallback, failing store, retention, async, preemption."""
+
+from __future__ import annotations
+
+import errno
+import json
+import os
+import random
+import signal
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from leantrain.ckpt import CheckpointManager, CheckpointSaveError, RankRNGState
+from leantrain.ckpt.integrity import StepEntry, retention_victims
+from leantrain.ckpt.policy import LLAMA3_FAILURES_PER_GPU_DAY, job_mtbf_s, young_daly_interval_s
+from leantrain.ckpt.storage import LocalStore
+from leantrain.security import AuditLog
+from leantrain.spec import spec_from_dict
+
+BASE_SPEC: dict[str, Any] = {
+    "model": {"n_layers": 1, "d_model": 16, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 32, "vocab_size": 64},
+    "data": {"tokens_total": 1e4, "seq_len": 8},
+    "training": {"global_batch_tokens": 8, "device": "cpu"},
+    "hardware": {"accelerator": "cpu", "gpus_per_node": 1, "num_nodes": 1},
+    "budget": {"target_days": None, "num_gpus": 1},
+    "checkpoint": {"interval_steps": 2, "keep_last": 3},
+}
+
+
+def make_spec(**sections: dict[str, Any]) -> Any:
+    raw = json.loads(json.dumps(BASE_SPEC))
+    for name, values in sections.items():
+        raw.setdefault(name, {}).update(values)
+    return spec_from_dict(raw)
+
+
+def make_app(seed: int = 0) -> dict[str, Any]:
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 12), torch.nn.Tanh(), torch.nn.Linear(12, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.LinearLR(optimizer, start_factor=0.5, total_iters=10)
+    return {
+        "model": model,
+        "optimizer": optimizer,
+        "scheduler": scheduler,
+        "trainer": {"step": 0, "tokens_seen": 0},
+        "sampler": {"global_sample_index": 0},
+        "rng": RankRNGState(0),
+    }
+
+
+def train(app: dict[str, Any], num_steps: int) -> None:
+    """Steps that consume every kind of randomness the checkpoint must restore."""
+    for _ in range(num_steps):
+        x = torch.randn(4, 6) + random.random() + float(np.random.rand())
+        loss = app["model"](x).square().mean()
+        loss.backward()
+        app["optimizer"].step()
+        app["optimizer"].zero_grad()
+        app["scheduler"].step()
+        app["trainer"]["step"] += 1
+        app["trainer"]["tokens_seen"] += 32
+        app["sampler"]["global_sample_index"] += 4
+
+
+def snapshot(app: dict[str, Any]) -> dict[str, Any]:
+    """Everything that must come back bit for bit, plus the next random draws (proves RNG restore)."""
+    state = {
+        "params": [p.detach().clone() for p in app["model"].parameters()],
+        "optim": {
+            k: {kk: vv.clone() for kk, vv in v.items()} for k, v in app["optimizer"].state_dict()["state"].items()
+        },
+        "groups": json.dumps(app["optimizer"].state_dict()["param_groups"]),
+        "sched": json.dumps(app["scheduler"].state_dict()),
+        "trainer": dict(app["trainer"]),
+        "sampler": dict(app["sampler"]),
+    }
+    rng = (torch.get_rng_state(), random.getstate(), np.random.get_state())
+    state["draws"] = (torch.rand(3), random.random(), float(np.random.rand()))
+    torch.set_rng_state(rng[0])
+    random.setstate(rng[1])
+    np.random.set_state(rng[2])
+    return state
+
+
+def assert_same(a: dict[str, Any], b: dict[str, Any]) -> None:
+    assert all(torch.equal(x, y) for x, y in zip(a["params"], b["params"], strict=True))
+    assert a["optim"].keys() == b["optim"].keys()
+    for key in a["optim"]:
+        assert all(torch.equal(a["optim"][key][k], b["optim"][key][k]) for k in a["optim"][key])
+    for key in ("groups", "sched", "trainer", "sampler"):
+        assert a[key] == b[key], key
+    assert torch.equal(a["draws"][0], b["draws"][0]) and a["draws"][1:] == b["draws"][1:]
+
+
+def resume(spec: Any, run_dir: Path, app: dict[str, Any]) -> int | None:
+    """What a restarted trainer does first: a new manager, load_latest, and (here) close."""
+    ckpt = CheckpointManager(spec, run_dir=run_dir)
+    try:
+        return ckpt.load_latest(app)
+    finally:
+        ckpt.close()
+
+
+def events(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "events.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def names(run_dir: Path) -> list[str]:
+    return [e["event"] for e in events(run_dir)]
+
+
+@pytest.fixture
+def run_dir(tmp_path: Path) -> Path:
+    return tmp_path / "run"
+
+
+def test_round_trip_is_bit_identical_and_layout_is_documented(run_dir: Path) -> None:
+    spec = make_spec()
+    app = make_app()
+    train(app, 2)
+    lineage = {"lineage.json": b'{"run_id": "r1"}'}  # extra files are covered by the manifest too
+    ckpt = CheckpointManager(spec, run_dir=run_dir, extra_files=lambda step: lineage)
+    assert ckpt.should_save(2) and not ckpt.should_save(3)
+    ckpt.save(2, app, blocking=True)
+    expected = snapshot(app)
+    folder = run_dir / "checkpoints" / "step-00000002"
+    assert {"COMMIT", "manifest.json", ".metadata", "lineage.json"} <= {p.name for p in folder.iterdir()}
+    manifest = json.loads((folder / "manifest.json").read_text())
+    assert manifest["step"] == 2 and {".metadata", "__0_0.distcp", "lineage.json"} <= manifest["files"].keys()
+    ckpt.close()
+
+    fresh = make_app(seed=1)
+    train(fresh, 5)  # different weights, optimizer moments, LR step, counters and RNG
+    ckpt2 = CheckpointManager(spec, run_dir=run_dir)
+    assert ckpt2.load_latest(fresh) == 2
+    assert_same(snapshot(fresh), expected)
+    assert not ckpt2.should_save(2)  # the resume point is not saved again
+    ckpt2.close()
+    saved = [e for e in events(run_dir) if e["event"] == "checkpoint_saved"][0]
+    assert saved["kind"] == "checkpoint_saved" and saved["bytes"] > 0 and saved["duration_s"] >= 0
+    assert "checkpoint_loaded" in names(run_dir)
+    audit = AuditLog(run_dir / "audit.log")
+    assert audit.verify().ok and [e["event"] for e in audit.entries()] == ["checkpoint.saved", "checkpoint.loaded"]
+
+
+def _corrupt(folder: Path, how: str) -> None:
+    shard = folder / "__0_0.distcp"
+    data = bytearray(shard.read_bytes())
+    if how == "truncated":
+        shard.write_bytes(bytes(data[: len(data) // 2]))
+    elif how == "bit_flipped":
+        data[len(data) // 3] ^= 0x10
+        shard.write_bytes(bytes(data))
+    elif how == "half_written":
+        (folder / "COMMIT").unlink()
+    elif how == "missing_file":
+        (folder / ".metadata").unlink()
+
+
+@pytest.mark.parametrize("how", ["truncated", "bit_flipped", "half_written", "missing_file"])
+def test_damaged_newest_checkpoint_is_skipped_with_fallback(run_dir: Path, how: str) -> None:
+    spec = make_spec()
+    app = make_app()
+    ckpt = CheckpointManager(spec, run_dir=run_dir)
+    train(app, 2)
+    ckpt.save(2, app, blocking=True)
+    expected = snapshot(app)
+    train(app, 2)
+    ckpt.save(4, app, blocking=True)
+    ckpt.close()
+    _corrupt(run_dir / "checkpoints" / "step-00000004", how)
+    # A crash mid-save leaves a temporary folder: never a candidate.
+    (run_dir / "checkpoints" / ".tmp-step-00000006").mkdir()
+
+    fresh = make_app(seed=3)
+    ckpt2 = CheckpointManager(spec, run_dir=run_dir)
+    assert ckpt2.load_latest(fresh) == 2
+    assert_same(snapshot(fresh), expected)
+    invalid = [e for e in events(run_dir) if e["event"] == "checkpoint_invalid"]
+    assert [e["step"] for e in invalid] == [4]
+    if how != "half_written":
+        fallback = [e for e in events(run_dir) if e["event"] == "checkpoint_fallback"]
+        assert fallback and fallback[0]["from_step"] == 4 and fallback[0]["to_step"] == 2
+        assert (run_dir / "checkpoints" / "step-00000004" / "CORRUPT").exists()
+    # Training goes on and re-saves step 4 over the condemned folder; retention clears the temporary one.
+    train(fresh, 2)
+    ckpt2.save(4, fresh, blocking=True)
+    ckpt2.close()
+    left = sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+    assert left == ["step-00000002", "step-00000004"]
+    assert resume(spec, run_dir, make_app(seed=4)) == 4
+
+
+class FailingStore(LocalStore):
+    """A disk that fills up: once armed, a write raises ENOSPC after `budget_bytes` bytes."""
+
+    def __init__(self, root: Path, budget_bytes: int) -> None:
+        super().__init__(root)
+        self.armed = False
+        self.budget_bytes = budget_bytes
+
+    def open_write(self, rel: str) -> Any:
+        stream = super().open_write(rel)
+        if not self.armed:
+            return stream
+        store = self
+
+        class Full:
+            def __init__(self) -> None:
+                self.num_bytes = 0
+
+            def write(self, data: Any) -> int:
+                self.num_bytes += len(data)
+                if self.num_bytes > store.budget_bytes:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return stream.write(data)
+
+            def __getattr__(self, name: str) -> Any:
+                return getattr(stream, name)
+
+            def __enter__(self) -> Full:
+                return self
+
+            def __exit__(self, *exc: object) -> None:
+                stream.close()
+
+        return Full()
+
+
+@pytest.mark.parametrize("blocking", [True, False])
+def test_failing_store_loses_nothing_and_run_continues(run_dir: Path, blocking: bool) -> None:
+    spec = make_spec(checkpoint={"keep_last": 1})
+    store = FailingStore(run_dir / "checkpoints", budget_bytes=1000)
+    alerts: list[str] = []
+    ckpt = CheckpointManager(spec, run_dir=run_dir, store=store, on_alert=lambda name, _: alerts.append(name))
+    app = make_app()
+    train(app, 2)
+    ckpt.save(2, app, blocking=True)
+    expected = snapshot(app)
+    store.armed = True
+    train(app, 2)
+    with pytest.raises(CheckpointSaveError, match="No space left"):
+        ckpt.save(4, app, blocking=blocking)
+        ckpt.wait()
+    assert alerts == ["checkpoint_failed"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000002"]
+    fresh = make_app(seed=2)
+    assert resume(spec, run_dir, fresh) == 2
+    assert_same(snapshot(fresh), expected)
+    store.armed = False  # the disk recovers: the next interval saves, and only then is step 2 retired
+    ckpt.save(6, app, blocking=blocking)
+    ckpt.close()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000006"]
+
+
+def test_retention_never_deletes_the_newest_good() -> None:
+    entries = [
+        StepEntry(step=2, name="step-00000002", committed=True, corrupt=False),
+        StepEntry(step=4, name="step-00000004", committed=True, corrupt=False),
+        StepEntry(step=6, name="step-00000006", committed=True, corrupt=True),
+        StepEntry(step=8, name="step-00000008", committed=False, corrupt=False),
+    ]
+    victims = dict(retention_victims(entries, keep_last=1))
+    assert victims == {"step-00000002": "beyond keep_last=1"}  # 6 and 8 are newer than the newest good (4)
+    assert retention_victims([e for e in entries if not e.good_candidate], keep_last=1) == []
+
+
+def test_async_save_snapshots_state_while_training_continues(run_dir: Path) -> None:
+    spec = make_spec(checkpoint={"async_save": True})
+    app = make_app()
+    train(app, 2)
+    ckpt = CheckpointManager(spec, run_dir=run_dir)
+    ckpt.save(2, app)  # async per the spec
+    expected = snapshot(app)
+    train(app, 3)  # mutates parameters and counters in place while the write may still run
+    ckpt.wait()
+    ckpt.close()
+    saved = [e for e in events(run_dir) if e["event"] == "checkpoint_saved"][0]
+    assert saved["async"] is True and saved["stall_s"] <= saved["duration_s"]
+    fresh = make_app(seed=5)
+    assert resume(spec, run_dir, fresh) == 2
+    assert_same(snapshot(fresh), expected)
+
+
+def test_preemption_signal_triggers_immediate_blocking_save(run_dir: Path) -> None:
+    spec = make_spec(checkpoint={"interval_steps": 1000, "async_save": True})
+    before = signal.getsignal(signal.SIGUSR1)
+    ckpt = CheckpointManager(spec, run_dir=run_dir)
+    app = make_app()
+    train(app, 3)
+    assert not ckpt.should_save(3)
+    os.kill(os.getpid(), signal.SIGUSR1)
+    for _ in range(1000):  # delivery is asynchronous: poll, never sleep
+        if ckpt.preemption.received:
+            break
+    assert ckpt.preemption.received == "SIGUSR1"
+    assert ckpt.should_save(3) and ckpt.preempt_requested
+    ckpt.save(3, app)  # blocking despite async_save: the process is about to exit
+    assert (run_dir / "checkpoints" / "step-00000003" / "COMMIT").exists()
+    assert not ckpt.should_save(3)
+    ckpt.close()
+    assert signal.getsignal(signal.SIGUSR1) is before
+    assert names(run_dir)[:2] == ["preemption_requested", "checkpoint_save_started"]
+
+
+def test_young_daly_interval_and_auto_retune(run_dir: Path) -> None:
+    assert young_daly_interval_s(save_s=50.0, mtbf_s=10_000.0) == pytest.approx(1000.0)
+    mtbf = job_mtbf_s(failures_per_gpu_day=None, num_gpus=16384)
+    assert mtbf == pytest.approx(54 * 86400 / 419)  # Llama 3: 419 interruptions in 54 days
+    assert abs(LLAMA3_FAILURES_PER_GPU_DAY - 4.736e-4) < 1e-6
+    now = [0.0]
+    spec = make_spec(checkpoint={"interval_steps": "auto"}, fault={"failures_per_gpu_day": 8640.0})
+    # 8640 failures per GPU-day: M = 10 s; with δ = 0.2 s the interval is sqrt(2·0.2·10) = 2 s.
+    ckpt = CheckpointManager(spec, run_dir=run_dir, expected_save_s=0.2, clock=lambda: now[0])
+    assert ckpt.auto is not None and ckpt.auto.interval_s == pytest.approx(2.0)
+    now[0] = 1.9
+    assert not ckpt.should_save(1)
+    now[0] = 2.1
+    assert ckpt.should_save(2)
+    app = make_app()
+
+    def slow_clock() -> float:  # the save "takes" 0.8 s of the injected clock
+        now[0] += 0.4
+        return now[0]
+
+    ckpt.clock = slow_clock
+    ckpt.save(2, app, blocking=True)
+    assert ckpt.auto.save_s == pytest.approx(0.8, abs=0.41)  # measured δ replaces the estimate
+    assert ckpt.auto.interval_s == pytest.approx((2 * ckpt.auto.save_s * 10.0) ** 0.5)
+    ckpt.close()
+    kinds = names(run_dir)
+    assert kinds[0] == "checkpoint_interval" and "checkpoint_saved" in kinds
+
+
+def test_same_step_is_not_saved_twice(run_dir: Path) -> None:
+    spec = make_spec()
+    app = make_app()
+    ckpt = CheckpointManager(spec, run_dir=run_dir)
+    ckpt.save(2, app, blocking=True)
+    ckpt.close()
+    again = CheckpointManager(spec, run_dir=run_dir)
+    again.save(2, app, blocking=True)
+    again.close()
+    assert names(run_dir).count("checkpoint_saved") == 1 and "checkpoint_skipped" in names(run_dir)
+
+
+def test_trainer_hook_saves_on_interval_and_resumes_counters(run_dir: Path) -> None:
+    from types import SimpleNamespace
+
+    from leantrain.ckpt.hook import TrainerCheckpointer
+
+    class Sampler:
+        def __init__(self) -> None:
+            self.position = 0
+
+        def state_dict(self) -> dict[str, int]:
+            return {"global_sample_index": self.position}
+
+        def load_state_dict(self, state: dict[str, int]) -> None:
+            self.position = state["global_sample_index"]
+
+    def make_trainer(seed: int) -> SimpleNamespace:
+        app = make_app(seed)
+        return SimpleNamespace(spec=make_spec(), run_dir=run_dir, runtime=SimpleNamespace(rank=0, world_size=1),
+                               model=app["model"], optimizer=app["optimizer"], scheduler=app["scheduler"],
+                               sampler=Sampler(), step=0, tokens_seen=0, skipped_steps=0)
+
+    trainer = make_trainer(0)
+    hook = TrainerCheckpointer(trainer)
+    assert not hook.load_latest(trainer)
+    for _ in range(3):
+        trainer.step += 1
+        trainer.tokens_seen += 10
+        trainer.sampler.position += 4
+        hook.maybe_save(trainer, force=trainer.step == 3)
+    hook.close()
+    assert [e["step"] for e in events(run_dir) if e["event"] == "checkpoint_saved"] == [2, 3]
+    again = make_trainer(1)
+    hook2 = TrainerCheckpointer(again)
+    assert hook2.load_latest(again)
+    hook2.close()
+    assert (again.step, again.tokens_seen, again.sampler.position) == (3, 30, 12)
+    assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), again.model.parameters(), strict=True))
