@@ -272,3 +272,10 @@ def test_fuzzed_specs_never_traceback(changes: list[tuple[str, object]]) -> None
         spec_from_dict(raw)
     except (SpecError, UserInputError) as err:
         assert str(err)
+
+
+def test_a_dumped_spec_reloads() -> None:
+    """Tokenizer special tokens (eos_token) are not secrets, so a full dump round-trips."""
+    spec = spec_from_dict(TINY)
+    again = spec_from_dict(spec.model_dump(mode="json"))
+    assert again == spec

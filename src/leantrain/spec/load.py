@@ -34,8 +34,12 @@ PROFILE_ALLOWED_PREFIXES = (
 )
 
 
+# Tokenizer special tokens end in "_token" but are vocabulary entries, not credentials.
+NOT_SECRET_KEY_RE = re.compile(r"^(eos|bos|pad|unk|sep|cls|mask)_token$", re.IGNORECASE)
+
+
 def is_secret_key(key: str) -> bool:
-    return bool(SECRET_KEY_RE.search(key))
+    return bool(SECRET_KEY_RE.search(key)) and not NOT_SECRET_KEY_RE.match(key)
 
 
 def _walk(node: Any, path: str = ""):

@@ -1,0 +1,147 @@
+"""Mixture-of-experts layer: top-k router, dropless grouped experts, shared experts, load balancing.
+
+Dispatch is dropless: every (token, expert) assignment is computed. Assignments are sorted by expert and
+packed into one zero-padded (experts, max_tokens_per_expert, d_model) tensor, so all experts run in three
+batched matmuls — no Python loop over tokens or experts. Padding costs (experts × max_load − assignments)
+rows, small when the load is balanced; on GPUs a grouped GEMM would skip it.
+
+Balancing (chosen by `model.moe.balance`):
+- aux_loss: Switch/GShard auxiliary loss E · Σ_i f_i · P_i (f_i: share of assignments to expert i,
+  P_i: mean router probability of i), Fedus et al. 2021, eq. 4; weighted by `aux_loss_coef`.
+- aux_free: DeepSeek-V3's bias (Liu et al. 2024, §2.1.2): a per-expert bias added to the scores for
+  *selection only*; after each optimizer step it moves by `bias_update_rate` towards the under-loaded
+  experts (b_i += rate · sign(mean_load − load_i)).
+Per-expert token counts are kept in a buffer between optimizer steps for the update and for logging.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from leantrain.model.transformer import INIT_STD, FeedForward
+
+if TYPE_CHECKING:
+    from leantrain.model.transformer import ModelArgs
+
+
+class Router(nn.Module):
+    """Scores each token against every expert and picks the top k."""
+
+    def __init__(self, *, d_model: int, num_experts: int, top_k: int, score: str) -> None:
+        super().__init__()
+        self.gate = nn.Linear(d_model, num_experts, bias=False)
+        self.top_k, self.score = top_k, score
+
+    def forward(
+        self, x: torch.Tensor, *, selection_bias: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x (tokens, d_model) -> probs (tokens, experts) fp32, top indices and weights (tokens, k)."""
+        logits = self.gate(x).float()  # (tokens, experts)
+        probs = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()
+        selection = probs if selection_bias is None else probs + selection_bias
+        top_idx = selection.topk(self.top_k, dim=-1).indices  # (tokens, k)
+        top_weights = probs.gather(-1, top_idx)
+        if self.top_k > 1:  # top-1 keeps the raw probability so the router still gets a gradient
+            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
+        return probs, top_idx, top_weights
+
+
+class GroupedExperts(nn.Module):
+    """`num_experts` SwiGLU MLPs stored as stacked weights and run as batched matmuls."""
+
+    def __init__(self, *, num_experts: int, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(num_experts, d_model, hidden))
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, d_model))
+        self.w3 = nn.Parameter(torch.empty(num_experts, d_model, hidden))
+
+    def forward(self, x_sorted: torch.Tensor, expert_ids: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x_sorted (assignments, d_model) grouped by expert; expert_ids (assignments,) ascending."""
+        # Under expert parallelism the weights are DTensors split over experts: compute with this rank's experts.
+        w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        num_experts = w1.shape[0]
+        starts = torch.cumsum(counts, 0) - counts  # first row of each expert's group
+        slot = torch.arange(x_sorted.shape[0], device=x_sorted.device) - starts[expert_ids]
+        max_load = int(counts.max().item()) if x_sorted.shape[0] else 0
+        padded = x_sorted.new_zeros(num_experts, max_load, x_sorted.shape[1])  # (experts, max_load, d_model)
+        padded[expert_ids, slot] = x_sorted
+        hidden = F.silu(torch.bmm(padded, w1.to(x_sorted.dtype))) * torch.bmm(padded, w3.to(x_sorted.dtype))
+        out = torch.bmm(hidden, w2.to(x_sorted.dtype))  # (experts, max_load, d_model)
+        return out[expert_ids, slot]
+
+    def init_weights(self, *, out_std: float) -> None:
+        nn.init.trunc_normal_(self.w1, std=INIT_STD)
+        nn.init.trunc_normal_(self.w3, std=INIT_STD)
+        nn.init.trunc_normal_(self.w2, std=out_std)
+
+
+class MoE(nn.Module):
+    """Router + routed experts (+ shared experts), with load-balancing state."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        moe = args.moe
+        assert moe is not None
+        d_model = args.shape.d_model
+        self.num_experts, self.top_k, self.balance = moe.num_experts, moe.top_k, args.balance
+        self.router = Router(d_model=d_model, num_experts=moe.num_experts, top_k=moe.top_k, score=args.router)
+        self.experts = GroupedExperts(num_experts=moe.num_experts, d_model=d_model, hidden=moe.expert_hidden)
+        # All shared experts see every token, so they are one SwiGLU of num_shared × expert_hidden.
+        self.shared_experts = (
+            FeedForward(d_model=d_model, hidden=moe.num_shared_experts * moe.expert_hidden)
+            if moe.num_shared_experts
+            else None
+        )
+        # The selection bias is state (checkpointed), not a parameter: no gradient moves it.
+        self.register_buffer("expert_bias", torch.zeros(moe.num_experts))
+        # Assignments per expert since the last balance update (model-level forward adds to it).
+        self.register_buffer("tokens_per_expert", torch.zeros(moe.num_experts), persistent=False)
+        self.last_counts: torch.Tensor | None = None
+        self.last_aux_loss: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, d_model = x.shape
+        flat = x.reshape(batch * seq_len, d_model)  # (tokens, d_model)
+        bias = self.expert_bias if self.balance == "aux_free" else None
+        probs, top_idx, top_weights = self.router(flat, selection_bias=bias)
+        assigned = top_idx.reshape(-1)  # (tokens × k,)
+        counts = torch.bincount(assigned, minlength=self.num_experts)
+        # Kept, not accumulated, here: a recomputed forward (activation checkpointing) would count twice.
+        self.last_counts = counts.detach()
+        if self.balance == "aux_loss":
+            share = counts.float() / assigned.numel()
+            mean_prob = (probs / probs.sum(dim=-1, keepdim=True)).mean(dim=0)
+            self.last_aux_loss = self.num_experts * (share * mean_prob).sum()
+        order = assigned.argsort(stable=True)
+        token_idx = order // self.top_k
+        out_sorted = self.experts(flat[token_idx], assigned[order], counts)  # (tokens × k, d_model)
+        out_sorted = out_sorted * top_weights.reshape(-1)[order].unsqueeze(-1).to(out_sorted.dtype)
+        # Under autocast the experts' output is bf16 while `flat` is fp32: accumulate in the experts' dtype.
+        out = flat.new_zeros(flat.shape, dtype=out_sorted.dtype).index_add_(0, token_idx, out_sorted)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.view(batch, seq_len, d_model)
+
+    def init_weights(self, *, out_std: float) -> None:
+        nn.init.trunc_normal_(self.router.gate.weight, std=INIT_STD)
+        self.experts.init_weights(out_std=out_std)
+        if self.shared_experts is not None:
+            self.shared_experts.init_weights(out_std=out_std)
+        self.expert_bias.zero_()
+        self.tokens_per_expert.zero_()
+
+    @torch.no_grad()
+    def update_balance(self, *, bias_update_rate: float) -> torch.Tensor:
+        """End of an optimizer step: sum the counts over ranks, move the aux-free bias, return and reset counts."""
+        counts = self.tokens_per_expert.clone()
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.all_reduce(counts)
+        if self.balance == "aux_free" and counts.sum() > 0:
+            self.expert_bias += bias_update_rate * torch.sign(counts.mean() - counts)
+        self.tokens_per_expert.zero_()
+        return counts

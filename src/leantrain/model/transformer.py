@@ -1,0 +1,279 @@
+"""A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention through SDPA, tied or untied embeddings.
+
+The model is built on the meta device and materialised by `init_weights` (see `build_model`), so a
+parallelize step can shard it before any memory is allocated. Layer names follow torchtitan's Llama
+(`tok_embeddings`, `layers.N.attention.wq`, `feed_forward.w1` ...); `leantrain.model.hf` maps them to and
+from Hugging Face's names. RoPE uses the rotate-half layout, as Hugging Face does, so weights copy over
+without permuting q/k.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from leantrain.spec.schema import ModelSpec
+from leantrain.spec.shapes import ModelShape, ResolvedMoE, resolve_shape
+
+if TYPE_CHECKING:
+    from leantrain.model.moe import MoE
+
+Recompute = Literal["none", "selective", "full"]
+INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Everything the model needs: the planner's shape plus RoPE/norm constants and MoE routing."""
+
+    shape: ModelShape
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 4096
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
+    aux_loss_coef: float = 0.01
+    bias_update_rate: float = 1e-3
+
+    @property
+    def moe(self) -> ResolvedMoE | None:
+        return self.shape.moe
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 (as Llama and Hugging Face do), cast back to the input dtype."""
+
+    def __init__(self, dim: int, *, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * normed
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+def rope_tables(*, head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
+    """cos/sin tables for rotate-half RoPE, stacked: (2, max_seq_len, head_dim)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)  # (seq, head_dim / 2)
+    angles = torch.cat([angles, angles], dim=-1)  # (seq, head_dim)
+    return torch.stack([angles.cos(), angles.sin()])
+
+
+def apply_rope(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """Rotate (batch, heads, seq, head_dim) by the first `seq` rows of the cos/sin tables."""
+    seq_len = x.shape[-2]
+    cos, sin = tables[0, :seq_len].to(x.dtype), tables[1, :seq_len].to(x.dtype)
+    half = x.shape[-1] // 2
+    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+    return x * cos + rotated * sin
+
+
+class Attention(nn.Module):
+    """Grouped-query causal self-attention; the core is SDPA (flash/efficient kernels where available)."""
+
+    def __init__(self, shape: ModelShape) -> None:
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = shape.n_heads, shape.n_kv_heads, shape.head_dim
+        self.wq = nn.Linear(shape.d_model, shape.n_heads * shape.head_dim, bias=False)
+        self.wk = nn.Linear(shape.d_model, shape.kv_dim, bias=False)
+        self.wv = nn.Linear(shape.d_model, shape.kv_dim, bias=False)
+        self.wo = nn.Linear(shape.n_heads * shape.head_dim, shape.d_model, bias=False)
+        self.recompute_core = False  # selective recompute: redo only the attention core in backward
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, _ = x.shape  # (batch, seq, d_model)
+        # Head counts come from the projections' outputs (-1): under tensor parallelism a rank holds n_heads / tp.
+        q = self.wq(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)  # (b, h, s, hd)
+        k = self.wk(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)  # (b, kv, s, hd)
+        v = self.wv(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        out = checkpoint(_causal_sdpa, q, k, v, use_reentrant=False) if self.recompute_core else _causal_sdpa(q, k, v)
+        out = out.transpose(1, 2).reshape(batch, seq_len, -1)
+        return self.wo(out)
+
+
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, *, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(d_model, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d_model, bias=False)
+        self.w3 = nn.Linear(d_model, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, *, out_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, std=INIT_STD)
+        nn.init.trunc_normal_(self.w3.weight, std=INIT_STD)
+        nn.init.trunc_normal_(self.w2.weight, std=out_std)
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)); the MLP is dense or mixture-of-experts."""
+
+    def __init__(self, args: ModelArgs, *, layer_id: int) -> None:
+        super().__init__()
+        shape = args.shape
+        self.attention = Attention(shape)
+        self.attention_norm = RMSNorm(shape.d_model, eps=args.norm_eps)
+        self.ffn_norm = RMSNorm(shape.d_model, eps=args.norm_eps)
+        self.is_moe = shape.moe is not None and layer_id >= shape.moe.first_dense_layers
+        if self.is_moe:
+            from leantrain.model.moe import MoE
+
+            self.feed_forward: nn.Module = MoE(args)
+        else:
+            self.feed_forward = FeedForward(d_model=shape.d_model, hidden=shape.ffn_hidden)
+        # Depth-scaled init of the output projections keeps the residual stream's variance flat (GPT-2).
+        self.out_std = INIT_STD / math.sqrt(2 * shape.n_layers)
+        self.recompute_full = False
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        if self.recompute_full:
+            return checkpoint(self._forward, x, rope, use_reentrant=False)
+        return self._forward(x, rope)
+
+    def _forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        h = x + self.attention(self.attention_norm(x), rope)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+    def init_weights(self) -> None:
+        for norm in (self.attention_norm, self.ffn_norm):
+            norm.reset_parameters()
+        for linear in (self.attention.wq, self.attention.wk, self.attention.wv):
+            nn.init.trunc_normal_(linear.weight, std=INIT_STD)
+        nn.init.trunc_normal_(self.attention.wo.weight, std=self.out_std)
+        self.feed_forward.init_weights(out_std=self.out_std)  # type: ignore[operator]
+
+
+class Transformer(nn.Module):
+    """The decoder. forward(tokens (batch, seq)) -> logits (batch, seq, vocab)."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        shape = args.shape
+        self.args = args
+        self.tok_embeddings = nn.Embedding(shape.vocab_size, shape.d_model)
+        # A ModuleDict keyed by the global layer index keeps names stable when pipeline stages drop layers.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args, layer_id=i) for i in range(shape.n_layers)})
+        self.norm = RMSNorm(shape.d_model, eps=args.norm_eps)
+        # Tied embeddings reuse tok_embeddings.weight in forward: no second parameter to keep tied.
+        self.output = None if shape.tie_embeddings else nn.Linear(shape.d_model, shape.vocab_size, bias=False)
+        head_dim = shape.head_dim
+        self.register_buffer("rope", torch.empty(2, args.max_seq_len, head_dim), persistent=False)
+        self._aux_loss: torch.Tensor | None = None
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        if tokens.shape[1] > self.args.max_seq_len:
+            raise ValueError(f"sequence of {tokens.shape[1]} tokens exceeds max_seq_len {self.args.max_seq_len}")
+        h = self.tok_embeddings(tokens)  # (batch, seq, d_model)
+        for layer in self.layers.values():
+            h = layer(h, self.rope)
+        h = self.norm(h)
+        self._collect_moe_stats()
+        # Calling the output module (not F.linear on its weight) lets tensor parallelism's hooks on it run.
+        if self.output is not None:
+            return self.output(h)  # (batch, seq, vocab)
+        return F.linear(h, self.tok_embeddings.weight)
+
+    def _collect_moe_stats(self) -> None:
+        """After the forward (not inside a block, which recompute may rerun): add counts, sum aux losses."""
+        aux_losses = []
+        for moe in self.moe_layers():
+            if self.training and moe.last_counts is not None:
+                moe.tokens_per_expert += moe.last_counts
+            if moe.last_aux_loss is not None:
+                aux_losses.append(moe.last_aux_loss)
+            moe.last_counts, moe.last_aux_loss = None, None
+        self._aux_loss = torch.stack(aux_losses).sum() * self.args.aux_loss_coef if aux_losses else None
+
+    def auxiliary_loss(self) -> torch.Tensor | None:
+        """The weighted MoE balance loss of the last forward, to add to the training loss (None when dense)."""
+        return self._aux_loss
+
+    def update_moe_balance(self) -> torch.Tensor | None:
+        """Call after each optimizer step: aux-free bias update; returns token counts (moe_layers, experts)."""
+        layers = self.moe_layers()
+        if not layers:
+            return None
+        return torch.stack([m.update_balance(bias_update_rate=self.args.bias_update_rate) for m in layers])
+
+    @torch.no_grad()
+    def init_weights(self, *, buffer_device: torch.device | None = None) -> None:
+        """Fill every parameter and buffer; call after `to_empty` when the model was built on meta."""
+        shape = self.args.shape
+        device = buffer_device or self.tok_embeddings.weight.device
+        self.rope = rope_tables(
+            head_dim=shape.head_dim, max_seq_len=self.args.max_seq_len, theta=self.args.rope_theta, device=device
+        )
+        nn.init.normal_(self.tok_embeddings.weight, std=INIT_STD)
+        for layer in self.layers.values():
+            layer.init_weights()  # type: ignore[operator]
+        self.norm.reset_parameters()
+        if self.output is not None:
+            # Scaled by 1/sqrt(d_model) so the first logits are small whatever the width (torchtitan's choice).
+            cutoff = 3 / math.sqrt(shape.d_model)
+            nn.init.trunc_normal_(self.output.weight, std=1 / math.sqrt(shape.d_model), a=-cutoff, b=cutoff)
+
+    def set_recompute(self, mode: Recompute) -> None:
+        """Activation checkpointing: none; selective (attention core only); full (every block)."""
+        for layer in self.layers.values():
+            layer.recompute_full = mode == "full"
+            layer.attention.recompute_core = mode == "selective"
+
+    def compile_blocks(self) -> None:
+        """torch.compile each block in place (names and state_dict keys stay the same)."""
+        for layer in self.layers.values():
+            layer.compile()
+
+    def moe_layers(self) -> list[MoE]:
+        return [layer.feed_forward for layer in self.layers.values() if layer.is_moe]  # type: ignore[misc]
+
+
+def model_args_from_spec(model: ModelSpec, *, max_seq_len: int) -> ModelArgs:
+    """ModelArgs from the spec's model section, with the planner's resolved shape (one source of truth)."""
+    moe = model.moe
+    return ModelArgs(
+        shape=resolve_shape(model),
+        rope_theta=model.rope_theta,
+        norm_eps=model.norm_eps,
+        max_seq_len=max_seq_len,
+        router=moe.router if moe else "softmax",
+        balance=moe.balance if moe else "none",
+        aux_loss_coef=moe.aux_loss_coef if moe else 0.0,
+        bias_update_rate=moe.bias_update_rate if moe else 0.0,
+    )
+
+
+def build_model(args: ModelArgs, *, device: torch.device, seed: int | None = None) -> Transformer:
+    """Build on meta (no memory), materialise on `device`, then initialise (seeded when `seed` is given)."""
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=device)
+    if seed is not None:
+        torch.manual_seed(seed)
+    model.init_weights(buffer_device=device)
+    return model
+
+
+def num_params(model: nn.Module) -> int:
+    """Parameters counted once each (tied weights once), to compare with ModelShape.total_params()."""
+    return sum(p.numel() for p in model.parameters())

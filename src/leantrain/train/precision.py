@@ -1,0 +1,94 @@
+"""Mixed precision: which dtype the weights live in, which dtype matmuls run in, and what is refused.
+
+- compute bf16 + master fp32 (the default): parameters, gradients and optimizer updates stay fp32;
+  forward/backward matmuls run in bf16 under `torch.autocast`. This is what "bf16 with fp32 master
+  weights" means in Megatron/torchtitan terms, with no separate copy to keep in sync.
+- master bf16: parameters themselves are bf16 (half the memory, less exact updates).
+- fp8: torchao's float8 training (dynamic scaling) on GPUs with fp8 tensor cores (compute capability
+  ≥ 8.9); refused on other devices, because an emulated fp8 is slower and says nothing about the result.
+- fp16 needs loss scaling, which this trainer does not implement: refused, pointing to bf16.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from leantrain.errors import UserInputError
+from leantrain.spec.schema import PrecisionSpec
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+FP8_MIN_CAPABILITY = (8, 9)  # Ada/Hopper and newer have fp8 tensor cores
+
+
+@dataclass(frozen=True)
+class PrecisionPolicy:
+    """The resolved numeric formats for one device."""
+
+    compute: str  # fp32 | bf16 | fp8
+    param_dtype: torch.dtype
+    device_type: str
+
+    def autocast(self) -> contextlib.AbstractContextManager[None]:
+        """The context each forward runs in: bf16 autocast, or nothing for fp32 (fp8 swaps the Linear layers)."""
+        if self.compute == "bf16" and self.param_dtype != torch.bfloat16:
+            return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    @property
+    def peak_dtype(self) -> str:
+        """The dtype whose catalog peak MFU is measured against."""
+        return self.compute
+
+
+def resolve_precision(spec: PrecisionSpec, *, device: torch.device) -> PrecisionPolicy:
+    """Check the spec's formats against the device and return the policy, or refuse with the field named."""
+    if spec.compute == "fp16":
+        raise UserInputError(
+            "precision.compute: fp16 needs dynamic loss scaling, which this trainer does not implement; "
+            "use bf16 (same speed on every GPU with fp16 tensor cores since A100) or fp32"
+        )
+    if spec.compute == "fp8":
+        _check_fp8_device(device)
+    if spec.compute == "fp32" and spec.master_weights == "bf16":
+        raise UserInputError("precision.master_weights: bf16 with compute fp32 is contradictory; use compute: bf16")
+    return PrecisionPolicy(compute=spec.compute, param_dtype=DTYPES[spec.master_weights], device_type=device.type)
+
+
+def _check_fp8_device(device: torch.device) -> None:
+    if device.type != "cuda":
+        raise UserInputError(
+            f"precision.compute: fp8 needs a GPU with fp8 tensor cores (compute capability ≥ 8.9, e.g. H100); "
+            f"this run is on {device.type}. Use bf16 or fp32 here."
+        )
+    capability = torch.cuda.get_device_capability(device)
+    if capability < FP8_MIN_CAPABILITY:
+        raise UserInputError(
+            f"precision.compute: fp8 needs compute capability ≥ 8.9; {torch.cuda.get_device_name(device)} has "
+            f"{capability[0]}.{capability[1]}. Use bf16."
+        )
+
+
+def fp8_linear_filter(module: nn.Module, fqn: str) -> bool:
+    """Which Linear layers go to float8: dims divisible by 16 (the fp8 GEMM's rule), not the output head."""
+    if not isinstance(module, nn.Linear) or fqn == "output":
+        return False
+    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+
+
+def apply_precision(model: nn.Module, policy: PrecisionPolicy, *, swap: bool = True, cast: bool = True) -> nn.Module:
+    """Swap Linear layers to float8 (fp8; before materialising) and cast parameters to the master dtype
+    (after initialising; buffers such as RoPE tables and expert counts stay fp32). Returns the model."""
+    if swap and policy.compute == "fp8":
+        from torchao.float8 import convert_to_float8_training
+
+        filter_fn: Callable[[nn.Module, str], bool] = fp8_linear_filter
+        convert_to_float8_training(model, module_filter_fn=filter_fn)
+    if cast and policy.param_dtype != torch.float32:
+        for param in model.parameters():
+            param.data = param.data.to(policy.param_dtype)
+    return model

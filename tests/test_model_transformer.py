@@ -1,0 +1,87 @@
+"""The dense model: parameter counts equal the planner's, attention is causal, recompute keeps gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from leantrain.model import ModelArgs, Transformer, build_model, model_args_from_spec, num_params
+from leantrain.spec.schema import ModelSpec
+from leantrain.spec.shapes import resolve_shape
+
+TINY = {"n_layers": 2, "d_model": 32, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 64, "vocab_size": 97}
+
+
+def tiny_args(**overrides: object) -> ModelArgs:
+    spec = ModelSpec(**{**TINY, **overrides})
+    return model_args_from_spec(spec, max_seq_len=16)
+
+
+@pytest.mark.parametrize(
+    "model_fields",
+    [
+        {**TINY, "tie_embeddings": True},
+        {**TINY, "tie_embeddings": False},
+        {**TINY, "n_kv_heads": 4},
+        {**TINY, "n_layers": 3, "architecture": "moe",
+         "moe": {"num_experts": 4, "top_k": 2, "num_shared_experts": 1, "first_dense_layers": 1}},
+        {"size_billion": 8.03},  # Llama 3 8B, built on the meta device (no memory)
+    ],
+    ids=["tied", "untied", "mha", "moe-shared-first-dense", "llama3-8b-meta"],
+)
+def test_parameter_count_matches_planner(model_fields: dict) -> None:
+    spec = ModelSpec(**model_fields)
+    with torch.device("meta"):
+        model = Transformer(model_args_from_spec(spec, max_seq_len=16))
+    assert num_params(model) == resolve_shape(spec).total_params()
+
+
+def test_shapes_follow_the_spec() -> None:
+    model = build_model(tiny_args(), device=torch.device("cpu"), seed=0)
+    attention = model.layers["0"].attention
+    assert attention.wq.weight.shape == (32, 32)
+    assert attention.wk.weight.shape == (2 * 8, 32)  # 2 kv heads × head_dim 8
+    assert model.layers["1"].feed_forward.w1.weight.shape == (64, 32)
+    logits = model(torch.randint(0, 97, (3, 16)))
+    assert logits.shape == (3, 16, 97)
+    assert not model.rope.is_meta and torch.isfinite(logits).all()
+
+
+def test_attention_is_causal() -> None:
+    model = build_model(tiny_args(), device=torch.device("cpu"), seed=0)
+    tokens = torch.randint(0, 97, (1, 16))
+    changed = tokens.clone()
+    changed[0, 10:] = (changed[0, 10:] + 1) % 97  # change only the future from position 10 on
+    with torch.no_grad():
+        a, b = model(tokens), model(changed)
+    torch.testing.assert_close(a[:, :10], b[:, :10], rtol=0, atol=0)
+    assert (a[:, 10] - b[:, 10]).abs().max() > 1e-4  # and the changed positions do see it
+
+
+def test_same_seed_same_weights_and_tied_embeddings_shared() -> None:
+    first = build_model(tiny_args(tie_embeddings=True), device=torch.device("cpu"), seed=3)
+    second = build_model(tiny_args(tie_embeddings=True), device=torch.device("cpu"), seed=3)
+    for (name, p), q in zip(first.state_dict().items(), second.state_dict().values(), strict=True):
+        assert torch.equal(p, q), name
+    assert first.output is None and "output.weight" not in first.state_dict()
+
+
+@pytest.mark.parametrize("mode", ["selective", "full"])
+@pytest.mark.parametrize("architecture", ["dense", "moe"])
+def test_recompute_gives_the_same_gradients(mode: str, architecture: str) -> None:
+    extra = {"architecture": "moe", "moe": {"num_experts": 4, "top_k": 2}} if architecture == "moe" else {}
+    args = tiny_args(**extra)
+    tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def grads(recompute: str) -> dict[str, torch.Tensor]:
+        model = build_model(args, device=torch.device("cpu"), seed=0)
+        model.set_recompute(recompute)  # type: ignore[arg-type]
+        loss = model(tokens).logsumexp(-1).mean()
+        aux = model.auxiliary_loss()
+        (loss if aux is None else loss + aux).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    reference, recomputed = grads("none"), grads(mode)
+    assert reference.keys() == recomputed.keys()
+    for name in reference:
+        torch.testing.assert_close(recomputed[name], reference[name], rtol=0, atol=0, msg=name)

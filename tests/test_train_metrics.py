@@ -1,0 +1,65 @@
+"""Metrics plumbing: the logger fans out to any sink, JSONL stays valid JSON, TensorBoard tags flatten."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from leantrain.observe.metrics import MetricsLogger, build_metrics_logger, console_line, mfu
+from leantrain.observe.sinks import Sink, numeric_leaves
+from leantrain.train.trainer import moe_balance
+
+
+class ListSink:
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+        self.closed = False
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def test_logger_fans_out_to_extra_sinks_and_jsonl(tmp_path: Path) -> None:
+    extra = ListSink()
+    assert isinstance(extra, Sink)
+    logger = build_metrics_logger(tmp_path, tensorboard=False, extra_sinks=[extra])
+    logger.log({"step": 1, "loss": float("nan"), "loss_by_source": {"en": float("inf"), "zh": 2.0}})
+    logger.close()
+    line = json.loads((tmp_path / "metrics.jsonl").read_text())  # strict JSON: no NaN literals
+    assert line["loss"] is None and line["loss_by_source"] == {"en": None, "zh": 2.0}
+    assert line["nonfinite"] == ["loss", "loss_by_source.en"]
+    assert extra.records[0]["step"] == 1 and extra.closed
+
+
+def test_other_ranks_log_nowhere(tmp_path: Path) -> None:
+    logger = build_metrics_logger(tmp_path, tensorboard=True, enabled=False)
+    assert isinstance(logger, MetricsLogger) and logger.sinks == []
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_tensorboard_tags_flatten_nested_records() -> None:
+    record = {"step": 3, "loss": 1.5, "ok": True, "loss_by_source": {"en": 1.0}, "moe_expert_load": [[0.5, 0.5]]}
+    assert dict(numeric_leaves(record)) == {
+        "step": 3.0, "loss": 1.5, "loss_by_source/en": 1.0, "moe_expert_load/0/0": 0.5, "moe_expert_load/0/1": 0.5,
+    }
+
+
+def test_mfu_and_console_line() -> None:
+    assert mfu(flops_per_token=6e9, tokens_per_s_per_device=1e4, peak_flops=1e15) == 6e13 / 1e15
+    line = console_line({"step": 7, "loss": 2.5, "grad_norm": 0.5, "lr": 1e-3, "tokens_per_s": 1234.0, "mfu": 0.25,
+                         "step_time_s": 0.1, "mem_bytes": 2**30})
+    assert "step      7" in line and "loss   2.5000" in line and "mfu 25.00%" in line
+
+
+def test_moe_balance_summarises_the_worst_layer() -> None:
+    counts = torch.tensor([[10.0, 10.0, 10.0, 10.0], [30.0, 10.0, 0.0, 0.0]])
+    summary = moe_balance(counts, aux_loss=0.1, balance="aux_free")
+    assert summary["moe_load_max_over_min"] == 30.0  # an idle expert counts as 1, not a division by zero
+    assert summary["moe_expert_load"][1] == [0.75, 0.25, 0.0, 0.0]
+    assert summary["moe_load_max_over_mean"] == 3.0 and "moe_aux_loss" not in summary

@@ -1,0 +1,106 @@
+"""Precision policy and optimizers: bf16 with fp32 master weights, refusals, bf16 and 8-bit optimizer states."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from leantrain.errors import UserInputError
+from leantrain.spec.schema import PrecisionSpec, TrainingSpec
+from leantrain.train.optim import AdamWBf16States, build_optimizer
+from leantrain.train.precision import resolve_precision
+from leantrain.train.trainer import Trainer
+from test_train_loop import make_data, tiny_spec
+
+CPU = torch.device("cpu")
+
+
+def test_bf16_compute_keeps_fp32_master_weights(tmp_path: Path) -> None:
+    data_dir = make_data(tmp_path / "data")
+    spec = tiny_spec(data_dir, moe=True)  # MoE covers the dense paths and the expert dispatch
+    spec.precision.compute = "bf16"
+    trainer = Trainer(spec, run_dir=tmp_path / "bf16")
+    with trainer.precision.autocast():
+        out = trainer.model.layers["0"].attention.wq(torch.randn(2, 32))
+    assert out.dtype == torch.bfloat16  # matmuls run in bf16 ...
+    result = trainer.train_step()
+    for p in trainer.model.parameters():  # ... while weights, gradients and Adam moments stay fp32
+        assert p.dtype == torch.float32 and p.grad is not None and p.grad.dtype == torch.float32
+    assert all(s["exp_avg"].dtype == torch.float32 for s in trainer.optimizer.state.values())
+    reference = Trainer(tiny_spec(data_dir, moe=True), run_dir=tmp_path / "fp32").train_step()
+    assert abs(float(result.loss) - float(reference.loss)) < 0.05  # same model, same batch, bf16 rounding
+
+
+def test_bf16_master_weights_cast_parameters_not_buffers(tmp_path: Path) -> None:
+    spec = tiny_spec(make_data(tmp_path / "data"), moe=True)
+    spec.precision.compute, spec.precision.master_weights = "bf16", "bf16"
+    trainer = Trainer(spec, run_dir=tmp_path / "run")
+    assert all(p.dtype == torch.bfloat16 for p in trainer.model.parameters())
+    assert trainer.model.rope.dtype == torch.float32
+    assert trainer.model.moe_layers()[0].tokens_per_expert.dtype == torch.float32
+    assert torch.isfinite(trainer.train_step().loss)
+
+
+@pytest.mark.parametrize(("compute", "message"), [("fp8", "fp8 needs a GPU"), ("fp16", "loss scaling")])
+def test_unsupported_compute_is_refused_clearly_on_cpu(compute: str, message: str) -> None:
+    with pytest.raises(UserInputError, match=message):
+        resolve_precision(PrecisionSpec(compute=compute), device=CPU)  # type: ignore[arg-type]
+
+
+def test_bf16_optimizer_states_track_fp32_adamw() -> None:
+    torch.manual_seed(0)
+    reference_model = torch.nn.Linear(16, 8)
+    model = torch.nn.Linear(16, 8)
+    model.load_state_dict(reference_model.state_dict())
+    training = TrainingSpec(lr=1e-2, weight_decay=0.1)
+    reference = build_optimizer(reference_model, training, PrecisionSpec(optimizer_state="fp32"), device=CPU)
+    ours = build_optimizer(model, training, PrecisionSpec(optimizer_state="bf16"), device=CPU)
+    assert isinstance(ours, AdamWBf16States)
+    inputs = torch.randn(32, 16)
+    for _ in range(5):
+        for m, opt in ((reference_model, reference), (model, ours)):
+            opt.zero_grad()
+            m(inputs).square().mean().backward()
+            opt.step()
+    assert all(s["exp_avg"].dtype == torch.bfloat16 for s in ours.state.values())
+    for p, q in zip(model.parameters(), reference_model.parameters(), strict=True):
+        torch.testing.assert_close(p, q, rtol=0, atol=2e-3)  # 5 steps of lr 1e-2: bf16 moments, ~1% error
+        assert not torch.equal(p, q)  # and it really is a different implementation
+
+
+@pytest.mark.slow
+def test_8bit_states_and_compiled_blocks_train(tmp_path: Path) -> None:
+    """torchao AdamW8bit (quantised moments) with torch.compile per block: first steps compile (~30 s)."""
+    pytest.importorskip("torchao")
+    spec = tiny_spec(make_data(tmp_path / "data"), max_steps=3)
+    spec.precision.optimizer_state = "8bit"
+    spec.training.compile = True
+    spec.model.vocab_size = 128  # a 128 × 32 embedding: torchao quantises tensors of ≥ 4096 values only
+    trainer = Trainer(spec, run_dir=tmp_path / "run")
+    records = trainer.train()
+    assert type(trainer.optimizer).__name__ == "AdamW8bit"
+    embedding_state = trainer.optimizer.state[trainer.model.tok_embeddings.weight]
+    assert type(embedding_state["exp_avg"]).__name__ == "OptimState8bit"
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_fp8_swap_happens_on_meta_and_spares_the_output_head() -> None:
+    """What a GPU run does before materialising (the fp8 GEMMs themselves need an fp8-capable GPU)."""
+    pytest.importorskip("torchao")
+    from leantrain.model import model_args_from_spec
+    from leantrain.model.transformer import Transformer
+    from leantrain.spec.schema import ModelSpec
+    from leantrain.train.precision import PrecisionPolicy, apply_precision
+
+    spec = ModelSpec(n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=96)
+    with torch.device("meta"):
+        model = Transformer(model_args_from_spec(spec, max_seq_len=16))
+    apply_precision(model, PrecisionPolicy(compute="fp8", param_dtype=torch.float32, device_type="cuda"), cast=False)
+    assert type(model.layers["0"].attention.wq).__name__ == "Float8Linear"
+    assert type(model.layers["0"].feed_forward.w2).__name__ == "Float8Linear"
+    assert type(model.output).__name__ == "Linear"
+    model.to_empty(device=CPU)
+    model.init_weights()
+    assert not model.layers["0"].attention.wq.weight.is_meta
