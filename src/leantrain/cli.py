@@ -145,6 +145,7 @@ def launch(
     run_dir: Annotated[Path | None, typer.Option(help="Run dir (default: run.dir).")] = None,
     dry_run: Annotated[bool, typer.Option(help="Build the layout with a fake process group.")] = False,
     preflight: Annotated[bool, typer.Option(help="Check every rank before training.")] = False,
+    sweep: Annotated[str | None, typer.Option(help="Scaling sweep, e.g. nproc=1,2,4: tokens/s and efficiency.")] = None,
     emit: Annotated[str | None, typer.Option(help="Write a job file instead: slurm or k8s.")] = None,
     out: Annotated[Path | None, typer.Option(help="Where --emit writes.")] = None,
 ) -> None:
@@ -156,7 +157,7 @@ def launch(
     _stage(
         "launch", "leantrain.ops.launch", spec=job, spec_path=spec, overrides=set_ or [], profile=profile,
         nproc=nproc, nnodes=nnodes, max_restarts=max_restarts, run_dir=run_dir, dry_run=dry_run,
-        preflight=preflight, emit=emit, out=out,
+        preflight=preflight, sweep=sweep, emit=emit, out=out,
     )
 
 

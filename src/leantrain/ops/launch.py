@@ -50,7 +50,7 @@ def emit_job_file(
 def run(
     *, console: Console, spec: JobSpec, spec_path: Path, overrides: list[str], profile: str | None,
     nproc: int | None, nnodes: str | None, max_restarts: int | None, run_dir: Path | None, dry_run: bool,
-    preflight: bool, emit: str | None, out: Path | None,
+    preflight: bool, emit: str | None, out: Path | None, sweep: str | None = None,
 ) -> None:
     """The `leantrain launch` command."""
     run_dir = Path(run_dir or spec.run.dir)
