@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import resource
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -37,6 +38,7 @@ class MetricsLogger:
         self.sinks.append(sink)
 
     def log(self, record: dict[str, Any]) -> None:
+        record.setdefault("time", time.time())  # wall clock: hang and timeline checks need it
         for sink in self.sinks:
             sink.write(record)
 

@@ -1,0 +1,108 @@
+"""Everything around the trainer that makes a run dir self-describing and safe (rank 0 only).
+
+Before training: an owner-only run dir; `spec.yaml` (the parsed spec, secrets kept as `${VAR}` references)
+and `plan.json` (the planner's prediction, which validate/report/doctor compare the run against);
+`lineage.json` and the run registry (what code, spec, data and environment produced the run); an audit
+entry; secret redaction on the `leantrain` loggers; the extra metric sinks (alert engine and Prometheus).
+After training: the run's status in the registry and a closing audit entry.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import yaml
+from rich.console import Console
+
+from leantrain.observe.sinks import Sink
+from leantrain.spec.schema import JobSpec
+
+log = logging.getLogger(__name__)
+
+SPEC_FILE = "spec.yaml"
+PLAN_FILE = "plan.json"
+
+
+@dataclass
+class RunContext:
+    """What `prepare_run` set up and `finish_run` closes."""
+
+    run_dir: Path
+    spec: JobSpec
+    is_main: bool
+    sinks: list[Sink] = field(default_factory=list)
+    run_id: str | None = None
+
+
+def _plan_or_none(spec: JobSpec) -> dict[str, Any] | None:
+    """The planner's prediction for this spec; a run without a plan still trains (the checks then WARN)."""
+    from leantrain.errors import LeantrainError
+    from leantrain.plan.planner import make_plan
+
+    try:
+        return make_plan(spec)
+    except LeantrainError as err:
+        log.warning("no plan.json for this run: %s", err)
+        return None
+
+
+def prepare_run(
+    spec: JobSpec, *, run_dir: Path, rank: int, console: Console | None, spec_path: Path | None = None
+) -> RunContext:
+    """Write the run dir's description files and build the extra sinks (rank 0); other ranks get nothing."""
+    from leantrain.security import AuditLog, install_log_redaction, make_private_dir, write_private_text
+
+    install_log_redaction(spec=spec, logger=logging.getLogger("leantrain"))
+    context = RunContext(run_dir=Path(run_dir), spec=spec, is_main=rank == 0)
+    if not context.is_main:
+        return context
+    make_private_dir(context.run_dir, owner_only=spec.security.owner_only)
+    write_private_text(context.run_dir / SPEC_FILE, yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False),
+                       spec=spec)
+    plan = _plan_or_none(spec)
+    if plan is not None:
+        write_private_text(context.run_dir / PLAN_FILE, json.dumps(plan, indent=2) + "\n", spec=spec)
+    context.run_id = _record_lineage(spec, context.run_dir, spec_path=spec_path)
+    if spec.security.audit_log:
+        AuditLog(context.run_dir / "audit.log", spec=spec).append("command", command="train", run_id=context.run_id)
+    context.sinks = _extra_sinks(spec, run_dir=context.run_dir, console=console, plan=plan, rank=rank)
+    return context
+
+
+def _record_lineage(spec: JobSpec, run_dir: Path, *, spec_path: Path | None) -> str:
+    from leantrain.ops.lineage import write_lineage
+    from leantrain.ops.registry import register_run
+
+    lineage = write_lineage(run_dir, spec, data_dir=Path(spec.data.dir), spec_path=spec_path)
+    return register_run(lineage, registry=spec.run.registry)
+
+
+def _extra_sinks(
+    spec: JobSpec, *, run_dir: Path, console: Console | None, plan: dict[str, Any] | None, rank: int
+) -> list[Sink]:
+    from leantrain.observe.alerts import engine_from_spec
+    from leantrain.observe.prometheus import PrometheusSink
+
+    sinks: list[Sink] = [engine_from_spec(spec, run_dir=run_dir, console=console, plan=plan)]
+    prometheus = PrometheusSink.from_monitoring(spec.monitoring, rank=rank)
+    if prometheus is not None:
+        sinks.append(prometheus)
+    return sinks
+
+
+def finish_run(context: RunContext, *, status: str) -> None:
+    """Mark the run finished/failed in the registry and the audit log (rank 0)."""
+    if not context.is_main or context.run_id is None:
+        return
+    from leantrain.ops.registry import set_run_status
+    from leantrain.security import AuditLog
+
+    set_run_status(context.run_id, status, registry=context.spec.run.registry)
+    if context.spec.security.audit_log:
+        AuditLog(context.run_dir / "audit.log", spec=context.spec).append(
+            "command.end", command="train", run_id=context.run_id, status=status
+        )
