@@ -2,7 +2,8 @@
 
 All FLOP/s are dense (no 2:4 sparsity). Bandwidths are per GPU and per direction, in bytes/s, which is
 what a ring collective's cost model needs (NVIDIA quotes NVLink as bidirectional: we halve it).
-Memory is what the device reports to the framework (nvidia-smi MiB or the vendor's GB, as noted).
+Memory is what the device reports to the framework: nvidia-smi's total in MiB for NVIDIA parts (so an
+"80GB" H100 holds 81,559 MiB = 79.6 GiB) and rocm-smi's for AMD; the datasheet's GB figure is in the comment.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from leantrain.errors import UserInputError
 
 GB = 1e9
 GiB = 2**30
+MiB = 2**20
 TFLOPS = 1e12
 
 
@@ -58,44 +60,44 @@ CATALOG: dict[str, Accelerator] = {
     for a in [
         # NVIDIA A100 Tensor Core GPU datasheet (2021): FP32 19.5, TF32 156, BF16 312 TFLOPS dense;
         # 40GB HBM2 at 1,555 GB/s; NVLink3 600 GB/s bidirectional; HDR 200 Gb/s InfiniBand per GPU (DGX A100).
-        _acc("A100-40GB", fp32=19.5, tf32=156, bf16=312, fp8=None, memory_bytes=40 * GiB,
+        _acc("A100-40GB", fp32=19.5, tf32=156, bf16=312, fp8=None, memory_bytes=40960 * MiB,
              memory_bandwidth_bytes_s=1555 * GB, intra_node_bandwidth_bytes_s=300 * GB,
              inter_node_bandwidth_bytes_s=25 * GB),
         # Same datasheet, 80GB SXM: HBM2e at 2,039 GB/s.
-        _acc("A100-80GB", fp32=19.5, tf32=156, bf16=312, fp8=None, memory_bytes=80 * GiB,
+        _acc("A100-80GB", fp32=19.5, tf32=156, bf16=312, fp8=None, memory_bytes=81920 * MiB,
              memory_bandwidth_bytes_s=2039 * GB, intra_node_bandwidth_bytes_s=300 * GB,
              inter_node_bandwidth_bytes_s=25 * GB, aliases=("A100",)),
         # NVIDIA H100 datasheet, SXM5: FP32 67, TF32 494.5, BF16 989.5, FP8 1,979 TFLOPS dense; 80GB HBM3
         # at 3.35 TB/s; NVLink4 900 GB/s bidirectional; ConnectX-7 400 Gb/s per GPU (DGX H100).
-        _acc("H100-SXM", fp32=67, tf32=494.5, bf16=989.5, fp8=1979, memory_bytes=80 * GiB,
+        _acc("H100-SXM", fp32=67, tf32=494.5, bf16=989.5, fp8=1979, memory_bytes=81559 * MiB,
              memory_bandwidth_bytes_s=3350 * GB, intra_node_bandwidth_bytes_s=450 * GB,
              inter_node_bandwidth_bytes_s=50 * GB, aliases=("H100",)),
         # Same datasheet, PCIe: FP32 51, TF32 378, BF16 756, FP8 1,513 TFLOPS dense; 2.0 TB/s;
         # PCIe Gen5 x16 64 GB/s per direction; 200 Gb/s NIC per GPU assumed.
-        _acc("H100-PCIe", fp32=51, tf32=378, bf16=756, fp8=1513, memory_bytes=80 * GiB,
+        _acc("H100-PCIe", fp32=51, tf32=378, bf16=756, fp8=1513, memory_bytes=81559 * MiB,
              memory_bandwidth_bytes_s=2000 * GB, intra_node_bandwidth_bytes_s=64 * GB,
              inter_node_bandwidth_bytes_s=25 * GB),
         # H800 SXM (China export part): H100-SXM compute and memory, NVLink cut to 400 GB/s bidirectional.
-        _acc("H800", fp32=67, tf32=494.5, bf16=989.5, fp8=1979, memory_bytes=80 * GiB,
+        _acc("H800", fp32=67, tf32=494.5, bf16=989.5, fp8=1979, memory_bytes=81559 * MiB,
              memory_bandwidth_bytes_s=3350 * GB, intra_node_bandwidth_bytes_s=200 * GB,
              inter_node_bandwidth_bytes_s=50 * GB),
         # NVIDIA H200 datasheet: H100-SXM compute; 141GB HBM3e at 4.8 TB/s; NVLink 900 GB/s bidirectional.
-        _acc("H200", fp32=67, tf32=494.5, bf16=989.5, fp8=1979, memory_bytes=141 * GB,
+        _acc("H200", fp32=67, tf32=494.5, bf16=989.5, fp8=1979, memory_bytes=143771 * MiB,
              memory_bandwidth_bytes_s=4800 * GB, intra_node_bandwidth_bytes_s=450 * GB,
              inter_node_bandwidth_bytes_s=50 * GB),
         # NVIDIA HGX B200 spec (8 GPUs): BF16 36 PF and FP8 72 PF with sparsity -> 2.25 / 4.5 PF dense per
         # GPU; TF32 1.1 PF dense; FP32 75 TF; 180GB HBM3e at 8 TB/s; NVLink5 1.8 TB/s bidirectional.
-        _acc("B200", fp32=75, tf32=1100, bf16=2250, fp8=4500, memory_bytes=180 * GB,
+        _acc("B200", fp32=75, tf32=1100, bf16=2250, fp8=4500, memory_bytes=183359 * MiB,
              memory_bandwidth_bytes_s=8000 * GB, intra_node_bandwidth_bytes_s=900 * GB,
              inter_node_bandwidth_bytes_s=50 * GB),
         # AMD Instinct MI300X datasheet: FP32 163.4, TF32 653.7, BF16 1,307.4, FP8 2,614.9 TFLOPS dense;
         # 192GB HBM3 at 5.3 TB/s; Infinity Fabric 896 GB/s aggregate peer bandwidth (bidirectional).
-        _acc("MI300X", fp32=163.4, tf32=653.7, bf16=1307.4, fp8=2614.9, memory_bytes=192 * GB,
+        _acc("MI300X", fp32=163.4, tf32=653.7, bf16=1307.4, fp8=2614.9, memory_bytes=192 * GiB,
              memory_bandwidth_bytes_s=5300 * GB, intra_node_bandwidth_bytes_s=448 * GB,
              inter_node_bandwidth_bytes_s=50 * GB),
         # NVIDIA L40S datasheet: FP32 91.6, TF32 183, BF16 362, FP8 733 TFLOPS dense; 48GB GDDR6 at
         # 864 GB/s; PCIe Gen4 x16 32 GB/s per direction; 100 Gb/s Ethernet per GPU assumed.
-        _acc("L40S", fp32=91.6, tf32=183, bf16=362, fp8=733, memory_bytes=48 * GB,
+        _acc("L40S", fp32=91.6, tf32=183, bf16=362, fp8=733, memory_bytes=46068 * MiB,
              memory_bandwidth_bytes_s=864 * GB, intra_node_bandwidth_bytes_s=32 * GB,
              inter_node_bandwidth_bytes_s=12.5 * GB),
         # The host CPU: nominal numbers for planning only; the trainer measures the real peak at run time

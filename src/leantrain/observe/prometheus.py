@@ -120,10 +120,11 @@ def alerting_rules(rules: AlertRules, *, hang_timeout_s: float, plan_mfu: float 
         out.append(_rule("LeantrainNoProgress", f"time() - leantrain_last_step_timestamp_seconds > {timeout:g}",
                          rules.hang.severity, f"No training step for over {timeout:g} s", "0m"))
     if rules.loss_spike.enabled:
-        # PromQL has no rolling median/MAD; mean + k·stddev over the window is its closest form.
+        # PromQL has no rolling median/MAD; mean + z·stddev over the window is its closest form (the engine's
+        # robust z is already in standard deviations: 1.4826 × MAD estimates σ).
         out.append(_rule(
             "LeantrainLossSpike",
-            f"leantrain_loss > (avg_over_time(leantrain_loss[30m]) + {rules.loss_spike.z / 1.4826:.3g} * "
+            f"leantrain_loss > (avg_over_time(leantrain_loss[30m]) + {rules.loss_spike.z:.3g} * "
             f"stddev_over_time(leantrain_loss[30m])) and leantrain_loss > "
             f"{1 + rules.loss_spike.min_rel_increase:g} * avg_over_time(leantrain_loss[30m])",
             rules.loss_spike.severity, "Loss spike on rank {{ $labels.rank }}", "0m"))

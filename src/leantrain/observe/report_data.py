@@ -338,6 +338,20 @@ def steady(values: np.ndarray, *, skip_fraction: float = 0.1, min_skip: int = 1)
     return tail[np.isfinite(tail)]
 
 
+# A run is data-bound above this share of the step spent waiting for data, communication-bound above the
+# second; validate's bound diagnosis and doctor's low-utilisation finding share them so they never disagree.
+DATA_BOUND_SHARE, COMM_BOUND_SHARE = 0.15, 0.3
+
+
+def step_share(run: RunData, key: str) -> float:
+    """Median over the steady part of the run of `key` (e.g. data_wait_s, comm_s) / step_time_s."""
+    _, part = run.series(key)
+    _, whole = run.series("step_time_s")
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = steady(part / np.where(whole > 0, whole, np.nan))
+    return float(np.median(ratio)) if ratio.size else math.nan
+
+
 def nonfinite_steps(run: RunData, key: str) -> list[int]:
     """Steps whose `key` was NaN/inf: a NaN value, or (as the JSONL sink writes it) null listed in `nonfinite`."""
     out = []

@@ -24,6 +24,8 @@ import numpy as np
 
 from leantrain.observe.alerts import AlertRules, replay
 from leantrain.observe.report_data import (
+    COMM_BOUND_SHARE,
+    DATA_BOUND_SHARE,
     RunData,
     as_float,
     load_run,
@@ -31,6 +33,7 @@ from leantrain.observe.report_data import (
     nonfinite_steps,
     resume_points,
     steady,
+    step_share,
 )
 
 Severity = Literal["ok", "info", "warning", "problem"]
@@ -39,7 +42,7 @@ STUCK_RE = re.compile(r"connection refused|timed out|timeout|rendezvous|name or 
 OOM_RE = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
 MIN_FREE_DISK_BYTES = 10 * 2**30
 LOW_MFU_FRACTION = 0.5
-DATA_SHARE, COMM_SHARE, STRAGGLER_RATIO = 0.15, 0.3, 1.3
+STRAGGLER_RATIO = 1.3
 SMALL_BATCH_TOKENS_PER_GPU = 8192
 RESUME_JUMP_REL = 0.05
 
@@ -184,13 +187,13 @@ def utilisation_findings(run: RunData) -> list[Finding]:
     plan_mfu = as_float(run.plan_get("throughput.mfu"))
     low = math.isfinite(mfu) and math.isfinite(plan_mfu) and mfu < LOW_MFU_FRACTION * plan_mfu
     mfu_text = f"MFU {mfu:.1%}" + (f" vs plan {plan_mfu:.1%}" if math.isfinite(plan_mfu) else "")
-    shares = {key: _median_share(run, key) for key in ("data_wait_s", "comm_s")}
-    if math.isfinite(shares["data_wait_s"]) and shares["data_wait_s"] > DATA_SHARE:
+    shares = {key: step_share(run, key) for key in ("data_wait_s", "comm_s")}
+    if math.isfinite(shares["data_wait_s"]) and shares["data_wait_s"] > DATA_BOUND_SHARE:
         out.append(Finding("problem", "utilisation", "data-bound",
                            f"{mfu_text}; steps wait for data {shares['data_wait_s']:.0%} of the time",
                            "storage bandwidth or preprocessing cannot keep up (seed §8.2)",
                            "stage data to node-local disk, raise DataLoader workers/prefetch, pre-tokenize"))
-    if math.isfinite(shares["comm_s"]) and shares["comm_s"] > COMM_SHARE:
+    if math.isfinite(shares["comm_s"]) and shares["comm_s"] > COMM_BOUND_SHARE:
         out.append(Finding("problem", "utilisation", "communication-bound",
                            f"{mfu_text}; collectives take {shares['comm_s']:.0%} of the step",
                            "the layout sends too much over slow links (TP across nodes, small buckets)",
@@ -218,14 +221,6 @@ def utilisation_findings(run: RunData) -> list[Finding]:
                            "neither data wait nor communication explains it",
                            "profile one step (torch.profiler); try torch.compile and a larger micro-batch"))
     return out
-
-
-def _median_share(run: RunData, key: str) -> float:
-    _, part = run.series(key)
-    _, whole = run.series("step_time_s")
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = steady(part / np.where(whole > 0, whole, np.nan))
-    return float(np.median(ratio)) if ratio.size else math.nan
 
 
 def _tokens_per_step_per_gpu(run: RunData) -> float:

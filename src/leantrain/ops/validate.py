@@ -22,6 +22,8 @@ import numpy as np
 from leantrain.errors import CheckFailed, UserInputError
 from leantrain.observe.alerts import AlertRules, load_rules, replay
 from leantrain.observe.report_data import (
+    COMM_BOUND_SHARE,
+    DATA_BOUND_SHARE,
     METRICS_FILE,
     RunData,
     as_float,
@@ -30,6 +32,7 @@ from leantrain.observe.report_data import (
     nonfinite_steps,
     resume_points,
     steady,
+    step_share,
 )
 
 Status = Literal["PASS", "WARN", "FAIL"]
@@ -41,7 +44,6 @@ THROUGHPUT_PASS, THROUGHPUT_WARN = 0.9, 0.7      # actual / plan tokens/s per GP
 MFU_PASS, MFU_WARN = 0.8, 0.6                    # actual / plan MFU
 MEMORY_HEADROOM = 0.95                           # peak ≤ 95 % of the limit passes
 COMM_PASS, COMM_WARN = 0.25, 0.4                 # comm_s / step_time_s
-DATA_BOUND_SHARE, COMM_BOUND_SHARE = 0.15, 0.3
 BASELINE_PASS, BASELINE_WARN = 0.05, 0.10        # mean relative loss difference over the last 20 % of steps
 LOSS_DROP_MIN = 0.02                             # last window at least 2 % below the first
 
@@ -56,17 +58,9 @@ class Check:
     evidence: str
 
 
-def _share(run: RunData, key: str) -> float:
-    _, part = run.series(key)
-    _, whole = run.series("step_time_s")
-    with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = steady(part / np.where(whole > 0, whole, np.nan))
-    return float(np.median(ratio)) if ratio.size else math.nan
-
-
 def bound_diagnosis(run: RunData) -> str:
     """Why throughput is low: data wait, communication, or neither (compute/batch size)."""
-    data, comm = _share(run, "data_wait_s"), _share(run, "comm_s")
+    data, comm = step_share(run, "data_wait_s"), step_share(run, "comm_s")
     if math.isfinite(data) and data > DATA_BOUND_SHARE:
         return f"data-bound: steps wait for data {data:.0%} of the time"
     if math.isfinite(comm) and comm > COMM_BOUND_SHARE:
@@ -187,7 +181,9 @@ def throughput_checks(run: RunData, plan: dict[str, Any] | None) -> list[Check]:
     mfu = float(np.median(steady(mfus))) if steady(mfus).size else math.nan
     throughput = (plan or {}).get("throughput") or {}
     plan_tokens, plan_mfu = as_float(throughput.get("tokens_per_s")), as_float(throughput.get("mfu"))
-    plan_gpus = as_float(((plan or {}).get("resources") or {}).get("num_gpus"))
+    resources = (plan or {}).get("resources") or {}
+    # The plan's throughput is for the GPUs its layout runs on (whole nodes), not the pre-rounding budget count.
+    plan_gpus = as_float(resources.get("layout_gpus", resources.get("num_gpus")))
     world = max(1, run.world_size())
     if not math.isfinite(tokens_s):
         checks.append(Check("throughput", "tokens/s vs plan", "FAIL", "no tokens_per_s in the metrics"))
@@ -236,7 +232,7 @@ def memory_check(run: RunData, plan: dict[str, Any] | None) -> Check:
 
 
 def comm_check(run: RunData) -> Check:
-    share = _share(run, "comm_s")
+    share = step_share(run, "comm_s")
     if not math.isfinite(share):
         if run.world_size() <= 1:
             return Check("communication", "communication share", "PASS", "single process: no collectives")

@@ -118,7 +118,8 @@ def step_time(inputs: PlanInputs, layout: Layout, *, sequences_per_step: int) ->
     pp_s = 0.0
     if layout.pp > 1:
         send = activation_bytes / (layout.tp if layout.sp else 1)
-        link = _link(inputs, layout.tp * layout.pp)
+        # The mesh puts pp outermost (parallel/dims.py): neighbouring stages sit dp × tp ranks apart.
+        link = _link(inputs, layout.num_gpus)
         pp_s = (m * layout.virtual_stages + layout.pp - 1) * 2 * (COLLECTIVE_LATENCY_S + send / link)
 
     local = _local_params(inputs, layout)
