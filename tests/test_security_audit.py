@@ -7,6 +7,9 @@ import os
 import threading
 from pathlib import Path
 
+import pytest
+
+from leantrain.errors import UserInputError
 from leantrain.security import (
     AuditLog,
     make_private_dir,
@@ -86,3 +89,24 @@ def test_private_dirs_and_files_ignore_a_permissive_umask(tmp_path: Path) -> Non
     assert len(problems) == 3 and all("group/others" in p for p in problems)  # checkpoint written with umask 022
     assert restrict_tree(run_dir) == 3
     assert permission_problems(run_dir) == []
+
+
+def test_a_torn_last_line_is_cut_and_recorded_and_the_chain_stays_valid(tmp_path: Path) -> None:
+    log = AuditLog(tmp_path / "audit.log")
+    log.append("command", command="train")
+    with open(log.path, "ab") as fh:  # a writer killed mid-line
+        fh.write(b'{"seq": 1, "event": "checkpoint.sa')
+    entry = log.append("checkpoint.save", step=10)
+    events = [e["event"] for e in log.entries()]
+    assert events == ["command", "audit.torn_tail", "checkpoint.save"]
+    assert log.entries()[1]["fields"]["removed_bytes"] == len(b'{"seq": 1, "event": "checkpoint.sa')
+    assert entry["seq"] == 2
+    assert log.verify().ok
+
+
+def test_an_edited_last_line_is_a_clear_error_not_a_traceback(tmp_path: Path) -> None:
+    log = AuditLog(tmp_path / "audit.log")
+    log.append("command", command="train")
+    log.path.write_text(log.path.read_text().replace("{", "<", 1))
+    with pytest.raises(UserInputError, match="audit.log: its last entry is not JSON"):
+        log.append("command", command="report")

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from leantrain.errors import UserInputError
 from leantrain.spec.load import is_secret_key
 
 if TYPE_CHECKING:
@@ -253,7 +254,29 @@ class AuditLog:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
     @staticmethod
-    def _last_entry(fh: Any) -> dict[str, Any] | None:
+    def _cut_torn_tail(fh: Any) -> bytes:
+        """A writer killed mid-line leaves a fragment without a newline: cut it off (it never was an entry)
+        and return it, so the chain continues from the last whole entry and the cut is itself recorded."""
+        fh.seek(0, os.SEEK_END)
+        size = fh.tell()
+        if size == 0:
+            return b""
+        fh.seek(size - 1)
+        if fh.read(1) == b"\n":
+            return b""
+        block = min(size, 65536)
+        while True:
+            fh.seek(size - block)
+            tail = fh.read(block)
+            if b"\n" in tail or block == size:
+                keep = size - block + (tail.rfind(b"\n") + 1 if b"\n" in tail else 0)
+                fh.seek(keep)
+                fragment = fh.read()
+                fh.truncate(keep)
+                return fragment
+            block = min(size, block * 2)
+
+    def _last_entry(self, fh: Any) -> dict[str, Any] | None:
         fh.seek(0, os.SEEK_END)
         size = fh.tell()
         if size == 0:
@@ -263,30 +286,43 @@ class AuditLog:
             fh.seek(size - block)
             tail = fh.read(block).rstrip(b"\n")
             if b"\n" in tail or block == size:
-                return json.loads(tail.rsplit(b"\n", 1)[-1])
+                try:
+                    return json.loads(tail.rsplit(b"\n", 1)[-1])
+                except json.JSONDecodeError:
+                    raise UserInputError(
+                        f"audit log {self.path}: its last entry is not JSON (edited?); `leantrain runs RUN_DIR` "
+                        "shows where the chain breaks; move the file aside to start a new chain"
+                    ) from None
             block = min(size, block * 2)
 
     def append(self, event: str, **fields: Any) -> dict[str, Any]:
         """Append one event (e.g. "command", "checkpoint.save") with its fields; returns the written entry."""
         secrets = secret_values(spec=self._spec)
         with self._locked() as fh:
-            last = self._last_entry(fh)
-            entry: dict[str, Any] = {
-                "seq": 0 if last is None else int(last["seq"]) + 1,
-                "ts": time.time(),
-                "event": event,
-                "user": _user(),
-                "host": socket.gethostname(),
-                "pid": os.getpid(),
-                "fields": redact_obj(fields, secrets=secrets),
-                "prev": GENESIS_HASH if last is None else last["hash"],
-            }
-            entry["hash"] = _entry_hash(entry)
-            line = json.dumps(entry, sort_keys=True, ensure_ascii=False, default=str) + "\n"
-            fh.seek(0, os.SEEK_END)
-            fh.write(line.encode("utf-8"))
-            fh.flush()
-            os.fsync(fh.fileno())
+            fragment = self._cut_torn_tail(fh)
+            if fragment:
+                self._write_entry(fh, self._last_entry(fh), "audit.torn_tail",
+                                  {"removed_bytes": len(fragment), "sha256": hashlib.sha256(fragment).hexdigest()})
+            return self._write_entry(fh, self._last_entry(fh), event, redact_obj(fields, secrets=secrets))
+
+    @staticmethod
+    def _write_entry(fh: Any, last: dict[str, Any] | None, event: str, fields: dict[str, Any]) -> dict[str, Any]:
+        entry: dict[str, Any] = {
+            "seq": 0 if last is None else int(last["seq"]) + 1,
+            "ts": time.time(),
+            "event": event,
+            "user": _user(),
+            "host": socket.gethostname(),
+            "pid": os.getpid(),
+            "fields": fields,
+            "prev": GENESIS_HASH if last is None else last["hash"],
+        }
+        entry["hash"] = _entry_hash(entry)
+        line = json.dumps(entry, sort_keys=True, ensure_ascii=False, default=str) + "\n"
+        fh.seek(0, os.SEEK_END)
+        fh.write(line.encode("utf-8"))
+        fh.flush()
+        os.fsync(fh.fileno())
         return entry
 
     def entries(self) -> list[dict[str, Any]]:
