@@ -191,3 +191,15 @@ def test_needed_rate_falls_back_to_peak_times_mfu(monkeypatch: pytest.MonkeyPatc
     per_token = flops_per_token(resolve_shape(spec.model), seq_len=spec.data.seq_len).model
     assert needed == pytest.approx(get_accelerator("cpu").peak_for("fp32") * 0.3 / per_token)
     assert "planner unavailable: ValueError" in source
+
+
+def test_a_finished_data_dir_is_not_rebuilt_from_other_inputs_without_force(tmp_path: Path) -> None:
+    spec, _ = _corpus(tmp_path)
+    data_dir = tmp_path / "data"
+    first = prepare_data(spec, data_dir=data_dir)
+    changed = spec.model_copy(update={"cleaning": spec.cleaning.model_copy(update={"min_words": 3})})
+    with pytest.raises(UserInputError, match="finished data dir built from other inputs.*--force"):
+        prepare_data(changed, data_dir=data_dir)
+    assert load_manifest(data_dir).to_json() == first.manifest.to_json()  # untouched
+    rebuilt = prepare_data(changed, data_dir=data_dir, force=True)
+    assert not rebuilt.up_to_date

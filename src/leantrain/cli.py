@@ -109,13 +109,14 @@ def prepare(
     profile: ProfileOpt = None,
     out: Annotated[Path | None, typer.Option(help="Data dir to write (default: data.dir).")] = None,
     probe: Annotated[bool, typer.Option(help="Only trial-read an existing data dir.")] = False,
+    force: Annotated[bool, typer.Option(help="Rebuild a finished data dir whose inputs changed.")] = False,
 ) -> None:
     """Clean, deduplicate, filter PII, tokenize, shard and mix the spec's data sources.
 
     Reads data.sources; writes the data dir (manifest.json, tokenizer.json, .bin/.idx shards, report.json).
     """
     job = _spec(spec, set_, profile)
-    _stage("prepare", "leantrain.data.command", spec=job, out=out, probe=probe)
+    _stage("prepare", "leantrain.data.command", spec=job, out=out, probe=probe, force=force)
 
 
 @app.command()

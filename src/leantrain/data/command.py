@@ -31,12 +31,12 @@ def _check_vocab(spec: JobSpec, *, tokenizer_vocab: int | None) -> None:
         )
 
 
-def build(spec: JobSpec, *, data_dir: Path, console: Console) -> PrepareResult:
+def build(spec: JobSpec, *, data_dir: Path, console: Console, force: bool = False) -> PrepareResult:
     """Run the pipeline for a spec, show the report, and check the vocabulary against the model."""
     if not spec.data.sources:
         raise UserInputError("data.sources is empty: list at least one corpus (name, path, format)")
     _check_vocab(spec, tokenizer_vocab=None)
-    result = prepare_data(spec.data, data_dir=data_dir, console=console)
+    result = prepare_data(spec.data, data_dir=data_dir, console=console, force=force)
     render_report(result.report, console=console)
     _check_vocab(spec, tokenizer_vocab=result.manifest.vocab_size)
     return result
@@ -67,7 +67,7 @@ def render_probe(result: ProbeResult, *, console: Console) -> None:
     console.print(f"{verdict} ({result.margin:.1f}× the needed rate)")
 
 
-def run(*, console: Console, spec: JobSpec, out: Path | None, probe: bool) -> None:
+def run(*, console: Console, spec: JobSpec, out: Path | None, probe: bool, force: bool = False) -> None:
     """`leantrain prepare`: build the data dir, or with `probe` only trial-read it (exit 1 when too slow)."""
     data_dir = Path(out) if out is not None else Path(spec.data.dir)
     if probe:
@@ -76,7 +76,7 @@ def run(*, console: Console, spec: JobSpec, out: Path | None, probe: bool) -> No
             raise CheckFailed(f"trial read: {result.measured_tokens_per_s:,.0f} tokens/s is below the needed "
                               f"{result.needed_tokens_per_s:,.0f} tokens/s per data-parallel rank")
         return
-    result = build(spec, data_dir=data_dir, console=console)
+    result = build(spec, data_dir=data_dir, console=console, force=force)
     console.print(summary(result))
     train_tokens = sum(s.num_tokens for s in result.manifest.shards if s.split == "train")
     console.print(f"data.tokens_total {spec.data.tokens_total:.3g} = {spec.data.tokens_total / train_tokens:.2f} "

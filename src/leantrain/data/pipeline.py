@@ -261,7 +261,7 @@ def _encode(texts: Iterator[str], *, tokenizer: Any, eos_id: int, progress: Stag
 
 def prepare_data(
     spec: DataSpec, *, data_dir: Path, console: Console | None = None,
-    on_shard: Callable[[ShardInfo], None] | None = None,
+    on_shard: Callable[[ShardInfo], None] | None = None, force: bool = False,
 ) -> PrepareResult:
     """Build (or resume, or confirm up to date) the data dir for `spec`. See the module docstring."""
     data_dir = Path(data_dir)
@@ -281,6 +281,13 @@ def prepare_data(
         if not ours and any((data_dir / split).exists() for split in SPLITS):
             raise UserInputError(f"{data_dir} already has {'/'.join(SPLITS)} folders that prepare did not write; "
                                  "choose an empty or new folder with --out")
+        if (data_dir / MANIFEST).is_file() and not force:
+            # A finished data dir may be what a run (and its checkpoints' data position) depends on.
+            raise UserInputError(
+                f"{data_dir} is a finished data dir built from other inputs (sources, cleaning, dedup, PII or "
+                "tokenizer settings changed); write the new one elsewhere with --out, or rebuild it in place "
+                "with --force (runs that read it will then see different tokens)"
+            )
         _reset(data_dir)
         work.mkdir(parents=True)
         atomic_write_bytes(work / "inputs.json", json.dumps({"sha256": inputs}).encode())
