@@ -37,7 +37,8 @@ REPORT_NAME = "preflight.json"
 RANK_CHECKS = (  # (name, how to read pass/fail from a rank's facts or results)
     ("hostname resolves", lambda f, p, c: (f.get("resolves", False), f.get("resolve_error", ""))),
     ("disk free", lambda f, p, c: (f["disk"]["ok"], f"{f['disk']['free_bytes']} bytes free at {f['disk']['path']}, "
-                                                     f"need {f['disk']['need_bytes']}")),
+                                                     f"need {f['disk']['need_bytes']}"
+                                                     + (f" ({f['disk']['note']})" if f["disk"].get("note") else ""))),
     ("data readable", lambda f, p, c: (f["data"]["ok"], f["data"].get("error", ""))),
     ("port to next rank", lambda f, p, c: (p.get("ok", False), p.get("error", ""))),
     ("all-reduce", lambda f, p, c: (True, "") if c is None else (c.get("ok", False), c.get("error", ""))),

@@ -56,8 +56,10 @@ def _disk_check(spec: Any, run_dir: Path) -> dict[str, Any]:
     free = shutil.disk_usage(probe).free
     try:
         need = required_disk_bytes(spec)
-    except Exception as err:  # the planner is another stage; its failure must not hide the disk numbers
-        return {"path": str(target), "free_bytes": free, "need_bytes": None, "ok": True, "note": f"no plan: {err}"}
+    except Exception as err:  # the planner is another stage: report its failure with the disk numbers
+        # An unverified disk is not a passed check: a full disk is found hours later, at the first save.
+        return {"path": str(target), "free_bytes": free, "need_bytes": None, "ok": False,
+                "note": f"cannot size the planned checkpoints ({err}); free space unverified"}
     return {"path": str(target), "free_bytes": free, "need_bytes": need, "ok": free >= need}
 
 
