@@ -18,7 +18,8 @@ from leantrain.spec.schema import JobSpec
 
 HEADER = """# Job spec reference
 
-Generated from `src/leantrain/spec/schema.py` by `make docs`; a test keeps this file in sync.
+Generated from the spec models (`src/leantrain/spec/schema.py`, `data_schema.py`) by `make docs`; a test keeps
+this file in sync.
 
 A job spec is one YAML file. Unknown keys are errors. Loading order: YAML → refuse literal secrets →
 `--profile NAME` overlay (scale and resources only) → `--set a.b=c` overrides → `${VAR}` / `${VAR:-default}`

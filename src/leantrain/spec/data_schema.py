@@ -1,0 +1,167 @@
+"""The `data:` section of the job spec: sources, tokenizer, cleaning, dedup, PII, mixture, shards."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from leantrain.spec.base import PositiveInt, Section
+
+
+class DataSource(Section):
+    """One raw corpus."""
+
+    name: str = Field(
+        min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
+        description="Short name (letters, digits, _ . -), used in the manifest, shard names and per-source loss.",
+    )
+    path: Path | None = Field(
+        None, description="File or folder (.gz/.zst allowed); relative paths resolve against the spec's folder. "
+        "Optional for a builtin source (then written under data.dir/raw/).",
+    )
+    weight: float = Field(1.0, gt=0, description="Mixing weight (normalised over sources).")
+    format: Literal["jsonl", "text", "parquet"] = Field("jsonl", description="Reader to use.")
+    text_field: str = Field("text", description="Field holding the text (jsonl, parquet).")
+    id_field: str | None = Field("id", description="Field holding a document id (jsonl, parquet); else file:line.")
+    text_unit: Literal["file", "line", "paragraph"] = Field(
+        "file", description="format text: one document per file, per line, or per blank-line-separated paragraph."
+    )
+    builtin: Literal["demo-en", "demo-zh", "pydoc"] | None = Field(
+        None, description="Generate this bundled demo corpus (jsonl) at `path` when the file is missing.",
+    )
+
+    @model_validator(mode="after")
+    def _path_or_builtin(self) -> DataSource:
+        if self.path is None and self.builtin is None:
+            raise ValueError(f"source {self.name!r} needs a path (or a builtin corpus)")
+        if self.builtin is not None and self.format != "jsonl":
+            raise ValueError(f"builtin source {self.name!r} is jsonl; drop format: {self.format}")
+        return self
+
+
+class TokenizerSpec(Section):
+    """Tokenizer: trained on the corpus (BPE), loaded from a tokenizer.json, or raw bytes."""
+
+    kind: Literal["bpe", "file", "byte"] = Field("bpe", description="Train BPE, load a file, or bytes.")
+    path: Path | None = Field(None, description="tokenizer.json to load when kind is 'file'.")
+    vocab_size: PositiveInt = Field(32000, description="Target vocabulary when training BPE.")
+    train_sample_bytes: PositiveInt = Field(
+        200_000_000, description="Cleaned text (bytes, spread over sources) that BPE training reads at most."
+    )
+    eos_token: str = Field("<|endoftext|>", min_length=1, description="End-of-document token, added after each doc.")
+
+    @model_validator(mode="after")
+    def _file_needs_path(self) -> TokenizerSpec:
+        if self.kind == "file" and self.path is None:
+            raise ValueError("kind 'file' needs a path to a tokenizer.json")
+        return self
+
+
+class CleaningSpec(Section):
+    """Text normalisation and Gopher/C4-style quality filters. CJK text is counted by characters, not spaces."""
+
+    normalization: Literal["NFC", "NFKC", "none"] = Field(
+        "NFC", description="Unicode normal form (NFKC also folds full-width forms, e.g. Chinese punctuation)."
+    )
+    min_words: int = Field(20, ge=0, description="Drop documents with fewer words (a CJK character is one word).")
+    max_words: PositiveInt = Field(200_000, description="Drop documents with more words.")
+    min_mean_word_length: float = Field(
+        3.0, ge=0, description="Drop Latin-script documents whose mean word length is below this (Gopher: 3)."
+    )
+    max_mean_word_length: float = Field(10.0, gt=0, description="... or above this (Gopher: 10).")
+    max_symbol_ratio: float = Field(
+        0.1, ge=0, description="Drop if (#, …/..., and Unicode symbol characters) per word exceeds this (Gopher: 0.1)."
+    )
+    max_duplicate_line_fraction: float = Field(
+        0.3, ge=0, le=1, description="Drop if this fraction of lines repeat an earlier line (Gopher: 0.3)."
+    )
+    max_top_2gram_fraction: float = Field(
+        0.2, ge=0, le=1, description="Drop if the most frequent word 2-gram covers this share of characters."
+    )
+    max_duplicate_5gram_fraction: float = Field(
+        0.15, ge=0, le=1, description="Drop if repeated word 5-grams cover this share of characters (Gopher: 0.15)."
+    )
+    min_stop_words: int = Field(
+        2, ge=0, description="Drop if fewer distinct stop words occur (English or Chinese list by script)."
+    )
+
+
+class DedupSpec(Section):
+    """Exact and near-duplicate removal across all sources; the first occurrence (spec order) is kept."""
+
+    exact: bool = Field(True, description="Drop documents whose normalised text hash was seen before.")
+    near: bool = Field(True, description="Drop near duplicates (MinHash + LSH).")
+    num_bands: PositiveInt = Field(14, description="LSH bands b (datatrove default 14).")
+    rows_per_band: PositiveInt = Field(8, description="MinHash rows per band r (datatrove default 8).")
+    shingle_words: PositiveInt = Field(5, description="Word n-gram size of a shingle (Latin script).")
+    shingle_chars: PositiveInt = Field(5, description="Character n-gram size of a shingle for CJK text.")
+    verify_jaccard: float = Field(
+        0.7, ge=0, le=1, description="A band hit counts only if the signatures agree on this share (0 = off)."
+    )
+    seed: int = Field(42, ge=0, description="Seed of the MinHash permutations.")
+
+
+class PIISpec(Section):
+    """Sensitive-information redaction: typed placeholders, counts per type, an audit file without values."""
+
+    enabled: bool = Field(True, description="Detect and redact sensitive values.")
+    types: list[Literal["email", "phone", "ip", "cn_id", "bank_card", "us_ssn", "secret"]] = Field(
+        default_factory=lambda: ["email", "phone", "ip", "cn_id", "bank_card", "us_ssn", "secret"],
+        description="Kinds to redact.",
+    )
+    salt_env: str = Field(
+        "LEANTRAIN_PII_SALT", pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description="Env var with the audit-hash salt; when unset a random salt is used and never stored.",
+    )
+    audit: bool = Field(True, description="Write pii_audit.jsonl (doc id, type, offsets, salted hash).")
+
+
+class MixtureStageSpec(Section):
+    """A curriculum stage: these source weights apply until `until_tokens` training tokens."""
+
+    weights: dict[str, float] = Field(description="Weight per source name (missing sources get 0).")
+    until_tokens: float | None = Field(None, gt=0, description="End of the stage in training tokens; None: the end.")
+
+
+class DataSpec(Section):
+    """Training data: how much, how long each sequence is, where the raw and prepared data live."""
+
+    tokens_total: float = Field(gt=0, description="Training tokens D (e.g. 2e12).")
+    seq_len: PositiveInt = Field(4096, description="Tokens per training sequence.")
+    dir: Path = Field(Path("data"), description="Prepared data dir that `prepare` writes and `train` reads.")
+    sources: list[DataSource] = Field(default_factory=list, description="Raw corpora to prepare.")
+    tokenizer: TokenizerSpec = Field(default_factory=TokenizerSpec, description="Tokenizer settings.")
+    bytes_per_token_raw: float = Field(4.0, gt=0, description="Raw text bytes per token, for storage estimates.")
+    replicas: PositiveInt = Field(1, description="Copies of the prepared data kept (storage estimate).")
+    cleaning: CleaningSpec = Field(default_factory=CleaningSpec, description="Normalisation and quality filters.")
+    dedup: DedupSpec = Field(default_factory=DedupSpec, description="Exact and near-duplicate removal.")
+    pii: PIISpec = Field(default_factory=PIISpec, description="Sensitive-information redaction.")
+    stages: list[MixtureStageSpec] = Field(
+        default_factory=list, description="Optional curriculum: source weights per stage (default: source weights)."
+    )
+    shard_size_tokens: PositiveInt = Field(2**27, description="Tokens per shard file (a document never spans two).")
+    valid_fraction: float = Field(
+        0.01, ge=0, lt=1, description="Share of each source's documents held out (by text hash) for evaluation."
+    )
+
+    @model_validator(mode="after")
+    def _stages_name_sources(self) -> DataSpec:
+        names = {s.name for s in self.sources}
+        for number, stage in enumerate(self.stages):
+            unknown = sorted(set(stage.weights) - names)
+            if unknown:
+                raise ValueError(f"data.stages[{number}] names unknown sources {unknown}; sources: {sorted(names)}")
+            if number < len(self.stages) - 1 and stage.until_tokens is None:
+                raise ValueError(f"data.stages[{number}] needs until_tokens (only the last stage may omit it)")
+        return self
+
+    @field_validator("sources")
+    @classmethod
+    def _unique_names(cls, sources: list[DataSource]) -> list[DataSource]:
+        names = [s.name for s in sources]
+        dupes = sorted({n for n in names if names.count(n) > 1})
+        if dupes:
+            raise ValueError(f"source names must be unique; repeated: {', '.join(dupes)}")
+        return sources

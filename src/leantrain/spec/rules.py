@@ -1,0 +1,98 @@
+"""Cross-field rules of the job spec: checks that span sections, each naming the fields involved.
+
+Shape rules need the resolved model shape (`size_billion` → layers, heads, ...), so they run after the
+sections themselves validated; `JobSpec` calls `cross_field_problems` from its model validator.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from leantrain.spec.shapes import ModelShape, resolve_shape
+
+if TYPE_CHECKING:
+    from leantrain.spec.schema import JobSpec, ParallelismSpec
+
+
+def cross_field_problems(spec: JobSpec) -> list[str]:
+    """Every cross-field problem of a spec whose sections are each valid; empty when it is coherent."""
+    shape = resolve_shape(spec.model)
+    return [
+        *_layout_problems(spec),
+        *_shape_problems(spec.parallelism, shape),
+        *_moe_problems(spec.parallelism, shape),
+        *_batch_and_node_problems(spec),
+    ]
+
+
+def _layout_problems(spec: JobSpec) -> list[str]:
+    par, problems = spec.parallelism, []
+    num_gpus = spec.hardware.num_gpus or spec.budget.num_gpus
+    layout_given = bool(par.model_fields_set & {"data_parallel", "tensor_parallel", "pipeline_parallel"})
+    if num_gpus is not None and layout_given and par.world_size != num_gpus:
+        source = "hardware.num_nodes × gpus_per_node" if spec.hardware.num_gpus else "budget.num_gpus"
+        problems.append(
+            f"parallelism: data_parallel × tensor_parallel × pipeline_parallel = {par.data_parallel} × "
+            f"{par.tensor_parallel} × {par.pipeline_parallel} = {par.world_size}, but {source} = {num_gpus}"
+        )
+    for name in ("expert_parallel", "data_parallel_replicate"):
+        degree = getattr(par, name)
+        if par.data_parallel % degree:
+            problems.append(f"parallelism.{name} ({degree}) must divide data_parallel ({par.data_parallel})")
+    if par.virtual_stages > 1 and par.pipeline_schedule != "interleaved_1f1b":
+        problems.append("parallelism.virtual_stages > 1 needs pipeline_schedule: interleaved_1f1b")
+    return problems
+
+
+def _shape_problems(par: ParallelismSpec, shape: ModelShape) -> list[str]:
+    problems, tp = [], par.tensor_parallel
+    if shape.n_heads % tp or shape.n_kv_heads % tp:
+        problems.append(
+            f"parallelism.tensor_parallel ({tp}) must divide model n_heads ({shape.n_heads}) and "
+            f"n_kv_heads ({shape.n_kv_heads})"
+        )
+    if shape.ffn_hidden % tp:
+        problems.append(f"parallelism.tensor_parallel ({tp}) must divide model.ffn_hidden ({shape.ffn_hidden})")
+    num_chunks = par.pipeline_parallel * par.virtual_stages
+    if num_chunks > shape.n_layers:
+        problems.append(
+            f"parallelism: pipeline_parallel × virtual_stages ({num_chunks}) exceeds model layers ({shape.n_layers})"
+        )
+    if shape.d_model % shape.n_heads:
+        problems.append(f"model.d_model ({shape.d_model}) must be divisible by n_heads ({shape.n_heads})")
+    if shape.n_heads % shape.n_kv_heads:
+        problems.append(f"model.n_heads ({shape.n_heads}) must be divisible by n_kv_heads ({shape.n_kv_heads})")
+    return problems
+
+
+def _moe_problems(par: ParallelismSpec, shape: ModelShape) -> list[str]:
+    if shape.moe is None:
+        return ["parallelism.expert_parallel > 1 needs model.architecture: moe"] if par.expert_parallel > 1 else []
+    moe, problems = shape.moe, []
+    if moe.top_k > moe.num_experts:
+        problems.append(f"model.moe.top_k ({moe.top_k}) must be ≤ num_experts ({moe.num_experts})")
+    if moe.num_experts % par.expert_parallel:
+        problems.append(
+            f"parallelism.expert_parallel ({par.expert_parallel}) must divide model.moe.num_experts ({moe.num_experts})"
+        )
+    if moe.first_dense_layers >= shape.n_layers:
+        problems.append(
+            f"model.moe.first_dense_layers ({moe.first_dense_layers}) leaves no MoE layer of {shape.n_layers}"
+        )
+    return problems
+
+
+def _batch_and_node_problems(spec: JobSpec) -> list[str]:
+    problems = []
+    tokens_per_micro_step = spec.training.micro_batch * spec.data.seq_len * spec.parallelism.data_parallel
+    if spec.training.global_batch_tokens % tokens_per_micro_step:
+        problems.append(
+            f"training.global_batch_tokens ({spec.training.global_batch_tokens}) must be a multiple of "
+            f"micro_batch × seq_len × data_parallel ({tokens_per_micro_step})"
+        )
+    fault, nodes = spec.fault, spec.hardware.num_nodes
+    if nodes is not None and fault.min_nodes is not None and nodes < fault.min_nodes:
+        problems.append(f"hardware.num_nodes ({nodes}) is below fault.min_nodes ({fault.min_nodes})")
+    if nodes is not None and fault.max_nodes is not None and nodes > fault.max_nodes:
+        problems.append(f"hardware.num_nodes ({nodes}) is above fault.max_nodes ({fault.max_nodes})")
+    return problems
