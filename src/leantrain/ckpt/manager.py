@@ -44,10 +44,10 @@ from leantrain.ckpt.dcp_io import (
     write_sealed,
 )
 from leantrain.ckpt.events import AlertCallback, EventLog
-from leantrain.ckpt.policy import CHECKPOINT_BYTES_PER_PARAM, AutoInterval, PreemptionHandler, job_mtbf_s
+from leantrain.ckpt.policy import AutoInterval, PreemptionHandler, job_mtbf_s, planned_auto_interval
 from leantrain.ckpt.storage import Store, open_store
 from leantrain.security import AuditLog
-from leantrain.spec import resolve_secret, resolve_shape
+from leantrain.spec import resolve_secret
 
 if TYPE_CHECKING:
     from leantrain.spec import JobSpec
@@ -99,6 +99,9 @@ class CheckpointManager:
             self._control_pg = self._new_group(ranks)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
         self._pending: Future | None = None
+        # Called with the step after this rank's files are written and before the commit (the fault drill's
+        # mid-save kill: the checkpoint is then half-written on disk, deterministically).
+        self.before_commit: Callable[[int], None] | None = None
         self.last_saved_step: int | None = None
         self._last_attempted_step: int | None = None
         self._last_save_clock = clock()
@@ -106,9 +109,10 @@ class CheckpointManager:
         self.interval_steps = ck.interval_steps if isinstance(ck.interval_steps, int) else None
         self.auto: AutoInterval | None = None
         if self.interval_steps is None:
-            self.auto = AutoInterval(
-                initial_save_s=expected_save_s if expected_save_s is not None else _estimated_save_s(spec),
-                mtbf_s=job_mtbf_s(failures_per_gpu_day=spec.fault.failures_per_gpu_day, num_gpus=world_size),
+            self.auto = (
+                AutoInterval(initial_save_s=expected_save_s, mtbf_s=job_mtbf_s(
+                    failures_per_gpu_day=spec.fault.failures_per_gpu_day, num_gpus=world_size))
+                if expected_save_s is not None else planned_auto_interval(spec, world_size=world_size)
             )
             self.events.emit("checkpoint_interval", interval_s=self.auto.interval_s, save_s=self.auto.save_s,
                              mtbf_s=self.auto.mtbf_s)
@@ -199,6 +203,8 @@ class CheckpointManager:
             self.events.emit("checkpoint_save_started", step=step, folder=self.store.describe(folder),
                              **{"async": is_async})
             written = save_state(state, fs=self._fs, folder=folder, process_group=self._save_pg)
+            if self.before_commit is not None:
+                self.before_commit(step)
             all_written = self._gather(written, self._save_pg)
             commit_error = self._commit(step, folder, all_written) if self.rank == 0 else None
             commit_error = self._agree(commit_error, self._save_pg)
@@ -384,8 +390,3 @@ def _make_cipher(spec: JobSpec) -> ChunkCipher | None:
     ref = sec.encryption_key
     return ChunkCipher(parse_key(resolve_secret(ref) or "", var_name=f"security.encryption_key {ref}"))
 
-
-def _estimated_save_s(spec: JobSpec) -> float:
-    """δ before the first measured save: the checkpoint's bytes over the planned write bandwidth."""
-    num_bytes = resolve_shape(spec.model).total_params() * CHECKPOINT_BYTES_PER_PARAM
-    return num_bytes / (spec.checkpoint.write_bandwidth_gb_s * 1e9)

@@ -3,7 +3,9 @@
 Young (1974) / Daly (2006): with checkpoint cost δ and mean time between failures M, the interval that
 minimises expected lost time is τ ≈ sqrt(2·δ·M). M for a job is 1 / (failure rate per GPU-day × GPUs).
 The default rate comes from Llama 3 (Dubey et al. 2024, §3.3.4): 419 unexpected interruptions in 54 days
-on 16,384 GPUs. Keep `young_daly_interval_s` small: the planner can own it later.
+on 16,384 GPUs. The first interval is the planner's (`leantrain.plan.budget.checkpoint_interval`: δ is the time
+a save blocks training, the full write or, for async saves, the device-to-host copy); after each save the
+manager re-tunes δ from the measured stall with `young_daly_interval_s`, the same formula.
 """
 
 from __future__ import annotations
@@ -13,12 +15,13 @@ import signal
 import threading
 from collections.abc import Callable, Iterable
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from leantrain.spec import JobSpec
 
 SECONDS_PER_DAY = 86400.0
 LLAMA3_FAILURES_PER_GPU_DAY = 419 / (54 * 16384)
-# Bytes saved per parameter when the planner gives no number: fp32 weights + two fp32 Adam moments.
-CHECKPOINT_BYTES_PER_PARAM = 12.0
 EMA_WEIGHT = 0.5
 
 
@@ -31,6 +34,16 @@ def job_mtbf_s(*, failures_per_gpu_day: float | None, num_gpus: int) -> float:
     """Mean time between failures of a job on `num_gpus` GPUs, seconds."""
     rate = failures_per_gpu_day if failures_per_gpu_day is not None else LLAMA3_FAILURES_PER_GPU_DAY
     return SECONDS_PER_DAY / (rate * max(num_gpus, 1))
+
+
+def planned_auto_interval(spec: JobSpec, *, world_size: int) -> AutoInterval:
+    """The planner's Young/Daly start (its blocking save time δ and job MTBF at this world size)."""
+    from leantrain.plan.budget import checkpoint_interval
+    from leantrain.plan.inputs import plan_inputs
+
+    # step_s only turns seconds into steps in the planner's answer; the manager works in seconds.
+    planned = checkpoint_interval(spec, plan_inputs(spec), num_gpus=max(world_size, 1), step_s=1.0)
+    return AutoInterval(initial_save_s=float(planned["blocking_s"]), mtbf_s=float(planned["mtbf_s"]))
 
 
 class AutoInterval:

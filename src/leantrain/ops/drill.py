@@ -1,0 +1,307 @@
+"""`leantrain drill SPEC`: kill a rank on purpose and check that the job heals itself without a trace in the loss.
+
+Two short runs of the spec under torchrun (`ops.torchrun.launch_local`, 2 ranks on this machine):
+  1. reference — no fault, no restarts;
+  2. faulted — `fault.max_restarts` (at least 1) restarts allowed, and the fault hook (ckpt/fault.py) armed
+     through the environment: rank 1 is SIGKILLed after step k (given, or drawn at random after the first
+     checkpoint), or while the checkpoint of step k is being written (`--during-save`); with
+     `--corrupt-latest` it first flips a byte in the newest committed checkpoint, so the resume must detect
+     that and fall back to the one before.
+torchrun restarts the workers, they resume from the newest good checkpoint and train to the end. The drill
+then compares every logged loss of the faulted run (the steps logged before the kill and the ones redone after
+it included) with the reference: bit for bit when `training.deterministic` (same world size, so the same
+reduction order), else within `LOSS_TOLERANCE_NONDETERMINISTIC`.
+
+Output: RUN_DIR/drill.json (docs/observe.md: passed, reason, recovery_s, steps_lost, goodput, max_loss_diff,
+num_kills, plus the drill's settings), the two runs under RUN_DIR/drill/{reference,faulted}/ (cleared at
+start). The faulted run's events.jsonl holds the `restart` event (planned: true).
+
+Goodput = useful step time / (useful step time + recovery time + time to redo the lost steps), with the
+median step time of the faulted run: the share of the drill's training time that advanced the model.
+When the data dir has no manifest yet the drill runs the prepare pipeline first (`leantrain prepare`).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import math
+import os
+import random
+import shutil
+import statistics
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from rich.console import Console
+from rich.table import Table
+
+from leantrain.ckpt.fault import MARKER_FILE, FaultPlan
+from leantrain.errors import CheckFailed, UserInputError
+from leantrain.ops.emit import TrainCommand
+from leantrain.ops.torchrun import launch_local
+from leantrain.spec.schema import JobSpec
+
+if TYPE_CHECKING:
+    from leantrain.demo import DemoContext
+
+DRILL_FILE = "drill.json"
+DRILL_DIR = "drill"
+NUM_RANKS = 2
+KILL_RANK = 1  # not rank 0: the survivor that writes metrics must be torn down and restarted too
+LOSS_TOLERANCE_NONDETERMINISTIC = 1e-2  # relative, for specs without training.deterministic
+LAUNCH_TIMEOUT_S = 600.0
+
+
+def run(
+    *, console: Console, spec: JobSpec, spec_path: Path, overrides: list[str], profile: str | None,
+    run_dir: Path | None, kill_at: int | None, during_save: bool, corrupt_latest: bool,
+) -> dict[str, Any]:
+    """The CLI entry point: run the drill, print the verdict, raise CheckFailed when it did not pass."""
+    result = run_drill(spec, spec_path=spec_path, overrides=overrides, profile=profile,
+                       run_dir=Path(run_dir or spec.run.dir), kill_at=kill_at, during_save=during_save,
+                       corrupt_latest=corrupt_latest, console=console)
+    render(result, console=console)
+    if not result["passed"]:
+        raise CheckFailed(f"fault drill failed: {result['reason']} (details in {result['drill_file']})")
+    return result
+
+
+def demo_stage(ctx: DemoContext) -> str:
+    """Drill the demo spec: kill rank 1 at a random step after the first checkpoint."""
+    spec = ctx.spec()
+    result = run(console=ctx.console, spec=spec, spec_path=ctx.spec_path, overrides=list(ctx.overrides),
+                 profile=None, run_dir=Path(spec.run.dir), kill_at=None, during_save=False, corrupt_latest=False)
+    return summary(result)
+
+
+def summary(result: dict[str, Any]) -> str:
+    verdict = "passed" if result["passed"] else f"FAILED ({result['reason']})"
+    return (f"drill {verdict}: killed rank {result['kill_rank']} at step {result['kill_at']}, recovered in "
+            f"{_fmt(result.get('recovery_s'), 's')}, {result.get('steps_lost')} step(s) lost, goodput "
+            f"{_fmt(result.get('goodput'), '')}, max loss diff {result.get('max_loss_diff')}")
+
+
+def _fmt(value: Any, unit: str) -> str:
+    return "?" if value is None else f"{float(value):.3g}{(' ' + unit) if unit else ''}"
+
+
+# ---- setup ----------------------------------------------------------------------------------------------------
+def _ensure_data(spec: JobSpec, console: Console) -> None:
+    if (Path(spec.data.dir) / "manifest.json").is_file():
+        return
+    from leantrain.data.command import build
+
+    console.print(f"drill: {spec.data.dir} has no manifest.json; running the prepare pipeline first")
+    build(spec, data_dir=Path(spec.data.dir), console=console)
+
+
+def _interval_steps(spec: JobSpec, max_steps: int) -> tuple[int, list[str]]:
+    """A fixed checkpoint interval for the drill (an `auto` one would not save at all in a short run)."""
+    interval = spec.checkpoint.interval_steps
+    if isinstance(interval, int) and interval < max_steps:
+        return interval, []
+    chosen = max(1, max_steps // 4)
+    return chosen, [f"checkpoint.interval_steps={chosen}"]
+
+
+def choose_kill_step(
+    *, kill_at: int | None, max_steps: int, interval: int, corrupt_latest: bool, rng: random.Random
+) -> int:
+    """The given step (checked), or a random one after the first checkpoint (after the second when the
+    newest is to be corrupted, so there is an older one to fall back to)."""
+    if kill_at is not None:
+        if not 1 <= kill_at < max_steps:
+            raise UserInputError(f"--kill-at {kill_at}: must be between 1 and {max_steps - 1} (the run has "
+                                 f"{max_steps} steps, and the drill needs steps after the kill)")
+        return kill_at
+    first = (2 if corrupt_latest else 1) * interval + 1
+    if first >= max_steps:
+        first = interval + 1 if interval + 1 < max_steps else 1
+    return rng.randint(first, max_steps - 1)
+
+
+@contextmanager
+def _environment(values: dict[str, str]) -> Iterator[None]:
+    """Set variables for the child processes of one launch; the previous values come back afterwards."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+# ---- the drill ------------------------------------------------------------------------------------------------
+def run_drill(
+    spec: JobSpec, *, spec_path: Path, overrides: list[str], profile: str | None, run_dir: Path,
+    kill_at: int | None, during_save: bool, corrupt_latest: bool, console: Console, nproc: int = NUM_RANKS,
+    seed: int | None = None,
+) -> dict[str, Any]:
+    """Run reference and faulted trainings, compare them, write RUN_DIR/drill.json; returns its content."""
+    _ensure_data(spec, console)
+    max_steps = spec.training.max_steps or max(1, round(spec.data.tokens_total / spec.training.global_batch_tokens))
+    if max_steps < 3:
+        raise UserInputError(f"training.max_steps is {max_steps}: the drill needs at least 3 steps")
+    interval, extra_sets = _interval_steps(spec, max_steps)
+    rng = random.Random(seed)
+    step = choose_kill_step(kill_at=kill_at, max_steps=max_steps, interval=interval, corrupt_latest=corrupt_latest,
+                            rng=rng)
+    plan = FaultPlan(kill_at_step=step, kill_rank=min(KILL_RANK, nproc - 1), during_save=during_save,
+                     corrupt_latest=corrupt_latest)
+    train = TrainCommand(spec_path=Path(spec_path), overrides=(*overrides, *extra_sets), profile=profile)
+    run_dir = Path(run_dir).resolve()
+    drill_dir = run_dir / DRILL_DIR
+    shutil.rmtree(drill_dir, ignore_errors=True)  # old checkpoints here would be resumed from
+    max_restarts = max(1, spec.fault.max_restarts)
+    console.print(f"drill: {nproc} ranks, {max_steps} steps, checkpoint every {interval}; kill rank "
+                  f"{plan.kill_rank} at step {step}{' mid-save' if during_save else ''}"
+                  f"{', corrupting the newest checkpoint first' if corrupt_latest else ''}; up to {max_restarts} "
+                  f"restart(s)")
+    logs = Console(file=io.StringIO(), width=160)
+    runs: dict[str, dict[str, Any]] = {}
+    for name, fault, restarts in (("reference", None, 0), ("faulted", plan, max_restarts)):
+        start = time.monotonic()
+        with _environment({} if fault is None else fault.to_env()):
+            code = launch_local(spec, train=train, run_dir=drill_dir / name, nproc=nproc, nnodes=None,
+                                max_restarts=restarts, console=logs, timeout_s=LAUNCH_TIMEOUT_S)
+        runs[name] = {"exit_code": code, "wall_s": time.monotonic() - start}
+        console.print(f"drill: {name} run exit code {code} in {runs[name]['wall_s']:.1f} s")
+    result = analyse(reference_dir=drill_dir / "reference", faulted_dir=drill_dir / "faulted", plan=plan,
+                     max_steps=max_steps, deterministic=spec.training.deterministic, runs=runs,
+                     corrupt_latest=corrupt_latest)
+    result.update({"kill_at": step, "kill_rank": plan.kill_rank, "during_save": during_save,
+                   "corrupt_latest": corrupt_latest, "num_ranks": nproc, "max_steps": max_steps,
+                   "interval_steps": interval, "max_restarts": max_restarts, "drill_dir": str(drill_dir),
+                   "drill_file": str(Path(run_dir) / DRILL_FILE), "time": time.time()})
+    if not result["passed"]:
+        tail = logs.file.getvalue().splitlines()[-30:]  # type: ignore[attr-defined]
+        console.print("drill: last lines of the launches:\n" + "\n".join(tail), markup=False, highlight=False)
+    Path(run_dir).mkdir(parents=True, exist_ok=True)
+    (Path(run_dir) / DRILL_FILE).write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
+    return result
+
+
+# ---- judging --------------------------------------------------------------------------------------------------
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            out.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue  # a torn last line from the killed attempt
+    return out
+
+
+def losses_by_step(metrics: list[dict[str, Any]]) -> dict[int, list[float]]:
+    """Every logged training loss per step, in order (a redone step appears once per attempt)."""
+    out: dict[int, list[float]] = {}
+    for record in metrics:
+        if "loss" in record and record.get("loss") is not None:
+            out.setdefault(int(record["step"]), []).append(float(record["loss"]))
+    return out
+
+
+def compare_losses(
+    reference: dict[int, list[float]], faulted: dict[int, list[float]], *, tolerance: float
+) -> tuple[float, str | None]:
+    """The largest |faulted − reference| over every record, and what is wrong (None when within tolerance)."""
+    missing = sorted(set(reference) - set(faulted))
+    if missing:
+        return math.inf, f"steps {missing[:5]} were never logged after the restart"
+    worst, where = 0.0, None
+    for step, ref in reference.items():
+        for value in faulted[step]:
+            diff = abs(value - ref[-1])
+            if math.isnan(diff):
+                diff = math.inf
+            if diff > worst:
+                worst, where = diff, step
+    limit = tolerance * max(abs(v[-1]) for v in reference.values()) if reference else 0.0
+    if worst > limit:
+        return worst, f"loss differs from the reference by {worst:.3g} at step {where} (allowed {limit:.3g})"
+    return worst, None
+
+
+def analyse(
+    *, reference_dir: Path, faulted_dir: Path, plan: FaultPlan, max_steps: int, deterministic: bool,
+    runs: dict[str, dict[str, Any]], corrupt_latest: bool,
+) -> dict[str, Any]:
+    """Turn the two run dirs into drill.json's verdict and numbers."""
+    metrics = _read_jsonl(faulted_dir / "metrics.jsonl")
+    events = _read_jsonl(faulted_dir / "events.jsonl")
+    restarts = [e for e in events if e.get("kind") == "restart"]
+    marker = faulted_dir / MARKER_FILE
+    tolerance = 0.0 if deterministic else LOSS_TOLERANCE_NONDETERMINISTIC
+    reference = losses_by_step(_read_jsonl(reference_dir / "metrics.jsonl"))
+    max_diff, loss_problem = compare_losses(reference, losses_by_step(metrics), tolerance=tolerance)
+    recovery = [float(e["recovery_s"]) for e in restarts if e.get("recovery_s") is not None]
+    resumed_from = restarts[0].get("resumed_from") if restarts else None
+    steps_lost = plan.kill_at_step - int(resumed_from or 0) if restarts else None
+    step_times = [float(r["step_time_s"]) for r in metrics if r.get("step_time_s")]
+    median_step_s = statistics.median(step_times) if step_times else None
+    goodput = None
+    if median_step_s is not None and steps_lost is not None:
+        useful_s = max_steps * median_step_s
+        goodput = useful_s / (useful_s + sum(recovery) + steps_lost * median_step_s)
+    fallbacks = [e for e in events if e.get("kind") in ("checkpoint_fallback", "checkpoint_invalid")]
+    reasons = []
+    if runs["reference"]["exit_code"] != 0:
+        reasons.append(f"the reference run failed (exit code {runs['reference']['exit_code']})")
+    if runs["faulted"]["exit_code"] != 0:
+        reasons.append(f"the faulted run did not recover (exit code {runs['faulted']['exit_code']})")
+    if not marker.is_file():
+        reasons.append("the fault never fired (no fault marker)")
+    if not restarts:
+        reasons.append("no restart event was recorded")
+    if corrupt_latest and not fallbacks:
+        reasons.append("the corrupted checkpoint was not detected (no checkpoint_invalid/fallback event)")
+    if loss_problem and runs["reference"]["exit_code"] == 0:
+        reasons.append(loss_problem)
+    return {
+        "passed": not reasons,
+        "reason": "; ".join(reasons) or None,
+        "recovery_s": sum(recovery) if recovery else None,
+        "steps_lost": steps_lost,
+        "goodput": goodput,
+        "max_loss_diff": None if math.isinf(max_diff) else max_diff,
+        "loss_tolerance": tolerance,
+        "num_kills": 1 if marker.is_file() else 0,
+        "num_restarts": len(restarts),
+        "resumed_from": resumed_from,
+        "fallback_events": len(fallbacks),
+        "median_step_s": median_step_s,
+        "reference_wall_s": runs["reference"]["wall_s"],
+        "faulted_wall_s": runs["faulted"]["wall_s"],
+    }
+
+
+def render(result: dict[str, Any], *, console: Console) -> None:
+    table = Table(title="fault drill")
+    table.add_column("")
+    table.add_column("value")
+    rows = [
+        ("verdict", "[green]PASS" if result["passed"] else f"[red]FAIL[/red]: {result['reason']}"),
+        ("fault", f"SIGKILL rank {result['kill_rank']} after step {result['kill_at']}"
+                  + (" mid-save" if result["during_save"] else "")
+                  + (", newest checkpoint corrupted" if result["corrupt_latest"] else "")),
+        ("restarts", f"{result['num_restarts']} (resumed from step {result['resumed_from']})"),
+        ("recovery time", _fmt(result["recovery_s"], "s")),
+        ("steps lost", str(result["steps_lost"])),
+        ("goodput", _fmt(result["goodput"], "")),
+        ("max loss diff", f"{result['max_loss_diff']} (allowed {result['loss_tolerance']} relative)"),
+        ("wall time", f"reference {result['reference_wall_s']:.1f} s, faulted {result['faulted_wall_s']:.1f} s"),
+        ("result file", result["drill_file"]),
+    ]
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)

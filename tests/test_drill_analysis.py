@@ -1,0 +1,105 @@
+"""The drill's judgement (no processes): kill-step choice, loss comparison, verdict and drill.json numbers."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from rich.console import Console
+
+from leantrain.ckpt.fault import MARKER_FILE, FaultPlan
+from leantrain.errors import CheckFailed, UserInputError
+from leantrain.ops import drill
+from leantrain.ops.drill import analyse, choose_kill_step, compare_losses, losses_by_step
+
+
+def write_run(
+    run_dir: Path, losses: list[tuple[int, float]], *, events: list[dict[str, Any]] | None = None, marker: bool = False
+) -> Path:
+    run_dir.mkdir(parents=True)
+    lines = [json.dumps({"step": s, "loss": v, "step_time_s": 0.1}) for s, v in losses]
+    lines.append(json.dumps({"step": 6, "eval_loss": 3.0}))  # evaluation records are not training losses
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n{torn")
+    (run_dir / "events.jsonl").write_text("".join(json.dumps(e) + "\n" for e in events or []))
+    if marker:
+        (run_dir / MARKER_FILE).write_text(json.dumps({"step": 4, "attempt": 0, "time": 0.0}))
+    return run_dir
+
+
+REFERENCE = [(s, 4.0 - 0.1 * s) for s in range(1, 7)]
+RESTART = {"kind": "restart", "attempt": 1, "resumed_from": 2, "recovery_s": 3.0, "planned": True}
+RUNS_OK = {"reference": {"exit_code": 0, "wall_s": 5.0}, "faulted": {"exit_code": 0, "wall_s": 9.0}}
+
+
+def test_kill_step_is_checked_or_drawn_after_the_first_checkpoint() -> None:
+    assert choose_kill_step(kill_at=7, max_steps=60, interval=20, corrupt_latest=False, rng=random.Random(0)) == 7
+    with pytest.raises(UserInputError, match="--kill-at 60"):
+        choose_kill_step(kill_at=60, max_steps=60, interval=20, corrupt_latest=False, rng=random.Random(0))
+    drawn = {choose_kill_step(kill_at=None, max_steps=60, interval=20, corrupt_latest=False, rng=random.Random(i))
+             for i in range(50)}
+    assert min(drawn) >= 21 and max(drawn) <= 59 and len(drawn) > 5
+    corrupt = {choose_kill_step(kill_at=None, max_steps=60, interval=20, corrupt_latest=True, rng=random.Random(i))
+               for i in range(50)}
+    assert min(corrupt) >= 41  # two checkpoints exist: the newest is damaged, the older one is resumed
+
+
+def test_loss_comparison_covers_every_record_including_redone_steps() -> None:
+    reference = {1: [3.0], 2: [2.5], 3: [2.0]}
+    assert compare_losses(reference, {1: [3.0], 2: [2.5], 3: [2.0, 2.0]}, tolerance=0.0) == (0.0, None)
+    diff, problem = compare_losses(reference, {1: [3.0], 2: [2.5], 3: [2.01, 2.0]}, tolerance=0.0)
+    assert diff == pytest.approx(0.01) and "step 3" in problem  # the pre-kill record differs
+    assert compare_losses(reference, {1: [3.0], 2: [2.5], 3: [2.01]}, tolerance=0.01)[1] is None
+    assert "never logged" in compare_losses(reference, {1: [3.0]}, tolerance=0.0)[1]
+
+
+def test_a_recovered_run_passes_with_recovery_steps_lost_and_goodput(tmp_path: Path) -> None:
+    reference = write_run(tmp_path / "ref", REFERENCE)
+    faulted = write_run(tmp_path / "faulted", REFERENCE[:4] + REFERENCE[2:], events=[RESTART], marker=True)
+    assert losses_by_step(json.loads(x) for x in (faulted / "metrics.jsonl").read_text().splitlines()[:1]) == {
+        1: [3.9]}
+    result = analyse(reference_dir=reference, faulted_dir=faulted, plan=FaultPlan(kill_at_step=4), max_steps=6,
+                     deterministic=True, runs=RUNS_OK, corrupt_latest=False)
+    assert result["passed"] and result["reason"] is None
+    assert (result["steps_lost"], result["recovery_s"], result["max_loss_diff"]) == (2, 3.0, 0.0)
+    # goodput = 6 steps × 0.1 s / (0.6 s + 3 s recovery + 2 redone steps × 0.1 s)
+    assert result["goodput"] == pytest.approx(0.6 / 3.8)
+
+
+@pytest.mark.parametrize("problem", ["no_restart", "diverged", "crashed", "undetected_corruption"])
+def test_a_drill_fails_for_each_missing_guarantee(tmp_path: Path, problem: str) -> None:
+    reference = write_run(tmp_path / "ref", REFERENCE)
+    losses = list(REFERENCE)
+    if problem == "diverged":
+        losses[-1] = (6, losses[-1][1] + 1e-6)
+    faulted = write_run(tmp_path / "faulted", losses, events=[] if problem == "no_restart" else [RESTART],
+                        marker=True)
+    runs = {**RUNS_OK, "faulted": {"exit_code": 1, "wall_s": 9.0}} if problem == "crashed" else RUNS_OK
+    result = analyse(reference_dir=reference, faulted_dir=faulted, plan=FaultPlan(kill_at_step=4), max_steps=6,
+                     deterministic=True, runs=runs, corrupt_latest=problem == "undetected_corruption")
+    assert not result["passed"]
+    expected = {"no_restart": "no restart event", "diverged": "differs from the reference",
+                "crashed": "did not recover", "undetected_corruption": "was not detected"}[problem]
+    assert expected in result["reason"]
+
+
+def test_cli_entry_raises_check_failed_on_a_failed_drill(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    failed = {"passed": False, "reason": "no restart event was recorded", "drill_file": str(tmp_path / "d.json"),
+              "kill_rank": 1, "kill_at": 4, "during_save": False, "corrupt_latest": False, "num_restarts": 0,
+              "resumed_from": None, "recovery_s": None, "steps_lost": None, "goodput": None,
+              "max_loss_diff": 0.0, "loss_tolerance": 0.0, "reference_wall_s": 1.0, "faulted_wall_s": 1.0}
+    monkeypatch.setattr(drill, "run_drill", lambda *a, **k: failed)
+    console = Console(file=None, record=True, width=200)
+    with pytest.raises(CheckFailed, match="no restart event"):
+        drill.run(console=console, spec=_spec(tmp_path), spec_path=tmp_path / "s.yaml", overrides=[], profile=None,
+                  run_dir=tmp_path, kill_at=4, during_save=False, corrupt_latest=False)
+    assert "FAIL" in console.export_text()
+
+
+def _spec(tmp_path: Path) -> Any:
+    from leantrain.demo import DEMO_SPEC
+    from leantrain.spec import load_spec
+
+    return load_spec(DEMO_SPEC, overrides=[f"run.dir={tmp_path}"])
