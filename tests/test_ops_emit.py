@@ -123,7 +123,9 @@ def test_cli_emit_writes_owner_only_file_and_audits(tmp_path: Path) -> None:
     assert out.stat().st_mode & 0o077 == 0
     assert "launch.emit" in (tmp_path / "run" / "audit.log").read_text()
     assert main(["launch", str(SEED), "--profile", "rehearsal", "--emit", "pbs", "--out", str(out)]) == 2
-    assert main(["launch", str(TINY), "--run-dir", str(tmp_path / "r2")]) == 2  # local launch: issue #6
+    # a layout that does not fit the launched ranks is refused before any rank starts
+    assert main(["launch", str(TINY), "--nproc", "3", "--set", "parallelism.tensor_parallel=2",
+                 "--set", "hardware.gpus_per_node=2", "--run-dir", str(tmp_path / "r2")]) == 2
 
 
 def _fake_slurm_bin(bin_dir: Path, log: Path) -> None:

@@ -136,11 +136,19 @@ class MoE(nn.Module):
         self.tokens_per_expert.zero_()
 
     @torch.no_grad()
-    def update_balance(self, *, bias_update_rate: float) -> torch.Tensor:
-        """End of an optimizer step: sum the counts over ranks, move the aux-free bias, return and reset counts."""
+    def update_balance(
+        self, *, bias_update_rate: float, group: torch.distributed.ProcessGroup | None = None
+    ) -> torch.Tensor:
+        """End of an optimizer step: sum the counts over the data-parallel ranks, move the aux-free bias, return
+        and reset counts.
+
+        `group` is the data-parallel group (`ParallelModel.update_moe_balance` passes it): tensor-parallel peers
+        route the same tokens and pipeline stages hold other layers, so a sum over the whole world would count
+        tokens twice, or hang when stages differ. None (plain data parallel) sums over the default group.
+        """
         counts = self.tokens_per_expert.clone()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.all_reduce(counts)
+            torch.distributed.all_reduce(counts, group=group)
         if self.balance == "aux_free" and counts.sum() > 0:
             self.expert_bias += bias_update_rate * torch.sign(counts.mean() - counts)
         self.tokens_per_expert.zero_()

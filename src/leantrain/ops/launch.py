@@ -1,26 +1,35 @@
-"""`leantrain launch`: write a Slurm/Kubernetes job file (--emit), check the ranks (--preflight), or launch.
+"""`leantrain launch`: train under torchrun, or --dry-run / --sweep / --emit slurm|k8s / --preflight.
 
-Kept thin on purpose: job files are built in `emit`/`emit_k8s`, preflight in `preflight`, data staging in
-`staging`, node exclusion in `health`. The local torchrun launcher and --dry-run are issue #6 and will be
-added here; until then they say so instead of pretending.
+Kept thin on purpose: torchrun, the sweep and the layout checks are in `torchrun`, the dry run in
+`parallel.dryrun`, job files in `emit`/`emit_k8s`, preflight in `preflight`, data staging in `staging`,
+node exclusion in `health`.
+
+A plain launch (`leantrain launch SPEC --nproc N [--nnodes MIN:MAX] [--max-restarts K]`): check the layout
+for every world size the job may have (a bad axis is refused here, exit 2, before anything starts), refuse
+a host that `node_health.json` excludes, stage the data (`cluster.data_url`), run torchrun; when it fails,
+record the crash (and the ranks torchrun names) against this host and exit 1.
 """
 
 from __future__ import annotations
 
+import socket
 import sys
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.table import Table
 
-from leantrain.errors import CheckFailed, NotBuiltError, UserInputError
-from leantrain.ops.emit import TrainCommand, describe, job_resources, slurm_script, write_job_file
-from leantrain.ops.health import excluded_hosts
+from leantrain.errors import CheckFailed, UserInputError
+from leantrain.ops import torchrun
+from leantrain.ops.emit import TrainCommand, describe, job_resources, parse_nnodes, slurm_script, write_job_file
+from leantrain.ops.health import excluded_hosts, health_path, record_failure
 from leantrain.ops.staging import ensure_local_data
 from leantrain.security import AuditLog, make_private_dir
 from leantrain.spec import JobSpec
 
 EMIT_KINDS = ("slurm", "k8s")
+SWEEP_STEPS = 10  # steps per size of --sweep (fewer when training.max_steps is smaller): enough for a steady rate
 DEFAULT_OUT = {"slurm": "job.sbatch", "k8s": "job.k8s.yaml"}
 
 
@@ -88,11 +97,111 @@ def run(
         finally:
             _audit(spec, run_dir, "launch.preflight", outcome=outcome)
         return
-    what = "--dry-run" if dry_run else "a local torchrun launch"
-    raise NotBuiltError(
-        f"`leantrain launch` {what} is not built yet in this version (issue #6); --emit slurm|k8s and "
-        "--preflight work now"
-    )
+    if dry_run and sweep is not None:
+        raise UserInputError("--dry-run and --sweep: choose one")
+    procs = nproc or spec.hardware.gpus_per_node
+    min_nodes, max_nodes = parse_nnodes(nnodes) if nnodes else (1, 1)
+    if dry_run:  # the whole job's layout: --nnodes, else the spec's hardware.num_nodes
+        print_dry_run(spec, world_size=procs * (max_nodes if nnodes else spec.hardware.num_nodes), console=console)
+        return
+    train = TrainCommand(spec_path=Path(spec_path).resolve(), overrides=tuple(overrides), profile=profile)
+    if sweep is not None:
+        sizes = torchrun.parse_sweep(sweep)
+        make_private_dir(run_dir, owner_only=spec.security.owner_only)
+        _stage_data(spec, console=console)
+        steps = min(spec.training.max_steps or SWEEP_STEPS, SWEEP_STEPS)
+        points = torchrun.scaling_sweep(spec, train=train, run_dir=run_dir, sizes=sizes, steps=steps, console=console)
+        print_sweep(points, console=console, path=run_dir / torchrun.SWEEP_FILE)
+        _audit(spec, run_dir, "launch.sweep", sizes=sizes, steps=steps)
+        return
+    launch(spec, train=train, run_dir=run_dir, nproc=procs, nnodes=nnodes, max_restarts=max_restarts,
+           console=console, min_nodes=min_nodes, max_nodes=max_nodes)
+
+
+def launch(
+    spec: JobSpec, *, train: TrainCommand, run_dir: Path, nproc: int, nnodes: str | None, max_restarts: int | None,
+    console: Console, min_nodes: int = 1, max_nodes: int = 1,
+) -> None:
+    """Check, stage and run torchrun on this host; a failed run is recorded against the host and exits 1."""
+    torchrun.check_layout(spec, nproc=nproc, min_nodes=min_nodes, max_nodes=max_nodes)  # before any side effect
+    host = socket.gethostname()
+    excluded = excluded_hosts(run_dir, crash_threshold=spec.cluster.unhealthy_after_crashes)
+    if host in excluded:
+        raise UserInputError(
+            f"host {host} is excluded by {health_path(run_dir)} (failed preflight or crashed "
+            f"{spec.cluster.unhealthy_after_crashes}+ times); repair it, then remove it with "
+            f"`python -c 'from leantrain.ops.health import clear_host; clear_host(\"{run_dir}\", \"{host}\")'`"
+        )
+    make_private_dir(run_dir, owner_only=spec.security.owner_only)
+    _stage_data(spec, console=console)
+    failed_ranks: list[int] = []
+    code = torchrun.launch_local(spec, train=train, run_dir=run_dir, nproc=nproc, nnodes=nnodes,
+                                 max_restarts=max_restarts, console=console, failed_ranks=failed_ranks)
+    _audit(spec, run_dir, "launch.local", nproc=nproc, nnodes=nnodes or "1", exit_code=code,
+           failed_ranks=failed_ranks)
+    if code != 0:
+        info = record_failure(run_dir, host=host, kind="crash", reason=f"torchrun exit code {code}",
+                              ranks=failed_ranks)
+        raise CheckFailed(
+            f"training failed on {host}: torchrun exit code {code}, failed rank(s) "
+            f"{', '.join(map(str, failed_ranks)) or 'unknown'} (crash {info.crashes} of "
+            f"{spec.cluster.unhealthy_after_crashes} before the host is excluded); per-rank logs under "
+            f"{Path(run_dir) / torchrun.LOGS_DIR}"
+        )
+
+
+def _stage_data(spec: JobSpec, *, console: Console) -> None:
+    staged = ensure_local_data(spec)
+    if staged is not None:
+        console.print(f"staged {spec.cluster.data_url} → {spec.data.dir} "
+                      f"({'up to date' if staged.up_to_date else f'{staged.downloaded_bytes} bytes'})")
+
+
+def format_bytes(num_bytes: float) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(num_bytes) >= size:
+            return f"{num_bytes / size:.2f} {unit}"
+    return f"{num_bytes:.0f} B"
+
+
+def print_dry_run(spec: JobSpec, *, world_size: int, console: Console) -> None:
+    """`--dry-run`: every rank's layout built on a fake process group; bytes per rank against the plan."""
+    from leantrain.parallel.dryrun import dry_run
+
+    report = dry_run(spec, world_size=world_size)
+    console.print(f"dry run at {world_size} rank(s) (fake process group, no communication): "
+                  f"{report.dims.describe()}")
+    table = Table("rank", "parameters", "params", "grads", "optimizer", "total")
+    for r in report.ranks:
+        table.add_row(str(r.rank), f"{r.num_params:,}", format_bytes(r.params_bytes), format_bytes(r.grads_bytes),
+                      format_bytes(r.optimizer_bytes), format_bytes(r.total_bytes))
+    plan = report.plan
+    if plan:
+        table.add_row("plan (per GPU)", "", format_bytes(plan["params"]), format_bytes(plan["grads"]),
+                      format_bytes(plan["optimizer"]), format_bytes(plan["total"]))
+    console.print(table)
+    heavy = report.heaviest
+    if plan and plan["total"]:
+        console.print(f"heaviest rank {heavy.rank}: {format_bytes(heavy.total_bytes)} of model state = "
+                      f"{heavy.total_bytes / plan['total']:.2f}× the plan's {format_bytes(plan['total'])}")
+    for note in report.notes:
+        console.print(f"[yellow]note: {note}")
+
+
+def print_sweep(points: list[torchrun.SweepPoint], *, console: Console, path: Path) -> None:
+    table = Table("nproc", "tokens/s", "efficiency", "step time", "comm", "note")
+    for p in points:
+        table.add_row(
+            str(p.nproc), "" if p.tokens_per_s is None else f"{p.tokens_per_s:,.0f}",
+            "" if p.efficiency is None else f"{p.efficiency:.2f}",
+            "" if p.step_time_s is None else f"{p.step_time_s:.3f} s",
+            "" if p.comm_s is None else f"{p.comm_s:.3f} s", p.skipped or "",
+        )
+    console.print(table)
+    stop = torchrun.stops_paying_at(points)
+    console.print(f"more ranks stop paying at nproc {stop}" if stop else "every size measured paid (efficiency ≥ "
+                  f"{torchrun.EFFICIENCY_FLOOR})")
+    console.print(f"sweep summary: {path}")
 
 
 def demo_stage(ctx: Any) -> str:

@@ -6,13 +6,15 @@ Restarts come from `fault.max_restarts` (0 when `fault.auto_restart` is off) unl
 otherwise. Every rank's stdout/stderr goes to its own file under `RUN_DIR/logs/HOST/` (torchrun's
 `--log-dir --redirects 3 --tee 3`: `<run id>/attempt_<k>/<local rank>/{stdout,stderr}.log`); the console shows
 local rank 0. Each rank runs `python -m leantrain.cli train SPEC ... --run-dir RUN_DIR`; rank 0 writes the
-metrics. The layout is checked for every world size the job may have *before* torchrun starts.
+metrics. The layout is checked for every world size the job may have *before* torchrun starts. When workers
+fail, the ranks named in torchrun's failure summary are handed back (`failed_ranks`) for the node-health file.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -35,6 +37,8 @@ LOGS_DIR = "logs"
 SWEEP_FILE = "sweep.json"
 # Below this share of linear scaling, more ranks are judged not to pay (the seed: find the inflection first).
 EFFICIENCY_FLOOR = 0.8
+# torchrun's failure summary names each failed worker: "rank      : 1 (local_rank: 1)".
+FAILED_RANK_LINE = re.compile(r"^\s*(?:\[[^\]]*\]:)?\s*rank\s*:\s*(\d+)\s*\(local_rank")
 
 
 def check_layout(spec: JobSpec, *, nproc: int, min_nodes: int = 1, max_nodes: int = 1) -> list[ParallelDims]:
@@ -97,8 +101,13 @@ def torchrun_env() -> dict[str, str]:
     return {**os.environ, **TORCHRUN_ENV}
 
 
-def run_torchrun(argv: Sequence[str], *, console: Console, timeout_s: float | None = None) -> int:
-    """Run torchrun in its own session, echo its output, return its exit code (killing the group on timeout)."""
+def run_torchrun(
+    argv: Sequence[str], *, console: Console, timeout_s: float | None = None, failed_ranks: list[int] | None = None
+) -> int:
+    """Run torchrun in its own session, echo its output, return its exit code (killing the group on timeout).
+
+    `failed_ranks`, when given, receives the global ranks torchrun's failure summary reports.
+    """
     proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=torchrun_env(), start_new_session=True)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
@@ -106,6 +115,9 @@ def run_torchrun(argv: Sequence[str], *, console: Console, timeout_s: float | No
         assert proc.stdout is not None
         for line in proc.stdout:
             console.print(line.rstrip("\n"), markup=False, highlight=False, soft_wrap=True)
+            match = FAILED_RANK_LINE.match(line)
+            if match and failed_ranks is not None and int(match.group(1)) not in failed_ranks:
+                failed_ranks.append(int(match.group(1)))
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError
         return proc.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
@@ -127,8 +139,9 @@ def rank_logs(run_dir: Path) -> list[Path]:
 def launch_local(
     spec: JobSpec, *, train: TrainCommand, run_dir: Path, nproc: int, nnodes: str | None, max_restarts: int | None,
     console: Console, max_steps: int | None = None, timeout_s: float | None = None,
+    failed_ranks: list[int] | None = None,
 ) -> int:
-    """Check the layout, then run torchrun; returns its exit code."""
+    """Check the layout, then run torchrun; returns its exit code (`failed_ranks` receives the crashed ranks)."""
     min_nodes, max_nodes = parse_nnodes(nnodes) if nnodes else (1, 1)
     for dims in check_layout(spec, nproc=nproc, min_nodes=min_nodes, max_nodes=max_nodes):
         console.print(f"layout at {dims.world_size} rank(s): {dims.describe()}")
@@ -137,7 +150,7 @@ def launch_local(
     argv = torchrun_argv(spec, train=train, run_dir=run_dir, nproc=nproc, nnodes=nnodes,
                          max_restarts=max_restarts, max_steps=max_steps)
     console.print("torchrun: " + " ".join(argv[1:]), markup=False, soft_wrap=True)
-    code = run_torchrun(argv, console=console, timeout_s=timeout_s)
+    code = run_torchrun(argv, console=console, timeout_s=timeout_s, failed_ranks=failed_ranks)
     console.print(f"per-rank logs: {Path(run_dir) / LOGS_DIR}; exit code {code}")
     return code
 

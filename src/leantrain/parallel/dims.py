@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from leantrain.errors import UserInputError
 from leantrain.spec.schema import JobSpec, ParallelismSpec
-from leantrain.spec.shapes import ModelShape
+from leantrain.spec.shapes import ModelShape, resolve_shape
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
 
@@ -174,6 +174,33 @@ def resolve_parallelism(spec: JobSpec, *, world_size: int) -> ParallelismSpec:
         "pipeline_schedule": layout.get("schedule", par.pipeline_schedule),
         "virtual_stages": layout.get("virtual_stages", 1),
     })
+
+
+def layout_for_run(spec: JobSpec, *, world_size: int) -> tuple[ParallelismSpec, ParallelDims]:
+    """The parallelism and checked degrees this process group runs (what the trainer calls).
+
+    One process runs every axis at 1 (the spec's tp/pp/ep apply under torchrun; a note says so); several
+    resolve `layout: auto` and check the spec's degrees against the world size, naming a bad axis.
+    """
+    par = spec.parallelism
+    if world_size == 1:
+        kept = {"tensor_parallel": par.tensor_parallel, "pipeline_parallel": par.pipeline_parallel,
+                "expert_parallel": par.expert_parallel}
+        collapsed = {name: degree for name, degree in kept.items() if degree > 1}
+        notes = (
+            f"one process: parallelism {', '.join(f'{k} {v}' for k, v in collapsed.items())} run at 1 "
+            "(they apply under `leantrain launch --nproc N` / torchrun)",
+        ) if collapsed else ()
+        return par, single_process_dims(notes)
+    par = resolve_parallelism(spec, world_size=world_size)
+    dims = ParallelDims.from_spec(par, world_size=world_size, shape=resolve_shape(spec.model),
+                                  gpus_per_node=spec.hardware.gpus_per_node)
+    return par, dims
+
+
+def single_process_dims(notes: tuple[str, ...] = ()) -> ParallelDims:
+    """The one-process layout: every degree 1."""
+    return ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, ep=1, world_size=1, notes=notes)
 
 
 def _check_shape(par: ParallelismSpec, *, shape: ModelShape) -> None:

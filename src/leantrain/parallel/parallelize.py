@@ -8,7 +8,7 @@ optimizer over `parameters()`. See docs/parallel.md for the call sequence.
 
 from __future__ import annotations
 
-import math
+import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -20,11 +20,14 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor, Replicate
 
+from leantrain.model.moe import MoE
 from leantrain.model.transformer import Transformer
 from leantrain.parallel.dims import LayoutMesh, ParallelDims
 from leantrain.parallel.expert import apply_expert_parallel, finish_expert_grads
 from leantrain.parallel.fsdp import apply_fsdp
 from leantrain.parallel.pipeline import (
+    StageGroup,
+    StageModule,
     broadcast_loss,
     build_schedule,
     build_stage_modules,
@@ -35,14 +38,20 @@ from leantrain.parallel.tensor import apply_tensor_parallel, maybe_loss_parallel
 from leantrain.spec.schema import JobSpec
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+ContextFactory = Callable[[], contextlib.AbstractContextManager[object]]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass
 class ParallelModel:
-    """The parallelised model on this rank: one module, or this rank's pipeline stages and their schedule."""
+    """The parallelised model on this rank: one module, or this rank's pipeline stages and their schedule.
+
+    With one process (`mesh` is None) it wraps the plain model and every method is the single-process
+    computation with no communication, so the trainer has one code path for every layout.
+    """
 
     dims: ParallelDims
-    mesh: LayoutMesh
+    mesh: LayoutMesh | None
     parts: list[nn.Module]
     device: torch.device
     schedule: _PipelineSchedule | None = None
@@ -50,6 +59,11 @@ class ParallelModel:
     loss_parallel: bool = False
     # Under FSDP mixed precision the parameters are gathered in bf16: no autocast needed around forward.
     fsdp_mixed_precision: bool = False
+    param_dtype: torch.dtype = torch.float32
+    # The loss the pipeline schedule calls (set by forward_backward/evaluate; the schedule is built once).
+    active_loss_fn: LossFn = token_loss_fn
+    # Mean MoE auxiliary loss of the last forward_backward (None for a dense model or under PP).
+    last_aux_loss: torch.Tensor | None = None
 
     @property
     def model(self) -> nn.Module:
@@ -59,9 +73,19 @@ class ParallelModel:
         return self.parts[0]
 
     @property
+    def module(self) -> nn.Module:
+        """One module with the single-process parameter names (checkpoints, counting, inspection): the model,
+        or under pipeline parallelism this rank's stages seen as one (`StageGroup`)."""
+        if self.schedule is None:
+            return self.parts[0]
+        if not hasattr(self, "_stage_group"):
+            self._stage_group = StageGroup([p for p in self.parts if isinstance(p, StageModule)])
+        return self._stage_group
+
+    @property
     def dp_rank(self) -> int:
         """This rank's index among the data-parallel ranks: the data sampler's rank (TP/PP peers share batches)."""
-        return self.mesh["dp"].get_local_rank()
+        return 0 if self.mesh is None else self.mesh["dp"].get_local_rank()
 
     @property
     def dp_size(self) -> int:
@@ -75,9 +99,30 @@ class ParallelModel:
     def is_last_stage(self) -> bool:
         return self.schedule is None or any(s.is_last for s in self.stages)
 
+    @property
+    def eval_batch_multiple(self) -> int:
+        """`evaluate` takes a multiple of this many micro-batches (the schedule's count under PP, else 1)."""
+        return 1 if self.schedule is None else self.schedule._n_microbatches
+
     def parameters(self) -> Iterator[nn.Parameter]:
         for part in self.parts:
             yield from part.parameters()
+
+    def train(self, mode: bool = True) -> None:
+        for part in self.parts:
+            part.train(mode)
+
+    def initialize(self, *, seed: int, full_model: Callable[[], Transformer]) -> None:
+        """Allocate and initialise the weights: in place with one process (the model's own init, then the
+        master dtype), else this rank's slices of `full_model()` (the same weights whatever the layout)."""
+        if self.mesh is None:
+            self.init_weights(seed=seed)
+            with torch.no_grad():
+                for param in self.parameters():
+                    if param.dtype != self.param_dtype:
+                        param.data = param.data.to(self.param_dtype)
+        else:
+            self.materialize(full_model=full_model())
 
     def materialize(self, *, full_model: Transformer) -> None:
         """Allocate on the device and copy this rank's slice of every weight and buffer from `full_model`.
@@ -91,7 +136,7 @@ class ParallelModel:
             part.to_empty(device=self.device)
             with torch.no_grad():
                 for name, tensor in list(part.named_parameters()) + list(part.named_buffers()):
-                    _copy_slice(tensor, full[name].to(self.device))
+                    _copy_slice(tensor, full[name].detach().to(self.device))
 
     def init_weights(self, *, seed: int) -> None:
         """Allocate and initialise in place with the model's own init (no full copy; the values then depend on
@@ -101,64 +146,147 @@ class ParallelModel:
         self.model.init_weights(buffer_device=self.device)  # type: ignore[operator]
 
     def forward_backward(
-        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, loss_fn: LossFn = token_loss_fn
+        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, loss_fn: LossFn = token_loss_fn,
+        autocast: ContextFactory = contextlib.nullcontext,
     ) -> torch.Tensor:
         """Forward and backward over the step's micro-batches (inputs, targets); returns the mean loss on every rank.
 
         Gradients end up as the gradient of the mean micro-batch loss (plus the MoE auxiliary loss when the
-        model has one and there is no pipeline). Call `finish_gradients` afterwards.
+        model has one and there is no pipeline; its mean is kept in `last_aux_loss`). `loss_fn(logits,
+        targets)` returns a micro-batch's mean loss; `autocast` is entered around each forward (around the
+        whole schedule under PP). Call `finish_gradients` afterwards.
         """
+        self.last_aux_loss = None
         if self.schedule is not None:
-            inputs = torch.cat([inp for inp, _ in micro_batches]).to(self.device)
-            targets = torch.cat([tgt for _, tgt in micro_batches]).to(self.device)
-            loss = run_schedule(self.schedule, inputs=inputs, targets=targets,
-                                is_first=self.is_first_stage, is_last=self.is_last_stage)
+            inputs, targets = self._whole_batch(micro_batches)
+            self.active_loss_fn = loss_fn
+            with autocast():
+                loss = run_schedule(self.schedule, inputs=inputs, targets=targets,
+                                    is_first=self.is_first_stage, is_last=self.is_last_stage)
+            assert self.mesh is not None
             return broadcast_loss(loss, pp_mesh=self.mesh["pp"], device=self.device)
         model = self.model
         total = torch.zeros((), device=self.device)
+        aux_total: torch.Tensor | None = None
         for index, (inputs, targets) in enumerate(micro_batches):
             if isinstance(model, FSDPModule):  # reduce gradients once, after the last micro-batch
                 model.set_requires_gradient_sync(index == len(micro_batches) - 1)
-            logits = model(inputs.to(self.device))
+            with autocast():
+                logits = model(inputs.to(self.device))
             with maybe_loss_parallel(self.loss_parallel):
                 loss = loss_fn(logits, targets.to(self.device))
                 aux = model.auxiliary_loss() if hasattr(model, "auxiliary_loss") else None
                 ((loss if aux is None else loss + aux) / len(micro_batches)).backward()
             total += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
+            if aux is not None:
+                aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
+        if aux_total is not None:
+            self.last_aux_loss = aux_total / len(micro_batches)
         return total / len(micro_batches)
+
+    @torch.no_grad()
+    def evaluate(
+        self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, loss_fn: LossFn,
+        autocast: ContextFactory = contextlib.nullcontext,
+    ) -> None:
+        """Forward only over `micro_batches` (a multiple of `eval_batch_multiple`), calling `loss_fn` on each
+        micro-batch's logits where they exist (every rank, or the last pipeline stage); the caller's
+        `loss_fn` collects what it needs."""
+        if self.schedule is not None:
+            size = self.eval_batch_multiple
+            self.active_loss_fn = loss_fn
+            for start in range(0, len(micro_batches), size):
+                inputs, targets = self._whole_batch(micro_batches[start:start + size])
+                with autocast():
+                    if self.is_first_stage and self.is_last_stage:
+                        self.schedule.eval(inputs, target=targets)
+                    elif self.is_first_stage:
+                        self.schedule.eval(inputs)
+                    elif self.is_last_stage:
+                        self.schedule.eval(target=targets)
+                    else:
+                        self.schedule.eval()
+            return
+        for inputs, targets in micro_batches:
+            with autocast():
+                logits = self.model(inputs.to(self.device))
+            with maybe_loss_parallel(self.loss_parallel):
+                loss_fn(logits, targets.to(self.device))
+
+    def _whole_batch(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+        inputs = torch.cat([inp for inp, _ in micro_batches]).to(self.device)
+        targets = torch.cat([tgt for _, tgt in micro_batches]).to(self.device)
+        return inputs, targets
+
+    def _schedule_loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return self.active_loss_fn(logits, targets)
 
     def finish_gradients(self) -> None:
         """Reductions FSDP does not do: expert gradients (mean over data parallelism)."""
         if self.dims.ep > 1:
+            assert self.mesh is not None
             finish_expert_grads(self.parts, dp_mod_ep_mesh=self.mesh["dp_mod_ep"], dp_degree=self.dims.dp)
 
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of all gradients, whatever their sharding (a plain fp32 scalar, equal on every rank)."""
         grads = [p.grad for p in self.parameters() if p.grad is not None]
-        squares = torch.zeros((), device=self.device, dtype=torch.float32)
         by_layout: dict[object, list[torch.Tensor]] = {}
         for grad in grads:
             key = (grad.device_mesh, grad.placements) if isinstance(grad, DTensor) else None
             by_layout.setdefault(key, []).append(grad)
+        if self.dims.pp == 1 and list(by_layout) == [None]:  # plain tensors: exactly torch's clip_grad_norm_ norm
+            return torch.nn.utils.get_total_norm(by_layout[None], norm_type=2.0, foreach=True)
+        squares = torch.zeros((), device=self.device, dtype=torch.float32)
         for key, group in by_layout.items():
             norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
             if key is not None:
                 norm = norm.full_tensor()  # type: ignore[union-attr]
-            squares += norm.float() ** 2
+            squares += norm.float().to(self.device) ** 2
         if self.dims.pp > 1:  # each pipeline rank holds other layers: add their squares
+            assert self.mesh is not None
             dist.all_reduce(squares, group=self.mesh["pp"].get_group())
         return squares.sqrt()
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Scale gradients so the global norm is at most `max_norm`; returns the norm before clipping."""
+        """Scale gradients so the global norm is at most `max_norm`; returns the norm before clipping.
+
+        As torch's clip_grad_norm_: the factor min(1, max_norm / (norm + 1e-6)) is applied with foreach
+        kernels and without reading it on the host; DTensor gradients are scaled through their local shards.
+        """
         norm = self.grad_norm()
-        coef = float(max_norm / (norm + 1e-6))
-        if coef < 1.0 and math.isfinite(coef):
-            with torch.no_grad():
-                for param in self.parameters():
-                    if param.grad is not None:
-                        param.grad.mul_(coef)
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        by_kind: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
+        for param in self.parameters():
+            if param.grad is not None:
+                local = param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+                by_kind.setdefault((local.device, local.dtype), []).append(local)
+        with torch.no_grad():
+            for (device, _), group in by_kind.items():
+                torch._foreach_mul_(group, coef.to(device))
         return norm
+
+    def update_moe_balance(self, *, bias_update_rate: float) -> torch.Tensor | None:
+        """After the optimizer step: every MoE layer's counts summed over the data-parallel ranks (not the world:
+        TP peers count the same tokens, pipeline stages hold other layers), the aux-free bias moved; returns the
+        counts (this rank's MoE layers × experts) or None for a dense model."""
+        layers = [m for part in self.parts for m in part.modules() if isinstance(m, MoE)]
+        if not layers:
+            return None
+        group = None if self.mesh is None else self.mesh["dp"].get_group()
+        return torch.stack([m.update_balance(bias_update_rate=bias_update_rate, group=group) for m in layers])
+
+    def mean_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Mean of a per-rank metric over the data-parallel ranks (in place and returned)."""
+        if self.mesh is not None and self.dims.dp > 1:
+            dist.all_reduce(tensor, group=self.mesh["dp"].get_group())
+            tensor /= self.dims.dp
+        return tensor
+
+    def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum a metric tensor over every rank (in place and returned)."""
+        if self.mesh is not None:
+            dist.all_reduce(tensor)
+        return tensor
 
 
 def _copy_slice(target: torch.Tensor, full: torch.Tensor) -> None:
@@ -173,15 +301,24 @@ def _copy_slice(target: torch.Tensor, full: torch.Tensor) -> None:
 
 
 def parallelize(
-    model: Transformer, dims: ParallelDims, spec: JobSpec, *, mesh: LayoutMesh, device: torch.device,
+    model: Transformer, dims: ParallelDims, spec: JobSpec, *, mesh: LayoutMesh | None, device: torch.device,
     num_microbatches: int = 1,
 ) -> ParallelModel:
     """Apply the layout in `dims` to `model` (on the meta device); returns this rank's parts.
 
     `num_microbatches` is the gradient-accumulation count; under pipeline parallelism the schedule runs
-    that many micro-batches per step.
+    that many micro-batches per step. `mesh` None means one process: the model is returned as it is.
+    With a mesh, the parameters are cast to the master dtype here (before sharding, on the meta device).
     """
     par = spec.parallelism
+    param_dtype = DTYPES[spec.precision.master_weights]
+    if mesh is None:
+        if dims.world_size != 1:
+            raise ValueError(f"parallelize: a layout of {dims.world_size} ranks needs a mesh")
+        return ParallelModel(dims=dims, mesh=None, parts=[model], device=device, param_dtype=param_dtype)
+    for param in model.parameters():
+        if param.dtype != param_dtype:
+            param.data = param.data.to(param_dtype)
     if dims.pp > 1:
         pp_rank = mesh["pp"].get_local_rank()
         stage_modules = build_stage_modules(model, pp_rank=pp_rank, pp=dims.pp, virtual_stages=par.virtual_stages)
@@ -189,21 +326,28 @@ def parallelize(
     else:
         stage_modules, parts = [], [model]
     loss_parallel = par.loss_parallel and dims.tp > 1 and dims.pp == 1
+    # Tensor parallelism leaves the embedding (and, with tied embeddings, the head) plain tensors. Without
+    # data parallelism FSDP2 still wraps the parts, over a 1-rank mesh (no sharding, no resharding), so that
+    # every parameter is a DTensor: foreach/fused optimizers cannot mix DTensors and plain tensors.
+    use_fsdp = dims.fsdp_enabled or dims.tp > 1
+    zero_stage = par.zero_stage if dims.fsdp_enabled else 2
     for part in parts:
         if dims.tp > 1:
             apply_tensor_parallel(part, tp_mesh=mesh["tp"], sequence_parallel=par.sequence_parallel,
                                   loss_parallel_enabled=loss_parallel, seq_len=spec.data.seq_len)
         expert_params = apply_expert_parallel(part, ep_mesh=mesh["ep"]) if dims.ep > 1 else []
-        if dims.fsdp_enabled:
-            apply_fsdp(part, dp_mesh=mesh.data_parallel_mesh(), precision=spec.precision, zero_stage=par.zero_stage,
+        if use_fsdp:
+            apply_fsdp(part, dp_mesh=mesh.data_parallel_mesh(), precision=spec.precision, zero_stage=zero_stage,
                        cpu_offload=par.cpu_offload, ignored_params=expert_params)
     result = ParallelModel(
         dims=dims, mesh=mesh, parts=parts, device=device, loss_parallel=loss_parallel,
-        fsdp_mixed_precision=dims.fsdp_enabled and spec.precision.compute == "bf16",
+        fsdp_mixed_precision=use_fsdp and spec.precision.compute == "bf16" and spec.precision.master_weights == "fp32",
+        param_dtype=param_dtype,
     )
     if dims.pp > 1:
         result.stages, result.schedule = build_schedule(
             [(i, m) for (i, _), m in zip(stage_modules, parts, strict=True)], pp_mesh=mesh["pp"],
             schedule=par.pipeline_schedule, num_microbatches=num_microbatches, device=device,
+            loss_fn=result._schedule_loss,
         )
     return result

@@ -46,10 +46,41 @@ class StageModule(nn.Module):
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         for layer in self.layers.values():
             h = layer(h, self.rope)
+        self._collect_moe_stats()
         if self.norm is None:
             return h
         assert self.output is not None  # tied embeddings are refused under pipeline parallelism
         return self.output(self.norm(h))  # (batch, seq, vocab)
+
+    def _collect_moe_stats(self) -> None:
+        """As `Transformer._collect_moe_stats`, for this stage's MoE layers (counts only: no aux loss under PP)."""
+        for layer in self.layers.values():
+            if not getattr(layer, "is_moe", False):
+                continue
+            moe = layer.feed_forward
+            if self.training and moe.last_counts is not None:
+                moe.tokens_per_expert += moe.last_counts
+            moe.last_counts, moe.last_aux_loss = None, None
+
+
+class StageGroup(nn.Module):
+    """This rank's pipeline stages seen as one module with the full model's names (for checkpoints).
+
+    It holds the stages' own submodules (embedding, layers, norm, head), not the stages, so
+    `state_dict()` keys are `layers.5.attention.wq.weight` as in one process, whatever the split or the
+    number of virtual stages. FSDP2's state-dict hooks sit on the modules that own the parameters, so they
+    run through this view too. It has no forward: the schedule runs the stages.
+    """
+
+    def __init__(self, stages: list[StageModule]) -> None:
+        super().__init__()
+        self.layers = nn.ModuleDict()
+        for stage in stages:
+            for name in ("tok_embeddings", "norm", "output"):
+                if getattr(stage, name) is not None:
+                    setattr(self, name, getattr(stage, name))
+            for layer_id, layer in stage.layers.items():
+                self.layers[layer_id] = layer
 
 
 def split_layers(num_layers: int, num_chunks: int) -> list[list[int]]:

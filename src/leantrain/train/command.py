@@ -17,6 +17,7 @@ from rich.console import Console
 
 from leantrain.errors import UserInputError
 from leantrain.spec.schema import JobSpec
+from leantrain.train.run_setup import finish_run, prepare_run
 
 if TYPE_CHECKING:
     from leantrain.demo import DemoContext
@@ -50,14 +51,26 @@ def train(
     if max_steps is not None and max_steps <= 0:
         raise UserInputError(f"--max-steps must be positive, got {max_steps}")
     _check_data_dir(spec)
-    trainer = Trainer(
-        spec, run_dir=Path(run_dir or spec.run.dir), max_steps=max_steps, console=console,
-        checkpointer_factory=_checkpointer_factory(),
-    )
+    target = Path(run_dir or spec.run.dir)
+    context = prepare_run(spec, run_dir=target, rank=int(os.environ.get("RANK", "0")), console=console)
+    status = "failed"
     try:
-        return trainer.train()
+        trainer = Trainer(
+            spec, run_dir=target, max_steps=max_steps, console=console, extra_sinks=context.sinks,
+            checkpointer_factory=_checkpointer_factory(),
+        )
+    except BaseException:
+        for sink in context.sinks:  # the trainer never took them over: stop the alert watchdog here
+            sink.close()
+        finish_run(context, status=status)
+        raise
+    try:
+        records = trainer.train()
+        status = "finished"
+        return records
     finally:
         trainer.close()
+        finish_run(context, status=status)
 
 
 def run(*, console: Console, spec: JobSpec, run_dir: Path | None, max_steps: int | None) -> None:

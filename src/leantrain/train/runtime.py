@@ -1,21 +1,18 @@
 """Where this process runs: device, rank, world size, process group, determinism and per-rank RNG.
 
 One process is rank 0 of 1. Under torchrun (RANK/WORLD_SIZE set) the process group is initialised here
-(gloo on CPU, nccl on CUDA) and the trainer runs plain data parallel: the same model on every rank,
-gradients averaged by all-reduce after the last micro-batch (`ParallelHooks.sync_gradients`). The full
-layouts (FSDP2, TP, PP, EP) belong to `leantrain.parallel` and plug in through the same hooks.
+(gloo on CPU, nccl on CUDA); the layout (FSDP2, TP, PP, EP on one device mesh) is `leantrain.parallel`'s,
+which the trainer drives through `ParallelModel`.
 """
 
 from __future__ import annotations
 
 import os
-import time
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from leantrain.errors import UserInputError
 from leantrain.spec.schema import JobSpec
@@ -56,12 +53,6 @@ def init_runtime(spec: JobSpec) -> Runtime:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(spec.training.device, local_rank=local_rank)
     if world_size > 1:
-        par = spec.parallelism
-        if par.tensor_parallel * par.pipeline_parallel * par.expert_parallel > 1:
-            raise UserInputError(
-                "parallelism: tensor/pipeline/expert parallel layouts are not built into `train` yet (issue #6); "
-                "under torchrun this version runs plain data parallel only (set them to 1)"
-            )
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if not dist.is_initialized():
@@ -96,37 +87,7 @@ def load_rng_state(state: dict[str, Any], device: torch.device) -> None:
         torch.cuda.set_rng_state(state["cuda"], device)
 
 
-class ParallelHooks:
-    """The trainer's only contact with parallelism: wrap the model, average gradients, reduce metrics.
-
-    This class is plain data parallel (identity on one rank); issue #6 replaces it with FSDP2/TP/PP.
-    """
-
-    def __init__(self, runtime: Runtime) -> None:
-        self.runtime = runtime
-
-    def parallelize(self, model: nn.Module) -> nn.Module:
-        """Apply the parallel layout to the (meta-device) model; plain data parallel needs nothing."""
-        return model
-
-    def sync_gradients(self, model: nn.Module) -> float:
-        """Average gradients over ranks; returns the seconds spent communicating."""
-        if not self.runtime.distributed:
-            return 0.0
-        start = time.perf_counter()
-        grads = [p.grad for p in model.parameters() if p.grad is not None]
-        for grad in grads:
-            dist.all_reduce(grad, op=dist.ReduceOp.AVG if self.runtime.device.type == "cuda" else dist.ReduceOp.SUM)
-            if self.runtime.device.type != "cuda":  # gloo has no AVG
-                grad.div_(self.runtime.world_size)
-        return time.perf_counter() - start
-
-    def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum a metric tensor over ranks (in place and returned)."""
-        if self.runtime.distributed:
-            dist.all_reduce(tensor)
-        return tensor
-
-    def close(self) -> None:
-        if self.runtime.distributed and dist.is_initialized():
-            dist.destroy_process_group()
+def close_runtime(runtime: Runtime) -> None:
+    """End the process group this process started (a no-op with one process)."""
+    if runtime.distributed and dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,184 @@
+"""`leantrain launch`: a real 2-rank launch of the demo spec, refusals before any rank starts, --dry-run, --sweep,
+crash recording against the host; and the MoE balance reduction over the data-parallel group only."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from leantrain.cli import main
+from leantrain.model.transformer import Transformer, model_args_from_spec
+from leantrain.ops import launch as launch_mod
+from leantrain.ops import torchrun
+from leantrain.ops.health import read_health, record_failure
+from leantrain.parallel import ParallelDims, parallelize
+from leantrain.parallel.dryrun import fake_process_group
+from parallel_harness import make_spec
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = REPO / "examples" / "tiny-cpu.yaml"
+
+
+@dataclass
+class Result:
+    exit_code: int
+    output: str
+
+
+@pytest.fixture
+def cli(capsys: pytest.CaptureFixture[str]) -> Callable[..., Result]:
+    """Run the CLI in this process the way the console script does (errors → exit codes); stdout + stderr."""
+
+    def invoke(*args: str) -> Result:
+        code = main(list(args))
+        out = capsys.readouterr()
+        return Result(code, out.out + out.err)
+
+    return invoke
+
+
+@pytest.fixture
+def no_torchrun(monkeypatch: pytest.MonkeyPatch) -> list[object]:
+    """Record instead of starting torchrun."""
+    started: list[object] = []
+    monkeypatch.setattr(torchrun, "run_torchrun", lambda *a, **k: started.append(a) or 0)
+    return started
+
+
+@pytest.mark.slow
+def test_launch_demo_spec_on_two_ranks_trains_one_metrics_stream(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    data = [f"data.dir={tmp_path / 'data'}"]
+    prep = subprocess.run([sys.executable, "-m", "leantrain.cli", "prepare", str(TINY), "--set", data[0],
+                           "--set", "data.tokens_total=20000"], env=env, capture_output=True, text=True, timeout=120)
+    assert prep.returncode == 0, prep.stdout[-2000:] + prep.stderr[-2000:]
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "leantrain.cli", "launch", str(TINY), "--nproc", "2", "--set", data[0],
+         "--set", "training.max_steps=3", "--set", "training.log_every=1", "--run-dir", str(run_dir)],
+        env=env, capture_output=True, text=True, timeout=240,
+    )
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "layout at 2 rank(s)" in done.stdout
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in lines if "grad_norm" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3]  # one stream: rank 0 alone writes, each step once
+    assert all(r["comm_s"] > 0 for r in steps)  # measured in the collectives of each logged step
+    assert json.loads((run_dir / "train_info.json").read_text())["world_size"] == 2
+    assert {p.parent.name for p in torchrun.rank_logs(run_dir) if p.name == "stdout.log"} == {"0", "1"}
+
+
+@pytest.mark.parametrize(
+    ("sets", "nproc", "message"),
+    [
+        (["parallelism.tensor_parallel=3"], "3", "tensor_parallel"),  # 3 does not divide 4 heads (spec check)
+        # a valid spec (1 × 2 × 1 = 2 GPUs) launched on 3 ranks: the product does not match the world size
+        (["parallelism.tensor_parallel=2", "hardware.gpus_per_node=2"], "3",
+         "parallelism.tensor_parallel (2) does not divide the world size (3"),
+        (["parallelism.pipeline_parallel=2", "hardware.gpus_per_node=2"], "2", "tie_embeddings"),
+    ],
+)
+def test_bad_layout_exits_2_before_any_rank_starts(
+    tmp_path: Path, no_torchrun: list[object], cli: Callable[..., Result], sets: list[str], nproc: str,
+    message: str,
+) -> None:
+    args = [a for s in sets for a in ("--set", s)]
+    result = cli("launch", str(TINY), "--nproc", nproc, *args, "--run-dir", str(tmp_path / "run"))
+    assert result.exit_code == 2, result.output
+    assert message in " ".join(result.output.split())
+    assert not no_torchrun and not (tmp_path / "run").exists()
+
+
+def test_dry_run_prints_every_rank_against_the_plan(
+    tmp_path: Path, no_torchrun: list[object], cli: Callable[..., Result]
+) -> None:
+    result = cli("launch", str(TINY), "--nproc", "2", "--dry-run", "--set", "parallelism.zero_stage=3",
+                 "--run-dir", str(tmp_path / "run"))
+    assert result.exit_code == 0, result.output
+    text = result.output
+    assert "dry run at 2 rank(s)" in text and "dp_shard 2" in text
+    rows = [line for line in text.splitlines() if line.strip().startswith(("│ 0 ", "│ 1 ", "│ plan"))]
+    assert len(rows) == 3, text  # rank 0, rank 1, the plan
+    assert "× the plan's" in text and not no_torchrun
+
+
+def test_excluded_host_is_refused_and_a_crash_is_recorded(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_torchrun: list[object], cli: Callable[..., Result]
+) -> None:
+    run_dir = tmp_path / "run"
+    data = f"data.dir={tmp_path / 'data'}"
+
+    def crash(argv: object, *, console: object, timeout_s: object = None, failed_ranks: list[int] | None = None) -> int:
+        assert failed_ranks is not None
+        failed_ranks.append(1)  # what torchrun's failure summary would say
+        return 1
+
+    monkeypatch.setattr(torchrun, "run_torchrun", crash)
+    result = cli("launch", str(TINY), "--nproc", "2", "--set", data, "--run-dir", str(run_dir))
+    assert result.exit_code == 1 and "failed rank(s) 1" in " ".join(result.output.split()), result.output
+    host = read_health(run_dir)[socket.gethostname()]
+    assert host.crashes == 1 and host.ranks == [1]
+    record_failure(run_dir, host=socket.gethostname(), kind="crash", reason="again")  # now at the threshold (2)
+    monkeypatch.setattr(torchrun, "run_torchrun", lambda *a, **k: no_torchrun.append(a) or 0)
+    result = cli("launch", str(TINY), "--nproc", "2", "--set", data, "--run-dir", str(run_dir))
+    assert result.exit_code == 2 and "is excluded" in result.output and not no_torchrun
+
+
+def test_failed_ranks_are_read_from_torchrun_summary() -> None:
+    summary = ["Failures:", "[1]:", "  rank      : 3 (local_rank: 1)", "Root Cause (first observed failure):",
+               "  rank      : 2 (local_rank: 0)", "  rank: 7"]
+    found = [int(m.group(1)) for line in summary if (m := torchrun.FAILED_RANK_LINE.match(line))]
+    assert found == [3, 2]
+
+
+def test_sweep_option_runs_the_sweep_and_prints_where_scaling_stops(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli: Callable[..., Result]
+) -> None:
+    calls: list[dict[str, Any]] = []
+
+    def sweep(spec: object, **kwargs: Any) -> list[torchrun.SweepPoint]:
+        calls.append(kwargs)
+        return [torchrun.SweepPoint(1, 100.0, 1.0, 0.2, 0.0, 0), torchrun.SweepPoint(2, 120.0, 0.6, 0.3, 0.1, 0)]
+
+    monkeypatch.setattr(torchrun, "scaling_sweep", sweep)
+    result = cli("launch", str(TINY), "--sweep", "nproc=2,1", "--set", f"data.dir={tmp_path / 'data'}",
+                 "--run-dir", str(tmp_path / "run"))
+    assert result.exit_code == 0, result.output
+    assert calls[0]["sizes"] == [1, 2] and calls[0]["steps"] == launch_mod.SWEEP_STEPS
+    assert "stop paying at nproc 2" in result.output
+    assert cli("launch", str(TINY), "--sweep", "gpus=2").exit_code == 2
+
+
+def test_moe_balance_sums_over_the_data_parallel_group_only(monkeypatch: pytest.MonkeyPatch) -> None:
+    """dp 2 × tp 2 on a fake 4-rank group: the expert counts are reduced over dp, not over all 4 ranks."""
+    spec = make_spec(moe=True, data_parallel=2, tensor_parallel=2)
+    seen: list[object] = []
+    real = dist.all_reduce
+    with fake_process_group(rank=0, world_size=4):
+        dims = ParallelDims.from_spec(spec.parallelism, world_size=4)
+        mesh = dims.build_mesh("cpu")
+        with torch.device("meta"):
+            model = Transformer(model_args_from_spec(spec.model, max_seq_len=16))
+        pm = parallelize(model, dims, spec, mesh=mesh, device=torch.device("cpu"))
+        for part in pm.parts:
+            part.to_empty(device="cpu")
+            for module in part.modules():
+                if hasattr(module, "tokens_per_expert"):
+                    module.tokens_per_expert.fill_(1.0)
+        monkeypatch.setattr(dist, "all_reduce", lambda t, *a, group=None, **k: seen.append(group) or real(
+            t, *a, group=group, **k))
+        counts = pm.update_moe_balance(bias_update_rate=0.01)
+        assert counts is not None and counts.shape == (2, 4)
+        assert seen and all(g is mesh["dp"].get_group() for g in seen)
+        assert mesh["dp"].size() == 2
