@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from leantrain.ckpt import CheckpointManager
+from leantrain.ckpt import CheckpointLoadError, CheckpointManager
 from leantrain.ckpt.crypto import ChunkCipher, EncryptingWriter, TamperError, parse_key
 from leantrain.errors import UserInputError
 from leantrain.spec.schema import SecuritySpec
@@ -131,10 +131,16 @@ def test_wrong_key_is_reported_as_such(tmp_path: Path, monkeypatch: pytest.Monke
     monkeypatch.setenv("LT_TEST_CKPT_KEY", bytes(32).hex())
     fresh = make_app(seed=1)
     before = [p.detach().clone() for p in fresh["model"].parameters()]
-    assert resume(spec, run_dir, fresh) is None
+    # The user's input is wrong, not the checkpoint: exit 2, nothing condemned, nothing loaded, no fresh start.
+    with pytest.raises(CheckpointLoadError, match="another key") as raised:
+        resume(spec, run_dir, fresh)
+    assert raised.value.exit_code == 2 and str(run_dir) in str(raised.value)
     assert all(torch.equal(a, b) for a, b in zip(before, fresh["model"].parameters(), strict=True))
     reasons = [e["reason"] for e in events(run_dir) if e["event"] == "checkpoint_invalid"]
     assert "another key" in reasons[0]
+    assert not (run_dir / "checkpoints" / "step-00000002" / "CORRUPT").exists()
+    monkeypatch.setenv("LT_TEST_CKPT_KEY", KEY.hex())
+    assert resume(spec, run_dir, fresh) == 2
 
 
 def test_plaintext_checkpoint_still_loads_after_encryption_is_enabled(

@@ -67,6 +67,9 @@ def _worker(rank: int, world_size: int, phase: str, root: str) -> None:
         _train(app, 2)
         assert ckpt.should_save(2)
         ckpt.save(2, app, blocking=True)
+        # Only rank 0 looks for Slurm's checkpoint.request: should_save makes every rank agree on it.
+        assert ckpt.should_save(3, requested=rank == 0) and ckpt.save_requested
+        assert not ckpt.should_save(3) and not ckpt.save_requested  # no file seen: no request
         _train(app, 2)
         torch.save(torch.get_rng_state(), out / f"rng-{rank}.pt")
         full = _full_state(app["model"], app["optimizer"])

@@ -269,6 +269,10 @@ def test_retention_never_deletes_the_newest_good() -> None:
     victims = dict(retention_victims(entries, keep_last=1))
     assert victims == {"step-00000002": "beyond keep_last=1"}  # 6 and 8 are newer than the newest good (4)
     assert retention_victims([e for e in entries if not e.good_candidate], keep_last=1) == []
+    # Counted back from the step just committed (3, after a fallback): the abandoned 4 neither counts nor goes.
+    resumed = [*entries, StepEntry(step=3, name="step-00000003", committed=True, corrupt=False)]
+    victims = dict(retention_victims(sorted(resumed, key=lambda e: e.step), keep_last=1, committed_step=3))
+    assert victims == {"step-00000002": "beyond keep_last=1"}
 
 
 def test_async_save_snapshots_state_while_training_continues(run_dir: Path) -> None:
@@ -339,15 +343,26 @@ def test_young_daly_interval_and_auto_retune(run_dir: Path) -> None:
 
 
 def test_same_step_is_not_saved_twice(run_dir: Path) -> None:
+    """A resumed run skips re-saving the step it resumed from; a run that did not resume from that folder (it
+    holds another timeline's state) replaces it instead of keeping it."""
     spec = make_spec()
     app = make_app()
     ckpt = CheckpointManager(spec, run_dir=run_dir)
     ckpt.save(2, app, blocking=True)
     ckpt.close()
     again = CheckpointManager(spec, run_dir=run_dir)
+    assert again.load_latest(make_app(1)) == 2
     again.save(2, app, blocking=True)
     again.close()
     assert names(run_dir).count("checkpoint_saved") == 1 and "checkpoint_skipped" in names(run_dir)
+    fresh = CheckpointManager(spec, run_dir=run_dir)  # started over without resuming: step 2 is not its own
+    fresh.save(2, make_app(2), blocking=True)
+    fresh.close()
+    assert names(run_dir).count("checkpoint_saved") == 2
+    assert any(e["event"] == "checkpoint_deleted" and "another timeline" in e["reason"] for e in events(run_dir))
+    loaded = make_app(3)
+    assert resume(spec, run_dir, loaded) == 2
+    assert torch.equal(loaded["model"][0].weight, make_app(2)["model"][0].weight)
 
 
 def test_trainer_hook_saves_on_interval_and_resumes_counters(run_dir: Path) -> None:

@@ -84,9 +84,9 @@ def test_launch_demo_spec_on_two_ranks_trains_one_metrics_stream(tmp_path: Path)
     [
         (["parallelism.tensor_parallel=3"], "3", "tensor_parallel"),  # 3 does not divide 4 heads (spec check)
         # a valid spec (1 × 2 × 1 = 2 GPUs) launched on 3 ranks: the product does not match the world size
-        (["parallelism.tensor_parallel=2", "hardware.gpus_per_node=2"], "3",
+        (["parallelism.data_parallel=1", "parallelism.tensor_parallel=2"], "3",
          "parallelism.tensor_parallel (2) does not divide the world size (3"),
-        (["parallelism.pipeline_parallel=2", "hardware.gpus_per_node=2"], "2", "tie_embeddings"),
+        (["parallelism.data_parallel=1", "parallelism.pipeline_parallel=2"], "2", "tie_embeddings"),
     ],
 )
 def test_bad_layout_exits_2_before_any_rank_starts(

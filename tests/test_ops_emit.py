@@ -3,10 +3,12 @@ exclude list, and the time-limit signal → checkpoint → requeue path run agai
 
 from __future__ import annotations
 
+import json
 import os
 import shlex
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -124,25 +126,30 @@ def test_cli_emit_writes_owner_only_file_and_audits(tmp_path: Path) -> None:
     assert "launch.emit" in (tmp_path / "run" / "audit.log").read_text()
     assert main(["launch", str(SEED), "--profile", "rehearsal", "--emit", "pbs", "--out", str(out)]) == 2
     # a layout that does not fit the launched ranks is refused before any rank starts
-    assert main(["launch", str(TINY), "--nproc", "3", "--set", "parallelism.tensor_parallel=2",
-                 "--set", "hardware.gpus_per_node=2", "--run-dir", str(tmp_path / "r2")]) == 2
+    assert main(["launch", str(TINY), "--nproc", "3", "--set", "parallelism.data_parallel=1",
+                 "--set", "parallelism.tensor_parallel=2", "--run-dir", str(tmp_path / "r2")]) == 2
 
 
 def _fake_slurm_bin(bin_dir: Path, log: Path) -> None:
-    """srun runs the step's command line only as a marker; the train step acts like a trainer that saves
-    when asked. scontrol prints two hosts and records updates/requeues."""
+    """srun runs the step's command line only as a marker, except the train step: that runs the real checkpoint
+    adapter with a tiny model in a step loop (tests/test_ckpt_hook.py as a script), which saves when asked,
+    deletes the request and stops. scontrol prints two hosts and records updates/requeues; at the requeue it
+    also records whether the request is still there and which checkpoints exist."""
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(
         "#!/bin/bash\n"
         f'if [ "$1" = show ]; then echo node01; echo node02; else echo "scontrol $*" >> {log}; fi\n'
+        'if [ "$1" = requeue ]; then\n'
+        f'  if [ -e "$RUN_DIR/{CHECKPOINT_REQUEST_NAME}" ]; then echo "request pending" >> {log}; fi\n'
+        f'  echo "checkpoints: $(ls "$RUN_DIR/checkpoints" | tr "\\n" " ")" >> {log}\n'
+        "fi\n"
     )
+    driver = REPO / "tests" / "test_ckpt_hook.py"
     (bin_dir / "srun").write_text(
         "#!/bin/bash\n"
         f'echo "srun $*" >> {log}\n'
         'case "$*" in *leantrain.cli*)\n'
-        f'  touch {log}.train-started\n'
-        f'  for i in $(seq 1 300); do [ -e "$RUN_DIR/{CHECKPOINT_REQUEST_NAME}" ] && break; sleep 0.05; done\n'
-        f'  echo "trainer saved" >> {log}; rm -f "$RUN_DIR/{CHECKPOINT_REQUEST_NAME}";;\n'
+        f'  OMP_NUM_THREADS=1 {shlex.quote(sys.executable)} {shlex.quote(str(driver))} "$RUN_DIR" {log};;\n'
         "esac\n"
     )
     for tool in ("scontrol", "srun"):
@@ -153,6 +160,7 @@ def _fake_slurm_bin(bin_dir: Path, log: Path) -> None:
 def test_time_limit_signal_asks_for_checkpoint_then_requeues_with_exclusions(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     record_failure(run_dir, host="node07", kind="preflight", reason="driver mismatch")
+    (run_dir / CHECKPOINT_REQUEST_NAME).touch()  # left by an earlier allocation: must not stop this one at once
     spec = load_spec(SEED, profile="rehearsal", overrides=["cluster.checkpoint_signal_s=40"])
     script = tmp_path / "job.sbatch"
     script.write_text(slurm_script(spec, command=TrainCommand(spec_path=SEED, profile="rehearsal"), run_dir=run_dir))
@@ -161,18 +169,23 @@ def test_time_limit_signal_asks_for_checkpoint_then_requeues_with_exclusions(tmp
     env = {**os.environ, "PATH": f"{tmp_path / 'bin'}:{os.environ['PATH']}", "SLURM_JOB_ID": "42",
            "SLURM_JOB_NODELIST": "node[01-02]", "RUN_DIR": str(run_dir)}
     proc = subprocess.Popen(["bash", str(script)], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 20
-    while not Path(f"{log}.train-started").exists():
+    deadline = time.monotonic() + 60
+    while not Path(f"{log}.train-started").exists():  # the adapter is built and stepping
         assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0]
         time.sleep(0.05)
     proc.send_signal(signal.SIGUSR1)
-    output, _ = proc.communicate(timeout=30)
+    output, _ = proc.communicate(timeout=60)
     assert proc.returncode == 0, output
     lines = log.read_text().splitlines()
     assert any("--rdzv-endpoint=node01:29500" in line and "--rdzv-id=42" in line for line in lines)
-    saved = lines.index("trainer saved")
-    assert lines[saved + 1:] == ["scontrol update JobId=42 ExcNodeList=node07", "scontrol requeue 42"]
+    (stopped,) = [line for line in lines if line.startswith("trainer stopped")]
+    assert stopped.endswith(": checkpoint requested"), stopped
+    saved_step = int(stopped.split()[4].rstrip(":"))
+    update = lines.index("scontrol update JobId=42 ExcNodeList=node07")
+    assert lines[update + 1:update + 3] == ["scontrol requeue 42", f"checkpoints: step-{saved_step:08d} "]
     assert not (run_dir / CHECKPOINT_REQUEST_NAME).exists()
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["event"] == "checkpoint_request_done"] == [saved_step]
 
 
 def test_container_mode_runs_every_step_in_the_image_with_the_needed_mounts(tmp_path: Path) -> None:

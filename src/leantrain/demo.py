@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from leantrain.errors import NotBuiltError, UserInputError
@@ -44,26 +45,28 @@ def _stage_spec(ctx: DemoContext) -> str:
     return f"spec valid; {len(spec.data.sources)} sources, outputs under {ctx.out_dir}"
 
 
-# (stage, module that owns it, issue that builds it). Each module exposes `demo_stage(ctx) -> str`.
-STAGES: list[tuple[str, str, int]] = [
-    ("plan", "leantrain.plan.command", 3),
-    ("prepare", "leantrain.data.command", 4),
-    ("train", "leantrain.train.command", 5),
-    ("drill", "leantrain.ops.drill", 7),
-    ("validate", "leantrain.ops.validate", 8),
-    ("report", "leantrain.observe.report", 8),
-    ("doctor", "leantrain.ops.doctor", 8),
+# (stage, module that owns it, its demo function, issue that built it). Each function takes the demo
+# context and returns a one-line summary.
+STAGES: list[tuple[str, str, str, int]] = [
+    ("plan", "leantrain.plan.command", "demo_stage", 3),
+    ("job files", "leantrain.ops.launch", "demo_stage", 9),
+    ("prepare", "leantrain.data.command", "demo_stage", 4),
+    ("train (2 ranks)", "leantrain.ops.launch", "demo_train_stage", 6),
+    ("drill", "leantrain.ops.drill", "demo_stage", 7),
+    ("report", "leantrain.observe.report", "demo_stage", 8),
+    ("validate", "leantrain.ops.validate", "demo_stage", 8),
+    ("doctor", "leantrain.ops.doctor", "demo_stage", 8),
 ]
 
 
-def _stage_function(module: str, issue: int) -> Callable[[DemoContext], str]:
+def _stage_function(module: str, function: str, issue: int) -> Callable[[DemoContext], str]:
     try:
         mod = importlib.import_module(module)
     except ModuleNotFoundError as err:
         if err.name and module.startswith(err.name):
             raise NotBuiltError(f"not built yet (issue #{issue})") from None
         raise
-    return mod.demo_stage
+    return getattr(mod, function)
 
 
 def run_demo(*, out_dir: Path, console: Console, spec_path: Path = DEMO_SPEC) -> list[tuple[str, str, str]]:
@@ -81,13 +84,13 @@ def run_demo(*, out_dir: Path, console: Console, spec_path: Path = DEMO_SPEC) ->
         overrides=[f"data.dir={out_dir / 'data'}", f"run.dir={out_dir / 'run'}"],
     )
     rows: list[tuple[str, str, str]] = []
-    stages: list[tuple[str, str, int] | None] = [None, *STAGES]
-    for entry in stages:
+    stages: list[tuple[str, str, str, int] | None] = [None, *STAGES]
+    for number, entry in enumerate(stages, start=1):
         name = "spec" if entry is None else entry[0]
-        console.rule(f"[bold]{name}")
+        console.rule(f"[bold]{number}/{len(stages)} {name}")
         start = time.perf_counter()
         try:
-            summary = _stage_spec(ctx) if entry is None else _stage_function(entry[1], entry[2])(ctx)
+            summary = _stage_spec(ctx) if entry is None else _stage_function(*entry[1:])(ctx)
             status = f"done ({time.perf_counter() - start:.1f} s)"
         except NotBuiltError as err:
             status, summary = "not built yet", str(err)
@@ -98,4 +101,7 @@ def run_demo(*, out_dir: Path, console: Console, spec_path: Path = DEMO_SPEC) ->
     for row in rows:
         table.add_row(*row)
     console.print(table)
+    for name, _, summary in rows:
+        if name in ("validate", "report"):
+            console.print(f"[bold]{name}:[/] {escape(summary)}")
     return rows

@@ -8,6 +8,7 @@ Memory is what the device reports to the framework: nvidia-smi's total in MiB fo
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from dataclasses import dataclass, field
@@ -146,6 +147,19 @@ def measure_cpu_peak_flops(*, size: int = 512, repeats: int = 5, dtype: str = "f
         torch.matmul(a, b)
         best_s = min(best_s, time.perf_counter() - start)
     return 2.0 * size**3 / max(best_s, 1e-9)
+
+
+# Matmul size and repeats for the host's peak: best of many 1024² matmuls, because a shared, busy CPU makes
+# single timings low (and MFU look above 100%).
+CPU_PEAK_MATMUL_SIZE = 1024
+CPU_PEAK_REPEATS = 10
+
+
+@functools.lru_cache(maxsize=4)
+def host_cpu_peak_flops(dtype: str = "fp32") -> float:
+    """The CPU peak the planner and the trainer's MFU both use: measured once per process and dtype."""
+    return measure_cpu_peak_flops(size=CPU_PEAK_MATMUL_SIZE, repeats=CPU_PEAK_REPEATS,
+                                  dtype="bf16" if dtype == "bf16" else "fp32")
 
 
 def host_memory_bytes() -> float:

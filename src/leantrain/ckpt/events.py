@@ -20,13 +20,13 @@ log = logging.getLogger("leantrain.ckpt")
 # Events that mean something went wrong: also passed to the alert callback.
 ALERT_EVENTS = frozenset(
     {"checkpoint_failed", "checkpoint_invalid", "checkpoint_fallback", "checkpoint_load_failed",
-     "checkpoint_none_valid", "checkpoint_delete_failed"}
+     "checkpoint_none_valid", "checkpoint_delete_failed", "checkpoint_abandoned"}
 )
 
 # Events that change or use what is stored: also appended to the run's hash-chained audit.log.
 AUDIT_EVENTS = frozenset(
     {"checkpoint_saved", "checkpoint_failed", "checkpoint_deleted", "checkpoint_loaded", "checkpoint_invalid",
-     "checkpoint_fallback", "preemption_requested"}
+     "checkpoint_fallback", "checkpoint_abandoned", "checkpoint_requested", "preemption_requested"}
 )
 
 AlertCallback = Callable[[str, dict[str, Any]], None]
@@ -57,8 +57,10 @@ class EventLog:
         if self.audit is not None and event in AUDIT_EVENTS:
             try:
                 self.audit(event.replace("_", ".", 1), **fields)
-            except OSError as err:  # the audit trail must not stop training; the event line above is kept
-                log.error("audit.log append failed for %s: %s", event, err)
+            except Exception as err:  # noqa: BLE001 - the audit trail must never stop a save or a resume
+                # e.g. OSError, or UserInputError for an audit.log whose last line was edited; the event line
+                # above is kept, and `leantrain runs RUN_DIR` reports the broken chain.
+                log.warning("audit.log append failed for %s: %s: %s", event, type(err).__name__, err)
         if event in ALERT_EVENTS:
             log.warning("%s: %s", event, {k: v for k, v in fields.items()})
             if self.on_alert is not None:

@@ -13,6 +13,21 @@ the end of the load. The failure time is the kill time a drill's fault marker re
 else the last sign of life in the run dir (the newest write to metrics.jsonl / events.jsonl), which bounds
 it from below. Every successful resume also records a `resume` event (`from_step`).
 The drill hook (ckpt/fault.py) is armed from the environment; without its variables it costs nothing.
+
+Checkpoint requests (Slurm's time limit, ops/emit.py): the batch shell's USR1 trap creates
+RUN_DIR/checkpoint.request, waits until it is gone, then runs `scontrol requeue`, which ends this allocation.
+Rank 0 looks for the file every step; the ranks agree on it like on a preemption signal; the step is saved
+blocking, rank 0 deletes the file once the save is committed, and the loop then stops (`preempt_requested`):
+steps after the checkpoint would be lost to the requeue anyway. A failed save keeps the file, so the next
+agreed step tries again until the trap's deadline.
+
+Failures: every failed save goes to the trainer's metrics logger as {"event": "checkpoint_failed", "step",
+"error"} (rank 0), which fans it to the alert engine (observe/alerts.py); the next good save sends
+{"event": "checkpoint_saved"} to resolve the alert. After `checkpoint.max_consecutive_failures` failed saves
+in a row the run stops with CheckpointSaveError (exit 1): training on without a way back is worse.
+
+Lineage: each checkpoint carries lineage.json (ckpt/provenance.py) and, on local storage, rank 0 indexes it
+in the run registry after the commit, so `leantrain runs RUN_DIR` lists it.
 """
 
 from __future__ import annotations
@@ -25,7 +40,10 @@ from typing import Any
 
 from leantrain.ckpt.fault import FaultInjector, FaultPlan, read_marker, restart_attempt
 from leantrain.ckpt.manager import CheckpointManager, CheckpointSaveError
+from leantrain.ckpt.provenance import CheckpointProvenance
 from leantrain.ckpt.rng import RankRNGState
+from leantrain.ckpt.storage import LocalStore
+from leantrain.ops.emit import checkpoint_requested, clear_checkpoint_request
 
 log = logging.getLogger("leantrain.ckpt")
 COUNTERS = ("step", "tokens_seen", "skipped_steps")
@@ -60,11 +78,26 @@ class TrainerCheckpointer:
         self.attempt = restart_attempt()
         # Read before the manager writes anything: after a restart this is the dead attempt's last write.
         self.last_alive_s = last_sign_of_life_s(trainer.run_dir) if self.attempt > 0 else None
+        self.provenance: CheckpointProvenance | None = None
+        if "extra_files" not in manager_options:
+            manager_options["extra_files"] = self._lineage_files
         self.manager = CheckpointManager(
             trainer.spec, run_dir=trainer.run_dir, rank=trainer.runtime.rank, world_size=trainer.runtime.world_size,
             **manager_options,
         )
+        store = self.manager.store
+        self.provenance = CheckpointProvenance(
+            run_dir=trainer.run_dir, registry=trainer.spec.run.registry, describe=store.describe,
+            local_root=store.root if isinstance(store, LocalStore) else None,
+        )
+        if self.manager.rank == 0:
+            self.manager.after_commit = self.provenance.register
+        self.metrics = getattr(trainer, "metrics", None)  # the trainer's logger: its sinks include the alert engine
+        self.max_consecutive_failures = trainer.spec.checkpoint.max_consecutive_failures
+        self.num_consecutive_failures = 0
         self.last_error: CheckpointSaveError | None = None
+        self._seen_saved_step: int | None = None
+        self.stop_reason: str | None = None  # why the loop should stop: "preempted" or "checkpoint requested"
         plan = FaultPlan.from_env()
         self.fault = None if plan is None else FaultInjector(plan, run_dir=trainer.run_dir, rank=trainer.runtime.rank)
 
@@ -78,8 +111,12 @@ class TrainerCheckpointer:
             "rng": RankRNGState(trainer.runtime.rank),
         }
 
+    def _lineage_files(self, step: int) -> dict[str, bytes]:
+        return self.provenance.files(step) if self.provenance is not None else {}
+
     def load_latest(self, trainer: Any) -> bool:
         step = self.manager.load_latest(self.app_state(trainer))
+        self._seen_saved_step = self.manager.last_saved_step
         if step is not None:
             self.manager.events.emit("resume", from_step=step, world_size=trainer.runtime.world_size,
                                      attempt=self.attempt)
@@ -104,25 +141,85 @@ class TrainerCheckpointer:
                         "?" if recovery_s is None else f"{recovery_s:.1f}")
 
     def maybe_save(self, trainer: Any, *, force: bool = False) -> None:
-        """`force` (the last step) saves blocking unless this step is saved already; `force` must agree on ranks."""
+        """`force` (the last step) saves blocking unless this step is saved already; `force` must agree on ranks.
+
+        Raises CheckpointSaveError (exit 1) once `checkpoint.max_consecutive_failures` saves failed in a row."""
         step = int(trainer.step)
-        due = self.manager.should_save(step)
+        asked = self.manager.rank == 0 and checkpoint_requested(self.manager.run_dir)
+        due = self.manager.should_save(step, requested=asked)
+        requested = self.manager.save_requested
         drill_save = self.fault is not None and self.fault.forced_save_step == step
         if due or drill_save or (force and step != self.manager.last_saved_step):
             if self.fault is not None:
                 self.fault.before_save(step, self.manager)
             try:
-                self.manager.save(step, self.app_state(trainer), blocking=True if force else None)
-            except CheckpointSaveError as err:  # already in events.jsonl and passed to on_alert; keep training
-                self.last_error = err
-                log.error("%s", err)
+                self.manager.save(step, self.app_state(trainer), blocking=True if force or requested else None)
+            except CheckpointSaveError as err:  # already in events.jsonl; the alert engine hears of it below
+                self._save_failed(err)
+        if requested:
+            self._serve_request(step)
+        self._note_saves()
         if self.fault is not None:
             self.fault.after_step(step, self.manager)
 
+    def _serve_request(self, step: int) -> None:
+        """After the requested save: once this step is committed, rank 0 deletes the request, and the loop
+        stops (the batch shell requeues the job when the file is gone)."""
+        try:
+            self.manager.wait()  # the step may have been saved asynchronously just before the request
+        except CheckpointSaveError as err:
+            self._save_failed(err)
+        if self.manager.last_saved_step != step:
+            return  # failed: the request stays, the next agreed step tries again
+        if self.manager.rank == 0:
+            clear_checkpoint_request(self.manager.run_dir)
+            self.manager.events.emit("checkpoint_request_done", step=step, action="stop; the job requeues itself")
+        self.stop_reason = "checkpoint requested"
+
+    def _save_failed(self, err: CheckpointSaveError) -> None:
+        self.last_error = err
+        self.num_consecutive_failures += 1
+        log.error("%s", err)
+        self._alert({"event": "checkpoint_failed", "step": err.step, "error": str(err),
+                     "consecutive_failures": self.num_consecutive_failures})
+        if self.num_consecutive_failures >= self.max_consecutive_failures:
+            newest = self._seen_saved_step
+            raise CheckpointSaveError(
+                err.step, f"{self.num_consecutive_failures} saves in a row failed "
+                f"(checkpoint.max_consecutive_failures={self.max_consecutive_failures}), so the run stops rather "
+                "than train on without a checkpoint to come back to ("
+                + ("none was saved yet" if newest is None else f"the newest good one is step {newest}")
+                + f"). Last error: {err}", where=f"run dir {self.manager.run_dir}") from err
+
+    def _note_saves(self) -> None:
+        """A newly committed save (async ones finish later) resets the failure count and resolves the alert."""
+        saved = self.manager.last_saved_step
+        if saved is None or saved == self._seen_saved_step:
+            return
+        self._seen_saved_step = saved
+        if self.num_consecutive_failures:
+            self.num_consecutive_failures = 0
+            self._alert({"event": "checkpoint_saved", "step": saved})
+
+    def _alert(self, record: dict[str, Any]) -> None:
+        """Rank 0: through the trainer's metrics logger, whose sinks include the alert engine."""
+        if self.manager.rank != 0 or self.metrics is None:
+            return
+        try:
+            self.metrics.log(record)
+        except Exception as err:  # noqa: BLE001 - a broken sink must not turn an alert into a crash
+            log.warning("could not report %s: %s", record.get("event"), err)
+
     @property
     def preempt_requested(self) -> bool:
-        """True once a preemption signal was agreed; the loop should stop after this step's save."""
-        return self.manager.preempt_requested
+        """True once the loop should stop after this step's save: an agreed preemption signal, or a served
+        checkpoint request (the job is about to be requeued)."""
+        if self.manager.preempt_requested and self.stop_reason is None:
+            self.stop_reason = "preempted"
+        return self.stop_reason is not None
 
     def close(self) -> None:
-        self.manager.close()
+        try:
+            self.manager.close()
+        finally:
+            self._note_saves()

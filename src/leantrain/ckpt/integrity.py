@@ -40,6 +40,11 @@ class IntegrityError(Exception):
         self.permanent = permanent
 
 
+class KeyMismatchError(IntegrityError):
+    """The checkpoint is fine but the configured key cannot read it (none, or another one): the user's input,
+    so the checkpoint is never condemned for it."""
+
+
 @dataclass(frozen=True)
 class FileRecord:
     """What the manifest records for one stored file (the bytes as stored: ciphertext when encrypted)."""
@@ -251,9 +256,11 @@ def verify_share(
     """Verify this rank's share of the files (file i goes to rank i mod world_size), so ranks split the reading."""
     enc = manifest.get("encryption")
     if enc and cipher is None:
-        raise IntegrityError(f"{folder}: checkpoint is encrypted but no key is configured (security.encryption_key)")
+        raise KeyMismatchError(f"{folder}: checkpoint is encrypted but no key is configured "
+                               "(security.encrypt_checkpoints / security.encryption_key)")
     if enc and cipher is not None and enc.get("key_id") != cipher.key_id:
-        raise IntegrityError(f"{folder}: encrypted with another key (key id {enc.get('key_id')})")
+        raise KeyMismatchError(f"{folder}: encrypted with another key (key id {enc.get('key_id')}, "
+                               f"security.encryption_key has {cipher.key_id})")
     if not enc and cipher is not None:
         cipher = None  # a plaintext checkpoint written before encryption was enabled is still readable
     names = sorted(manifest.get("files", {}))
@@ -286,14 +293,19 @@ def condemn(store: Store, entry_name: str, reason: str) -> None:
     store.write_bytes(f"{entry_name}/{CORRUPT_NAME}", json.dumps({"reason": reason, "time": time.time()}).encode())
 
 
-def retention_victims(entries: Iterable[StepEntry], *, keep_last: int, tmp_names: Iterable[str] = ()) -> list[
-    tuple[str, str]
-]:
+def retention_victims(
+    entries: Iterable[StepEntry], *, keep_last: int, tmp_names: Iterable[str] = (), committed_step: int | None = None
+) -> list[tuple[str, str]]:
     """Folders to delete after a commit: good ones beyond `keep_last`, and leftovers older than the newest good.
 
-    Only called after a successful commit, so the newest good checkpoint is always among those kept.
+    Only called after a successful commit, so the newest good checkpoint is always among those kept. With
+    `committed_step` (the step just committed) everything is counted back from that step: folders of higher
+    steps belong to a timeline the run abandoned when it resumed from an older checkpoint; they are neither
+    counted among the kept nor deleted here (the run replaces each when it reaches its step).
     """
     entries = list(entries)
+    if committed_step is not None:
+        entries = [e for e in entries if e.step <= committed_step]
     good = [e for e in entries if e.good_candidate]
     if not good:
         return []

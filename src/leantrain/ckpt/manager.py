@@ -21,6 +21,7 @@ to load, so the two never interleave on one group.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -46,23 +47,38 @@ from leantrain.ckpt.dcp_io import (
 from leantrain.ckpt.events import AlertCallback, EventLog
 from leantrain.ckpt.policy import AutoInterval, PreemptionHandler, job_mtbf_s, planned_auto_interval
 from leantrain.ckpt.storage import Store, open_store
+from leantrain.errors import LeantrainError
 from leantrain.security import AuditLog
 from leantrain.spec import resolve_secret
 
 if TYPE_CHECKING:
     from leantrain.spec import JobSpec
 
+log = logging.getLogger("leantrain.ckpt")
 
-class CheckpointSaveError(RuntimeError):
-    """A save failed; earlier checkpoints are intact. The trainer alerts and keeps training."""
 
-    def __init__(self, step: int, message: str) -> None:
-        super().__init__(f"checkpoint save of step {step} failed: {message}")
+class CheckpointSaveError(LeantrainError):
+    """A save failed; earlier checkpoints are intact. The trainer alerts and keeps training, and stops (exit 1)
+    after `checkpoint.max_consecutive_failures` failures in a row: the CLI shows the message, no traceback."""
+
+    exit_code = 1
+
+    def __init__(self, step: int, message: str, *, where: str | None = None) -> None:
+        super().__init__(f"checkpoint save of step {step}{f' to {where}' if where else ''} failed: {message}")
         self.step = step
 
 
-class CheckpointLoadError(RuntimeError):
-    """Every candidate failed after the state was partly overwritten, so training must not start fresh."""
+class CheckpointLoadError(LeantrainError):
+    """No checkpoint could be resumed from and training must not start fresh: exit 1 when the stored
+    checkpoints failed after the live state was partly overwritten, exit 2 when the user's input is wrong
+    (the encryption key does not match the checkpoints)."""
+
+    exit_code = 1
+
+    def __init__(self, message: str, *, user_input: bool = False) -> None:
+        super().__init__(message)
+        if user_input:
+            self.exit_code = 2
 
 
 class CheckpointManager:
@@ -102,6 +118,11 @@ class CheckpointManager:
         # Called with the step after this rank's files are written and before the commit (the fault drill's
         # mid-save kill: the checkpoint is then half-written on disk, deterministically).
         self.before_commit: Callable[[int], None] | None = None
+        # Rank 0, with the step and the published folder, after a commit (from the saving thread when async):
+        # e.g. indexing the checkpoint in the run registry. Its errors are logged, never fail the save.
+        self.after_commit: Callable[[int, str], None] | None = None
+        self.loaded_step: int | None = None  # the checkpoint this run resumed from: its timeline is ours
+        self.save_requested = False  # the ranks agreed on an outside request (should_save's `requested`)
         self.last_saved_step: int | None = None
         self._last_attempted_step: int | None = None
         self._last_save_clock = clock()
@@ -125,8 +146,13 @@ class CheckpointManager:
         return group
 
     # ---- when -------------------------------------------------------------------------------------------
-    def should_save(self, step: int) -> bool:
-        """Whether to save after `step`; call on every rank every step (it may run one tiny all-reduce)."""
+    def should_save(self, step: int, *, requested: bool = False) -> bool:
+        """Whether to save after `step`; call on every rank every step (it may run one tiny all-reduce).
+
+        `requested`: this rank saw an outside request for a checkpoint now (Slurm's time-limit request file).
+        It is agreed like a preemption signal (any rank → all ranks, on the same step); `save_requested`
+        then holds the agreed answer, and the step is saved unless it is saved or being saved already.
+        """
         fresh = step != self._last_attempted_step and step != self.last_saved_step
         if self.interval_steps is not None:
             want = fresh and step % self.interval_steps == 0
@@ -137,15 +163,18 @@ class CheckpointManager:
         if self._control_pg is not None:
             # Ranks see a signal at different steps and time-based decisions differ per rank: agree on both.
             if self.auto is not None or step % self.spec.fault.preempt_check_every == 0:
-                flags = torch.tensor([int(preempt), int(want)], dtype=torch.int32)
+                flags = torch.tensor([int(preempt), int(want), int(requested)], dtype=torch.int32)
                 dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self._control_pg)
-                preempt, want = bool(flags[0]), bool(flags[1])
+                preempt, want, requested = bool(flags[0]), bool(flags[1]), bool(flags[2])
             else:
-                preempt = False
+                preempt = requested = False
         if preempt and not self.preempt_requested:
             self.preempt_requested = True
             self.events.emit("preemption_requested", step=step, signal=self.preemption.received or "another rank")
-        return fresh and (want or preempt)
+        self.save_requested = requested
+        if requested:
+            self.events.emit("checkpoint_requested", step=step, already_saved=not fresh)
+        return fresh and (want or preempt or requested)
 
     # ---- save -------------------------------------------------------------------------------------------
     def save(self, step: int, app_state: dict[str, Any], *, blocking: bool | None = None) -> None:
@@ -216,7 +245,8 @@ class CheckpointManager:
                 self._discard_attempt(step, folder)
             message = f"{type(err).__name__}: {err}"
             self.events.emit("checkpoint_failed", step=step, error=message, duration_s=self.clock() - start)
-            raise CheckpointSaveError(step, message) from err
+            where = f"{self.store.describe(integ.step_dir(step))} (run dir {self.run_dir})"
+            raise CheckpointSaveError(step, message, where=where) from err
         duration_s = self.clock() - start
         self.last_saved_step = step
         if self.auto is not None:
@@ -229,7 +259,12 @@ class CheckpointManager:
             next_interval_s=None if self.auto is None else self.auto.interval_s,
         )
         if self.rank == 0:
-            self._apply_retention()
+            self._apply_retention(committed_step=step)
+            if self.after_commit is not None:
+                try:
+                    self.after_commit(step, integ.step_dir(step))
+                except Exception as err:  # noqa: BLE001 - the checkpoint is committed; bookkeeping must not undo it
+                    log.warning("after committing step %d: %s: %s", step, type(err).__name__, err)
 
     def _discard_attempt(self, step: int, folder: str) -> None:
         """Rank 0, after a failed save: remove the partial folder unless it got committed (object stores)."""
@@ -240,12 +275,19 @@ class CheckpointManager:
             self.events.emit("checkpoint_delete_failed", folder=folder, error=str(err))
 
     def _prepare_folder(self, step: int, folder: str) -> str | None:
-        """Rank 0: clear leftovers of an earlier attempt; 'exists' when this step is already committed."""
+        """Rank 0: clear leftovers of an earlier attempt; 'exists' when this step is already committed by this
+        timeline (the checkpoint this run resumed from, or saved itself). A good folder of this step that this
+        run neither loaded nor wrote holds another timeline's state (the run resumed from an older step, or
+        started over): it is replaced, since keeping it would resume the next restart onto that timeline."""
         try:
             for entry in integ.list_steps(self.store):
-                if entry.step == step and entry.good_candidate:
+                if entry.step == step and entry.good_candidate and step in (self.loaded_step, self.last_saved_step):
                     return "exists"
-                if entry.step == step:  # condemned or never committed: nothing good is lost
+                if entry.step == step and entry.good_candidate:
+                    integ.remove_checkpoint(self.store, entry.name)
+                    self.events.emit("checkpoint_deleted", folder=entry.name,
+                                     reason="another timeline's checkpoint of this step, replaced by this save")
+                elif entry.step == step:  # condemned or never committed: nothing good is lost
                     self.store.remove_tree(entry.name)
             self.store.remove_tree(folder)
             self.store.makedirs(folder)
@@ -266,10 +308,10 @@ class CheckpointManager:
             return f"committing {folder}: {err}"
         return None
 
-    def _apply_retention(self) -> None:
+    def _apply_retention(self, *, committed_step: int) -> None:
         tmp_names = [n for n in self.store.list_dir("") if integ.TMP_RE.match(n)]
         victims = integ.retention_victims(integ.list_steps(self.store), keep_last=self.spec.checkpoint.keep_last,
-                                          tmp_names=tmp_names)
+                                          tmp_names=tmp_names, committed_step=committed_step)
         for name, reason in victims:
             try:
                 integ.remove_checkpoint(self.store, name)
@@ -289,19 +331,26 @@ class CheckpointManager:
             if not entry.committed and entry.step > newest_good:
                 self.events.emit("checkpoint_invalid", step=entry.step, reason="no commit marker (half-written)",
                                  condemned=False)
-        partly_loaded, skipped = False, []
+        partly_loaded, skipped, reasons = False, [], []
         for entry in reversed(candidates):
             start = self.clock()
             problem, manifest, skip = self._verify(entry, app_state)
+            if problem is not None and problem[2]:  # the key, not the checkpoint: stop before anything is loaded
+                self.events.emit("checkpoint_invalid", step=entry.step, reason=problem[0], condemned=False)
+                raise CheckpointLoadError(
+                    f"cannot resume run {self.run_dir} from {self.store.describe(entry.name)}: {problem[0]}. "
+                    "Set the key the checkpoints were written with, or move them away to start over.",
+                    user_input=True)
             if problem is None:
                 try:
                     state = build_state_dict(app_state, skip=skip)
                     load_state(state, fs=self._reader_fs(manifest), folder=entry.name, process_group=self._control_pg)
                 except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises on all ranks together
                     partly_loaded = True
-                    problem = (f"load failed: {type(err).__name__}: {err}", False)
+                    problem = (f"load failed: {type(err).__name__}: {err}", False, False)
             if problem is not None:
                 skipped.append(entry.step)
+                reasons.append(f"step {entry.step} ({self.store.describe(entry.name)}): {problem[0]}")
                 self.events.emit("checkpoint_invalid", step=entry.step, reason=problem[0], condemned=problem[1])
                 if problem[1] and self.rank == 0:
                     integ.condemn(self.store, entry.name, problem[0])
@@ -309,23 +358,46 @@ class CheckpointManager:
             apply_state_dict(app_state, state)
             if skipped:
                 self.events.emit("checkpoint_fallback", from_step=skipped[0], to_step=entry.step, skipped=skipped)
+                self._abandon_newer(entries, loaded_step=entry.step)
             self.events.emit("checkpoint_loaded", step=entry.step, bytes=manifest["total_bytes"],
                              duration_s=self.clock() - start, saved_world_size=manifest["world_size"],
                              world_size=self.world_size)
-            self.last_saved_step = entry.step
+            self.last_saved_step = self.loaded_step = entry.step
             return entry.step
         if skipped:
             self.events.emit("checkpoint_none_valid", skipped=skipped)
         if partly_loaded:
-            raise CheckpointLoadError(f"checkpoints {skipped} all failed and the live state was partly overwritten")
+            raise CheckpointLoadError(
+                f"cannot resume run {self.run_dir}: every checkpoint in {self.store.url} failed "
+                f"({'; '.join(reasons)}) and the failed load had partly overwritten the model/optimizer state, so "
+                "training cannot start fresh either. Restore a checkpoint or move them away to start over.")
         return None
+
+    def _abandon_newer(self, entries: list[integ.StepEntry], *, loaded_step: int) -> None:
+        """Rank 0, after a fallback: condemn every still-good folder newer than the resume point. The run goes
+        on from `loaded_step`, so those hold an abandoned timeline; left good, retention would count them as
+        the newest and delete this timeline's checkpoints, and the next restart would try them again."""
+        if self.rank != 0:
+            return
+        for entry in entries:
+            if entry.step <= loaded_step or not entry.good_candidate or self.store.exists(
+                    f"{entry.name}/{integ.CORRUPT_NAME}"):
+                continue
+            reason = f"abandoned: the run resumed from step {loaded_step} after this checkpoint failed to load"
+            try:
+                integ.condemn(self.store, entry.name, reason)
+                self.events.emit("checkpoint_abandoned", step=entry.step, folder=self.store.describe(entry.name),
+                                 resumed_from=loaded_step)
+            except OSError as err:
+                self.events.emit("checkpoint_delete_failed", folder=entry.name, error=f"condemning: {err}")
 
     def _verify(
         self, entry: integ.StepEntry, app_state: dict[str, Any]
-    ) -> tuple[tuple[str, bool] | None, dict, frozenset[str]]:
+    ) -> tuple[tuple[str, bool, bool] | None, dict, frozenset[str]]:
         """Every rank checks its share of files and reads DCP's metadata; all ranks get the first problem
-        as (message, permanent), so they fall back together instead of some entering DCP's collectives."""
-        problem: tuple[str, bool] | None = None
+        as (message, permanent, wrong key), so they fall back together instead of some entering DCP's
+        collectives."""
+        problem: tuple[str, bool, bool] | None = None
         manifest: dict = {}
         skip: frozenset[str] = frozenset()
         try:
@@ -333,10 +405,12 @@ class CheckpointManager:
             integ.verify_share(self.store, entry.name, manifest, rank=self.rank, world_size=self.world_size,
                                cipher=self.cipher)
             skip = self._missing_rank_entries(app_state, entry.name, fs=self._reader_fs(manifest))
+        except integ.KeyMismatchError as err:
+            problem = (str(err), False, True)
         except integ.IntegrityError as err:
-            problem = (str(err), err.permanent)
+            problem = (str(err), err.permanent, False)
         except Exception as err:  # noqa: BLE001 - e.g. unreadable DCP metadata; decided together below
-            problem = (f"{type(err).__name__}: {err}", not isinstance(err, OSError))
+            problem = (f"{type(err).__name__}: {err}", not isinstance(err, OSError), False)
         problems = [p for p in self._gather(problem, self._control_pg) if p is not None]
         return (problems[0] if problems else None), manifest, skip
 

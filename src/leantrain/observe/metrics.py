@@ -18,14 +18,12 @@ from typing import Any
 
 import torch
 
-from leantrain.hardware import get_accelerator, measure_cpu_peak_flops
+from leantrain.hardware import get_accelerator, host_cpu_peak_flops
 from leantrain.observe.sinks import JsonlSink, Sink, TensorBoardSink
 from leantrain.spec.schema import HardwareSpec
 
 METRICS_FILE = "metrics.jsonl"
 TENSORBOARD_DIR = "tb"
-CPU_PEAK_MATMUL_SIZE = 1024
-CPU_PEAK_REPEATS = 10
 
 
 class MetricsLogger:
@@ -72,10 +70,7 @@ def resolve_peak_flops(hardware: HardwareSpec, *, device: torch.device, dtype: s
     if hardware.peak_flops is not None:
         return hardware.peak_flops, "spec"
     if device.type == "cpu":
-        # Best of many 1024² matmuls: a shared, busy CPU makes single timings low (and MFU look above 100%).
-        peak = measure_cpu_peak_flops(size=CPU_PEAK_MATMUL_SIZE, repeats=CPU_PEAK_REPEATS,
-                                      dtype="bf16" if dtype == "bf16" else "fp32")
-        return peak, "measured"
+        return host_cpu_peak_flops(dtype), "measured"
     accelerator = get_accelerator(hardware.accelerator)
     return accelerator.peak_for(dtype), f"catalog:{accelerator.name}"
 

@@ -283,7 +283,8 @@ def load_run(run_dir: Path) -> RunData:
     records = _read_jsonl(run_dir / METRICS_FILE, bad)
     # Held-out evaluation records share the file ({"step", "eval_loss", ...}); they are not training steps.
     evals = [r for r in records if "eval_loss" in r and "loss" not in r]
-    records = [r for r in records if not ("eval_loss" in r and "loss" not in r)]
+    # Event records (checkpoint_failed, ...) reach metrics.jsonl through the same logger; they are not steps.
+    records = [r for r in records if not ("eval_loss" in r and "loss" not in r) and "event" not in r]
     metrics, rank_metrics = _split_by_rank(records, rank_files)
     return RunData(
         run_dir=run_dir,

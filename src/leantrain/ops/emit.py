@@ -7,10 +7,11 @@ Sizes come from the plan (`leantrain.plan.planner.make_plan`) when the spec leav
 otherwise from the spec; hosts in the run dir's node_health.json are excluded.
 
 Checkpoint before the time limit (Slurm): `--signal=B:USR1@N` makes Slurm signal the batch shell N seconds
-before the limit; its trap creates `RUN_DIR/checkpoint.request`, which the trainer polls each step (it saves,
-then deletes the file), waits for that, refreshes the exclude list and requeues the job. Preemption requeues
-too (`--requeue`); the next allocation resumes from the newest valid checkpoint. torchrun itself would die on
-SIGUSR1, which is why the signal goes to the batch shell and reaches the trainer as a file.
+before the limit; its trap creates `RUN_DIR/checkpoint.request`, which the trainer polls each step (ckpt/hook.py:
+the ranks agree, save blocking, rank 0 deletes the file, training stops), waits for that, refreshes the exclude
+list and requeues the job. The script deletes a request left over from an earlier allocation before it starts.
+Preemption requeues too (`--requeue`); the next allocation resumes from the newest valid checkpoint. torchrun
+itself would die on SIGUSR1, which is why the signal goes to the batch shell and reaches the trainer as a file.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ def checkpoint_requested(run_dir: Path) -> bool:
 
 
 def clear_checkpoint_request(run_dir: Path) -> None:
-    """The trainer calls this after the requested checkpoint is committed; the job then requeues itself."""
+    """The trainer (rank 0) calls this after the requested checkpoint is committed, then stops; the batch
+    shell's trap then requeues the job."""
     (Path(run_dir) / CHECKPOINT_REQUEST_NAME).unlink(missing_ok=True)
 
 
@@ -324,6 +326,8 @@ def slurm_script(
         f"RUN_DIR={_q(run_dir)}",
         f"RDZV_PORT={cluster.rdzv_port}",
         'mkdir -p "$RUN_DIR"',
+        "# A request left by an allocation that ended before the trainer served it would stop this one at once.",
+        f'rm -f "$RUN_DIR/{CHECKPOINT_REQUEST_NAME}"',
         *env_lines,
         # Secrets are not written here: sbatch exports the submitting shell's environment to the job.
         "# All of the list is read (no `| head`): with pipefail, a SIGPIPE'd scontrol would end the job.",

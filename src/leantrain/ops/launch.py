@@ -29,6 +29,7 @@ from leantrain.security import AuditLog, make_private_dir
 from leantrain.spec import JobSpec
 
 EMIT_KINDS = ("slurm", "k8s")
+DEMO_NPROC = 2  # the demo trains on two processes, as a (tiny) multi-rank job
 SWEEP_STEPS = 10  # steps per size of --sweep (fewer when training.max_steps is smaller): enough for a steady rate
 DEFAULT_OUT = {"slurm": "job.sbatch", "k8s": "job.k8s.yaml"}
 
@@ -222,3 +223,17 @@ def demo_stage(ctx: Any) -> str:
     res = job_resources(spec)
     return (f"job files for the seed example ({res.num_nodes} nodes × {res.gpus_per_node} GPUs): "
             + ", ".join(str(p) for p in written))
+
+
+def demo_train_stage(ctx: Any) -> str:
+    """`leantrain demo`: train the demo spec on two processes under torchrun (with its restart policy), the
+    way a cluster job runs, into the demo's run dir."""
+    from leantrain.observe.report_data import load_run
+    from leantrain.train.command import summary
+
+    spec = ctx.spec()
+    run_dir = Path(spec.run.dir)
+    train = TrainCommand(spec_path=Path(ctx.spec_path).resolve(), overrides=tuple(ctx.overrides), profile=None)
+    launch(spec, train=train, run_dir=run_dir, nproc=DEMO_NPROC, nnodes=None, max_restarts=None, console=ctx.console)
+    records = [r for r in load_run(run_dir).metrics if "loss" in r]
+    return f"{DEMO_NPROC} ranks: {summary(records)}"

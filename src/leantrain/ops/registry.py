@@ -120,10 +120,15 @@ def register_run(lineage: dict[str, Any], *, registry: Path | None = None, statu
     return str(row["run_id"])
 
 
-def register_checkpoint(checkpoint_dir: Path, *, registry: Path | None = None) -> int:
-    """Index a committed checkpoint from its lineage.json (as `write_checkpoint_lineage` wrote it)."""
-    lineage = read_lineage(checkpoint_dir)
-    if lineage is None or "checkpoint" not in lineage:
+def register_checkpoint(
+    checkpoint_dir: Path, *, registry: Path | None = None, lineage: dict[str, Any] | None = None
+) -> int:
+    """Index a committed checkpoint from its lineage.json (as `write_checkpoint_lineage` or the checkpoint
+    manager wrote it). `lineage`: its content, for a checkpoint whose stored file is encrypted (the checkpoint
+    manager passes what it wrote); `lineage_sha256` is always the hash of the file as stored."""
+    if lineage is None:
+        lineage = read_lineage(checkpoint_dir)
+    if lineage is None or "checkpoint" not in lineage or not (Path(checkpoint_dir) / LINEAGE_FILE_NAME).is_file():
         raise UserInputError(f"{Path(checkpoint_dir) / LINEAGE_FILE_NAME} is missing or is not a checkpoint lineage")
     step = int(lineage["checkpoint"]["step"])
     row = {
@@ -157,11 +162,31 @@ def list_runs(*, registry: Path | None = None) -> list[dict[str, Any]]:
     return [dict(r) for r in rows]
 
 
-def checkpoint_lineages(run_dir: Path) -> list[dict[str, Any]]:
-    """What produced each checkpoint of a run, read from the checkpoints' own lineage.json files."""
+def _registered_lineage(path: Path, registry: Path | None) -> dict[str, Any]:
+    """A checkpoint's registry row shaped like its lineage (for an encrypted lineage.json); {} when absent."""
+    db_path = default_registry_path(registry)
+    if not db_path.exists():
+        return {}
+    with connect(db_path) as conn:
+        row = conn.execute("SELECT * FROM checkpoints WHERE path = ?", (str(path.parent.resolve()),)).fetchone()
+    if row is None:
+        return {}
+    return {"attempt": row["attempt"], "checkpoint": {"step": row["step"], "saved_at": row["saved_at"]},
+            "code": {"git": {"commit": row["git_commit"], "dirty": row["git_dirty"]}} if row["git_commit"] else {},
+            "spec": {"sha256": row["spec_sha256"]}, "data": {"manifest_sha256": row["data_manifest_sha256"]},
+            "software": {"packages": {"sha256": row["packages_sha256"]}}}
+
+
+def checkpoint_lineages(run_dir: Path, *, registry: Path | None = None) -> list[dict[str, Any]]:
+    """What produced each checkpoint of a run, read from the checkpoints' own lineage.json files (from the
+    registry when a file is encrypted). Only published `step-N` folders are listed."""
     rows = []
-    for path in sorted((Path(run_dir) / "checkpoints").glob("*/" + LINEAGE_FILE_NAME)):
-        lineage = json.loads(path.read_text(encoding="utf-8"))
+    for path in sorted((Path(run_dir) / "checkpoints").glob("step-" + "[0-9]" * 8 + "/" + LINEAGE_FILE_NAME)):
+        try:
+            lineage = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):  # encrypted with the checkpoint
+            lineage = _registered_lineage(path, registry)
+            lineage.setdefault("checkpoint", {}).setdefault("step", int(path.parent.name.removeprefix("step-")))
         rows.append({
             "step": lineage.get("checkpoint", {}).get("step"),
             "path": str(path.parent),
@@ -203,7 +228,7 @@ def _show_runs(console: Console, registry: Path | None) -> None:
     console.print(table)
 
 
-def _show_run(console: Console, run_dir: Path) -> None:
+def _show_run(console: Console, run_dir: Path, *, registry: Path | None = None) -> None:
     lineage = read_lineage(run_dir)
     if lineage is None:
         raise UserInputError(f"{run_dir} has no {LINEAGE_FILE_NAME}: not a run dir written by train/launch")
@@ -221,7 +246,7 @@ def _show_run(console: Console, run_dir: Path) -> None:
     table = Table(title="checkpoints and what produced them")
     for column in ("step", "saved", "try", "git", "spec", "data", "packages", "torch", "image"):
         table.add_column(column, overflow="fold")
-    for row in checkpoint_lineages(run_dir):
+    for row in checkpoint_lineages(run_dir, registry=registry):
         table.add_row(str(row["step"]), _when(row["saved_at"]), str((row["attempt"] or 0) + 1),
                       _git_cell(row["git_commit"], row["git_dirty"]), _short(row["spec_sha256"]),
                       _short(row["data_manifest_sha256"]), _short(row["packages_sha256"]), row["torch"] or "-",
@@ -236,4 +261,4 @@ def run(*, console: Console, run_dir: Path | None, registry: Path | None) -> Non
     else:
         if not Path(run_dir).is_dir():
             raise UserInputError(f"run dir {run_dir} does not exist")
-        _show_run(console, Path(run_dir))
+        _show_run(console, Path(run_dir), registry=registry)

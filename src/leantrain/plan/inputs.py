@@ -10,7 +10,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Literal
 
-from leantrain.hardware import GB, get_accelerator
+from leantrain.hardware import GB, get_accelerator, host_cpu_peak_flops
 from leantrain.plan.flops import FlopsPerToken, Recompute, flops_per_token
 from leantrain.spec.schema import JobSpec
 from leantrain.spec.shapes import ModelShape, resolve_shape
@@ -85,7 +85,14 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
     act_bytes = 2.0 if compute == "fp8" else DTYPE_BYTES[compute]
     weight_bytes = 2.0 if compute in ("bf16", "fp16", "fp8") else 4.0
     master_bytes = 4.0 if prec.master_weights == "fp32" and weight_bytes < 4 else 0.0
-    peak = hw.peak_flops if hw.peak_flops is not None else acc.peak_for(compute)
+    if hw.peak_flops is not None:
+        peak = hw.peak_flops
+    elif acc.name == "cpu":
+        # CPUs differ by orders of magnitude: measure this host, as the trainer's MFU does. On a CPU a "GPU" is
+        # one process, and gpus_per_node processes share the host's cores.
+        peak = host_cpu_peak_flops(compute) / hw.gpus_per_node
+    else:
+        peak = acc.peak_for(compute)
     return PlanInputs(
         shape=shape,
         flops=flops_per_token(shape, seq_len=spec.data.seq_len, causal_halving=knobs.causal_halving),

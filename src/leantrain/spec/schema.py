@@ -172,6 +172,9 @@ class CheckpointSpec(Section):
     secret_key: SecretRef | None = Field(None, description="Object-store secret key, as `${VAR}`.")
     async_save: bool = Field(False, description="Stage to CPU and write while training continues.")
     write_bandwidth_gb_s: float = Field(2.0, gt=0, description="Storage write bandwidth per job, GB/s (planning).")
+    max_consecutive_failures: PositiveInt = Field(
+        3, description="Failed saves in a row after which the run stops (exit 1) instead of training unprotected."
+    )
 
     @model_validator(mode="after")
     def _object_store_needs_url(self) -> CheckpointSpec:

@@ -66,7 +66,8 @@ def train(
         raise
     try:
         records = trainer.train()
-        status = "finished"
+        stop_reason = getattr(trainer.checkpointer, "stop_reason", None)
+        status = {None: "finished", "preempted": "preempted"}.get(stop_reason, "requeued")
         return records
     finally:
         trainer.close()
