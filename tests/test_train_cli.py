@@ -8,6 +8,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+import torch
 
 from leantrain.cli import main
 from leantrain.data.layout import load_manifest
@@ -66,3 +67,32 @@ def test_missing_data_dir_is_a_user_error(tmp_path: Path) -> None:
     argv = ["train", str(EXAMPLES / "tiny-cpu.yaml"), "--set", f"data.dir={tmp_path / 'nothing'}",
             "--run-dir", str(tmp_path / "run")]
     assert main(argv) == 2
+
+
+def test_run_dir_describes_itself(demo_data: Path, tmp_path: Path) -> None:
+    """What validate/report/doctor read besides metrics: spec, plan, lineage, rank events, audit, registry."""
+    run_dir = tmp_path / "run"
+    train("tiny-cpu.yaml", demo_data, run_dir, 3)
+    for name in ("spec.yaml", "plan.json", "lineage.json", "audit.log", "events.jsonl"):
+        assert (run_dir / name).is_file(), name
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    kinds = [e.get("kind") for e in events]
+    assert kinds.count("start") == 1 and kinds.count("rank_joined") == 1
+    assert all("time" in r for r in (json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()))
+    assert main(["runs"]) == 0
+
+
+def test_out_of_memory_is_recorded_before_the_error(demo_data: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    from leantrain.train.trainer import Trainer
+
+    def oom(self: Trainer) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(Trainer, "train_step", oom)
+    run_dir = tmp_path / "run"
+    with pytest.raises(torch.OutOfMemoryError):
+        main(["train", str(EXAMPLES / "tiny-cpu.yaml"), "--set", f"data.dir={demo_data}", "--run-dir", str(run_dir)])
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    oom_events = [e for e in events if e.get("kind") == "oom"]
+    assert oom_events and oom_events[0]["rank"] == 0 and "out of memory" in oom_events[0]["error"]

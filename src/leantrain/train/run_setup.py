@@ -106,3 +106,32 @@ def finish_run(context: RunContext, *, status: str) -> None:
         AuditLog(context.run_dir / "audit.log", spec=context.spec).append(
             "command.end", command="train", run_id=context.run_id, status=status
         )
+
+
+def record_ranks_joined(run_dir: Path, *, rank: int, world_size: int, distributed: bool) -> None:
+    """Every rank's host reaches rank 0, which writes `start` and one `rank_joined` event per rank (validate's
+    "every rank reported", doctor's "ranks stuck at start")."""
+    import socket
+
+    import torch.distributed as dist
+
+    from leantrain.observe.report_data import append_event
+
+    hosts: list[Any] = [socket.gethostname()]
+    if distributed:
+        hosts = [None] * world_size
+        dist.all_gather_object(hosts, socket.gethostname())
+    if rank == 0:
+        append_event(run_dir, "start", world_size=world_size)
+        for joined_rank, host in enumerate(hosts):
+            append_event(run_dir, "rank_joined", rank=joined_rank, host=host)
+
+
+def record_oom(run_dir: Path, *, rank: int, mem_bytes: int, error: BaseException) -> None:
+    """An out-of-memory error, as an event every rank can write before it dies (doctor's OOM diagnosis)."""
+    import socket
+
+    from leantrain.observe.report_data import append_event
+
+    append_event(run_dir, "oom", rank=rank, host=socket.gethostname(), mem_bytes=mem_bytes,
+                 error=str(error).splitlines()[0][:300])

@@ -43,6 +43,7 @@ from leantrain.plan.flops import flops_per_token
 from leantrain.spec.schema import JobSpec
 from leantrain.train.optim import build_optimizer
 from leantrain.train.precision import apply_precision, resolve_precision
+from leantrain.train.run_setup import record_oom, record_ranks_joined
 from leantrain.train.runtime import close_runtime, init_runtime, load_rng_state, rng_state
 from leantrain.train.schedule import build_scheduler
 
@@ -202,7 +203,9 @@ class Trainer:
             self.run_dir, tensorboard=spec.monitoring.tensorboard, enabled=self.runtime.is_main,
             extra_sinks=extra_sinks or [],
         )
-        self.flops_per_token = flops_per_token(self.model_args.shape, seq_len=spec.data.seq_len).model
+        self.flops_per_token = flops_per_token(  # the planner's convention, so plan and run MFU agree
+            self.model_args.shape, seq_len=spec.data.seq_len, causal_halving=spec.plan.causal_halving
+        ).model
         self.peak_flops, self.peak_source = resolve_peak_flops(
             spec.hardware, device=self.device, dtype=self.precision.peak_dtype
         )
@@ -288,11 +291,18 @@ class Trainer:
     def train(self) -> list[dict[str, Any]]:
         """Run to max_steps; returns the metrics records this process logged (rank 0) or built."""
         self._write_train_info()
+        runtime = self.runtime
+        record_ranks_joined(self.run_dir, rank=runtime.rank, world_size=runtime.world_size,
+                            distributed=runtime.distributed)
         records: list[dict[str, Any]] = []
         window = LogWindow()
         eval_every = self.spec.training.eval_every
         while self.step < self.max_steps:
-            result = self.train_step()
+            try:
+                result = self.train_step()
+            except torch.OutOfMemoryError as err:
+                record_oom(self.run_dir, rank=runtime.rank, mem_bytes=peak_memory_bytes(self.device), error=err)
+                raise
             self._accumulate(window, result)
             last = self.step == self.max_steps
             if self.step % self.log_every == 0 or last:
