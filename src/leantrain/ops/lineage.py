@@ -28,6 +28,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from leantrain.data.shards import sha256_file
 from leantrain.security import redact_obj, write_private_text
 from leantrain.spec import JobSpec
 
@@ -36,14 +37,6 @@ LINEAGE_VERSION = 1
 IMAGE_INFO_FILE = Path("/etc/leantrain/image.json")  # written by docker/Dockerfile at build time
 DIGEST_RE = re.compile(r"@(sha256:[0-9a-f]{64})")
 SOURCE_DIR = Path(__file__).resolve().parents[1]
-
-
-def sha256_file(path: Path, *, chunk_bytes: int = 1 << 20) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(chunk_bytes):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def spec_sha256(spec: JobSpec) -> str:

@@ -27,6 +27,7 @@ from typing import Any
 
 import fsspec
 
+from leantrain.data.shards import sha256_file
 from leantrain.errors import CheckFailed, UserInputError
 
 MANIFEST_NAME = "manifest.json"
@@ -64,14 +65,6 @@ def is_remote(url: str | None) -> bool:
     return url.split("://", 1)[0] not in ("file", "local")
 
 
-def _hash_file(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as fh:
-        while chunk := fh.read(CHUNK_BYTES):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def files_from_manifest(manifest: dict[str, Any]) -> list[StageFile]:
     """Every file training reads, with the hash the manifest gives it."""
     files: list[StageFile] = []
@@ -90,7 +83,7 @@ def _download(fs: Any, remote: str, dest: Path, expected: StageFile) -> tuple[bo
     """Copy one file, resuming a `.part` left by an interrupted copy; verify before publishing.
     Returns (skipped, bytes downloaded, bytes resumed from)."""
     if dest.exists() and (expected.num_bytes is None or dest.stat().st_size == expected.num_bytes) and (
-        expected.sha256 is None or _hash_file(dest) == expected.sha256
+        expected.sha256 is None or sha256_file(dest) == expected.sha256
     ):
         return True, 0, 0
     part = dest.with_name(dest.name + ".part")
@@ -109,7 +102,7 @@ def _download(fs: Any, remote: str, dest: Path, expected: StageFile) -> tuple[bo
                 downloaded += len(chunk)
             out.flush()
             os.fsync(out.fileno())
-        if expected.sha256 is None or _hash_file(part) == expected.sha256:
+        if expected.sha256 is None or sha256_file(part) == expected.sha256:
             os.replace(part, dest)
             return False, downloaded, resumed
         part.unlink()  # a bad resume (remote changed) gets one clean retry
