@@ -25,18 +25,7 @@ from leantrain.errors import LeantrainError
 from leantrain.observe.alerts import AlertEngine
 from leantrain.observe.metrics import MetricsLogger
 from leantrain.ops.emit import CHECKPOINT_REQUEST_NAME
-from test_ckpt_manager import FailingStore, events, make_app, make_spec, names, resume, train
-
-
-class Sampler:
-    def __init__(self) -> None:
-        self.position = 0
-
-    def state_dict(self) -> dict[str, int]:
-        return {"global_sample_index": self.position}
-
-    def load_state_dict(self, state: dict[str, int]) -> None:
-        self.position = state["global_sample_index"]
+from test_ckpt_manager import FailingStore, Sampler, events, make_app, make_spec, names, resume, train
 
 
 def make_trainer(spec: Any, run_dir: Path, *, seed: int = 0, alerts: list[dict] | None = None) -> SimpleNamespace:

@@ -365,20 +365,23 @@ def test_same_step_is_not_saved_twice(run_dir: Path) -> None:
     assert torch.equal(loaded["model"][0].weight, make_app(2)["model"][0].weight)
 
 
+class Sampler:
+    """The sampler's checkpoint surface: one integer position."""
+
+    def __init__(self) -> None:
+        self.position = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"global_sample_index": self.position}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.position = state["global_sample_index"]
+
+
 def test_trainer_hook_saves_on_interval_and_resumes_counters(run_dir: Path) -> None:
     from types import SimpleNamespace
 
     from leantrain.ckpt.hook import TrainerCheckpointer
-
-    class Sampler:
-        def __init__(self) -> None:
-            self.position = 0
-
-        def state_dict(self) -> dict[str, int]:
-            return {"global_sample_index": self.position}
-
-        def load_state_dict(self, state: dict[str, int]) -> None:
-            self.position = state["global_sample_index"]
 
     def make_trainer(seed: int) -> SimpleNamespace:
         app = make_app(seed)

@@ -60,3 +60,12 @@ def test_demo_runs_and_reports_each_stage(tmp_path: Path, capsys: pytest.Capture
     assert "spec valid" in out
     for stage in ("plan", "prepare", "train", "validate", "report"):
         assert stage in out
+
+
+def test_alert_rules_command_writes_prometheus_rules(tmp_path: Path) -> None:
+    import yaml
+
+    out = tmp_path / "rules.yaml"
+    assert main(["alert-rules", str(ROOT / "examples/tiny-cpu.yaml"), "--out", str(out)]) == 0
+    names = [rule["alert"] for rule in yaml.safe_load(out.read_text())["groups"][0]["rules"]]
+    assert "LeantrainNoProgress" in names and "LeantrainLossSpike" in names

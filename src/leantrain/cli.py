@@ -50,6 +50,7 @@ NOT_BUILT = {
     "drill": 7,
     "doctor": 8,
     "runs": 9,
+    "alert-rules": 8,
 }
 
 
@@ -216,6 +217,22 @@ def doctor(
     Reads RUN_DIR when given; writes nothing.
     """
     _stage("doctor", "leantrain.ops.doctor", run_dir=run_dir)
+
+
+@app.command("alert-rules")
+def alert_rules(
+    spec: SpecArg,
+    set_: SetOpt = None,
+    profile: ProfileOpt = None,
+    plan_file: Annotated[Path | None, typer.Option("--plan", help="plan.json, for the MFU floor.")] = None,
+    out: Annotated[Path | None, typer.Option(help="Rules file to write (default: stdout).")] = None,
+) -> None:
+    """Prometheus alerting rules from the spec's alert rules, for operators who run Prometheus/Alertmanager.
+
+    Reads SPEC (and --plan); writes the rules file.
+    """
+    job = _spec(spec, set_, profile)
+    _stage("alert-rules", "leantrain.observe.prometheus", spec=job, plan_file=plan_file, out=out)
 
 
 @app.command()

@@ -165,6 +165,28 @@ def alerting_rules(rules: AlertRules, *, hang_timeout_s: float, plan_mfu: float 
     return {"groups": [{"name": "leantrain", "rules": out}]}
 
 
+def rules_yaml(spec: Any, *, plan_file: Path | None = None) -> str:
+    """The Prometheus rules file for a spec: its alert rules, hang timeout and (with plan.json) MFU floor."""
+    plan_mfu = None
+    if plan_file is not None:
+        from leantrain.observe.report_data import load_plan_file
+
+        plan_mfu = (load_plan_file(plan_file).get("throughput") or {}).get("mfu")
+    rules = alerting_rules(load_rules(spec.monitoring.alert_rules), hang_timeout_s=spec.monitoring.hang_timeout_s,
+                           plan_mfu=plan_mfu)
+    return yaml.safe_dump(rules, sort_keys=False)
+
+
+def run(*, console: Any, spec: Any, plan_file: Path | None, out: Path | None) -> None:
+    """`leantrain alert-rules SPEC [--plan FILE] [--out FILE]`."""
+    text = rules_yaml(spec, plan_file=plan_file)
+    if out is None:
+        sys.stdout.write(text)
+        return
+    out.write_text(text, encoding="utf-8")
+    console.print(f"wrote Prometheus alerting rules to {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Write the Prometheus rules file for a spec (its alert rules, hang timeout and planned MFU)."""
     from leantrain.errors import LeantrainError
@@ -176,15 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="rules file to write (default: stdout)")
     args = parser.parse_args(argv)
     try:
-        spec = load_spec(args.spec)
-        plan_mfu = None
-        if args.plan:
-            from leantrain.observe.report_data import load_plan_file
-
-            plan_mfu = (load_plan_file(args.plan).get("throughput") or {}).get("mfu")
-        text = yaml.safe_dump(alerting_rules(load_rules(spec.monitoring.alert_rules),
-                                             hang_timeout_s=spec.monitoring.hang_timeout_s, plan_mfu=plan_mfu),
-                              sort_keys=False)
+        text = rules_yaml(load_spec(args.spec), plan_file=args.plan)
     except LeantrainError as err:
         print(f"error: {err}", file=sys.stderr)
         return err.exit_code
