@@ -133,3 +133,11 @@ def test_launch_two_ranks_writes_one_metrics_stream_and_sweeps(tmp_path: Path) -
     assert rank_dirs == {"0", "1"}
     summary = json.loads((tmp_path / "run" / "sweep.json").read_text())
     assert [p["nproc"] for p in summary["points"]] == [1, 2]
+
+
+def test_bf16_fully_sharded_model_state_matches_the_plan_exactly() -> None:
+    """FSDP2 with bf16 compute keeps only the fp32 shards (the master copy): the plan counts the same."""
+    report = dry_run(make_spec(data_parallel=4, compute="bf16"), world_size=4)
+    heaviest = report.heaviest
+    assert heaviest.params_bytes == pytest.approx(4 * heaviest.num_params)  # fp32 shard, no bf16 copy at rest
+    assert heaviest.total_bytes == pytest.approx(report.plan["total"], rel=0.02)

@@ -179,9 +179,13 @@ def memory_per_gpu(inputs: PlanInputs, layout: Layout, *, num_microbatches: int)
     def sharded(count_dense: float, count_experts: float, applies: bool) -> float:
         return count_dense / shard + count_experts / expert_shard if applies else count_dense + count_experts
 
-    params = sharded(dense, experts, z >= 3) * inputs.weight_bytes
+    # FSDP2 with a mixed-precision policy (parallel/fsdp.py) keeps only the sharded fp32 parameter, which is
+    # the master copy the optimizer updates; the bf16 copy exists per unit while gathered (the buffers below).
+    # Without full sharding the compute-dtype weights stay resident beside the fp32 master.
+    fsdp_master_is_param = z >= 3 and inputs.master_bytes > 0
+    params = sharded(dense, experts, z >= 3) * (inputs.master_bytes if fsdp_master_is_param else inputs.weight_bytes)
     grads = sharded(dense, experts, z >= 2) * inputs.grad_bytes
-    opt_per_param = inputs.master_bytes + 2 * inputs.moment_bytes
+    opt_per_param = (0.0 if fsdp_master_is_param else inputs.master_bytes) + 2 * inputs.moment_bytes
     optimizer = 0.0 if inputs.cpu_offload else sharded(dense, experts, z >= 1) * opt_per_param
     if inputs.cpu_offload:
         params = 0.0
