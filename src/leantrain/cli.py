@@ -1,7 +1,8 @@
 """The `leantrain` command line: one thin command per stage (typer + rich).
 
-Exit codes (the contract in shared/DESIGN.md): 0 success, 1 a check failed, 2 the user's input is wrong
-or the stage is not built yet. User errors are printed without a traceback.
+Exit codes (the contract in shared/DESIGN.md): 0 success, 1 a check failed, 2 the user's input is wrong.
+User errors are printed without a traceback. Each command imports its stage's module only when it runs, so
+`leantrain --help` and the light commands never pay for importing torch.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from leantrain.errors import LeantrainError, NotBuiltError
+from leantrain.errors import LeantrainError
 from leantrain.spec import JobSpec, load_spec
 
 app = typer.Typer(
@@ -39,41 +40,13 @@ ProfileOpt = Annotated[
 ]
 RunDirArg = Annotated[Path, typer.Argument(help="A run dir written by train/launch.", show_default=False)]
 
-# Which issue builds each stage that is not here yet; the CLI says so instead of pretending.
-NOT_BUILT = {
-    "plan": 3,
-    "prepare": 4,
-    "train": 5,
-    "launch": 6,
-    "report": 8,
-    "validate": 8,
-    "drill": 7,
-    "doctor": 8,
-    "runs": 9,
-    "alert-rules": 8,
-}
-
-
 def _spec(path: Path, sets: list[str] | None, profile: str | None) -> JobSpec:
     return load_spec(path, profile=profile, overrides=sets or [])
 
 
-def _not_built(stage: str) -> NotBuiltError:
-    return NotBuiltError(
-        f"`leantrain {stage}` is not built yet in this version (tracked as issue #{NOT_BUILT[stage]}); "
-        "nothing was run or written"
-    )
-
-
-def _stage(stage: str, module: str, **kwargs: Any) -> None:
-    """Run a stage's `run(**kwargs)` from the module that owns it; a module not built yet says so."""
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as err:
-        if err.name and module.startswith(err.name):
-            raise _not_built(stage) from None
-        raise
-    mod.run(console=console, **kwargs)
+def _stage(module: str, **kwargs: Any) -> None:
+    """Run `run(console=..., **kwargs)` of the module that owns a stage."""
+    importlib.import_module(module).run(console=console, **kwargs)
 
 
 @app.command()
@@ -100,7 +73,7 @@ def plan(
     Reads SPEC; prints a table and writes plan.json with --json.
     """
     job = _spec(spec, set_, profile)
-    _stage("plan", "leantrain.plan.command", spec=job, json_out=json_out, top=top, what_if=what_if, plot=plot)
+    _stage("leantrain.plan.command", spec=job, json_out=json_out, top=top, what_if=what_if, plot=plot)
 
 
 @app.command()
@@ -117,7 +90,7 @@ def prepare(
     Reads data.sources; writes the data dir (manifest.json, tokenizer.json, .bin/.idx shards, report.json).
     """
     job = _spec(spec, set_, profile)
-    _stage("prepare", "leantrain.data.command", spec=job, out=out, probe=probe, force=force)
+    _stage("leantrain.data.command", spec=job, out=out, probe=probe, force=force)
 
 
 @app.command()
@@ -133,7 +106,7 @@ def train(
     Reads SPEC and the data dir; writes the run dir (metrics.jsonl, checkpoints/, lineage.json).
     """
     job = _spec(spec, set_, profile)
-    _stage("train", "leantrain.train.command", spec=job, run_dir=run_dir, max_steps=max_steps)
+    _stage("leantrain.train.command", spec=job, run_dir=run_dir, max_steps=max_steps)
 
 
 @app.command()
@@ -157,7 +130,7 @@ def launch(
     """
     job = _spec(spec, set_, profile)
     _stage(
-        "launch", "leantrain.ops.launch", spec=job, spec_path=spec, overrides=set_ or [], profile=profile,
+        "leantrain.ops.launch", spec=job, spec_path=spec, overrides=set_ or [], profile=profile,
         nproc=nproc, nnodes=nnodes, max_restarts=max_restarts, run_dir=run_dir, dry_run=dry_run,
         preflight=preflight, sweep=sweep, emit=emit, out=out,
     )
@@ -169,7 +142,7 @@ def report(
     out: Annotated[Path | None, typer.Option(help="HTML file (default: RUN_DIR/report.html).")] = None,
 ) -> None:
     """Write a self-contained HTML report with plots. Reads RUN_DIR; writes report.html."""
-    _stage("report", "leantrain.observe.report", run_dir=run_dir, out=out)
+    _stage("leantrain.observe.report", run_dir=run_dir, out=out)
 
 
 @app.command()
@@ -183,8 +156,7 @@ def validate(
 
     Reads RUN_DIR (and --plan, --baseline); prints a table, writes --json.
     """
-    _stage("validate", "leantrain.ops.validate", run_dir=run_dir, plan_file=plan_file, baseline=baseline,
-           json_out=json_out)
+    _stage("leantrain.ops.validate", run_dir=run_dir, plan_file=plan_file, baseline=baseline, json_out=json_out)
 
 
 @app.command()
@@ -203,7 +175,7 @@ def drill(
     """
     job = _spec(spec, set_, profile)
     _stage(
-        "drill", "leantrain.ops.drill", spec=job, spec_path=spec, overrides=set_ or [], profile=profile,
+        "leantrain.ops.drill", spec=job, spec_path=spec, overrides=set_ or [], profile=profile,
         run_dir=run_dir, kill_at=kill_at, during_save=during_save, corrupt_latest=corrupt_latest,
     )
 
@@ -216,7 +188,7 @@ def doctor(
 
     Reads RUN_DIR when given; writes nothing.
     """
-    _stage("doctor", "leantrain.ops.doctor", run_dir=run_dir)
+    _stage("leantrain.ops.doctor", run_dir=run_dir)
 
 
 @app.command("alert-rules")
@@ -232,7 +204,7 @@ def alert_rules(
     Reads SPEC (and --plan); writes the rules file.
     """
     job = _spec(spec, set_, profile)
-    _stage("alert-rules", "leantrain.observe.prometheus", spec=job, plan_file=plan_file, out=out)
+    _stage("leantrain.observe.prometheus", spec=job, plan_file=plan_file, out=out)
 
 
 @app.command()
@@ -244,7 +216,7 @@ def runs(
 
     Reads the SQLite registry (and RUN_DIR's lineage.json); writes nothing.
     """
-    _stage("runs", "leantrain.ops.registry", run_dir=run_dir, registry=registry)
+    _stage("leantrain.ops.registry", run_dir=run_dir, registry=registry)
 
 
 @app.command()

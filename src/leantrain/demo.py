@@ -1,8 +1,7 @@
 """`leantrain demo`: the whole chain on the bundled corpus (examples/tiny-cpu.yaml), on the CPU.
 
-Each stage is one function that takes the demo context and returns a one-line summary. A stage that
-this version does not build yet raises NotBuiltError; the demo says so and goes on with the rest, so the
-demo is honest about what exists and never fakes a result.
+Each stage is one function of the module that owns it; it takes the demo context and returns a one-line
+summary. A stage that fails stops the demo with its error: the demo never fakes a result.
 """
 
 from __future__ import annotations
@@ -17,7 +16,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
-from leantrain.errors import NotBuiltError, UserInputError
+from leantrain.errors import UserInputError
 from leantrain.spec import JobSpec, load_spec
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -45,32 +44,22 @@ def _stage_spec(ctx: DemoContext) -> str:
     return f"spec valid; {len(spec.data.sources)} sources, outputs under {ctx.out_dir}"
 
 
-# (stage, module that owns it, its demo function, issue that built it). Each function takes the demo
-# context and returns a one-line summary.
-STAGES: list[tuple[str, str, str, int]] = [
-    ("plan", "leantrain.plan.command", "demo_stage", 3),
-    ("job files", "leantrain.ops.launch", "demo_stage", 9),
-    ("prepare", "leantrain.data.command", "demo_stage", 4),
-    ("train (2 ranks)", "leantrain.ops.launch", "demo_train_stage", 6),
-    ("drill", "leantrain.ops.drill", "demo_stage", 7),
-    ("report", "leantrain.observe.report", "demo_stage", 8),
-    ("validate", "leantrain.ops.validate", "demo_stage", 8),
-    ("doctor", "leantrain.ops.doctor", "demo_stage", 8),
+# (stage, module that owns it, its demo function): each takes the demo context, returns a one-line summary.
+STAGES: list[tuple[str, str, str]] = [
+    ("spec", "leantrain.demo", "_stage_spec"),
+    ("plan", "leantrain.plan.command", "demo_stage"),
+    ("job files", "leantrain.ops.launch", "demo_stage"),
+    ("prepare", "leantrain.data.command", "demo_stage"),
+    ("train (2 ranks)", "leantrain.ops.launch", "demo_train_stage"),
+    ("drill", "leantrain.ops.drill", "demo_stage"),
+    ("report", "leantrain.observe.report", "demo_stage"),
+    ("validate", "leantrain.ops.validate", "demo_stage"),
+    ("doctor", "leantrain.ops.doctor", "demo_stage"),
 ]
 
 
-def _stage_function(module: str, function: str, issue: int) -> Callable[[DemoContext], str]:
-    try:
-        mod = importlib.import_module(module)
-    except ModuleNotFoundError as err:
-        if err.name and module.startswith(err.name):
-            raise NotBuiltError(f"not built yet (issue #{issue})") from None
-        raise
-    return getattr(mod, function)
-
-
 def run_demo(*, out_dir: Path, console: Console, spec_path: Path = DEMO_SPEC) -> list[tuple[str, str, str]]:
-    """Run every stage in order; returns (stage, status, summary) rows. Raises on a built stage's failure."""
+    """Run every stage in order; returns (stage, status, summary) rows. A failing stage raises."""
     if not spec_path.is_file():
         raise UserInputError(
             f"the demo spec {spec_path} is missing: run the demo from a source checkout (make demo)"
@@ -84,17 +73,12 @@ def run_demo(*, out_dir: Path, console: Console, spec_path: Path = DEMO_SPEC) ->
         overrides=[f"data.dir={out_dir / 'data'}", f"run.dir={out_dir / 'run'}"],
     )
     rows: list[tuple[str, str, str]] = []
-    stages: list[tuple[str, str, str, int] | None] = [None, *STAGES]
-    for number, entry in enumerate(stages, start=1):
-        name = "spec" if entry is None else entry[0]
-        console.rule(f"[bold]{number}/{len(stages)} {name}")
+    for number, (name, module, function) in enumerate(STAGES, start=1):
+        console.rule(f"[bold]{number}/{len(STAGES)} {name}")
         start = time.perf_counter()
-        try:
-            summary = _stage_spec(ctx) if entry is None else _stage_function(*entry[1:])(ctx)
-            status = f"done ({time.perf_counter() - start:.1f} s)"
-        except NotBuiltError as err:
-            status, summary = "not built yet", str(err)
-        rows.append((name, status, summary))
+        stage: Callable[[DemoContext], str] = getattr(importlib.import_module(module), function)
+        summary = stage(ctx)
+        rows.append((name, f"done ({time.perf_counter() - start:.1f} s)", summary))
     table = Table(title="leantrain demo")
     for column in ("stage", "status", "result"):
         table.add_column(column)

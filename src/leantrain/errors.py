@@ -24,10 +24,6 @@ class SpecError(UserInputError):
         super().__init__(f"invalid job spec{where}:\n{lines}")
 
 
-class NotBuiltError(LeantrainError):
-    """A stage of the chain that this version does not implement yet."""
-
-
 class CheckFailed(LeantrainError):
     """A check (validate, drill) ran and failed; exit 1 by the CLI contract."""
 
