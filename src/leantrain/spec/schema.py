@@ -2,7 +2,8 @@
 
 Every field carries a description; `docs/spec.md` is generated from these models (a test keeps it in sync).
 Cross-field rules (spec/rules.py) run in `JobSpec._check_cross_fields`, so every stage gets a spec that is
-already coherent. The `data:` section's models are in spec/data_schema.py.
+already coherent. The `data:` section's models are in spec/data_schema.py, the model and fine-tuning sections
+in spec/model_schema.py. Imports run one way: schema → rules → shapes → model_schema/data_schema → base.
 """
 
 from __future__ import annotations
@@ -23,65 +24,14 @@ from leantrain.spec.data_schema import (
     PIISpec,
     TokenizerSpec,
 )
+from leantrain.spec.model_schema import FinetuneSpec, LoraSpec, ModelSpec, MoESpec
+from leantrain.spec.rules import cross_field_problems
 
 __all__ = [  # the data section's models live in data_schema.py; importing them from here keeps working
-    "SECRET_REF_RE", "CleaningSpec", "DataSource", "DataSpec", "DedupSpec", "Fraction", "JobSpec",
-    "MixtureStageSpec", "PIISpec", "PositiveInt", "SecretRef", "Section", "TokenizerSpec",
+    "SECRET_REF_RE", "CleaningSpec", "DataSource", "DataSpec", "DedupSpec", "FinetuneSpec", "Fraction", "JobSpec",
+    "LoraSpec", "MixtureStageSpec", "ModelSpec", "MoESpec", "PIISpec", "PositiveInt", "SecretRef", "Section",
+    "TokenizerSpec",
 ]
-
-
-class MoESpec(Section):
-    """Mixture-of-experts shape and routing (model.architecture: moe)."""
-
-    num_experts: PositiveInt = Field(8, description="Routed experts per MoE layer.")
-    top_k: PositiveInt = Field(2, description="Experts each token is routed to.")
-    num_shared_experts: int = Field(0, ge=0, description="Always-active shared experts (DeepSeek style).")
-    expert_hidden: PositiveInt | None = Field(
-        None, description="Hidden size of one expert's SwiGLU MLP; default ffn_hidden / top_k."
-    )
-    router: Literal["softmax", "sigmoid"] = Field("softmax", description="Router score function.")
-    balance: Literal["aux_loss", "aux_free", "none"] = Field(
-        "aux_loss", description="Load balancing: Switch/GShard auxiliary loss, or DeepSeek-V3 bias update."
-    )
-    aux_loss_coef: float = Field(0.01, ge=0, description="Weight of the auxiliary balance loss.")
-    bias_update_rate: float = Field(1e-3, ge=0, description="Step of the aux-free bias update.")
-    capacity_factor: float | None = Field(
-        None, gt=0, description="Token capacity per expert; None means dropless (no token is dropped)."
-    )
-    first_dense_layers: int = Field(0, ge=0, description="Leading layers that stay dense (DeepSeek style).")
-
-
-class ModelSpec(Section):
-    """The model: a nominal size (mapped to a documented Llama-like shape) or an explicit shape."""
-
-    architecture: Literal["dense", "moe"] = Field("dense", description="Dense Llama-style or mixture-of-experts.")
-    size_billion: float | None = Field(
-        None, gt=0, le=10000, description="Nominal parameter count in billions; shape chosen by spec.shapes."
-    )
-    n_layers: PositiveInt | None = Field(None, description="Transformer blocks.")
-    d_model: PositiveInt | None = Field(None, description="Hidden size.")
-    n_heads: PositiveInt | None = Field(None, description="Attention (query) heads.")
-    n_kv_heads: PositiveInt | None = Field(None, description="Key/value heads (grouped-query attention).")
-    ffn_hidden: PositiveInt | None = Field(None, description="SwiGLU hidden size of the dense MLP.")
-    vocab_size: PositiveInt | None = Field(None, description="Vocabulary size (default 128256 for sized models).")
-    tie_embeddings: bool = Field(False, description="Share the input embedding and output projection.")
-    rope_theta: float = Field(500000.0, gt=0, description="RoPE base frequency.")
-    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
-    moe: MoESpec | None = Field(None, description="Expert settings; required (defaults filled) for moe.")
-
-    @model_validator(mode="after")
-    def _need_size_or_shape(self) -> ModelSpec:
-        explicit = [self.n_layers, self.d_model, self.n_heads]
-        if self.size_billion is None and any(v is None for v in explicit):
-            missing = [n for n, v in zip(("n_layers", "d_model", "n_heads"), explicit, strict=True) if v is None]
-            raise ValueError(
-                f"give either size_billion or an explicit shape; missing {', '.join(missing)}"
-            )
-        if self.architecture == "moe" and self.moe is None:
-            self.moe = MoESpec()
-        if self.architecture == "dense" and self.moe is not None:
-            raise ValueError("moe settings given but architecture is 'dense' (set architecture: moe)")
-        return self
 
 
 class ParallelismSpec(Section):
@@ -105,6 +55,12 @@ class ParallelismSpec(Section):
         "1f1b", description="Pipeline schedule."
     )
     virtual_stages: PositiveInt = Field(1, description="Model chunks per pipeline rank (interleaved 1F1B).")
+    grad_sync: Literal["every_micro_batch", "last_micro_batch"] = Field(
+        "every_micro_batch",
+        description="With gradient accumulation: reduce(-scatter) gradients after every micro-batch (only sharded "
+        "gradients are held), or only after the last (less traffic, but FSDP then holds every parameter's "
+        "unsharded gradient between micro-batches).",
+    )
     cpu_offload: bool = Field(False, description="FSDP CPU offload of parameters and optimizer states.")
     layout: Literal["spec", "auto"] = Field(
         "spec", description="spec: use these degrees when they match the GPU count; auto: the planner's best."
@@ -378,6 +334,7 @@ class JobSpec(Section):
 
     task: Literal["pretrain", "continue_pretrain", "finetune"] = Field("pretrain", description="Kind of job.")
     model: ModelSpec = Field(description="Model size/shape.")
+    finetune: FinetuneSpec = Field(default_factory=FinetuneSpec, description="Fine-tuning method (task: finetune).")
     parallelism: ParallelismSpec = Field(default_factory=ParallelismSpec, description="Parallel layout.")
     precision: PrecisionSpec = Field(default_factory=PrecisionSpec, description="Numeric formats.")
     data: DataSpec = Field(description="Training data.")
@@ -397,8 +354,6 @@ class JobSpec(Section):
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> JobSpec:
-        from leantrain.spec.rules import cross_field_problems
-
         problems = cross_field_problems(self)
         if problems:
             raise ValueError("; ".join(problems))

@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 from functools import lru_cache
 
-from leantrain.spec.schema import ModelSpec, MoESpec
+from leantrain.spec.model_schema import ModelSpec, MoESpec
 
 HEAD_DIM = 128
 DEFAULT_VOCAB = 128256

@@ -1,0 +1,98 @@
+"""The model sections of the job spec: shape, mixture-of-experts routing, starting weights, fine-tuning.
+
+`spec/shapes.py` resolves these into a `ModelShape`; `spec/schema.py` assembles them into the `JobSpec`.
+Imports run one way: schema → rules → shapes → model_schema → base.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Literal
+
+from pydantic import Field, model_validator
+
+from leantrain.spec.base import PositiveInt, Section
+
+# The projections of our Llama-style block (model/transformer.py): attention wq/wk/wv/wo, SwiGLU w1/w2/w3.
+DEFAULT_LORA_TARGETS = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
+
+
+class MoESpec(Section):
+    """Mixture-of-experts shape and routing (model.architecture: moe)."""
+
+    num_experts: PositiveInt = Field(8, description="Routed experts per MoE layer.")
+    top_k: PositiveInt = Field(2, description="Experts each token is routed to.")
+    num_shared_experts: int = Field(0, ge=0, description="Always-active shared experts (DeepSeek style).")
+    expert_hidden: PositiveInt | None = Field(
+        None, description="Hidden size of one expert's SwiGLU MLP; default ffn_hidden / top_k."
+    )
+    router: Literal["softmax", "sigmoid"] = Field("softmax", description="Router score function.")
+    balance: Literal["aux_loss", "aux_free", "none"] = Field(
+        "aux_loss", description="Load balancing: Switch/GShard auxiliary loss, or DeepSeek-V3 bias update."
+    )
+    aux_loss_coef: float = Field(0.01, ge=0, description="Weight of the auxiliary balance loss.")
+    bias_update_rate: float = Field(1e-3, ge=0, description="Step of the aux-free bias update.")
+    capacity_factor: float | None = Field(
+        None, gt=0, description="Token capacity per expert; None means dropless (no token is dropped)."
+    )
+    first_dense_layers: int = Field(0, ge=0, description="Leading layers that stay dense (DeepSeek style).")
+
+
+class ModelSpec(Section):
+    """The model: a nominal size (mapped to a documented Llama-like shape) or an explicit shape."""
+
+    architecture: Literal["dense", "moe"] = Field("dense", description="Dense Llama-style or mixture-of-experts.")
+    size_billion: float | None = Field(
+        None, gt=0, le=10000, description="Nominal parameter count in billions; shape chosen by spec.shapes."
+    )
+    n_layers: PositiveInt | None = Field(None, description="Transformer blocks.")
+    d_model: PositiveInt | None = Field(None, description="Hidden size.")
+    n_heads: PositiveInt | None = Field(None, description="Attention (query) heads.")
+    n_kv_heads: PositiveInt | None = Field(None, description="Key/value heads (grouped-query attention).")
+    ffn_hidden: PositiveInt | None = Field(None, description="SwiGLU hidden size of the dense MLP.")
+    vocab_size: PositiveInt | None = Field(None, description="Vocabulary size (default 128256 for sized models).")
+    tie_embeddings: bool = Field(False, description="Share the input embedding and output projection.")
+    rope_theta: float = Field(500000.0, gt=0, description="RoPE base frequency.")
+    norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
+    moe: MoESpec | None = Field(None, description="Expert settings; required (defaults filled) for moe.")
+    init_from: Path | None = Field(
+        None,
+        description="Start from a Hugging Face checkpoint dir (config.json + *.safetensors); the shape is read "
+        "from its config.json, and an explicit shape field that disagrees is an error.",
+    )
+
+    @model_validator(mode="after")
+    def _need_size_or_shape(self) -> ModelSpec:
+        explicit = [self.n_layers, self.d_model, self.n_heads]
+        if self.init_from is None and self.size_billion is None and any(v is None for v in explicit):
+            missing = [n for n, v in zip(("n_layers", "d_model", "n_heads"), explicit, strict=True) if v is None]
+            raise ValueError(
+                f"give size_billion, an explicit shape or init_from; missing {', '.join(missing)}"
+            )
+        if self.architecture == "moe" and self.moe is None:
+            self.moe = MoESpec()
+        if self.architecture == "dense" and self.moe is not None:
+            raise ValueError("moe settings given but architecture is 'dense' (set architecture: moe)")
+        return self
+
+
+class LoraSpec(Section):
+    """Low-rank adapters (LoRA): W + (alpha / rank) · B·A on each target Linear, the base frozen."""
+
+    rank: PositiveInt = Field(16, description="Adapter rank r.")
+    alpha: float = Field(32.0, gt=0, description="Scale numerator: the update is multiplied by alpha / rank.")
+    dropout: float = Field(0.05, ge=0, lt=1, description="Dropout on the adapter input.")
+    targets: list[str] = Field(
+        default_factory=lambda: list(DEFAULT_LORA_TARGETS),
+        min_length=1,
+        description="Names of the Linear layers that get adapters (attention and MLP projections by default).",
+    )
+
+
+class FinetuneSpec(Section):
+    """Fine-tuning (task: finetune): which weights train and how the frozen base is held."""
+
+    method: Literal["full", "lora", "qlora"] = Field(
+        "full", description="full: every weight trains; lora: adapters on a frozen base; qlora: base in 4-bit NF4."
+    )
+    lora: LoraSpec = Field(default_factory=LoraSpec, description="Adapter settings (lora and qlora).")
