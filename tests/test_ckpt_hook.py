@@ -2,7 +2,7 @@
 lineage + registry, fallback with retention, and audit failures.
 
 Run as a script (`python tests/test_ckpt_hook.py RUN_DIR LOG`) it is the training process of the Slurm
-time-limit test in test_ops_emit.py: the real adapter in a step loop until it stops.
+time-limit test in test_launch_slurm.py: the real adapter in a step loop until it stops.
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ import pytest
 import torch
 
 from leantrain.ckpt import CheckpointLoadError, CheckpointManager, CheckpointSaveError
+from leantrain.ckpt.control import CHECKPOINT_REQUEST_NAME
 from leantrain.ckpt.hook import TrainerCheckpointer
 from leantrain.errors import LeantrainError
 from leantrain.observe.alerts import AlertEngine
 from leantrain.observe.metrics import MetricsLogger
-from leantrain.ops.emit import CHECKPOINT_REQUEST_NAME
 from test_ckpt_manager import FailingStore, Sampler, events, make_app, make_spec, names, resume, train
 
 
@@ -126,8 +126,8 @@ def test_checkpoints_carry_lineage_and_runs_lists_them(
     tmp_path: Path, encrypted: bool, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from leantrain import cli
-    from leantrain.ops.lineage import write_lineage
-    from leantrain.ops.registry import list_runs, register_run
+    from leantrain.provenance.lineage import write_lineage
+    from leantrain.provenance.registry import list_runs, register_run
     from leantrain.spec.schema import SecuritySpec
 
     monkeypatch.setattr(cli.console, "width", 220)
@@ -260,7 +260,7 @@ def test_audit_failure_never_stops_a_save_or_a_resume(run_dir: Path, caplog: pyt
 
 
 def drive(run_dir: Path, log: Path, *, deadline_s: float = 60.0) -> None:
-    """The training process of test_ops_emit's Slurm test: steps until the adapter stops (or the deadline)."""
+    """The training process of test_launch_slurm's Slurm test: steps until the adapter stops (or the deadline)."""
     spec = make_spec(checkpoint={"interval_steps": 1000})
     trainer = make_trainer(spec, run_dir)
     hook = TrainerCheckpointer(trainer)

@@ -9,8 +9,8 @@ from rich.console import Console
 
 from leantrain.cli import main
 from leantrain.errors import UserInputError
+from leantrain.golive.doctor import diagnose_run, doctor, environment_findings
 from leantrain.observe.report_data import load_run
-from leantrain.ops.doctor import diagnose_run, doctor, environment_findings
 from test_observe_scenarios import make_run
 
 
@@ -65,7 +65,7 @@ def test_cli_doctor(tmp_path: Path) -> None:
     with pytest.raises(UserInputError):
         doctor(tmp_path / "missing")
     console = Console(record=True, width=200)
-    from leantrain.ops.doctor import run
+    from leantrain.golive.doctor import run
 
     run(console=console, run_dir=make_run(tmp_path, "flapping"))
     assert "isolate node3" in console.export_text()

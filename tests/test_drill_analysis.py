@@ -12,8 +12,8 @@ from rich.console import Console
 
 from leantrain.ckpt.fault import MARKER_FILE, FaultPlan
 from leantrain.errors import CheckFailed, UserInputError
-from leantrain.ops import drill
-from leantrain.ops.drill import analyse, choose_kill_step, compare_losses, losses_by_step
+from leantrain.golive import drill
+from leantrain.golive.drill import analyse, choose_kill_step, compare_losses, losses_by_step
 
 
 def write_run(
@@ -99,7 +99,7 @@ def test_cli_entry_raises_check_failed_on_a_failed_drill(tmp_path: Path, monkeyp
 
 
 def _spec(tmp_path: Path) -> Any:
-    from leantrain.demo import DEMO_SPEC
+    from leantrain.demo_context import DEMO_SPEC
     from leantrain.spec import load_spec
 
     return load_spec(DEMO_SPEC, overrides=[f"run.dir={tmp_path}"])

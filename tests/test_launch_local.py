@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 
 from leantrain.cli import main
+from leantrain.launch import command as launch_mod
+from leantrain.launch import torchrun
+from leantrain.launch.health import read_health, record_failure
 from leantrain.model.transformer import Transformer, model_args_from_spec
-from leantrain.ops import launch as launch_mod
-from leantrain.ops import torchrun
-from leantrain.ops.health import read_health, record_failure
 from leantrain.parallel import ParallelDims, parallelize
 from leantrain.parallel.dryrun import fake_process_group
 from parallel_harness import make_spec

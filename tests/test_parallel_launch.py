@@ -15,9 +15,9 @@ from rich.console import Console
 
 from leantrain.data.layout import write_token_data_dir
 from leantrain.errors import UserInputError
+from leantrain.launch import torchrun
+from leantrain.launch.resources import TrainCommand
 from leantrain.model.transformer import Transformer, model_args_from_spec, num_params
-from leantrain.ops import torchrun
-from leantrain.ops.emit import TrainCommand
 from leantrain.parallel.dryrun import dry_run
 from leantrain.spec import load_spec
 from parallel_harness import make_spec

@@ -1,7 +1,7 @@
 """The real Trainer under torchrun in each layout matches one process: same losses, gradient norms, held-out loss.
 
 One process (this pytest process) is the ground truth; the layouts run `leantrain train` on 2 ranks through
-`ops.torchrun`'s command line (fp32, fixed seed and data), started together so their start-up overlaps.
+`launch.torchrun`'s command line (fp32, fixed seed and data), started together so their start-up overlaps.
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 import yaml
 
 from leantrain.errors import UserInputError
-from leantrain.ops import torchrun
-from leantrain.ops.emit import TrainCommand
+from leantrain.launch import torchrun
+from leantrain.launch.resources import TrainCommand
 from leantrain.spec import spec_from_dict
 from leantrain.spec.schema import JobSpec
 from leantrain.train.trainer import Trainer

@@ -170,7 +170,7 @@ def test_moe_plan_counts_active_params(tmp_path: Path) -> None:
 
 
 def test_demo_stage(tmp_path: Path) -> None:
-    from leantrain.demo import DEMO_SPEC, DemoContext
+    from leantrain.demo_context import DEMO_SPEC, DemoContext
     from leantrain.plan.command import demo_stage
 
     out, _ = console()

@@ -1,6 +1,6 @@
 """Two ranks under torchrun: SIGKILL + automatic restart resumes bit for bit; elastic resume 2 → 1 and 2 → 4.
 
-One module fixture runs the product's fault drill (ops/drill.py) on a tiny job: a 2-rank reference run and a
+One module fixture runs the product's fault drill (golive/drill.py) on a tiny job: a 2-rank reference run and a
 2-rank run in which rank 1 is SIGKILLed after step 3 and torchrun (--max-restarts 1) restarts the workers.
 The reference run's checkpoints (saved at world size 2) are then resumed at 1 and at 4 ranks.
 
@@ -23,11 +23,11 @@ from rich.console import Console
 
 from leantrain.ckpt.hook import TrainerCheckpointer
 from leantrain.data.sampler import PackedBatchSampler
+from leantrain.golive.drill import run_drill
+from leantrain.golive.validate import drill_check
+from leantrain.launch.resources import TrainCommand
+from leantrain.launch.torchrun import launch_local
 from leantrain.observe.report_data import load_run
-from leantrain.ops.drill import run_drill
-from leantrain.ops.emit import TrainCommand
-from leantrain.ops.torchrun import launch_local
-from leantrain.ops.validate import drill_check
 from leantrain.spec import JobSpec, load_spec
 from leantrain.train.trainer import Trainer
 from test_resume_exact import MAX_STEPS, logged_losses, write_resume_spec

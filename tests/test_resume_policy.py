@@ -8,7 +8,7 @@ import pytest
 
 from leantrain.ckpt.manager import CheckpointManager
 from leantrain.ckpt.policy import young_daly_interval_s
-from leantrain.demo import DEMO_SPEC
+from leantrain.demo_context import DEMO_SPEC
 from leantrain.plan.budget import checkpoint_interval
 from leantrain.plan.inputs import plan_inputs
 from leantrain.spec import load_spec

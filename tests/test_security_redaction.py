@@ -11,12 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from leantrain.ops.emit import TrainCommand, slurm_script, write_job_file
-from leantrain.ops.emit_k8s import k8s_documents, k8s_yaml
-from leantrain.ops.health import record_failure
-from leantrain.ops.lineage import write_lineage
-from leantrain.ops.preflight import analyze, write_report
-from leantrain.ops.registry import register_run
+from leantrain.launch.health import record_failure
+from leantrain.launch.k8s import k8s_documents, k8s_yaml
+from leantrain.launch.preflight_report import analyze, write_report
+from leantrain.launch.resources import TrainCommand, write_job_file
+from leantrain.launch.slurm import slurm_script
+from leantrain.provenance.lineage import write_lineage
+from leantrain.provenance.registry import register_run
 from leantrain.security import AuditLog, RedactingFilter, install_log_redaction, redact, secret_values
 from leantrain.spec import load_spec
 

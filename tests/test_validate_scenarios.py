@@ -10,8 +10,8 @@ from rich.console import Console
 
 from leantrain.cli import main
 from leantrain.errors import CheckFailed, UserInputError
-from leantrain.ops.validate import run as validate_command
-from leantrain.ops.validate import validate_run, verdict
+from leantrain.golive.validate import run as validate_command
+from leantrain.golive.validate import validate_run, verdict
 from test_observe_scenarios import make_run
 
 

@@ -1,6 +1,6 @@
 """The `leantrain` command line: one thin command per stage (typer + rich).
 
-Exit codes (the contract in shared/DESIGN.md): 0 success, 1 a check failed, 2 the user's input is wrong.
+Exit codes (docs/architecture.md): 0 success, 1 a check failed, 2 the user's input is wrong.
 User errors are printed without a traceback. Each command imports its stage's module only when it runs, so
 `leantrain --help` and the light commands never pay for importing torch.
 """
@@ -130,7 +130,7 @@ def launch(
     """
     job = _spec(spec, set_, profile)
     _stage(
-        "leantrain.ops.launch", spec=job, spec_path=spec, overrides=set_ or [], profile=profile,
+        "leantrain.launch.command", spec=job, spec_path=spec, overrides=set_ or [], profile=profile,
         nproc=nproc, nnodes=nnodes, max_restarts=max_restarts, run_dir=run_dir, dry_run=dry_run,
         preflight=preflight, sweep=sweep, emit=emit, out=out,
     )
@@ -156,7 +156,7 @@ def validate(
 
     Reads RUN_DIR (and --plan, --baseline); prints a table, writes --json.
     """
-    _stage("leantrain.ops.validate", run_dir=run_dir, plan_file=plan_file, baseline=baseline, json_out=json_out)
+    _stage("leantrain.golive.validate", run_dir=run_dir, plan_file=plan_file, baseline=baseline, json_out=json_out)
 
 
 @app.command()
@@ -175,7 +175,7 @@ def drill(
     """
     job = _spec(spec, set_, profile)
     _stage(
-        "leantrain.ops.drill", spec=job, spec_path=spec, overrides=set_ or [], profile=profile,
+        "leantrain.golive.drill", spec=job, spec_path=spec, overrides=set_ or [], profile=profile,
         run_dir=run_dir, kill_at=kill_at, during_save=during_save, corrupt_latest=corrupt_latest,
     )
 
@@ -188,7 +188,7 @@ def doctor(
 
     Reads RUN_DIR when given; writes nothing.
     """
-    _stage("leantrain.ops.doctor", run_dir=run_dir)
+    _stage("leantrain.golive.doctor", run_dir=run_dir)
 
 
 @app.command("alert-rules")
@@ -216,7 +216,7 @@ def runs(
 
     Reads the SQLite registry (and RUN_DIR's lineage.json); writes nothing.
     """
-    _stage("leantrain.ops.registry", run_dir=run_dir, registry=registry)
+    _stage("leantrain.provenance.registry", run_dir=run_dir, registry=registry)
 
 
 @app.command()

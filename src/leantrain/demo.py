@@ -9,31 +9,14 @@ from __future__ import annotations
 import importlib
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from leantrain.demo_context import DEMO_SPEC, DemoContext
 from leantrain.errors import UserInputError
-from leantrain.spec import JobSpec, load_spec
-
-REPO_ROOT = Path(__file__).resolve().parents[2]
-DEMO_SPEC = REPO_ROOT / "examples" / "tiny-cpu.yaml"
-
-
-@dataclass
-class DemoContext:
-    """What every demo stage needs: the spec, where to write, and the console."""
-
-    spec_path: Path
-    out_dir: Path
-    console: Console
-    overrides: list[str] = field(default_factory=list)
-
-    def spec(self) -> JobSpec:
-        return load_spec(self.spec_path, overrides=self.overrides)
 
 
 def _stage_spec(ctx: DemoContext) -> str:
@@ -48,13 +31,13 @@ def _stage_spec(ctx: DemoContext) -> str:
 STAGES: list[tuple[str, str, str]] = [
     ("spec", "leantrain.demo", "_stage_spec"),
     ("plan", "leantrain.plan.command", "demo_stage"),
-    ("job files", "leantrain.ops.launch", "demo_stage"),
+    ("job files", "leantrain.launch.command", "demo_stage"),
     ("prepare", "leantrain.data.command", "demo_stage"),
-    ("train (2 ranks)", "leantrain.ops.launch", "demo_train_stage"),
-    ("drill", "leantrain.ops.drill", "demo_stage"),
+    ("train (2 ranks)", "leantrain.launch.command", "demo_train_stage"),
+    ("drill", "leantrain.golive.drill", "demo_stage"),
     ("report", "leantrain.observe.report", "demo_stage"),
-    ("validate", "leantrain.ops.validate", "demo_stage"),
-    ("doctor", "leantrain.ops.doctor", "demo_stage"),
+    ("validate", "leantrain.golive.validate", "demo_stage"),
+    ("doctor", "leantrain.golive.doctor", "demo_stage"),
 ]
 
 

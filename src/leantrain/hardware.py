@@ -137,7 +137,9 @@ def measure_cpu_peak_flops(*, size: int = 512, repeats: int = 5, dtype: str = "f
     """Measure the host's matmul FLOP/s with torch (best of `repeats`): the CPU 'peak' used for MFU."""
     import torch
 
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    from leantrain.dtypes import DTYPES
+
+    torch_dtype = DTYPES[dtype]
     a = torch.randn(size, size, dtype=torch_dtype)
     b = torch.randn(size, size, dtype=torch_dtype)
     torch.matmul(a, b)  # warm-up: first call pays for thread-pool start

@@ -14,7 +14,7 @@ else the last sign of life in the run dir (the newest write to metrics.jsonl / e
 it from below. Every successful resume also records a `resume` event (`from_step`).
 The drill hook (ckpt/fault.py) is armed from the environment; without its variables it costs nothing.
 
-Checkpoint requests (Slurm's time limit, ops/emit.py): the batch shell's USR1 trap creates
+Checkpoint requests (Slurm's time limit, launch/slurm.py): the batch shell's USR1 trap creates
 RUN_DIR/checkpoint.request, waits until it is gone, then runs `scontrol requeue`, which ends this allocation.
 Rank 0 looks for the file every step; the ranks agree on it like on a preemption signal; the step is saved
 blocking, rank 0 deletes the file once the save is committed, and the loop then stops (`preempt_requested`):
@@ -38,12 +38,12 @@ import time
 from pathlib import Path
 from typing import Any
 
+from leantrain.ckpt.control import checkpoint_requested, clear_checkpoint_request
 from leantrain.ckpt.fault import FaultInjector, FaultPlan, read_marker, restart_attempt
 from leantrain.ckpt.manager import CheckpointManager, CheckpointSaveError
 from leantrain.ckpt.provenance import CheckpointProvenance
 from leantrain.ckpt.rng import RankRNGState
 from leantrain.ckpt.storage import LocalStore
-from leantrain.ops.emit import checkpoint_requested, clear_checkpoint_request
 
 log = logging.getLogger("leantrain.ckpt")
 COUNTERS = ("step", "tokens_seen", "skipped_steps")

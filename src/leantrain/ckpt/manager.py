@@ -15,7 +15,7 @@
 
 Collectives: with a process group, the manager makes two gloo groups of its own (all ranks must construct it
 together): one for saves, which may run in a background thread (DCP's thread async save hangs on the default
-group, see PYTORCH_CPU_NOTES), and one for the main thread's agreement on preemption and on which checkpoint
+group, docs/checkpoints.md), and one for the main thread's agreement on preemption and on which checkpoint
 to load, so the two never interleave on one group.
 """
 
@@ -32,7 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from leantrain.ckpt import integrity as integ
+import leantrain.ckpt.integrity as integ
 from leantrain.ckpt.crypto import ChunkCipher, parse_key
 from leantrain.ckpt.dcp_io import (
     SealedFileSystem,

@@ -1,6 +1,6 @@
 """Each checkpoint's `lineage.json` and its row in the run registry.
 
-The run dir's `lineage.json` (ops/lineage.py, written by rank 0 when training starts) says what produced the
+The run dir's `lineage.json` (provenance/lineage.py, written by rank 0 when training starts) says what produced the
 run. A checkpoint carries a short copy: the step, where it was saved, and the run lineage's identifying hashes
 (run_id, attempt, git commit, spec hash, data manifest hash, packages hash, torch, image digest) with a
 pointer to the full file (its path and sha256). The copy travels as one of the manager's `extra_files`, so it
@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from leantrain.ops.lineage import LINEAGE_FILE_NAME
+from leantrain.provenance.lineage import LINEAGE_FILE_NAME
 
 log = logging.getLogger("leantrain.ckpt")
 CHECKPOINT_LINEAGE_VERSION = 1
@@ -84,7 +84,7 @@ class CheckpointProvenance:
         lineage = self.last_lineage.get(step)
         if self.local_root is None or lineage is None:
             return
-        from leantrain.ops.registry import register_checkpoint
+        from leantrain.provenance.registry import register_checkpoint
 
         # The stored file may be encrypted: hand the registry the plaintext this process wrote.
         register_checkpoint(self.local_root / folder, registry=self.registry, lineage=lineage)

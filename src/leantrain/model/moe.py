@@ -23,10 +23,10 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from leantrain.model.transformer import INIT_STD, FeedForward
+from leantrain.model.layers import INIT_STD, FeedForward
 
 if TYPE_CHECKING:
-    from leantrain.model.transformer import ModelArgs
+    from leantrain.model.layers import ModelArgs
 
 
 class Router(nn.Module):

@@ -10,56 +10,19 @@ without permuting q/k.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from leantrain.model.layers import INIT_STD, FeedForward, ModelArgs, RMSNorm
+from leantrain.model.moe import MoE
 from leantrain.spec.schema import ModelSpec
-from leantrain.spec.shapes import ModelShape, ResolvedMoE, resolve_shape
-
-if TYPE_CHECKING:
-    from leantrain.model.moe import MoE
+from leantrain.spec.shapes import ModelShape, resolve_shape
 
 Recompute = Literal["none", "selective", "full"]
-INIT_STD = 0.02
-
-
-@dataclass(frozen=True)
-class ModelArgs:
-    """Everything the model needs: the planner's shape plus RoPE/norm constants and MoE routing."""
-
-    shape: ModelShape
-    rope_theta: float = 500000.0
-    norm_eps: float = 1e-5
-    max_seq_len: int = 4096
-    router: Literal["softmax", "sigmoid"] = "softmax"
-    balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
-    aux_loss_coef: float = 0.01
-    bias_update_rate: float = 1e-3
-
-    @property
-    def moe(self) -> ResolvedMoE | None:
-        return self.shape.moe
-
-
-class RMSNorm(nn.Module):
-    """RMSNorm computed in fp32 (as Llama and Hugging Face do), cast back to the input dtype."""
-
-    def __init__(self, dim: int, *, eps: float) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
-        return self.weight * normed
-
-    def reset_parameters(self) -> None:
-        nn.init.ones_(self.weight)
 
 
 def rope_tables(*, head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
@@ -108,24 +71,6 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
     return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
 
 
-class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
-
-    def __init__(self, *, d_model: int, hidden: int) -> None:
-        super().__init__()
-        self.w1 = nn.Linear(d_model, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, d_model, bias=False)
-        self.w3 = nn.Linear(d_model, hidden, bias=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-    def init_weights(self, *, out_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, std=INIT_STD)
-        nn.init.trunc_normal_(self.w3.weight, std=INIT_STD)
-        nn.init.trunc_normal_(self.w2.weight, std=out_std)
-
-
 class TransformerBlock(nn.Module):
     """Pre-norm block: x + attn(norm(x)), then + mlp(norm(x)); the MLP is dense or mixture-of-experts."""
 
@@ -137,8 +82,6 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(shape.d_model, eps=args.norm_eps)
         self.is_moe = shape.moe is not None and layer_id >= shape.moe.first_dense_layers
         if self.is_moe:
-            from leantrain.model.moe import MoE
-
             self.feed_forward: nn.Module = MoE(args)
         else:
             self.feed_forward = FeedForward(d_model=shape.d_model, hidden=shape.ffn_hidden)
@@ -208,13 +151,6 @@ class Transformer(nn.Module):
     def auxiliary_loss(self) -> torch.Tensor | None:
         """The weighted MoE balance loss of the last forward, to add to the training loss (None when dense)."""
         return self._aux_loss
-
-    def update_moe_balance(self) -> torch.Tensor | None:
-        """Call after each optimizer step: aux-free bias update; returns token counts (moe_layers, experts)."""
-        layers = self.moe_layers()
-        if not layers:
-            return None
-        return torch.stack([m.update_balance(bias_update_rate=self.args.bias_update_rate) for m in layers])
 
     @torch.no_grad()
     def init_weights(self, *, buffer_device: torch.device | None = None) -> None:

@@ -20,9 +20,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from leantrain.dtypes import DTYPES
 from leantrain.spec.schema import PrecisionSpec
-
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def mixed_precision_policy(precision: PrecisionSpec) -> MixedPrecisionPolicy:

@@ -20,6 +20,7 @@ from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor, Replicate
 
+from leantrain.dtypes import DTYPES
 from leantrain.model.moe import MoE
 from leantrain.model.transformer import Transformer
 from leantrain.parallel.dims import LayoutMesh, ParallelDims
@@ -39,7 +40,6 @@ from leantrain.spec.schema import JobSpec
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ContextFactory = Callable[[], contextlib.AbstractContextManager[object]]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 @dataclass

@@ -153,5 +153,5 @@ def what_if_rows(plan: Plan, gpu_counts: list[int]) -> list[dict[str, Any]]:
 
 
 def make_plan(spec: JobSpec) -> dict[str, Any]:
-    """plan.json's content for a spec (keys in shared/DESIGN.md, bytes/seconds/FLOP as plain numbers)."""
+    """plan.json's content for a spec (keys in docs/architecture.md, bytes/seconds/FLOP as plain numbers)."""
     return build_plan(spec).to_json()

@@ -20,7 +20,7 @@ from leantrain.spec.schema import JobSpec
 from leantrain.train.run_setup import finish_run, prepare_run
 
 if TYPE_CHECKING:
-    from leantrain.demo import DemoContext
+    from leantrain.demo_context import DemoContext
     from leantrain.train.trainer import Checkpointer, Trainer
 
 

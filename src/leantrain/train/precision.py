@@ -1,8 +1,10 @@
 """Mixed precision: which dtype the weights live in, which dtype matmuls run in, and what is refused.
 
 - compute bf16 + master fp32 (the default): parameters, gradients and optimizer updates stay fp32;
-  forward/backward matmuls run in bf16 under `torch.autocast`. This is what "bf16 with fp32 master
-  weights" means in Megatron/torchtitan terms, with no separate copy to keep in sync.
+  forward/backward matmuls run in bf16. Under FSDP (ZeRO-3) that is FSDP2's MixedPrecisionPolicy: the fp32
+  shard is gathered as bf16 and gradients are reduced in `precision.grad_reduce`, with no autocast around the
+  forward. Without FSDP the forward runs under `torch.autocast`. Either way this is what "bf16 with fp32
+  master weights" means in Megatron/torchtitan terms, with no separate copy to keep in sync.
 - master bf16: parameters themselves are bf16 (half the memory, less exact updates).
 - fp8: torchao's float8 training (dynamic scaling) on GPUs with fp8 tensor cores (compute capability
   ≥ 8.9); refused on other devices, because an emulated fp8 is slower and says nothing about the result.
@@ -18,10 +20,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from leantrain.dtypes import DTYPES
 from leantrain.errors import UserInputError
 from leantrain.spec.schema import PrecisionSpec
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 FP8_MIN_CAPABILITY = (8, 9)  # Ada/Hopper and newer have fp8 tensor cores
 
 

@@ -74,8 +74,8 @@ def prepare_run(
 
 
 def _record_lineage(spec: JobSpec, run_dir: Path, *, spec_path: Path | None) -> str:
-    from leantrain.ops.lineage import write_lineage
-    from leantrain.ops.registry import register_run
+    from leantrain.provenance.lineage import write_lineage
+    from leantrain.provenance.registry import register_run
 
     lineage = write_lineage(run_dir, spec, data_dir=Path(spec.data.dir), spec_path=spec_path)
     return register_run(lineage, registry=spec.run.registry)
@@ -98,7 +98,7 @@ def finish_run(context: RunContext, *, status: str) -> None:
     """Mark the run finished/failed in the registry and the audit log (rank 0)."""
     if not context.is_main or context.run_id is None:
         return
-    from leantrain.ops.registry import set_run_status
+    from leantrain.provenance.registry import set_run_status
     from leantrain.security import AuditLog
 
     set_run_status(context.run_id, status, registry=context.spec.run.registry)

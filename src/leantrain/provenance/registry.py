@@ -21,7 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from leantrain.errors import UserInputError
-from leantrain.ops.lineage import LINEAGE_FILE_NAME, read_lineage, sha256_file
+from leantrain.provenance.lineage import LINEAGE_FILE_NAME, read_lineage, sha256_file
 from leantrain.security import AuditLog, make_private_dir
 
 SCHEMA = """

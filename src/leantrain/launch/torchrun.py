@@ -27,7 +27,7 @@ from pathlib import Path
 from rich.console import Console
 
 from leantrain.errors import UserInputError
-from leantrain.ops.emit import TORCHRUN_ENV, TrainCommand, parse_nnodes
+from leantrain.launch.resources import TORCHRUN_ENV, TrainCommand, parse_nnodes
 from leantrain.parallel.dims import ParallelDims, resolve_parallelism
 from leantrain.spec.schema import JobSpec
 from leantrain.spec.shapes import resolve_shape
@@ -97,7 +97,7 @@ def torchrun_argv(
 
 
 def torchrun_env() -> dict[str, str]:
-    """This environment plus what elastic restarts need (see shared/PYTORCH_CPU_NOTES.md)."""
+    """This environment plus what elastic restarts need (a rendezvous store per restart attempt, docs/parallel.md)."""
     return {**os.environ, **TORCHRUN_ENV}
 
 

@@ -7,7 +7,7 @@
 
 A host is excluded when it failed preflight or crashed `cluster.unhealthy_after_crashes` times. The Slurm job
 passes the excluded hosts to `--exclude` (and refreshes it before a requeue with
-`python -m leantrain.ops.health RUN_DIR`); the Kubernetes job keeps its pods off them by node affinity; a local
+`python -m leantrain.launch.health RUN_DIR`); the Kubernetes job keeps its pods off them by node affinity; a local
 launch refuses to start on an excluded host. `clear_host` takes a repaired host back.
 """
 

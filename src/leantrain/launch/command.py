@@ -1,7 +1,7 @@
 """`leantrain launch`: train under torchrun, or --dry-run / --sweep / --emit slurm|k8s / --preflight.
 
 Kept thin on purpose: torchrun, the sweep and the layout checks are in `torchrun`, the dry run in
-`parallel.dryrun`, job files in `emit`/`emit_k8s`, preflight in `preflight`, data staging in `staging`,
+`parallel.dryrun`, job files in `resources`/`slurm`/`k8s`, preflight in `preflight`, data staging in `staging`,
 node exclusion in `health`.
 
 A plain launch (`leantrain launch SPEC --nproc N [--nnodes MIN:MAX] [--max-restarts K]`): check the layout
@@ -21,10 +21,11 @@ from rich.console import Console
 from rich.table import Table
 
 from leantrain.errors import CheckFailed, UserInputError
-from leantrain.ops import torchrun
-from leantrain.ops.emit import TrainCommand, describe, job_resources, parse_nnodes, slurm_script, write_job_file
-from leantrain.ops.health import excluded_hosts, health_path, record_failure
-from leantrain.ops.staging import ensure_local_data
+from leantrain.launch import torchrun
+from leantrain.launch.health import excluded_hosts, health_path, record_failure
+from leantrain.launch.resources import TrainCommand, describe, job_resources, parse_nnodes, write_job_file
+from leantrain.launch.slurm import slurm_script
+from leantrain.launch.staging import ensure_local_data
 from leantrain.security import AuditLog, make_private_dir
 from leantrain.spec import JobSpec
 
@@ -49,7 +50,7 @@ def emit_job_file(
         text = slurm_script(spec, command=command, run_dir=run_dir, nnodes=nnodes, nproc=nproc,
                             max_restarts=max_restarts)
     elif kind == "k8s":
-        from leantrain.ops.emit_k8s import k8s_documents, k8s_yaml
+        from leantrain.launch.k8s import k8s_documents, k8s_yaml
 
         text = k8s_yaml(k8s_documents(spec, run_dir=run_dir, nnodes=nnodes, nproc=nproc, max_restarts=max_restarts))
     else:
@@ -80,7 +81,7 @@ def run(
                       f"(from {res.source}); excluded hosts: {', '.join(excluded) or 'none'}")
         return
     if preflight:
-        from leantrain.ops.preflight import preflight_command
+        from leantrain.launch.preflight import preflight_command
 
         make_private_dir(run_dir, owner_only=spec.security.owner_only)
         staged = ensure_local_data(spec)
@@ -131,7 +132,7 @@ def launch(
         raise UserInputError(
             f"host {host} is excluded by {health_path(run_dir)} (failed preflight or crashed "
             f"{spec.cluster.unhealthy_after_crashes}+ times); repair it, then remove it with "
-            f"`python -c 'from leantrain.ops.health import clear_host; clear_host(\"{run_dir}\", \"{host}\")'`"
+            f"`python -c 'from leantrain.launch.health import clear_host; clear_host(\"{run_dir}\", \"{host}\")'`"
         )
     make_private_dir(run_dir, owner_only=spec.security.owner_only)
     _stage_data(spec, console=console)
@@ -208,7 +209,7 @@ def print_sweep(points: list[torchrun.SweepPoint], *, console: Console, path: Pa
 def demo_stage(ctx: Any) -> str:
     """`leantrain demo`: write the Slurm and Kubernetes job files for the seed's 10B example (rehearsal
     profile) under the demo dir, so the cluster side of the chain is shown without a cluster."""
-    from leantrain.demo import REPO_ROOT
+    from leantrain.demo_context import REPO_ROOT
     from leantrain.spec import load_spec
 
     out_dir = Path(ctx.out_dir) / "jobs"

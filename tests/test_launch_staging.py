@@ -12,7 +12,7 @@ import fsspec
 import pytest
 
 from leantrain.errors import CheckFailed, UserInputError
-from leantrain.ops.staging import ensure_local_data, is_remote, stage_data
+from leantrain.launch.staging import ensure_local_data, is_remote, stage_data
 from leantrain.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]

@@ -11,7 +11,7 @@ a node-local copy is read by memory map at disk speed. The copy is verified and 
   the marker is complete, and a later launch skips the copy when the remote manifest is unchanged.
 
 Object-store credentials come from the environment as the fsspec backend reads them (s3fs: AWS_* variables).
-The job files run `python -m leantrain.ops.staging URL DEST` once per node before training.
+The job files run `python -m leantrain.launch.staging URL DEST` once per node before training.
 """
 
 from __future__ import annotations

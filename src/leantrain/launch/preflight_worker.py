@@ -1,4 +1,4 @@
-"""One rank of preflight, run under torchrun: `torchrun ... -m leantrain.ops.preflight_worker SPEC --run-dir DIR`.
+"""One rank of preflight, run under torchrun: `torchrun ... -m leantrain.launch.preflight_worker SPEC --run-dir DIR`.
 
 Joining is done through the rendezvous key-value store, not a collective, so a rank that never arrives is
 named instead of hanging everyone: each rank publishes its facts under `joined/<rank>`; rank 0 waits for
@@ -25,8 +25,9 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from leantrain.launch.preflight_report import COMPARED_FIELDS
+
 FAKE_PREFIX = "LEANTRAIN_PREFLIGHT_FAKE_"
-COMPARED_FIELDS = ("python", "torch", "cuda", "cudnn", "nccl", "driver", "leantrain", "packages_sha256")
 POLL_S = 0.1
 
 
@@ -87,7 +88,7 @@ def _data_check(spec: Any) -> dict[str, Any]:
 
 def collect_facts(spec: Any, run_dir: Path, *, fakes: dict[str, str]) -> dict[str, Any]:
     """What this rank reports: versions, host, name resolution, disk and data checks."""
-    from leantrain.ops.lineage import code_info, packages_info, software_versions
+    from leantrain.provenance.lineage import code_info, packages_info, software_versions
 
     host = fakes.get("hostname") or socket.gethostname()
     facts: dict[str, Any] = {**software_versions(), "host": host, "pid": os.getpid()}
@@ -218,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _run_rank(store: Any, *, spec: Any, args: argparse.Namespace, rank: int, world: int, start: float) -> bool:
     """Probe, join check (rank 0), all-reduce when everyone joined, verdict (rank 0); True when it passed."""
-    from leantrain.ops.preflight import analyze, record_unhealthy, write_report
+    from leantrain.launch.preflight_report import analyze, record_unhealthy, write_report
 
     join_deadline = start + (args.join_timeout_s or args.timeout_s / 2)
     deadline = start + args.timeout_s
@@ -264,4 +265,4 @@ if __name__ == "__main__":
     code = main()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # skip interpreter teardown: avoids the rare gloo crash at exit (PYTORCH_CPU_NOTES.md)
+    os._exit(code)  # skip interpreter teardown: avoids the rare gloo crash at exit (docs/parallel.md)

@@ -15,9 +15,11 @@ from pathlib import Path
 import pytest
 from torch.distributed.run import get_args_parser
 
+from leantrain.ckpt.control import CHECKPOINT_REQUEST_NAME
 from leantrain.cli import main
-from leantrain.ops.emit import CHECKPOINT_REQUEST_NAME, TrainCommand, job_resources, slurm_script
-from leantrain.ops.health import excluded_hosts, record_failure
+from leantrain.launch.health import excluded_hosts, record_failure
+from leantrain.launch.resources import TrainCommand, job_resources
+from leantrain.launch.slurm import slurm_script
 from leantrain.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]
@@ -71,7 +73,7 @@ def test_slurm_job_has_nodes_gpus_exclusive_requeue_signal_and_c10d_torchrun(tmp
     assert args.training_script_args[2:4] == ["--profile", "rehearsal"]
     assert 'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")\nHEAD_NODE="${NODES[0]}"' in text
     pre = torchrun_parsed(preflight)
-    assert pre.training_script == "leantrain.ops.preflight_worker" and pre.max_restarts == 0
+    assert pre.training_script == "leantrain.launch.preflight_worker" and pre.max_restarts == 0
     assert text.index("preflight_worker") < text.index("leantrain.cli train")
 
 
@@ -86,9 +88,9 @@ def test_elastic_nodes_and_remote_data_are_staged_first(tmp_path: Path) -> None:
     assert args.nnodes == "2:6"
     local_dir = "/tmp/leantrain/run/data"
     assert ["--set", f"data.dir={local_dir}"] == args.training_script_args[4:6]
-    stage = next(line for line in text.splitlines() if "leantrain.ops.staging" in line)
+    stage = next(line for line in text.splitlines() if "leantrain.launch.staging" in line)
     assert shlex.split(stage)[-2:] == ["s3://bucket/data", local_dir]
-    assert text.index("leantrain.ops.staging") < text.index("leantrain.cli")
+    assert text.index("leantrain.launch.staging") < text.index("leantrain.cli")
 
 
 def test_health_file_hosts_are_excluded(tmp_path: Path) -> None:
@@ -202,7 +204,7 @@ def test_container_mode_runs_every_step_in_the_image_with_the_needed_mounts(tmp_
 def test_demo_stage_writes_both_job_files(tmp_path: Path) -> None:
     from types import SimpleNamespace
 
-    from leantrain.ops.launch import demo_stage
+    from leantrain.launch.command import demo_stage
 
     summary = demo_stage(SimpleNamespace(out_dir=tmp_path))
     sbatch, manifests = tmp_path / "jobs" / "seed-10b.sbatch", tmp_path / "jobs" / "seed-10b.k8s.yaml"

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 import yaml
 
-from leantrain.ops.emit_k8s import RUN_AS_UID, k8s_documents, k8s_yaml, prepull_daemonset
-from leantrain.ops.health import record_failure
+from leantrain.launch.health import record_failure
+from leantrain.launch.k8s import RUN_AS_UID, k8s_documents, k8s_yaml, prepull_daemonset
 from leantrain.spec import load_spec, spec_from_dict
 from leantrain.spec.schema import ClusterSpec
 
@@ -72,7 +72,7 @@ def test_pytorchjob_matches_operator_schema_gang_elastic_volumes_secrets_resourc
     secret_refs = {e.name: e.value_from.secret_key_ref.name for e in container.env if e.value_from}
     assert secret_refs == {"AWS_ACCESS_KEY_ID": "leantrain-secrets", "AWS_SECRET_ACCESS_KEY": "leantrain-secrets"}
     script = container.command[-1]
-    assert "leantrain.ops.preflight_worker" in script and "leantrain.cli train /etc/leantrain/spec.yaml" in script
+    assert "leantrain.launch.preflight_worker" in script and "leantrain.cli train /etc/leantrain/spec.yaml" in script
     assert script.index("preflight_worker") < script.index("leantrain.cli train")
     assert daemonset["spec"]["template"]["spec"]["initContainers"][0]["image"] == container.image
 

@@ -12,8 +12,9 @@ from rich.console import Console
 
 from leantrain.cli import main
 from leantrain.errors import UserInputError
-from leantrain.ops.health import excluded_hosts, read_health
-from leantrain.ops.preflight import analyze, preflight_command, run_local_preflight
+from leantrain.launch.health import excluded_hosts, read_health
+from leantrain.launch.preflight import preflight_command, run_local_preflight
+from leantrain.launch.preflight_report import analyze
 from leantrain.spec import load_spec
 
 REPO = Path(__file__).resolve().parents[1]

@@ -12,8 +12,8 @@ import torch
 
 from leantrain import cli
 from leantrain.cli import main
-from leantrain.ops.lineage import read_lineage, spec_sha256, write_checkpoint_lineage, write_lineage
-from leantrain.ops.registry import list_runs, register_checkpoint, register_run, set_run_status
+from leantrain.provenance.lineage import read_lineage, spec_sha256, write_checkpoint_lineage, write_lineage
+from leantrain.provenance.registry import list_runs, register_checkpoint, register_run, set_run_status
 from leantrain.security import AuditLog
 from leantrain.spec import load_spec
 

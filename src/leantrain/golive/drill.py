@@ -1,6 +1,6 @@
 """`leantrain drill SPEC`: kill a rank on purpose and check that the job heals itself without a trace in the loss.
 
-Two short runs of the spec under torchrun (`ops.torchrun.launch_local`, 2 ranks on this machine):
+Two short runs of the spec under torchrun (`launch.torchrun.launch_local`, 2 ranks on this machine):
   1. reference — no fault, no restarts;
   2. faulted — `fault.max_restarts` (at least 1) restarts allowed, and the fault hook (ckpt/fault.py) armed
      through the environment: rank 1 is SIGKILLed after step k (given, or drawn at random after the first
@@ -41,12 +41,12 @@ from rich.table import Table
 
 from leantrain.ckpt.fault import MARKER_FILE, FaultPlan
 from leantrain.errors import CheckFailed, UserInputError
-from leantrain.ops.emit import TrainCommand
-from leantrain.ops.torchrun import launch_local
+from leantrain.launch.resources import TrainCommand
+from leantrain.launch.torchrun import launch_local
 from leantrain.spec.schema import JobSpec
 
 if TYPE_CHECKING:
-    from leantrain.demo import DemoContext
+    from leantrain.demo_context import DemoContext
 
 DRILL_FILE = "drill.json"
 DRILL_DIR = "drill"

@@ -21,9 +21,9 @@ from typing import Any
 
 import yaml
 
-from leantrain.ops.emit import TORCHRUN_ENV, JobResources, TrainCommand, job_name, job_resources, torchrun_args
-from leantrain.ops.health import excluded_hosts
-from leantrain.ops.staging import is_remote
+from leantrain.launch.health import excluded_hosts
+from leantrain.launch.resources import TORCHRUN_ENV, JobResources, TrainCommand, job_name, job_resources, torchrun_args
+from leantrain.launch.staging import is_remote
 from leantrain.security import spec_secret_env_names
 from leantrain.spec import JobSpec
 
@@ -99,7 +99,7 @@ def _storage(spec: JobSpec, *, name: str, data_dir: str) -> tuple[list[Any], lis
         return volumes, mounts, []
     mounts.append({"name": "local", "mountPath": LOCAL_MOUNT})
     volumes.append({"name": "local", "emptyDir": {}})
-    stage = ["python", "-m", "leantrain.ops.staging", str(cluster.data_url), data_dir]
+    stage = ["python", "-m", "leantrain.launch.staging", str(cluster.data_url), data_dir]
     if cluster.data_endpoint_url:
         stage += ["--endpoint-url", cluster.data_endpoint_url]
     init = {"name": "stage-data", "image": cluster.image, "imagePullPolicy": "IfNotPresent", "command": stage,
@@ -116,7 +116,7 @@ def _container_script(spec: JobSpec, *, res: JobResources, name: str, max_restar
     if not spec.cluster.preflight:
         return f"umask 077; exec {train}"
     pre_rdzv = torchrun_args(res, max_restarts=0, rdzv_endpoint=None, rdzv_id=f"preflight-{name}")
-    preflight = shlex.join(["torchrun", *pre_rdzv, "-m", "leantrain.ops.preflight_worker", *spec_args,
+    preflight = shlex.join(["torchrun", *pre_rdzv, "-m", "leantrain.launch.preflight_worker", *spec_args,
                             "--expected-world-size", str(res.min_nodes * res.gpus_per_node),
                             "--timeout-s", str(int(spec.cluster.preflight_timeout_s))])
     return f"set -eu; umask 077; {preflight} && exec {train}"

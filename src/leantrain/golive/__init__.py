@@ -1,0 +1,1 @@
+"""Go-live judgement of a run dir: validate (the checklist), doctor (troubleshooting), drill (fault rehearsal)."""

@@ -1,0 +1,176 @@
+"""What every cluster job file shares: the job's size (nodes, GPUs, CPUs, memory per node), its name, and the
+command each node runs (torchrun's elastic agent starting `leantrain train`).
+
+Sizes come from the plan (`leantrain.plan.planner.make_plan`) when the spec leaves the node count open,
+otherwise from the spec. The Slurm script is written by `launch/slurm.py`, the Kubernetes manifests by
+`launch/k8s.py`, and local runs by `launch/torchrun.py`; all three take these pieces from here.
+"""
+
+from __future__ import annotations
+
+import math
+import shlex
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from leantrain.errors import UserInputError
+from leantrain.hardware import get_accelerator
+from leantrain.spec import JobSpec
+
+DEFAULT_CPUS_PER_GPU = 8
+DEFAULT_MEMORY_GB_PER_GPU = 64
+# torchrun's elastic restarts are flaky when new workers reuse the shared rendezvous store (dead workers'
+# addresses linger there): a store per restart attempt fixed it on gloo.
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+
+
+@dataclass(frozen=True)
+class JobResources:
+    """What one job asks the scheduler for."""
+
+    num_nodes: int
+    min_nodes: int
+    max_nodes: int
+    gpus_per_node: int
+    cpus_per_node: int
+    memory_gb_per_node: int
+    gpu_resource: str | None  # Kubernetes extended resource name; None on CPU-only nodes
+    source: str  # where num_nodes came from
+
+    @property
+    def elastic(self) -> bool:
+        return self.min_nodes != self.max_nodes
+
+
+def _planned_num_gpus(spec: JobSpec) -> int | None:
+    """GPU count from the planner (plan.json's resources.num_gpus), when it is built; None otherwise."""
+    try:
+        from leantrain.plan.planner import make_plan
+    except ImportError:
+        try:
+            from leantrain.plan.command import make_plan  # type: ignore[attr-defined,no-redef]
+        except ImportError:
+            return None
+    plan = make_plan(spec)
+    if hasattr(plan, "model_dump"):
+        plan = plan.model_dump()
+    elif hasattr(plan, "to_dict"):
+        plan = plan.to_dict()
+    resources = plan.get("resources", {}) if isinstance(plan, dict) else getattr(plan, "resources", {})
+    num = resources.get("num_gpus") if isinstance(resources, dict) else getattr(resources, "num_gpus", None)
+    return int(num) if num else None
+
+
+def parse_nnodes(text: str) -> tuple[int, int]:
+    """`N` or `MIN:MAX` (torchrun's syntax) → (min, max)."""
+    parts = text.split(":")
+    try:
+        low, high = (int(parts[0]), int(parts[-1])) if len(parts) <= 2 else (0, 0)
+    except ValueError:
+        low = high = 0
+    if low < 1 or high < low:
+        raise UserInputError(f"--nnodes {text!r}: expected N or MIN:MAX with 1 ≤ MIN ≤ MAX")
+    return low, high
+
+
+def job_resources(spec: JobSpec, *, nnodes: str | None = None, nproc: int | None = None) -> JobResources:
+    """Nodes, GPUs, CPUs and memory per node: flags first, then the spec's node count, then the plan."""
+    accelerator = get_accelerator(spec.hardware.accelerator)
+    gpus_per_node = nproc or spec.hardware.gpus_per_node
+    if nnodes:
+        min_nodes, max_nodes = parse_nnodes(nnodes)
+        num_nodes, source = max_nodes, "--nnodes"
+    else:
+        if spec.hardware.num_nodes:
+            num_nodes, source = spec.hardware.num_nodes, "hardware.num_nodes"
+        elif (planned := _planned_num_gpus(spec)) is not None:
+            num_nodes, source = math.ceil(planned / gpus_per_node), "plan resources.num_gpus"
+        elif spec.budget.num_gpus:
+            num_nodes, source = math.ceil(spec.budget.num_gpus / gpus_per_node), "budget.num_gpus"
+        else:
+            raise UserInputError(
+                "cannot size the job: set hardware.num_nodes or budget.num_gpus (or pass --nnodes)"
+            )
+        min_nodes = max_nodes = num_nodes
+        if spec.fault.elasticity:
+            min_nodes = spec.fault.min_nodes or num_nodes
+            max_nodes = spec.fault.max_nodes or num_nodes
+    if not min_nodes <= num_nodes <= max_nodes:
+        raise UserInputError(f"nodes {num_nodes} is outside fault.min_nodes..max_nodes = {min_nodes}..{max_nodes}")
+    cluster = spec.cluster
+    is_cpu = accelerator.name == "cpu"
+    gpu_resource = None if is_cpu else ("amd.com/gpu" if accelerator.name.startswith("MI") else "nvidia.com/gpu")
+    return JobResources(
+        num_nodes=num_nodes,
+        min_nodes=min_nodes,
+        max_nodes=max_nodes,
+        gpus_per_node=gpus_per_node,
+        cpus_per_node=cluster.cpus_per_node or DEFAULT_CPUS_PER_GPU * gpus_per_node,
+        memory_gb_per_node=int(cluster.memory_gb_per_node or DEFAULT_MEMORY_GB_PER_GPU * gpus_per_node),
+        gpu_resource=gpu_resource,
+        source=source,
+    )
+
+
+def job_name(spec: JobSpec) -> str:
+    """A DNS-1123 name (Kubernetes) that is also a fine Slurm job name."""
+    raw = spec.run.name or Path(spec.run.dir).name or "leantrain"
+    name = "".join(c if c.isalnum() else "-" for c in raw.lower()).strip("-")
+    return (name or "leantrain")[:50]
+
+
+@dataclass(frozen=True)
+class TrainCommand:
+    """How every node starts training: the spec file and the overrides a rank re-applies when it loads it."""
+
+    spec_path: Path
+    overrides: tuple[str, ...] = ()
+    profile: str | None = None
+
+    def spec_args(self, *, run_dir: str, extra_sets: tuple[str, ...] = ()) -> list[str]:
+        """SPEC [--profile P] [--set k=v ...] --run-dir DIR, as `train` and the preflight worker take them."""
+        args = [str(self.spec_path)]
+        if self.profile:
+            args += ["--profile", self.profile]
+        for item in (*self.overrides, *extra_sets):
+            args += ["--set", item]
+        return [*args, "--run-dir", run_dir]
+
+
+def torchrun_args(res: JobResources, *, max_restarts: int, rdzv_endpoint: str | None, rdzv_id: str | None) -> list[str]:
+    """torchrun flags for an elastic c10d job; None endpoint/id leave them to the environment (PET_*)."""
+    nnodes = f"{res.min_nodes}:{res.max_nodes}" if res.elastic else str(res.num_nodes)
+    args = [f"--nnodes={nnodes}", f"--nproc-per-node={res.gpus_per_node}", f"--max-restarts={max_restarts}"]
+    if rdzv_endpoint:
+        args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+    if rdzv_id:
+        args.append(f"--rdzv-id={rdzv_id}")
+    return args
+
+
+def quote_arg(value: str | Path) -> str:
+    """Quote for bash, leaving $VARS inside double quotes expandable."""
+    text = str(value)
+    if "$" in text:
+        return '"' + text.replace('"', '\\"') + '"'
+    return shlex.quote(text)
+
+
+def join_args(args: list[str]) -> str:
+    return " ".join(quote_arg(a) for a in args)
+
+
+def write_job_file(text: str, out: Path) -> Path:
+    """Write a job file (0600: it names paths and accounts; it never holds secrets)."""
+    from leantrain.security import write_private_text
+
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    write_private_text(out, text)
+    return out
+
+
+def describe(res: JobResources) -> dict[str, Any]:
+    return {"nodes": res.num_nodes, "min_nodes": res.min_nodes, "max_nodes": res.max_nodes,
+            "gpus_per_node": res.gpus_per_node, "source": res.source}

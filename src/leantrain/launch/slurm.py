@@ -1,0 +1,195 @@
+"""The Slurm batch script (`leantrain launch --emit slurm`).
+
+It starts torchrun's elastic agent on every node (c10d rendezvous on the first node) running
+`leantrain train`, with `preflight` first; hosts in the run dir's node_health.json are excluded.
+
+Checkpoint before the time limit: `--signal=B:USR1@N` makes Slurm signal the batch shell N seconds
+before the limit; its trap creates `RUN_DIR/checkpoint.request` (ckpt/control.py), which the trainer polls each
+step (ckpt/hook.py: the ranks agree, save blocking, rank 0 deletes the file, training stops), waits for that,
+refreshes the exclude list and requeues the job. The script deletes a request left over from an earlier
+allocation before it starts. Preemption requeues too (`--requeue`); the next allocation resumes from the newest
+valid checkpoint. torchrun itself would die on SIGUSR1, which is why the signal goes to the batch shell and
+reaches the trainer as a file.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+from leantrain.ckpt.control import CHECKPOINT_REQUEST_NAME
+from leantrain.launch.health import HEALTH_FILE_NAME, excluded_hosts
+from leantrain.launch.resources import (
+    TORCHRUN_ENV,
+    JobResources,
+    TrainCommand,
+    job_name,
+    job_resources,
+    join_args,
+    quote_arg,
+    torchrun_args,
+)
+from leantrain.launch.staging import is_remote
+from leantrain.spec import JobSpec
+
+
+def _sbatch_options(
+    spec: JobSpec, *, res: JobResources, run_dir: Path, name: str, exclude: list[str]
+) -> dict[str, str | None]:
+    """#SBATCH flags (None: a flag without a value)."""
+    cluster = spec.cluster
+    sbatch: dict[str, str | None] = {
+        "job-name": name,
+        "nodes": f"{res.min_nodes}-{res.max_nodes}" if res.elastic else str(res.num_nodes),
+        "ntasks-per-node": "1",
+        "cpus-per-task": str(res.cpus_per_node),
+        "mem": f"{res.memory_gb_per_node}G",
+        "exclusive": None,
+        "time": cluster.time_limit,
+        "requeue": None,
+        "signal": f"B:USR1@{cluster.checkpoint_signal_s}",
+        "open-mode": "append",
+        "output": str(run_dir / "slurm-%j.out"),
+    }
+    if res.gpu_resource:
+        sbatch["gpus-per-node"] = str(res.gpus_per_node)
+    for key, value in (("partition", cluster.slurm_partition), ("account", cluster.slurm_account),
+                       ("qos", cluster.slurm_qos)):
+        if value:
+            sbatch[key] = value
+    if exclude:
+        sbatch["exclude"] = ",".join(exclude)
+    return sbatch
+
+
+def _requeue_trap(*, signal_s: int, health_cmd: str) -> list[str]:
+    """The USR1 handler: ask the trainer for a checkpoint, wait for it, refresh exclusions, requeue."""
+    return [
+        "checkpoint_then_requeue() {",
+        f'  echo "leantrain: {signal_s} s to the time limit: checkpoint, then requeue"',
+        f'  touch "$RUN_DIR/{CHECKPOINT_REQUEST_NAME}"',
+        f"  local deadline=$((SECONDS + {max(5, signal_s - 30)}))",
+        f'  while [ -e "$RUN_DIR/{CHECKPOINT_REQUEST_NAME}" ] && [ "$SECONDS" -lt "$deadline" ]; do sleep 1; done',
+        "  # A failure here must not stop the requeue (set -e would end the script).",
+        f"  EXCLUDE=$({health_cmd} || true)",
+        '  if [ -n "$EXCLUDE" ]; then scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$EXCLUDE" || true; fi',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "}",
+        "trap checkpoint_then_requeue USR1",
+    ]
+
+
+# Bash keeps a background job's exit status until `wait` reports it; a trapped signal makes `wait` return
+# early with a status > 128, and 127 means the status was already reported.
+WAIT_FOR_TRAINING = [
+    "TRAIN_PID=$!",
+    "STATUS=0",
+    "while :; do  # a trapped signal interrupts `wait`: wait again for the real exit status",
+    '  if wait "$TRAIN_PID"; then CODE=0; else CODE=$?; fi',
+    '  if [ "$CODE" -eq 127 ]; then break; fi  # already reported: STATUS holds it',
+    '  STATUS=$CODE',
+    '  if [ "$CODE" -le 128 ]; then break; fi',
+    "done",
+    'exit "$STATUS"',
+    "",
+]
+
+
+def _stage_step(spec: JobSpec, *, srun: list[str], name: str) -> tuple[tuple[str, ...], list[str]]:
+    """When the data dir is remote: the override pointing data.dir at the node-local copy, and the step."""
+    cluster = spec.cluster
+    if not is_remote(cluster.data_url):
+        return (), []
+    local = f"{cluster.node_local_dir.rstrip('/')}/{name}/data"
+    stage = ["python", "-m", "leantrain.launch.staging", str(cluster.data_url), local]
+    if cluster.data_endpoint_url:
+        stage += ["--endpoint-url", cluster.data_endpoint_url]
+    lines = ["# Stage the data dir to node-local disk (verified against the manifest, resumable).",
+             join_args([*srun, *stage]), ""]
+    return (f"data.dir={local}",), lines
+
+
+def _preflight_step(spec: JobSpec, *, res: JobResources, srun: list[str], spec_args: list[str]) -> list[str]:
+    """Preflight under torchrun on every node, with its own rendezvous id."""
+    rdzv = torchrun_args(res, max_restarts=0, rdzv_endpoint="$HEAD_NODE:$RDZV_PORT", rdzv_id="preflight-$SLURM_JOB_ID")
+    worker = ["-m", "leantrain.launch.preflight_worker", *spec_args,
+              "--expected-world-size", str(res.min_nodes * res.gpus_per_node),
+              "--timeout-s", str(int(spec.cluster.preflight_timeout_s))]
+    return [
+        "# Preflight on every rank: all join, same versions, ports, DNS, disk, data. Failing hosts go to",
+        f"# {HEALTH_FILE_NAME} and are excluded next time.",
+        join_args([*srun, "torchrun", *rdzv, *worker]), "",
+    ]
+
+
+def slurm_script(
+    spec: JobSpec,
+    *,
+    command: TrainCommand,
+    run_dir: Path,
+    nnodes: str | None = None,
+    nproc: int | None = None,
+    max_restarts: int | None = None,
+) -> str:
+    """The sbatch file's text. Pure: reads the health file, writes nothing."""
+    res = job_resources(spec, nnodes=nnodes, nproc=nproc)
+    cluster = spec.cluster
+    run_dir = Path(run_dir).resolve()
+    restarts = spec.fault.max_restarts if max_restarts is None else max_restarts
+    exclude = excluded_hosts(run_dir, crash_threshold=cluster.unhealthy_after_crashes)
+    name = job_name(spec)
+    sbatch = _sbatch_options(spec, res=res, run_dir=run_dir, name=name, exclude=exclude)
+
+    # Inside the image the job needs the run dir, the spec's folder and the data (or the node-local stage).
+    data_root = cluster.node_local_dir if is_remote(cluster.data_url) else str(spec.data.dir)
+    mounts = ",".join(f"{d}:{d}" for d in dict.fromkeys([str(run_dir), str(Path(command.spec_path).parent), data_root]))
+    container = [f"--container-image={cluster.image}", f"--container-mounts={mounts}",
+                 "--no-container-mount-home"] if cluster.slurm_container else []
+    srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", f"--cpus-per-task={res.cpus_per_node}", *container]
+    extra_sets, stage_lines = _stage_step(spec, srun=srun, name=name)
+    rdzv = torchrun_args(res, max_restarts=restarts, rdzv_endpoint="$HEAD_NODE:$RDZV_PORT", rdzv_id="$SLURM_JOB_ID")
+    train = ["train", *command.spec_args(run_dir=str(run_dir), extra_sets=extra_sets)]
+    preflight_lines = _preflight_step(spec, res=res, srun=srun, spec_args=command.spec_args(
+        run_dir=str(run_dir), extra_sets=extra_sets)) if cluster.preflight else []
+    health = ["python", "-m", "leantrain.launch.health", "$RUN_DIR", "--crash-threshold",
+              str(cluster.unhealthy_after_crashes)]
+    if cluster.slurm_container:  # the batch shell runs outside the image: read the file inside it
+        health = ["srun", "--overlap", "--nodes=1", "--ntasks=1", *container, *health]
+    health_cmd = join_args(health)
+    env_lines = [f"export {k}={quote_arg(v)}" for k, v in TORCHRUN_ENV.items()]
+    if cluster.slurm_container:
+        env_lines.append(f"export LEANTRAIN_IMAGE={quote_arg(cluster.image)}")
+    else:
+        env_lines.append(f'export PATH={quote_arg(str(Path(sys.executable).parent))}:"$PATH"')
+    header = [
+        "#!/bin/bash",
+        f"# Written by `leantrain launch --emit slurm` at {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; "
+        "regenerate it from the spec instead of editing.",
+        f"# Sizes from {res.source}: {res.num_nodes} node(s) × {res.gpus_per_node} GPU(s).",
+        *[f"#SBATCH --{k}" if v is None else f"#SBATCH --{k}={v}" for k, v in sbatch.items()],
+    ]
+    body = [
+        "",
+        "set -euo pipefail",
+        "umask 077  # run dirs and checkpoints readable by the owner only",
+        f"RUN_DIR={quote_arg(run_dir)}",
+        f"RDZV_PORT={cluster.rdzv_port}",
+        'mkdir -p "$RUN_DIR"',
+        "# A request left by an allocation that ended before the trainer served it would stop this one at once.",
+        f'rm -f "$RUN_DIR/{CHECKPOINT_REQUEST_NAME}"',
+        *env_lines,
+        # Secrets are not written here: sbatch exports the submitting shell's environment to the job.
+        "# All of the list is read (no `| head`): with pipefail, a SIGPIPE'd scontrol would end the job.",
+        'mapfile -t NODES < <(scontrol show hostnames "$SLURM_JOB_NODELIST")',
+        'HEAD_NODE="${NODES[0]}"',
+        "",
+        *_requeue_trap(signal_s=cluster.checkpoint_signal_s, health_cmd=health_cmd),
+        "",
+        *stage_lines,
+        *preflight_lines,
+        "# Train: torchrun's elastic agent on every node, c10d rendezvous on the first node.",
+        join_args([*srun, "torchrun", *rdzv, "-m", "leantrain.cli", *train]) + " &",
+        *WAIT_FOR_TRAINING,
+    ]
+    return "\n".join(header + body)

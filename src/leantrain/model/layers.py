@@ -1,0 +1,69 @@
+"""Building blocks shared by the dense and mixture-of-experts blocks: the model arguments, RMSNorm, the SwiGLU
+MLP and the init constants. transformer.py and moe.py both import from here, never from each other's module
+in both directions (transformer → moe → layers).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from leantrain.spec.shapes import ModelShape, ResolvedMoE
+
+INIT_STD = 0.02
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    """Everything the model needs: the planner's shape plus RoPE/norm constants and MoE routing."""
+
+    shape: ModelShape
+    rope_theta: float = 500000.0
+    norm_eps: float = 1e-5
+    max_seq_len: int = 4096
+    router: Literal["softmax", "sigmoid"] = "softmax"
+    balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
+    aux_loss_coef: float = 0.01
+    bias_update_rate: float = 1e-3
+
+    @property
+    def moe(self) -> ResolvedMoE | None:
+        return self.shape.moe
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in fp32 (as Llama and Hugging Face do), cast back to the input dtype."""
+
+    def __init__(self, dim: int, *, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
+        return self.weight * normed
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
+
+
+class FeedForward(nn.Module):
+    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, *, d_model: int, hidden: int) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(d_model, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, d_model, bias=False)
+        self.w3 = nn.Linear(d_model, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+    def init_weights(self, *, out_std: float) -> None:
+        nn.init.trunc_normal_(self.w1.weight, std=INIT_STD)
+        nn.init.trunc_normal_(self.w3.weight, std=INIT_STD)
+        nn.init.trunc_normal_(self.w2.weight, std=out_std)

@@ -1,1 +1,0 @@
-"""Operating runs: launch (torchrun, Slurm, Kubernetes), preflight, health, lineage, registry, staging."""

@@ -1,0 +1,38 @@
+"""`make install` keeps the pinned torch: every pip step gets constraints.txt, and the last step checks it."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def test_every_pip_install_step_gets_the_constraints_file() -> None:
+    makefile = (REPO / "Makefile").read_text()
+    installs = [line for line in makefile.splitlines() if "pip install" in line and "--upgrade pip" not in line]
+    assert installs, "no pip install lines found"
+    for line in installs:
+        assert "-c constraints.txt" in line or "$(PIP)" in line, line
+    assert "PIP := $(PY) -m pip install --progress-bar on -c constraints.txt" in makefile
+    assert "--quiet" not in makefile  # the install shows progress
+    assert "scripts/check_torch.py" in makefile
+
+
+def test_installed_torch_is_the_pinned_build() -> None:
+    pin = re.search(r"^torch==([\w.]+)", (REPO / "constraints.txt").read_text(), flags=re.M).group(1)
+    assert metadata.version("torch").split("+")[0] == pin
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "check_torch.py"), "--expect", "cpu"],
+                          capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+
+
+def test_torch_check_fails_on_another_version(tmp_path: Path) -> None:
+    wrong = tmp_path / "constraints.txt"
+    wrong.write_text("torch==1.0.0\n")
+    done = subprocess.run([sys.executable, str(REPO / "scripts" / "check_torch.py"), "--constraints", str(wrong)],
+                          capture_output=True, text=True)
+    assert done.returncode == 1 and "constraints.txt pins 1.0.0" in done.stderr
