@@ -4,15 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from leantrain.plan.activations import activation_terms, in_flight_microbatches, layer_activation_bytes
 from leantrain.plan.flops import flops_per_token
 from leantrain.plan.inputs import plan_inputs
 from leantrain.plan.layout import Layout
-from leantrain.plan.memory import (
-    activation_terms,
-    in_flight_microbatches,
-    layer_activation_bytes,
-    memory_per_gpu,
-)
+from leantrain.plan.memory import memory_per_gpu
 from leantrain.plan.timing import pipeline_bubble_fraction, ring_time_s, step_time
 from leantrain.spec import resolve_shape, spec_from_dict
 from leantrain.spec.schema import ModelSpec
@@ -124,7 +120,10 @@ def test_pipeline_bubble_and_in_flight_microbatches() -> None:
     assert in_flight_microbatches(Layout(dp=1, tp=1, pp=4), 2) == 2
     assert in_flight_microbatches(Layout(dp=1, tp=1, pp=4, schedule="gpipe"), 16) == 16
     interleaved = Layout(dp=1, tp=1, pp=4, schedule="interleaved_1f1b", virtual_stages=2)
-    assert in_flight_microbatches(interleaved, 16) == 6  # ceil(4 × (1 + 3/8))
+    # Megatron's warm-up on rank 0: 2(p − 1) + (v − 1)p + 1 = 11 chunks of half a stage = p + (p − 1)/v
+    assert in_flight_microbatches(interleaved, 16) == 5.5
+    assert in_flight_microbatches(interleaved, 16, stage=3) == 2.5  # last rank: (v − 1)p + 1 chunks
+    assert in_flight_microbatches(Layout(dp=1, tp=1, pp=4), 16, stage=1) == 3  # 1F1B: p − stage
     inputs = _inputs()
     st = step_time(inputs, Layout(dp=1, tp=1, pp=4), sequences_per_step=64)
     assert st.bubble_s / st.compute_s == pytest.approx(3 / 64)

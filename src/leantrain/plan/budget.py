@@ -1,7 +1,8 @@
 """Budget (GPU count, days, GPU-hours, cost), storage, and the checkpoint interval.
 
 - GPUs for a target: C / (peak × assumed MFU × target seconds), rounded up; spare = ceil(GPUs × (1 + f)).
-  C is the seed's 6·N·D with the nominal N by default (`budget.sizing_flops: 6ND`), or the detailed
+  C is the seed's 6·N·D with the nominal N (for MoE its active share) by default (`budget.sizing_flops:
+  6ND`), or the detailed
   count that MFU is measured against (`detailed`).
 - Storage: tokenized data at 2 bytes per token when the vocabulary fits uint16 (< 65,536 ids, as
   Megatron's IndexedDataset), else 4; times `data.replicas`; plus the raw text (`bytes_per_token_raw`).
@@ -51,10 +52,19 @@ def days_for_gpus(*, total_flops: float, flops_per_gpu_s: float, num_gpus: int) 
     return total_flops / (flops_per_gpu_s * num_gpus * SECONDS_PER_DAY)
 
 
+def sizing_params(inputs: PlanInputs) -> float:
+    """N in 6·N·D: the nominal size; for mixture-of-experts its active share (the top-k routed and shared
+    experts a token passes through, not all experts): nominal × active / total."""
+    shape = inputs.shape
+    if shape.moe is None:
+        return shape.nominal_params
+    return shape.nominal_params * shape.active_params() / shape.total_params()
+
+
 def sizing_total_flops(spec: JobSpec, inputs: PlanInputs) -> float:
-    """The FLOPs that size the job: seed 6·N·D (nominal N) or the detailed model FLOPs × tokens."""
+    """The FLOPs that size the job: seed 6·N·D (nominal N, active for MoE) or the detailed FLOPs × tokens."""
     if spec.budget.sizing_flops == "6ND":
-        return 6.0 * inputs.shape.nominal_params * inputs.tokens_total
+        return 6.0 * sizing_params(inputs) * inputs.tokens_total
     return inputs.flops.model * inputs.tokens_total
 
 

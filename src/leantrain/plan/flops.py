@@ -11,7 +11,8 @@ Conventions (documented in docs/plan.md):
   torchtitan. With `causal_halving` only the unmasked half is counted (6 × L × d_attn × seq), the
   convention of FlashAttention's benchmarks and Megatron-LM's `num_floating_point_operations`.
 - Hardware FLOPs add recompute: full recompute repeats the whole forward (+ matmul/3 + attention/3);
-  selective recompute (Korthikanti et al. 2022) repeats only the attention core (+ attention/3).
+  selective recompute (Korthikanti et al. 2022) repeats only the attention core (+ attention/3); torchtitan's
+  selective-op policy repeats the matmuls whose outputs it drops (wk, wo, w3 of each dense layer).
 - The seed document's estimate C ≈ 6·N·D uses the nominal parameter count: `seed_total_flops`.
 """
 
@@ -22,7 +23,7 @@ from typing import Literal
 
 from leantrain.spec.shapes import ModelShape
 
-Recompute = Literal["none", "selective", "full"]
+Recompute = Literal["none", "selective", "op", "full"]
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class FlopsPerToken:
 
     matmul: float
     attention: float
+    op_recompute: float = 0.0  # forward FLOPs torchtitan's selective-op policy repeats (wk, wo, w3 per layer)
 
     @property
     def model(self) -> float:
@@ -43,6 +45,8 @@ class FlopsPerToken:
             return self.model * 4 / 3
         if recompute == "selective":
             return self.model + self.attention / 3
+        if recompute == "op":
+            return self.model + self.op_recompute
         return self.model
 
 
@@ -58,7 +62,10 @@ def flops_per_token(shape: ModelShape, *, seq_len: int, causal_halving: bool = F
     attention = 12.0 * shape.n_layers * attention_dim * seq_len
     if causal_halving:
         attention /= 2
-    return FlopsPerToken(matmul=6.0 * matmul_params(shape), attention=attention)
+    d = shape.d_model
+    op_recompute = 2.0 * shape.n_layers * (d * shape.kv_dim + d * d)
+    op_recompute += 2.0 * shape.num_dense_layers * d * shape.ffn_hidden
+    return FlopsPerToken(matmul=6.0 * matmul_params(shape), attention=attention, op_recompute=op_recompute)
 
 
 def seed_total_flops(*, nominal_params: float, tokens: float) -> float:

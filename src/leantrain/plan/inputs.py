@@ -26,6 +26,10 @@ MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "8bit": 1.0 + 4.0 / 256}
 DEFAULT_COMPUTE_EFFICIENCY = {"A100": 0.58, "H100": 0.56, "H800": 0.56, "H200": 0.58, "B200": 0.55,
                               "MI300X": 0.45, "L40S": 0.6, "cpu": 0.5}
 FALLBACK_COMPUTE_EFFICIENCY = 0.55
+# FP8 GEMMs: the step speed-up torchao's Float8 linears give over bf16 in torchtitan's H100 benchmarks
+# (benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3: 6,667 → 8,532 and 6,514 → 8,380 TPS/GPU,
+# 1.28-1.29×), so an fp8 job runs at bf16 peak × efficiency × this, not at the fp8 datasheet peak.
+FP8_STEP_SPEEDUP = 1.28
 # Latency of one collective call (ring start-up, kernel launch): NCCL tests show ~10-30 µs on NVLink/IB.
 COLLECTIVE_LATENCY_S = 20e-6
 # Device-to-host copy bandwidth per GPU for staging an async checkpoint (PCIe Gen4/5 x16 practical).
@@ -61,6 +65,23 @@ class PlanInputs:
     flash_attention: bool
     cpu_offload: bool
     accelerator: str
+    fused_kernels: bool = False  # fused norm / SwiGLU / RoPE kernels (torch.compile, TE): fewer saved tensors
+    linear_input_bytes: float = 2.0  # bytes per cached Linear input (1 with fp8 storage, DeepSeek-V3 §3.3.3)
+    grad_sync: str = "every_micro_batch"
+    finetune: str = "none"  # none (pretraining) | full | lora | qlora
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = ()
+    lora_dropout: float = 0.0
+
+    @property
+    def compute_flops_s(self) -> float:
+        """FLOP/s one GPU sustains on the model's matmuls: peak × efficiency (fp8: bf16 peak × its speed-up)."""
+        return self.peak_flops * self.compute_efficiency
+
+    @property
+    def trains_base(self) -> bool:
+        """Whether every base weight has gradients and optimizer states (not LoRA/QLoRA)."""
+        return self.finetune in ("none", "full")
 
     def hardware_flops_per_token(self, recompute: Recompute) -> float:
         return self.flops.hardware(recompute)
@@ -85,6 +106,7 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
     act_bytes = 2.0 if compute == "fp8" else DTYPE_BYTES[compute]
     weight_bytes = 2.0 if compute in ("bf16", "fp16", "fp8") else 4.0
     master_bytes = 4.0 if prec.master_weights == "fp32" and weight_bytes < 4 else 0.0
+    efficiency = knobs.compute_efficiency or _default_efficiency(acc.name)
     if hw.peak_flops is not None:
         peak = hw.peak_flops
     elif acc.name == "cpu":
@@ -93,6 +115,11 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
         peak = host_cpu_peak_flops(compute) / hw.gpus_per_node
     else:
         peak = acc.peak_for(compute)
+        if compute == "fp8" and knobs.compute_efficiency is None:  # efficiency is quoted against bf16 peak
+            efficiency *= acc.peak_for("bf16") * FP8_STEP_SPEEDUP / peak
+    kernels = knobs.activation_kernels
+    fused = spec.training.compile if kernels == "auto" else kernels == "fused"
+    ft = spec.finetune
     return PlanInputs(
         shape=shape,
         flops=flops_per_token(shape, seq_len=spec.data.seq_len, causal_halving=knobs.causal_halving),
@@ -113,7 +140,7 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
                             else acc.inter_node_bandwidth_bytes_s),
         memory_bandwidth_bytes_s=acc.memory_bandwidth_bytes_s,
         gpus_per_node=hw.gpus_per_node,
-        compute_efficiency=knobs.compute_efficiency or _default_efficiency(acc.name),
+        compute_efficiency=efficiency,
         dp_overlap=knobs.dp_overlap,
         tp_overlap=knobs.tp_overlap,
         ep_overlap=knobs.ep_overlap,
@@ -121,6 +148,13 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
         flash_attention=knobs.flash_attention,
         cpu_offload=spec.parallelism.cpu_offload,
         accelerator=acc.name,
+        fused_kernels=fused,
+        linear_input_bytes=1.0 if compute == "fp8" and fused else act_bytes,
+        grad_sync=spec.parallelism.grad_sync,
+        finetune=ft.method if spec.task == "finetune" else "none",
+        lora_rank=ft.lora.rank if ft.method in ("lora", "qlora") else 0,
+        lora_targets=tuple(ft.lora.targets),
+        lora_dropout=ft.lora.dropout,
     )
 
 

@@ -14,9 +14,10 @@ from rich.console import Console
 from rich.table import Table
 
 from leantrain.errors import UserInputError
+from leantrain.plan.activations import activation_terms, head_activation_bytes, layer_activation_bytes
 from leantrain.plan.inputs import plan_inputs
 from leantrain.plan.layout import Layout
-from leantrain.plan.memory import activation_terms, head_activation_bytes, layer_activation_bytes, memory_per_gpu
+from leantrain.plan.memory import memory_per_gpu
 from leantrain.spec.schema import JobSpec
 
 TORCH_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}

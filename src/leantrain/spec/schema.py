@@ -219,7 +219,14 @@ class PlanSpec(Section):
     )
     dp_overlap: float = Field(0.8, ge=0, le=1, description="Share of data-parallel communication hidden by compute.")
     tp_overlap: float = Field(0.0, ge=0, le=1, description="Share of tensor-parallel communication hidden.")
-    ep_overlap: float = Field(0.0, ge=0, le=1, description="Share of expert-parallel all-to-all hidden.")
+    ep_overlap: float = Field(
+        0.8, ge=0, le=1, description="Share of expert-parallel all-to-all hidden under compute (DeepSeek-V3's "
+        "DualPipe hides nearly all; docs/plan.md)."
+    )
+    activation_kernels: Literal["auto", "eager", "fused"] = Field(
+        "auto", description="Which saved-tensor count the memory model uses: eager (our block as traced), fused "
+        "(fused norm/SwiGLU/RoPE kernels, as torch.compile or Transformer Engine), auto: fused with training.compile."
+    )
     framework_reserve_gb: float = Field(
         3.0, ge=0, description="Memory per GPU the framework keeps (CUDA context, NCCL, allocator slack), GB."
     )

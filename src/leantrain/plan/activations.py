@@ -1,0 +1,162 @@
+"""Activation memory: the bytes one transformer block saves for backward per token, per recompute mode and
+kernel set, and how many micro-batches each pipeline stage holds at its peak.
+
+Per-layer terms follow the bookkeeping of Korthikanti et al. 2022 ("Reducing Activation Recomputation in
+Large Transformer Models", arXiv 2205.05198, §4 and Table 2): every tensor autograd keeps, split into
+- `replicated`: layer-boundary tensors (norm inputs/outputs), divided by tp only with sequence parallelism;
+- `sharded`: tensors inside attention and the MLP, divided by tp;
+- `core`: the attention core (scores or flash's log-sum-exp), which selective recompute drops.
+Three kernel sets:
+- `gpt_style`: their GPT block (LayerNorm, 4h GeLU MLP, dropout, unfused softmax): reproduces Table 2 exactly.
+- eager (our block, model/transformer.py, as the FakeTensor trace sees it): RMSNorm keeps an fp32 copy of its
+  input, the normalised and the scaled tensor and an fp32 rstd; SwiGLU keeps gate, up, silu(gate), product;
+  RoPE's cos/sin tables are cast for q and k.
+- fused (torch.compile, Transformer Engine, Megatron's fused kernels): a norm keeps its input, its output
+  (the next matmul's input) and an fp32 rstd; SwiGLU keeps its input (gate and up) and its output (the down
+  projection's input); RoPE is recomputed. With fp8 compute the Linear inputs are cached in fp8 (DeepSeek-V3
+  report §3.3.3): `linear_bytes` = 1.
+Recompute modes: none; selective (Korthikanti: the attention core is recomputed; with fused kernels also
+the norm outputs and SwiGLU outputs, Megatron-core's recompute modules core_attn, layernorm and moe_act, the
+set DeepSeek-V3 §3.3.3 recomputes: RMSNorm, the up-projections and SwiGLU); op (torchtitan's
+selective-op policy: every matmul output except every second one is kept, plus the attention output and the
+block input; elementwise ops are recomputed); full (only the block input survives the forward, and one
+block's activations are rebuilt at a time during its backward).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from leantrain.plan.flops import Recompute
+from leantrain.plan.layout import Layout
+from leantrain.spec.shapes import ModelShape
+
+LOGIT_SAVED_BYTES = 4.0  # per logit: the fp32 log-softmax cross-entropy keeps for backward (an activation)
+
+
+@dataclass(frozen=True)
+class ActivationTerms:
+    """Bytes saved for backward per token of one layer, split by how tensor parallelism divides them."""
+
+    replicated: float  # layer-boundary tensors: divided by tp only with sequence parallelism
+    sharded: float  # inside attention/MLP: divided by tp
+    core: float  # attention-core tensors that selective recompute drops (also divided by tp)
+    op_saved: float = 0.0  # what torchtitan's selective-op policy keeps (recompute="op"), before tp
+    selective_replicated: float = 0.0  # boundary bytes selective recompute also drops (fused: norm outputs)
+    selective_sharded: float = 0.0  # inner bytes it also drops (fused: SwiGLU outputs)
+
+
+def norm_saved_bytes(*, act_bytes: float, gpt_style: bool, fused: bool = False) -> float:
+    """Bytes per hidden value one pre-norm keeps, including the norm output that feeds the next matmul.
+
+    GPT (LayerNorm) and fused kernels: its input and its output. Our eager RMSNorm normalises in fp32 and then
+    multiplies by its weight: an fp32 copy of the input, the normalised tensor and the scaled output."""
+    return 2 * act_bytes if gpt_style or fused else 4.0 + 2 * act_bytes
+
+
+def _moe_mlp_bytes(shape: ModelShape, *, e: float, lin: float, fused: bool) -> float:
+    """Per-token bytes of an MoE layer's MLP: dispatched copies, experts' SwiGLU tensors, shared experts and
+    fp32 router scores (balanced routing: a GPU holds its own tokens' share of the expert work)."""
+    assert shape.moe is not None
+    m, h = shape.moe, shape.d_model
+    if fused:  # SwiGLU input (gate, up) + output; the routing weight is applied inside the expert (before
+        # its down projection, as Megatron's moe_apply_probs_on_input), so expert outputs need not be kept
+        per_expert = 2 * lin * m.expert_hidden + lin * m.expert_hidden
+        routed = m.top_k * (lin * h + per_expert)
+    else:  # our eager experts: gate, up, silu(gate), product
+        per_expert = 4 * e * m.expert_hidden
+        routed = m.top_k * (e * h + per_expert)
+    return routed + m.num_shared_experts * per_expert + 4.0 * m.num_experts
+
+
+def activation_terms(shape: ModelShape, *, seq_len: int, act_bytes: float, flash: bool, moe_layer: bool,
+                     gpt_style: bool = False, fused: bool = False, linear_bytes: float | None = None
+                     ) -> ActivationTerms:
+    """Per-token saved bytes of one transformer block (see the module docstring for each kernel set)."""
+    e, h, a, f = act_bytes, shape.d_model, shape.n_heads, shape.ffn_hidden
+    lin = e if linear_bytes is None else linear_bytes
+    if gpt_style:
+        replicated = 2 * norm_saved_bytes(act_bytes=e, gpt_style=True) * h + 2 * 1.0 * h  # + 2 dropout masks
+        core = (2 * e + 1.0) * a * seq_len  # softmax output, dropout mask, dropout output
+        mlp = 2 * e * f
+        rope = 0.0
+    elif fused:
+        replicated = 2 * (e * h + lin * h + 4.0)  # two norms: input, output (the next matmul's input), rstd
+        core = 4.0 * a if flash else e * a * seq_len
+        mlp = 2 * e * f + lin * f
+        rope = 0.0
+    else:
+        replicated = 2 * (norm_saved_bytes(act_bytes=e, gpt_style=False) * h + 4.0)
+        core = 4.0 * a if flash else e * a * seq_len
+        mlp = 4 * e * f
+        rope = 0.0 if e >= 4 else 2 * 2 * e * shape.head_dim
+    if moe_layer and shape.moe is not None:
+        mlp = _moe_mlp_bytes(shape, e=e, lin=lin, fused=fused or gpt_style)
+    qkv = e * (h + 2 * shape.kv_dim)
+    out_proj_input = lin * h
+    sel_replicated = sel_sharded = 0.0
+    if fused and not gpt_style:  # Megatron's recompute modules core_attn + layernorm + moe_act / SwiGLU
+        sel_replicated = 2 * lin * h
+        sel_sharded = lin * f
+        if moe_layer and shape.moe is not None:
+            sel_sharded = lin * shape.moe.expert_hidden * (shape.moe.top_k + shape.moe.num_shared_experts)
+    # torchtitan's op policy over wq, wk, wv, wo, w1, w3, w2 keeps the 1st, 3rd, 5th and 7th outputs (q, v,
+    # w1, w2) plus the attention output and the block input; MoE layers keep their routed tensors as above.
+    op_mlp = mlp if moe_layer and shape.moe is not None else e * (f + h)
+    op_saved = e * (h + shape.kv_dim) + op_mlp + e * h + e * h
+    return ActivationTerms(replicated=replicated + rope, sharded=qkv + out_proj_input + mlp, core=core,
+                           op_saved=op_saved, selective_replicated=sel_replicated, selective_sharded=sel_sharded)
+
+
+def head_activation_bytes(shape: ModelShape, *, tokens: int, act_bytes: float, tp: int,
+                          fused: bool = False) -> float:
+    """The last stage's final norm (its output feeds the output projection) and the fp32 log-probabilities
+    cross-entropy keeps, for one micro-batch."""
+    final_norm = tokens * (norm_saved_bytes(act_bytes=act_bytes, gpt_style=False, fused=fused) * shape.d_model + 4.0)
+    return final_norm + tokens * shape.vocab_size / tp * LOGIT_SAVED_BYTES
+
+
+def layer_activation_bytes(terms: ActivationTerms, *, tokens: int, tp: int, sp: bool, recompute: Recompute,
+                           act_bytes: float, d_model: int) -> float:
+    """Bytes one layer keeps for one micro-batch of `tokens` (s·b) under a recompute policy."""
+    if recompute == "full":  # only the layer input survives the forward
+        return tokens * act_bytes * d_model / (tp if sp else 1)
+    if recompute == "op":  # the block input is boundary-sized, the kept matmul outputs are tp-sharded
+        boundary = act_bytes * d_model
+        return tokens * (boundary / (tp if sp else 1) + (terms.op_saved - boundary + terms.core) / tp)
+    selective = recompute == "selective"
+    sharded = terms.sharded - terms.selective_sharded if selective else terms.sharded + terms.core
+    replicated = terms.replicated - (terms.selective_replicated if selective else 0.0)
+    replicated = replicated / tp if sp else replicated
+    return tokens * (replicated + sharded / tp)
+
+
+def stage_layers(n_layers: int, pp: int) -> list[int]:
+    """Layers per pipeline stage. When pp does not divide the layer count, the missing layers come off the
+    first and the last stage first (they also hold the embedding and the loss; Llama 3 report §3.3.2 took one
+    layer each off its first and last stage), then off their neighbours, alternating."""
+    base = math.ceil(n_layers / pp)
+    layers = [base] * pp
+    missing = base * pp - n_layers
+    order = [i for pair in zip(range(pp), reversed(range(pp)), strict=True) for i in pair]
+    for i in range(missing):
+        layers[order[i % len(order)]] -= 1
+    return layers
+
+
+def in_flight_microbatches(layout: Layout, num_microbatches: int, *, stage: int = 0) -> float:
+    """Micro-batches (in units of the stage's whole layer set) whose activations a stage holds at its peak.
+
+    1F1B: p − stage (warm-up forwards + the one in its backward), at most m. GPipe: all m. Interleaved 1F1B
+    with v chunks (Megatron's schedule): 2(p − stage − 1) + (v − 1)·p + 1 chunk forwards of 1/v of the stage
+    each, i.e. p + (p − 1)/v on the first stage (Narayanan et al. 2021; Korthikanti et al. 2022 §4.2.3)."""
+    p, m, v = layout.pp, num_microbatches, layout.virtual_stages
+    if p == 1:
+        return 1.0
+    if layout.schedule == "gpipe":
+        return float(m)
+    if layout.schedule == "interleaved_1f1b" and v > 1:
+        chunks = 2 * (p - stage - 1) + (v - 1) * p + 1
+        return float(min(m, chunks / v))
+    return float(min(p - stage, m))
