@@ -108,9 +108,9 @@ def _stop_words_present(stats: TextStats) -> int:
     return len(EN_STOP_WORDS.intersection(w.lower() for w in stats.words))
 
 
-def quality_problem(text: str, spec: CleaningSpec) -> str | None:
+def quality_problem(text: str, spec: CleaningSpec, stats: TextStats | None = None) -> str | None:
     """The first quality rule `text` breaks (a drop reason), or None when it passes all of them."""
-    stats = text_stats(text)
+    stats = stats if stats is not None else text_stats(text)
     num_words = len(stats.words)
     if num_words < spec.min_words:
         return "too_short"

@@ -88,6 +88,16 @@ class MinHasher:
         return self.signature(self.shingles(words, cjk=num_cjk * 2 >= max(len(words), 1)))
 
 
+def band_hashes(signatures: np.ndarray, *, bands: int, rows: int) -> np.ndarray:
+    """(n, bands) uint64: one hash per LSH band of each (n, bands·rows) uint32 signature; equal bands give
+    equal hashes, and unequal ones collide with probability ~2^-64 (the candidates are verified anyway)."""
+    grouped = signatures.reshape(len(signatures), bands, rows).astype(np.uint64)
+    combined = np.zeros(grouped.shape[:2], dtype=np.uint64)
+    for j in range(rows):
+        combined = (combined ^ grouped[:, :, j]) * _POLY
+    return combined ^ (combined >> np.uint64(29))
+
+
 class NearDeduplicator:
     """Greedy near-duplicate filter over a stream: keeps a document unless it matches an earlier kept one."""
 

@@ -1,11 +1,16 @@
-"""`prepare` as three resumable stages: clean (read → normalise → filter → dedup → redact → split), tokenizer,
-shards. Then the manifest and report are written.
+"""`prepare` as tasks over input files: clean (per file, in parallel) → dedup (hash-range merges, in
+parallel, then one resolution) → tokenizer → encode (per file, in parallel) → shards (in input order).
+
+The order of documents is the input order (sources in spec order, each source's files sorted, rows in
+file order), never the order tasks finish in, so the data dir is byte-identical for any `data.workers`
+and for `data.executor: local | ray` (tasks.py, executor.py, clusters.py).
 
 Crash-resume: `_work/inputs.json` holds a fingerprint of the data settings and input files. With the same
-fingerprint a re-run keeps what finished: the cleaned text (`_work/clean/`, published by `clean_done.json`),
-`tokenizer.json`, and every shard logged in `_work/shards.jsonl` whose files still hash to the logged
-sha256; tokenizing continues after the last verified shard of each split and source. Shard cut points
-depend only on the documents, so a resumed run writes the same shards as an uninterrupted one.
+fingerprint a re-run keeps what finished: every published clean/encode task folder, every merged hash
+range, the dedup decision (`dedup_done.json`), `tokenizer.json`, and every shard logged in
+`_work/shards.jsonl` whose files still hash to the logged sha256 (shard writing continues after the last
+verified shard of each split and source). Shard cut points depend only on the documents, so a resumed run
+writes the same shards as an uninterrupted one.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ import os
 import secrets
 import shutil
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import islice
@@ -26,8 +32,10 @@ import numpy as np
 from rich.console import Console
 
 from leantrain.data import demo_corpus
-from leantrain.data.clean import normalize, quality_problem, text_stats
-from leantrain.data.dedup import NearDeduplicator, exact_key, s_curve
+from leantrain.data.clusters import merge_step, plan_merges, resolve
+from leantrain.data.dedup import s_curve
+from leantrain.data.executor import Executor, make_executor
+from leantrain.data.inputs import file_version
 from leantrain.data.layout import (
     MANIFEST,
     PII_AUDIT,
@@ -38,17 +46,16 @@ from leantrain.data.layout import (
     MixtureStage,
     write_split_shards,
 )
-from leantrain.data.pii import PIIRedactor
 from leantrain.data.progress import StageProgress
-from leantrain.data.readers import ReadStats, read_source, source_files
+from leantrain.data.readers import ReadStats, no_documents, source_files
 from leantrain.data.shards import ShardInfo, atomic_write_bytes, sha256_file, token_dtype
 from leantrain.data.stats import SourceStats, build_report
+from leantrain.data.tasks import InputTask, clean_task, encode_task, kept_texts, plan_tasks, read_json, task_dir
 from leantrain.data.tokenizer import TokenizerInfo, build_tokenizer, load_info
 from leantrain.errors import UserInputError
 from leantrain.spec.schema import DataSource, DataSpec
 
 WORK = "_work"
-ENCODE_BATCH_DOCS = 512
 
 
 @dataclass
@@ -73,15 +80,15 @@ def resolve_sources(spec: DataSpec, *, data_dir: Path) -> list[DataSource]:
     return resolved
 
 
-def fingerprint(spec: DataSpec, sources: list[DataSource]) -> str:
-    """Hash of everything that changes the cleaned text or the shards (not weights, stages or seq_len)."""
+def fingerprint(spec: DataSpec, sources: list[DataSource], files: dict[str, list[str]]) -> str:
+    """Hash of everything that changes the cleaned text or the shards (not weights, stages, seq_len, workers)."""
     settings = spec.model_dump(mode="json", include={"cleaning", "dedup", "pii", "tokenizer", "shard_size_tokens",
-                                                     "valid_fraction"})
+                                                     "valid_fraction", "on_bad_input"})
     settings["sources"] = [s.model_dump(mode="json", exclude={"weight", "path"}) for s in sources]
-    files = [p for s in sources for p in source_files(s)]
-    if spec.tokenizer.kind == "file" and spec.tokenizer.path is not None:
-        files.append(Path(spec.tokenizer.path))  # a changed tokenizer file means new shards
-    settings["files"] = [[str(p), p.stat().st_size, p.stat().st_mtime_ns] for p in files if p.is_file()]
+    versions = [file_version(path) for s in sources for path in files[s.name]]
+    if spec.tokenizer.kind == "file" and spec.tokenizer.path is not None and Path(spec.tokenizer.path).is_file():
+        versions.append(file_version(str(spec.tokenizer.path)))  # a changed tokenizer file means new shards
+    settings["files"] = versions
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
@@ -98,95 +105,74 @@ def _salt(spec: DataSpec) -> bytes:
     return value.encode("utf-8") if value else secrets.token_bytes(32)
 
 
-def _clean_stage(spec: DataSpec, sources: list[DataSource], *, work: Path, progress: StageProgress
-                 ) -> dict[str, Any]:
-    """Read every source in spec order and write the kept, redacted documents with their split."""
-    clean_dir = work / "clean"
-    clean_dir.mkdir(parents=True, exist_ok=True)
-    near = NearDeduplicator(spec.dedup) if spec.dedup.near else None
-    seen_exact: set[bytes] = set()
-    redactor = PIIRedactor(types=spec.pii.types, salt=_salt(spec)) if spec.pii.enabled else None
-    stats: list[SourceStats] = []
-    valid_cut = int(spec.valid_fraction * 2**64)
-    audit_tmp = work / (PII_AUDIT + ".tmp")
-    with open(audit_tmp, "w", encoding="utf-8") as audit:
-        for source in sources:
-            stat = SourceStats(name=source.name, weight=source.weight, read=ReadStats())
-            task = progress.start(f"clean {source.name}")
-            with open(clean_dir / f"{source.name}.jsonl", "w", encoding="utf-8") as out:
-                for raw in read_source(source, stat.read):
-                    stat.docs_in += 1
-                    stat.chars_in += len(raw.text)
-                    progress.advance(task, docs=1, num_bytes=len(raw.text.encode("utf-8")))
-                    kept = _keep(raw.text, spec=spec, stat=stat, seen=seen_exact, near=near, valid_cut=valid_cut)
-                    if kept is None:
-                        continue
-                    split, text = kept
-                    if redactor is not None:
-                        before = redactor.counts.copy()
-                        text, rows = redactor(text, doc_id=raw.doc_id, source=source.name)
-                        stat.pii.update(redactor.counts - before)
-                        if spec.pii.audit:
-                            audit.writelines(json.dumps(row) + "\n" for row in rows)
-                    stat.docs_out[split] += 1
-                    stat.chars_out += len(text)
-                    out.write(json.dumps({"id": raw.doc_id, "split": split, "text": text}, ensure_ascii=False) + "\n")
-            progress.finish(task)
-            stats.append(stat)
-    os.replace(audit_tmp, work / PII_AUDIT)
-    result = {
-        "sources": [s.to_json() for s in stats],
-        "dedup": {"exact": spec.dedup.exact, "near": spec.dedup.near, "bands": spec.dedup.num_bands,
-                  "rows": spec.dedup.rows_per_band, "verify_jaccard": spec.dedup.verify_jaccard,
-                  "shingle_words": spec.dedup.shingle_words, "shingle_chars": spec.dedup.shingle_chars,
-                  "lsh_candidates": near.num_candidates if near else 0,
-                  "rejected_by_verify": near.num_rejected_by_verify if near else 0,
-                  "s_curve": s_curve(bands=spec.dedup.num_bands, rows=spec.dedup.rows_per_band)},
-    }
-    atomic_write_bytes(work / "clean_done.json", json.dumps(result, indent=2).encode())
+def _run_stage(executor: Executor, progress: StageProgress, description: str, fn: Callable[..., Any],
+               items: list[Any], args: tuple[Any, ...], *, sizes: list[int], docs: Callable[[Any], int]
+               ) -> list[Any]:
+    """Run one stage's tasks with a progress line (docs, docs/s, MB/s, ETA by bytes)."""
+    task = progress.start(description, total_bytes=sum(sizes))
+    results = executor.map(fn, items, args, on_done=lambda i, r: progress.advance(task, docs=docs(r),
+                                                                                  num_bytes=sizes[i]))
+    progress.finish(task)
+    return results
+
+
+def _source_stats(spec: DataSpec, sources: list[DataSource], tasks: list[InputTask], cleaned: list[dict[str, Any]]
+                  ) -> list[SourceStats]:
+    """Per-source counters from the clean tasks; a source that yielded nothing is an error."""
+    stats = {s.name: SourceStats(name=s.name, weight=s.weight, read=ReadStats()) for s in sources}
+    for task, result in zip(tasks, cleaned, strict=True):
+        stat = stats[task.source.name]
+        stat.docs_in += result["docs_in"]
+        stat.chars_in += result["chars_in"]
+        stat.drops.update(result["drops"])
+        stat.read.files += result["files"]
+        stat.read.bytes_read += result["bytes_read"]
+        for kind, count in result["read_problems"].items():
+            stat.read.problems[kind] += count
+            examples = stat.read.examples.setdefault(kind, [])
+            examples += result["read_examples"][kind][: max(0, 5 - len(examples))]
+        if result["bad_input"] is not None:
+            stat.bad_inputs.append(result["bad_input"])
+            stat.docs_lost_to_bad_input += result["docs_lost_to_bad_input"]
+    for source in sources:
+        if stats[source.name].docs_in == 0 and not stats[source.name].bad_inputs:
+            raise no_documents(source, stats[source.name].read)
+    return list(stats.values())
+
+
+def _dedup_stage(spec: DataSpec, *, executor: Executor, progress: StageProgress, tasks: list[InputTask],
+                 offsets: np.ndarray, work: Path) -> dict[str, Any]:
+    done = read_json(work / "dedup_done.json")
+    if done is not None:
+        return done
+    steps = plan_merges(spec.dedup, num_records=int(offsets[-1]))
+    merged = _run_stage(executor, progress, "dedup merge", merge_step, steps, (tasks, offsets, work, spec.dedup),
+                        sizes=[1] * len(steps), docs=lambda r: 0)
+    counts = resolve(steps, tasks, offsets, work)
+    band_steps = [m for s, m in zip(steps, merged, strict=True) if s.space != "exact"]
+    result = {"exact": spec.dedup.exact, "near": spec.dedup.near, "bands": spec.dedup.num_bands,
+              "rows": spec.dedup.rows_per_band, "verify_jaccard": spec.dedup.verify_jaccard,
+              "shingle_words": spec.dedup.shingle_words, "shingle_chars": spec.dedup.shingle_chars,
+              "bucket_records": spec.dedup.bucket_records, "merge_steps": len(steps),
+              "lsh_candidates": sum(max(m["candidates"], 0) for m in band_steps),
+              "rejected_by_verify": sum(max(m["rejected"], 0) for m in band_steps),
+              "s_curve": s_curve(bands=spec.dedup.num_bands, rows=spec.dedup.rows_per_band), **counts}
+    atomic_write_bytes(work / "dedup_done.json", json.dumps(result).encode())
     return result
 
 
-def _keep(text: str, *, spec: DataSpec, stat: SourceStats, seen: set[bytes], near: NearDeduplicator | None,
-          valid_cut: int) -> tuple[str, str] | None:
-    """(split, normalised text) of a document to keep, or None after counting why it was dropped."""
-    cleaned = normalize(text, form=spec.cleaning.normalization)
-    if not cleaned:
-        stat.drops["empty"] += 1
-        return None
-    reason = quality_problem(cleaned, spec.cleaning)
-    if reason is not None:
-        stat.drops[reason] += 1
-        return None
-    stats = text_stats(cleaned)
-    key = exact_key(stats)
-    if spec.dedup.exact:
-        if key in seen:
-            stat.drops["exact_duplicate"] += 1
-            return None
-        seen.add(key)
-    if near is not None and near.check_and_add(stats) is not None:
-        stat.drops["near_duplicate"] += 1
-        return None
-    return ("valid" if int.from_bytes(key[:8], "little") < valid_cut else "train"), cleaned
-
-
-def _cleaned_texts(work: Path, source: str, *, split: str | None = None) -> Iterator[str]:
-    with open(work / "clean" / f"{source}.jsonl", encoding="utf-8") as f:
-        for line in f:
-            row = json.loads(line)
-            if split is None or row["split"] == split:
-                yield row["text"]
-
-
-def _tokenizer_sample(spec: DataSpec, sources: list[DataSource], work: Path) -> Iterator[str]:
-    """Training text for BPE: the first documents of each source, an equal byte budget per source."""
+def _tokenizer_sample(spec: DataSpec, sources: list[DataSource], tasks: list[InputTask], work: Path
+                      ) -> Iterator[str]:
+    """Training text for BPE: the first kept documents of each source, an equal byte budget per source."""
     budget = spec.tokenizer.train_sample_bytes // max(len(sources), 1)
     for source in sources:
         used = 0
-        for text in _cleaned_texts(work, source.name, split="train"):
-            yield text
-            used += len(text.encode("utf-8"))
+        for task in (t for t in tasks if t.source.name == source.name):
+            for text in kept_texts(work, task, split="train"):
+                yield text
+                used += len(text.encode("utf-8"))
+                if used >= budget:
+                    break
             if used >= budget:
                 break
 
@@ -214,21 +200,34 @@ def _verified_log(work: Path, data_dir: Path) -> dict[tuple[str, str], list[Shar
     return kept
 
 
-def _shard_stage(spec: DataSpec, sources: list[DataSource], *, data_dir: Path, work: Path, tokenizer: Any,
-                 info: TokenizerInfo, progress: StageProgress, on_shard: Callable[[ShardInfo], None] | None
+def _task_docs(work: Path, tasks: list[InputTask], *, split: str, dtype: type[np.number]) -> Iterator[np.ndarray]:
+    """The encoded documents (EOS included) of these tasks, in order, read by memory map."""
+    for task in tasks:
+        folder = task_dir(work, task)
+        lengths = np.load(folder / f"{split}.len.npy")
+        if not len(lengths):
+            continue
+        tokens = np.memmap(folder / f"{split}.bin", dtype=dtype, mode="r")
+        ends = np.cumsum(lengths)
+        for end, length in zip(ends.tolist(), lengths.tolist(), strict=True):
+            yield tokens[end - length : end]
+
+
+def _shard_stage(spec: DataSpec, sources: list[DataSource], tasks: list[InputTask], *, data_dir: Path, work: Path,
+                 dtype: type[np.number], progress: StageProgress, on_shard: Callable[[ShardInfo], None] | None
                  ) -> tuple[list[ShardInfo], int]:
     kept = _verified_log(work, data_dir)
     # rewrite the log with only the verified entries, so a torn or stale tail never survives
     log_lines = [json.dumps(s.to_json()) + "\n" for infos in kept.values() for s in infos]
     atomic_write_bytes(work / "shards.jsonl", "".join(log_lines).encode())
     reused = sum(len(v) for v in kept.values())
-    dtype = token_dtype(info.vocab_size)
     all_shards: list[ShardInfo] = []
     with open(work / "shards.jsonl", "a", encoding="utf-8") as log:
         def logged(shard: ShardInfo) -> None:
             log.write(json.dumps(shard.to_json()) + "\n")
             log.flush()
             os.fsync(log.fileno())
+            progress.advance(task, docs=shard.num_docs, num_bytes=shard.num_bytes)
             if on_shard is not None:
                 on_shard(shard)
 
@@ -236,9 +235,9 @@ def _shard_stage(spec: DataSpec, sources: list[DataSource], *, data_dir: Path, w
             for source in sources:
                 done = kept.get((split, source.name), [])
                 all_shards += done
-                task = progress.start(f"tokenize {split}/{source.name}")
-                texts = islice(_cleaned_texts(work, source.name, split=split), sum(s.num_docs for s in done), None)
-                docs = _encode(texts, tokenizer=tokenizer, eos_id=info.eos_id, progress=progress, task=task)
+                task = progress.start(f"shards {split}/{source.name}")
+                mine = [t for t in tasks if t.source.name == source.name]
+                docs = islice(_task_docs(work, mine, split=split, dtype=dtype), sum(s.num_docs for s in done), None)
                 all_shards += write_split_shards(
                     data_dir, split=split, source=source.name, docs=docs, dtype=dtype,
                     shard_size_tokens=spec.shard_size_tokens, first_number=len(done), on_shard=logged,
@@ -247,16 +246,26 @@ def _shard_stage(spec: DataSpec, sources: list[DataSource], *, data_dir: Path, w
     return all_shards, reused
 
 
-def _encode(texts: Iterator[str], *, tokenizer: Any, eos_id: int, progress: StageProgress, task: int
-            ) -> Iterator[np.ndarray]:
-    """Token arrays with EOS appended, encoded in batches (the Rust tokenizer parallelises a batch)."""
-    while batch := list(islice(texts, ENCODE_BATCH_DOCS)):
-        for encoding in tokenizer.encode_batch(batch):
-            ids = np.empty(len(encoding.ids) + 1, dtype=np.int64)
-            ids[:-1] = encoding.ids
-            ids[-1] = eos_id
-            yield ids
-        progress.advance(task, docs=len(batch), num_bytes=sum(len(t.encode("utf-8")) for t in batch))
+def _start(spec: DataSpec, *, data_dir: Path, inputs: str, force: bool) -> None:
+    """Start over (clearing only our own files) unless `_work/` belongs to the same inputs."""
+    work = data_dir / WORK
+    previous = json.loads((work / "inputs.json").read_text())["sha256"] if (work / "inputs.json").is_file() else None
+    if previous == inputs:
+        return
+    ours = previous is not None or (data_dir / MANIFEST).is_file()
+    if not ours and any((data_dir / split).exists() for split in SPLITS):
+        raise UserInputError(f"{data_dir} already has {'/'.join(SPLITS)} folders that prepare did not write; "
+                             "choose an empty or new folder with --out")
+    if (data_dir / MANIFEST).is_file() and not force:
+        # A finished data dir may be what a run (and its checkpoints' data position) depends on.
+        raise UserInputError(
+            f"{data_dir} is a finished data dir built from other inputs (sources, cleaning, dedup, PII or "
+            "tokenizer settings changed); write the new one elsewhere with --out, or rebuild it in place "
+            "with --force (runs that read it will then see different tokens)"
+        )
+    _reset(data_dir)
+    work.mkdir(parents=True)
+    atomic_write_bytes(work / "inputs.json", json.dumps({"sha256": inputs}).encode())
 
 
 def prepare_data(
@@ -267,53 +276,77 @@ def prepare_data(
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     sources = resolve_sources(spec, data_dir=data_dir)
-    inputs = fingerprint(spec, sources)
+    files = {s.name: source_files(s) for s in sources}
+    inputs = fingerprint(spec, sources, files)
     work = data_dir / WORK
-    timings: dict[str, float] = {}
     up_to_date = _up_to_date(data_dir, inputs)
     if up_to_date is not None:
         _apply_mixture(spec, up_to_date.manifest)  # weights and stages may change without re-tokenizing
         up_to_date.manifest.write(data_dir)
         return up_to_date
-    previous = json.loads((work / "inputs.json").read_text())["sha256"] if (work / "inputs.json").is_file() else None
-    if previous != inputs:
-        ours = previous is not None or (data_dir / MANIFEST).is_file()
-        if not ours and any((data_dir / split).exists() for split in SPLITS):
-            raise UserInputError(f"{data_dir} already has {'/'.join(SPLITS)} folders that prepare did not write; "
-                                 "choose an empty or new folder with --out")
-        if (data_dir / MANIFEST).is_file() and not force:
-            # A finished data dir may be what a run (and its checkpoints' data position) depends on.
-            raise UserInputError(
-                f"{data_dir} is a finished data dir built from other inputs (sources, cleaning, dedup, PII or "
-                "tokenizer settings changed); write the new one elsewhere with --out, or rebuild it in place "
-                "with --force (runs that read it will then see different tokens)"
-            )
-        _reset(data_dir)
-        work.mkdir(parents=True)
-        atomic_write_bytes(work / "inputs.json", json.dumps({"sha256": inputs}).encode())
-    progress = StageProgress(console)
-    with progress:
+    _start(spec, data_dir=data_dir, inputs=inputs, force=force)
+    tasks = plan_tasks(sources, files)
+    timings: dict[str, float] = {}
+    with make_executor(spec, num_tasks=len(tasks)) as executor, StageProgress(console) as progress:
         start = time.perf_counter()
-        done_file = work / "clean_done.json"
-        cleaned = json.loads(done_file.read_text()) if done_file.is_file() else _clean_stage(
-            spec, sources, work=work, progress=progress)
+        sizes = [t.num_bytes for t in tasks]
+        cleaned = _run_stage(executor, progress, "clean", clean_task, tasks, (spec, work, _salt(spec)),
+                             sizes=sizes, docs=lambda r: r["docs_in"])
+        stats = _source_stats(spec, sources, tasks, cleaned)
+        offsets = np.concatenate([[0], np.cumsum([r["candidates"] for r in cleaned])]).astype(np.int64)
         timings["clean_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        if (data_dir / TOKENIZER).is_file():
-            tokenizer, info = load_info(data_dir / TOKENIZER, spec.tokenizer)
-        else:
+        dedup = _dedup_stage(spec, executor=executor, progress=progress, tasks=tasks, offsets=offsets, work=work)
+        timings["dedup_s"] = time.perf_counter() - start
+        start = time.perf_counter()
+        if not (data_dir / TOKENIZER).is_file():
             task = progress.start("train tokenizer")
-            sample = progress.counted(task, _tokenizer_sample(spec, sources, work))
-            info = build_tokenizer(spec.tokenizer, sample, out_path=data_dir / TOKENIZER)
+            sample = progress.counted(task, _tokenizer_sample(spec, sources, tasks, work))
+            build_tokenizer(spec.tokenizer, sample, out_path=data_dir / TOKENIZER)
             progress.finish(task)
-            tokenizer, info = load_info(data_dir / TOKENIZER, spec.tokenizer)
+        _, info = load_info(data_dir / TOKENIZER, spec.tokenizer)
         timings["tokenizer_s"] = time.perf_counter() - start
         start = time.perf_counter()
-        shards, reused = _shard_stage(spec, sources, data_dir=data_dir, work=work, tokenizer=tokenizer, info=info,
+        dtype = token_dtype(info.vocab_size)
+        encoded = _run_stage(executor, progress, "encode", encode_task, tasks,
+                             (work, data_dir / TOKENIZER, info.eos_id, np.dtype(dtype).name),
+                             sizes=sizes, docs=lambda r: sum(r["docs"].values()))
+        shards, reused = _shard_stage(spec, sources, tasks, data_dir=data_dir, work=work, dtype=dtype,
                                       progress=progress, on_shard=on_shard)
-        timings["shards_s"] = time.perf_counter() - start
-    return _finish(spec, data_dir=data_dir, work=work, cleaned=cleaned, shards=shards, info=info, inputs=inputs,
-                   timings=timings, reused=reused)
+        timings["encode_shards_s"] = time.perf_counter() - start
+    for task, result in zip(tasks, encoded, strict=True):
+        stat = next(s for s in stats if s.name == task.source.name)
+        stat.docs_out.update(result["docs"])
+        stat.chars_out += result["chars_out"]
+        stat.pii.update(result["pii"])
+    for stat in stats:
+        mine = [r for t, r in zip(tasks, cleaned, strict=True) if t.source.name == stat.name]
+        stat.drops.update(_dup_drops(work, [t for t in tasks if t.source.name == stat.name]))
+        assert sum(r["candidates"] for r in mine) == sum(stat.docs_out.values()) + stat.drops["exact_duplicate"] + \
+            stat.drops["near_duplicate"]
+    _write_audit(spec, work, tasks)
+    return _finish(spec, data_dir=data_dir, work=work, stats=stats, dedup=dedup, shards=shards, info=info,
+                   inputs=inputs, timings=timings, reused=reused)
+
+
+def _dup_drops(work: Path, tasks: list[InputTask]) -> Counter[str]:
+    counts: Counter[str] = Counter()
+    for task in tasks:
+        decision = np.bincount(np.load(task_dir(work, task) / "keep.npy"), minlength=3)
+        counts["exact_duplicate"] += int(decision[1])
+        counts["near_duplicate"] += int(decision[2])
+    return +counts
+
+
+def _write_audit(spec: DataSpec, work: Path, tasks: list[InputTask]) -> None:
+    """pii_audit.jsonl: the tasks' audit rows of kept documents, in input order."""
+    if not (spec.pii.enabled and spec.pii.audit):
+        return
+    with open(work / (PII_AUDIT + ".tmp"), "wb") as out:
+        for task in tasks:
+            with open(task_dir(work, task) / "audit.jsonl", "rb") as part:
+                shutil.copyfileobj(part, out)
+    os.replace(work / (PII_AUDIT + ".tmp"), work / PII_AUDIT)
 
 
 def _apply_mixture(spec: DataSpec, manifest: Manifest) -> None:
@@ -341,9 +374,10 @@ def _up_to_date(data_dir: Path, inputs: str) -> PrepareResult | None:
                          up_to_date=True)
 
 
-def _finish(spec: DataSpec, *, data_dir: Path, work: Path, cleaned: dict[str, Any], shards: list[ShardInfo],
-            info: TokenizerInfo, inputs: str, timings: dict[str, float], reused: int) -> PrepareResult:
-    sources = cleaned["sources"]
+def _finish(spec: DataSpec, *, data_dir: Path, work: Path, stats: list[SourceStats], dedup: dict[str, Any],
+            shards: list[ShardInfo], info: TokenizerInfo, inputs: str, timings: dict[str, float], reused: int
+            ) -> PrepareResult:
+    sources = [s.to_json() for s in stats]
     weights = {s.name: s.weight for s in spec.sources}
     for source in sources:
         source["weight"] = weights[source["name"]]
@@ -351,12 +385,13 @@ def _finish(spec: DataSpec, *, data_dir: Path, work: Path, cleaned: dict[str, An
             mine = [s for s in shards if s.source == source["name"] and s.split == split]
             source["tokens"][split] = sum(s.num_tokens for s in mine)
             source["docs"][split] = sum(s.num_docs for s in mine)
-    report = build_report(sources=sources, dedup=cleaned["dedup"], tokenizer=info.__dict__, timings=timings)
+    report = build_report(sources=sources, dedup=dedup, tokenizer=info.__dict__, timings=timings)
     if (work / PII_AUDIT).is_file():
         os.replace(work / PII_AUDIT, data_dir / PII_AUDIT)
     manifest = Manifest(
         vocab_size=info.vocab_size, eos_id=info.eos_id, dtype=np.dtype(token_dtype(info.vocab_size)).name,
-        sources=[{k: s[k] for k in ("name", "weight", "docs_in", "docs_out", "drops", "pii", "tokens", "docs")}
+        sources=[{k: s[k] for k in ("name", "weight", "docs_in", "docs_out", "drops", "pii", "tokens", "docs",
+                                    "bad_inputs")}
                  for s in sources],
         shards=shards,
         stages=[],

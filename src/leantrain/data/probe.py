@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from leantrain.data.sampler import PackedBatchSampler
 from leantrain.spec.schema import JobSpec
 
 
@@ -68,6 +67,8 @@ def needed_tokens_per_s(spec: JobSpec) -> tuple[float, str]:
 
 def probe(spec: JobSpec, *, data_dir: Path, duration_s: float = 1.0, max_batches: int = 100_000) -> ProbeResult:
     """Read batches through the real sampler for about `duration_s` and compare with the needed rate."""
+    from leantrain.data.sampler import PackedBatchSampler  # torch: only the trial read needs it
+
     start = time.perf_counter()
     sampler = PackedBatchSampler(data_dir, seq_len=spec.data.seq_len, micro_batch=spec.training.micro_batch,
                                  dp_rank=0, dp_size=1, seed=spec.training.seed)

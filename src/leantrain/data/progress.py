@@ -1,4 +1,5 @@
-"""Rich progress bars for the prepare stages: documents done, docs/s and MB/s, elapsed time.
+"""Rich progress bars for the prepare stages: documents done, docs/s and MB/s, elapsed time, and for
+stages over input files a bar and ETA by bytes (advanced as each task finishes, on any executor).
 
 Without a console (tests, library use) every call is a no-op, so the pipeline code has no branches.
 """
@@ -10,7 +11,16 @@ from collections.abc import Iterator
 from types import TracebackType
 
 from rich.console import Console
-from rich.progress import Progress, ProgressColumn, SpinnerColumn, Task, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    Progress,
+    ProgressColumn,
+    SpinnerColumn,
+    Task,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.text import Text
 
 UPDATE_EVERY_S = 0.1
@@ -31,8 +41,8 @@ class StageProgress:
 
     def __init__(self, console: Console | None) -> None:
         self._progress = (
-            Progress(SpinnerColumn(), TextColumn("[bold]{task.description:<24}"), RateColumn(), TimeElapsedColumn(),
-                     console=console, transient=False)
+            Progress(SpinnerColumn(), TextColumn("[bold]{task.description:<24}"), BarColumn(bar_width=20),
+                     RateColumn(), TimeElapsedColumn(), TimeRemainingColumn(), console=console, transient=False)
             if console is not None else None
         )
         self._counts: dict[int, list[float]] = {}
@@ -47,11 +57,12 @@ class StageProgress:
         if self._progress is not None:
             self._progress.__exit__(kind, err, tb)
 
-    def start(self, description: str) -> int:
+    def start(self, description: str, *, total_bytes: int | None = None) -> int:
+        """A progress line; with `total_bytes` it shows a bar and an ETA by bytes done."""
         if self._progress is None:
             self._next_id += 1
             return self._next_id
-        task = self._progress.add_task(description, total=None, docs=0, num_bytes=0)
+        task = self._progress.add_task(description, total=total_bytes, docs=0, num_bytes=0)
         self._counts[task] = [0, 0, 0.0]
         return task
 
@@ -64,7 +75,7 @@ class StageProgress:
         now = time.monotonic()
         if now - counts[2] >= UPDATE_EVERY_S:
             counts[2] = now
-            self._progress.update(task, docs=int(counts[0]), num_bytes=int(counts[1]))
+            self._progress.update(task, docs=int(counts[0]), num_bytes=int(counts[1]), completed=int(counts[1]))
 
     def counted(self, task: int, texts: Iterator[str]) -> Iterator[str]:
         """Pass texts through, counting them on `task` (for consumers such as the BPE trainer)."""
@@ -76,5 +87,5 @@ class StageProgress:
         if self._progress is None:
             return
         counts = self._counts[task]
-        self._progress.update(task, docs=int(counts[0]), num_bytes=int(counts[1]))
+        self._progress.update(task, docs=int(counts[0]), num_bytes=int(counts[1]), completed=int(counts[1]))
         self._progress.stop_task(task)

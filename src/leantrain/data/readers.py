@@ -1,32 +1,31 @@
-"""Streaming readers for raw corpora: jsonl, plain text (files/folders), parquet; .gz and .zst on the fly.
+"""Streaming readers for raw corpora: jsonl, plain text (files/folders), parquet, Arrow IPC (Hugging Face
+`datasets` folders); .gz and .zst on the fly; local paths or object stores (`s3://…`, see inputs.py).
 
 Memory stays bounded: files are read line by line (jsonl, text per line/paragraph) or batch by batch
-(parquet); only `text_unit: file` holds one whole file. Broken input never stops a run: invalid UTF-8,
-broken JSON lines, rows without text and empty files are counted, the first few are kept as `file:line`
-examples for the report, and the row is skipped. A source that yields nothing is a user error.
+(parquet, arrow); only `text_unit: file` holds one whole file. Broken rows do not stop a run: invalid
+UTF-8, broken JSON lines, rows without text and empty files are counted, the first few are kept as
+`file:line` examples for the report, and the row is skipped. A broken *file* (truncated or corrupt
+compression, unreadable parquet/arrow) raises `BadInputError` naming the file and offset; the pipeline
+stops or, with `data.on_bad_input: skip`, leaves that file out and counts it. A source that yields
+nothing is a user error.
+
+`READERS` is the one place that maps a `data.sources[].format` to its reader and file suffixes: a new
+format adds one entry there (and its name to the spec's `format` literal).
 """
 
 from __future__ import annotations
 
-import gzip
-import io
 import json
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from pathlib import Path
-from typing import IO
+from typing import Any
 
+from leantrain.data.inputs import BadInputError, file_size, list_files, open_binary, open_raw
 from leantrain.errors import UserInputError
 from leantrain.spec.schema import DataSource
 
 MAX_EXAMPLES = 5
-SUFFIXES = {
-    "jsonl": (".jsonl", ".json", ".ndjson"),
-    "text": (".txt", ".md", ".text", ".rst"),
-    "parquet": (".parquet",),
-}
-COMPRESSED = (".gz", ".zst")
 
 
 @dataclass(frozen=True)
@@ -54,47 +53,28 @@ class ReadStats:
             self.examples[kind].append(where)
 
 
-def _open_binary(path: Path) -> IO[bytes]:
-    if path.name.endswith(".gz"):
-        return gzip.open(path, "rb")  # type: ignore[return-value]
-    if path.name.endswith(".zst"):
-        import zstandard
-
-        reader = zstandard.ZstdDecompressor().stream_reader(open(path, "rb"), closefd=True)  # noqa: SIM115
-        return io.BufferedReader(reader)  # type: ignore[arg-type]  # buffered: line iteration
-    return open(path, "rb")  # noqa: SIM115 - caller closes
-
-
-def _base_suffix(path: Path) -> str:
-    name = path.name
-    for comp in COMPRESSED:
-        if name.endswith(comp):
-            name = name[: -len(comp)]
-    return Path(name).suffix.lower()
-
-
-def source_files(source: DataSource) -> list[Path]:
-    """The files of a source in a fixed (sorted) order; a folder is searched recursively by suffix."""
+def source_files(source: DataSource) -> list[str]:
+    """The files of a source in a fixed (sorted) order; a folder or prefix is searched recursively by suffix."""
     assert source.path is not None, "builtin sources are materialised before reading"
-    path = Path(source.path)
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        wanted = SUFFIXES[source.format]
-        files = sorted(p for p in path.rglob("*") if p.is_file() and not p.name.startswith(".")
-                       and _base_suffix(p) in wanted)
-        if not files:
-            raise UserInputError(
-                f"data.sources[{source.name}]: folder {path} has no {source.format} files ({', '.join(wanted)}, "
-                "optionally .gz/.zst)"
-            )
-        return files
-    raise UserInputError(f"data.sources[{source.name}].path: {path} does not exist")
+    wanted = READERS[source.format].suffixes
+    files = list_files(source.path, suffixes=wanted)
+    if files is None:
+        raise UserInputError(f"data.sources[{source.name}].path: {source.path} does not exist")
+    if not files:
+        raise UserInputError(
+            f"data.sources[{source.name}]: folder {source.path} has no {source.format} files ({', '.join(wanted)}, "
+            "optionally .gz/.zst)"
+        )
+    return files
 
 
-def _lines(path: Path, stats: ReadStats) -> Iterator[tuple[int, str]]:
+def _name(path: str) -> str:
+    return path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def _lines(path: str, stats: ReadStats) -> Iterator[tuple[int, str]]:
     """(1-based line number, decoded line) pairs; undecodable lines are counted and skipped."""
-    with _open_binary(path) as raw:
+    with open_binary(path) as raw:
         for number, line in enumerate(raw, start=1):
             stats.bytes_read += len(line)
             try:
@@ -103,7 +83,7 @@ def _lines(path: Path, stats: ReadStats) -> Iterator[tuple[int, str]]:
                 stats.problem("invalid_utf8", f"{path}:{number}")
 
 
-def _read_jsonl(path: Path, source: DataSource, stats: ReadStats) -> Iterator[RawDoc]:
+def _read_jsonl(path: str, source: DataSource, stats: ReadStats) -> Iterator[RawDoc]:
     for number, line in _lines(path, stats):
         if not line.strip():
             continue
@@ -117,16 +97,16 @@ def _read_jsonl(path: Path, source: DataSource, stats: ReadStats) -> Iterator[Ra
             stats.problem("missing_text_field", f"{path}:{number}")
             continue
         doc_id = row.get(source.id_field) if source.id_field else None
-        yield RawDoc(source.name, str(doc_id) if doc_id is not None else f"{path.name}:{number}", text)
+        yield RawDoc(source.name, str(doc_id) if doc_id is not None else f"{_name(path)}:{number}", text)
 
 
-def _read_text(path: Path, source: DataSource, stats: ReadStats) -> Iterator[RawDoc]:
+def _read_text(path: str, source: DataSource, stats: ReadStats) -> Iterator[RawDoc]:
     if source.text_unit == "file":
-        with _open_binary(path) as raw:
+        with open_binary(path) as raw:
             data = raw.read()
         stats.bytes_read += len(data)
         try:
-            yield RawDoc(source.name, path.name, data.decode("utf-8"))
+            yield RawDoc(source.name, _name(path), data.decode("utf-8"))
         except UnicodeDecodeError as err:
             line = data[: err.start].count(b"\n") + 1
             stats.problem("invalid_utf8", f"{path}:{line}")
@@ -136,56 +116,112 @@ def _read_text(path: Path, source: DataSource, stats: ReadStats) -> Iterator[Raw
     for number, line in _lines(path, stats):
         if source.text_unit == "line":
             if line.strip():
-                yield RawDoc(source.name, f"{path.name}:{number}", line.rstrip("\n"))
+                yield RawDoc(source.name, f"{_name(path)}:{number}", line.rstrip("\n"))
             continue
         if line.strip():
             if not paragraph:
                 first_line = number
             paragraph.append(line)
         elif paragraph:
-            yield RawDoc(source.name, f"{path.name}:{first_line}", "".join(paragraph))
+            yield RawDoc(source.name, f"{_name(path)}:{first_line}", "".join(paragraph))
             paragraph = []
     if paragraph:
-        yield RawDoc(source.name, f"{path.name}:{first_line}", "".join(paragraph))
+        yield RawDoc(source.name, f"{_name(path)}:{first_line}", "".join(paragraph))
 
 
-def _read_parquet(path: Path, source: DataSource, stats: ReadStats) -> Iterator[RawDoc]:
-    import pyarrow.parquet as pq
-
-    parquet = pq.ParquetFile(path)
-    names = parquet.schema_arrow.names
+def _read_table_batches(path: str, source: DataSource, stats: ReadStats, batches: Any, names: list[str]
+                        ) -> Iterator[RawDoc]:
     if source.text_field not in names:
         raise UserInputError(
             f"data.sources[{source.name}].text_field: {path} has no column {source.text_field!r} (has: {names})"
         )
-    columns = [source.text_field] + ([source.id_field] if source.id_field in names else [])
-    stats.bytes_read += path.stat().st_size
+    has_id = source.id_field is not None and source.id_field in names
     row_number = 0
-    for batch in parquet.iter_batches(batch_size=1024, columns=columns):
+    for batch in batches:
         texts = batch.column(source.text_field).to_pylist()
-        ids = batch.column(source.id_field).to_pylist() if len(columns) > 1 else [None] * len(texts)
+        ids = batch.column(source.id_field).to_pylist() if has_id else [None] * len(texts)
         for text, doc_id in zip(texts, ids, strict=True):
             row_number += 1
             if not isinstance(text, str):
                 stats.problem("missing_text_field", f"{path}:row {row_number}")
                 continue
-            yield RawDoc(source.name, str(doc_id) if doc_id is not None else f"{path.name}:{row_number}", text)
+            yield RawDoc(source.name, str(doc_id) if doc_id is not None else f"{_name(path)}:{row_number}", text)
 
 
-READERS = {"jsonl": _read_jsonl, "text": _read_text, "parquet": _read_parquet}
+def _read_parquet(path: str, source: DataSource, stats: ReadStats) -> Iterator[RawDoc]:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    with open_raw(path) as raw:
+        try:
+            parquet = pq.ParquetFile(raw)
+            names = parquet.schema_arrow.names
+            columns = [c for c in (source.text_field, source.id_field) if c is not None and c in names]
+            stats.bytes_read += file_size(path)
+            yield from _read_table_batches(path, source, stats, parquet.iter_batches(batch_size=1024,
+                                                                                     columns=columns), names)
+        except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as err:
+            raise BadInputError(path, offset=raw.tell(), decompressed=0,
+                                problem=f"unreadable parquet ({err})") from None
+
+
+def _read_arrow(path: str, source: DataSource, stats: ReadStats) -> Iterator[RawDoc]:
+    """Arrow IPC: the stream format (what Hugging Face `datasets` writes) or the file format."""
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+
+    with open_binary(path) as raw:
+        try:
+            try:
+                reader: Any = ipc.open_stream(raw)
+                batches: Any = reader
+            except pa.ArrowInvalid:
+                raw.seek(0)
+                reader = ipc.open_file(raw)
+                batches = (reader.get_batch(i) for i in range(reader.num_record_batches))
+            stats.bytes_read += file_size(path)
+            yield from _read_table_batches(path, source, stats, batches, reader.schema.names)
+        except (pa.ArrowInvalid, pa.ArrowIOError, OSError) as err:
+            raise BadInputError(path, offset=raw.tell(), decompressed=0,
+                                problem=f"unreadable arrow ({err})") from None
+
+
+@dataclass(frozen=True)
+class Reader:
+    """How to read one format: the file suffixes a folder is searched for, and the row reader."""
+
+    suffixes: tuple[str, ...]
+    read: Any  # (path, source, stats) -> Iterator[RawDoc]
+
+
+READERS: dict[str, Reader] = {
+    "jsonl": Reader((".jsonl", ".json", ".ndjson"), _read_jsonl),
+    "text": Reader((".txt", ".md", ".text", ".rst"), _read_text),
+    "parquet": Reader((".parquet",), _read_parquet),
+    "arrow": Reader((".arrow",), _read_arrow),
+}
+
+
+def read_file(source: DataSource, path: str, stats: ReadStats) -> Iterator[RawDoc]:
+    """One file's documents (an empty file is counted, not an error)."""
+    stats.files += 1
+    if file_size(path) == 0:
+        stats.problem("empty_file", f"{path}:0")
+        return
+    yield from READERS[source.format].read(path, source, stats)
 
 
 def read_source(source: DataSource, stats: ReadStats) -> Iterator[RawDoc]:
     """Stream a source's documents; raises UserInputError at the end if it yielded none."""
     num_docs = 0
     for path in source_files(source):
-        stats.files += 1
-        if path.stat().st_size == 0:
-            stats.problem("empty_file", f"{path}:0")
-            continue
-        for doc in READERS[source.format](path, source, stats):
+        for doc in read_file(source, path, stats):
             num_docs += 1
             yield doc
     if num_docs == 0:
-        seen = ", ".join(f"{k}: {v} (e.g. {stats.examples[k][0]})" for k, v in stats.problems.items()) or "no rows"
-        raise UserInputError(f"data.sources[{source.name}] ({source.path}) yielded no documents; {seen}")
+        raise no_documents(source, stats)
+
+
+def no_documents(source: DataSource, stats: ReadStats) -> UserInputError:
+    seen = ", ".join(f"{k}: {v} (e.g. {stats.examples[k][0]})" for k, v in stats.problems.items()) or "no rows"
+    return UserInputError(f"data.sources[{source.name}] ({source.path}) yielded no documents; {seen}")

@@ -30,6 +30,8 @@ class SourceStats:
     docs_out: Counter[str] = field(default_factory=Counter)
     drops: Counter[str] = field(default_factory=Counter)
     pii: Counter[str] = field(default_factory=Counter)
+    bad_inputs: list[dict[str, Any]] = field(default_factory=list)  # files skipped (data.on_bad_input: skip)
+    docs_lost_to_bad_input: int = 0  # documents read from those files before the damage (left out too)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -39,7 +41,8 @@ class SourceStats:
             "chars_in": self.chars_in, "chars_out": self.chars_out, "drops": dict(sorted(self.drops.items())),
             "pii": dict(sorted(self.pii.items())), "tokens": {"train": 0, "valid": 0},
             "read_problems": dict(self.read.problems), "read_problem_examples": self.read.examples,
-            "files": self.read.files, "bytes_read": self.read.bytes_read,
+            "files": self.read.files, "bytes_read": self.read.bytes_read, "bad_inputs": self.bad_inputs,
+            "docs_lost_to_bad_input": self.docs_lost_to_bad_input,
         }
 
 
@@ -83,6 +86,9 @@ def render_report(report: dict[str, Any], *, console: Console) -> None:
             counts.add_row(kind, *[f"{s[key].get(kind, 0):,}" for s in sources])
         console.print(counts)
     for s in sources:
+        for bad in s.get("bad_inputs", []):
+            console.print(f"[yellow]{s['name']}: skipped the file {bad['file']} ({bad['problem']} at byte "
+                          f"{bad['offset']:,}; data.on_bad_input: skip)")
         for kind, count in s.get("read_problems", {}).items():
             examples = ", ".join(s["read_problem_examples"].get(kind, []))
             console.print(f"[yellow]{s['name']}: skipped {count} ({kind}), e.g. {examples}")

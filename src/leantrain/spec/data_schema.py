@@ -17,12 +17,16 @@ class DataSource(Section):
         min_length=1, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$",
         description="Short name (letters, digits, _ . -), used in the manifest, shard names and per-source loss.",
     )
-    path: Path | None = Field(
-        None, description="File or folder (.gz/.zst allowed); relative paths resolve against the spec's folder. "
-        "Optional for a builtin source (then written under data.dir/raw/).",
+    path: str | Path | None = Field(
+        None, description="File or folder (.gz/.zst allowed), or an object-store URL such as s3://bucket/prefix "
+        "(read through fsspec); relative paths resolve against the spec's folder. Optional for a builtin source "
+        "(then written under data.dir/raw/).",
     )
     weight: float = Field(1.0, gt=0, description="Mixing weight (normalised over sources).")
-    format: Literal["jsonl", "text", "parquet"] = Field("jsonl", description="Reader to use.")
+    format: Literal["jsonl", "text", "parquet", "arrow"] = Field(
+        "jsonl", description="Reader to use; arrow reads Arrow IPC files, e.g. a Hugging Face datasets "
+        "save_to_disk folder.",
+    )
     text_field: str = Field("text", description="Field holding the text (jsonl, parquet).")
     id_field: str | None = Field("id", description="Field holding a document id (jsonl, parquet); else file:line.")
     text_unit: Literal["file", "line", "paragraph"] = Field(
@@ -31,6 +35,13 @@ class DataSource(Section):
     builtin: Literal["demo-en", "demo-zh", "pydoc"] | None = Field(
         None, description="Generate this bundled demo corpus (jsonl) at `path` when the file is missing.",
     )
+
+    @field_validator("path")
+    @classmethod
+    def _url_or_path(cls, value: str | Path | None) -> str | Path | None:
+        if isinstance(value, str) and "://" not in value:
+            return Path(value)  # only URLs stay strings
+        return value
 
     @model_validator(mode="after")
     def _path_or_builtin(self) -> DataSource:
@@ -101,6 +112,11 @@ class DedupSpec(Section):
         0.7, ge=0, le=1, description="A band hit counts only if the signatures agree on this share (0 = off)."
     )
     seed: int = Field(42, ge=0, description="Seed of the MinHash permutations.")
+    bucket_records: PositiveInt = Field(
+        1 << 22, description="Hash records (LSH band keys, exact keys) one merge step holds in memory; the "
+        "sorted per-shard files on disk are merged in hash ranges of at most this many records, so dedup "
+        "memory does not grow with the corpus.",
+    )
 
 
 class PIISpec(Section):
@@ -144,6 +160,21 @@ class DataSpec(Section):
     shard_size_tokens: PositiveInt = Field(2**27, description="Tokens per shard file (a document never spans two).")
     valid_fraction: float = Field(
         0.01, ge=0, lt=1, description="Share of each source's documents held out (by text hash) for evaluation."
+    )
+    workers: PositiveInt | None = Field(
+        None, description="Parallel prepare tasks (processes with executor local; None: all cores of this "
+        "machine, or the Ray cluster's CPUs). The output is identical for any number.",
+    )
+    executor: Literal["local", "ray"] = Field(
+        "local", description="Where prepare's tasks run: local processes, or Ray (see data.ray_address).",
+    )
+    ray_address: str | None = Field(
+        None, description="Ray cluster to join with executor ray (e.g. ray://head:10001 or auto); None starts "
+        "an embedded local Ray for the run and stops it after.",
+    )
+    on_bad_input: Literal["error", "skip"] = Field(
+        "error", description="A truncated or corrupt input file (.gz/.zst, parquet, arrow): error names the file "
+        "and offset and stops; skip leaves the whole file out and counts it in report.json.",
     )
 
     @model_validator(mode="after")

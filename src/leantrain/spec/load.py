@@ -191,8 +191,8 @@ def format_validation_error(err: ValidationError) -> list[str]:
 
 def _resolve_paths(spec: JobSpec, base_dir: Path) -> JobSpec:
     def resolve(p: Path | None) -> Path | None:
-        if p is None:
-            return None
+        if p is None or isinstance(p, str):  # a str is an object-store URL (data.sources[].path)
+            return p
         p = p.expanduser()
         return p if p.is_absolute() else (base_dir / p)
 

@@ -1,0 +1,183 @@
+"""Out-of-core duplicate resolution over the clean tasks' sorted hash files (datatrove/NeMo-Curator style).
+
+Each clean task left, per hash space (the exact key, and each LSH band), its candidate documents' hashes
+sorted on disk. A merge step takes one hash range of one space: from every task's sorted file it reads
+only the slice inside the range (binary search on a memory map), sorts the slice together, and turns
+every run of equal hashes into edges (first document of the run in input order → each other one). The
+ranges split the 64-bit hash space evenly into ceil(records / `data.dedup.bucket_records`) parts, so one
+step holds about `bucket_records` records whatever the corpus size; steps are independent tasks.
+Band edges are verified: the two MinHash signatures (read back by memory map) must agree on at least
+`data.dedup.verify_jaccard` of their values.
+
+Resolution: a document with an exact-key edge from an earlier one is an exact duplicate; the verified
+band edges are joined into clusters (connected components, vectorised union-find), and every document
+but the first of its cluster in input order is a near duplicate. Memory here grows with the number of
+duplicate edges, not with the corpus. The decision is written per task as `keep.npy` (0 keep, 1 exact
+duplicate, 2 near duplicate).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from leantrain.data.tasks import EXACT_DUP, KEEP, NEAR_DUP, InputTask, task_dir
+from leantrain.spec.schema import DedupSpec
+
+HASH_SPACE = 1 << 64
+VERIFY_BLOCK_EDGES = 1 << 16
+
+
+@dataclass(frozen=True)
+class MergeStep:
+    """One hash range [lo, hi) of one space ("exact" or "band07")."""
+
+    space: str
+    number: int
+    lo: int
+    hi: int
+
+    @property
+    def file_name(self) -> str:
+        return f"{self.space}_{self.number:05d}.npy"
+
+
+def plan_merges(spec: DedupSpec, *, num_records: int) -> list[MergeStep]:
+    parts = max(1, math.ceil(num_records / spec.bucket_records))
+    bounds = [i * HASH_SPACE // parts for i in range(parts)] + [HASH_SPACE]
+    spaces = (["exact"] if spec.exact else []) + ([f"band{b:02d}" for b in range(spec.num_bands)] if spec.near
+                                                  else [])
+    return [MergeStep(space, i, bounds[i], bounds[i + 1]) for space in spaces for i in range(parts)]
+
+
+def _slice(sorted_hashes: np.ndarray, lo: int, hi: int) -> tuple[int, int]:
+    start = int(np.searchsorted(sorted_hashes, np.uint64(lo), side="left"))
+    end = len(sorted_hashes) if hi >= HASH_SPACE else int(np.searchsorted(sorted_hashes, np.uint64(hi), side="left"))
+    return start, end
+
+
+def _gather(step: MergeStep, tasks: list[InputTask], offsets: np.ndarray, work: Path
+            ) -> tuple[list[np.ndarray], np.ndarray]:
+    """The records of every task inside the step's range: sort columns (most significant first) and doc ids."""
+    columns: list[list[np.ndarray]] = []
+    docs: list[np.ndarray] = []
+    for task in tasks:
+        folder = task_dir(work, task)
+        if offsets[task.index + 1] == offsets[task.index]:
+            continue
+        if step.space == "exact":
+            keys = np.load(folder / "exact_keys.npy", mmap_mode="r")  # (n, 2) sorted
+            start, end = _slice(keys[:, 0], step.lo, step.hi)
+            columns.append([np.array(keys[start:end, 0]), np.array(keys[start:end, 1])])
+            local = np.load(folder / "exact_docs.npy", mmap_mode="r")[start:end]
+        else:
+            band = int(step.space[4:])
+            hashes = np.load(folder / "bands.npy", mmap_mode="r")[band]
+            start, end = _slice(hashes, step.lo, step.hi)
+            columns.append([np.array(hashes[start:end])])
+            local = np.load(folder / "band_docs.npy", mmap_mode="r")[band, start:end]
+        docs.append(offsets[task.index] + np.asarray(local, dtype=np.int64))
+    if not docs:
+        width = 2 if step.space == "exact" else 1
+        return [np.zeros(0, dtype=np.uint64)] * width, np.zeros(0, dtype=np.int64)
+    return [np.concatenate(c) for c in zip(*columns, strict=True)], np.concatenate(docs)
+
+
+def _run_edges(columns: list[np.ndarray], docs: np.ndarray) -> np.ndarray:
+    """(m, 2) int64 edges: first doc of each run of equal hashes → every other doc of the run."""
+    if len(docs) < 2:
+        return np.zeros((0, 2), dtype=np.int64)
+    order = np.lexsort((docs, *reversed(columns)))
+    docs = docs[order]
+    new_run = np.zeros(len(docs), dtype=bool)
+    new_run[0] = True
+    for column in columns:
+        sorted_column = column[order]
+        new_run[1:] |= sorted_column[1:] != sorted_column[:-1]
+    first = docs[new_run][np.cumsum(new_run) - 1]
+    return np.stack([first[~new_run], docs[~new_run]], axis=1)
+
+
+def _signatures(docs: np.ndarray, tasks: list[InputTask], offsets: np.ndarray, work: Path) -> np.ndarray:
+    owner = np.searchsorted(offsets, docs, side="right") - 1
+    out: np.ndarray | None = None
+    for index in np.unique(owner):
+        sigs = np.load(task_dir(work, tasks[index]) / "sigs.npy", mmap_mode="r")
+        if out is None:
+            out = np.empty((len(docs), sigs.shape[1]), dtype=np.uint32)
+        mask = owner == index
+        out[mask] = sigs[docs[mask] - offsets[index]]
+    assert out is not None
+    return out
+
+
+def merge_step(step: MergeStep, tasks: list[InputTask], offsets: np.ndarray, work: Path, spec: DedupSpec
+               ) -> dict[str, Any]:
+    """Edges of one hash range, verified for bands; written to `_work/dedup/<space>_<n>.npy`."""
+    out_dir = work / "dedup"
+    final = out_dir / step.file_name
+    if final.is_file():
+        edges = np.load(final)
+        return {"records": -1, "edges": len(edges), "candidates": -1, "rejected": -1}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    columns, docs = _gather(step, tasks, offsets, work)
+    edges = _run_edges(columns, docs)
+    candidates, rejected = len(edges), 0
+    if step.space != "exact" and len(edges) and spec.verify_jaccard > 0:
+        kept = []
+        for i in range(0, len(edges), VERIFY_BLOCK_EDGES):
+            block = edges[i : i + VERIFY_BLOCK_EDGES]
+            left = _signatures(block[:, 0], tasks, offsets, work)
+            right = _signatures(block[:, 1], tasks, offsets, work)
+            kept.append(block[np.mean(left == right, axis=1) >= spec.verify_jaccard])
+        edges = np.concatenate(kept)
+        rejected = candidates - len(edges)
+    tmp = out_dir / (step.file_name + ".tmp.npy")
+    np.save(tmp, edges)
+    os.replace(tmp, final)
+    return {"records": len(docs), "edges": len(edges), "candidates": candidates, "rejected": rejected}
+
+
+def _components(edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(nodes, smallest node of each one's connected component), by min-label propagation + pointer jumping."""
+    nodes = np.unique(edges)
+    if len(nodes) == 0:
+        return nodes, nodes
+    a, b = np.searchsorted(nodes, edges[:, 0]), np.searchsorted(nodes, edges[:, 1])
+    label = np.arange(len(nodes))
+    while True:
+        low = np.minimum(label[a], label[b])
+        new = label.copy()
+        np.minimum.at(new, a, low)
+        np.minimum.at(new, b, low)
+        new = new[new]  # pointer jumping: follow labels to their own label
+        if np.array_equal(new, label):
+            break
+        label = new
+    return nodes, nodes[label]
+
+
+def resolve(steps: list[MergeStep], tasks: list[InputTask], offsets: np.ndarray, work: Path) -> dict[str, int]:
+    """Write every task's `keep.npy` from the merged edges; returns duplicate counts."""
+    def load(prefix: str) -> np.ndarray:
+        parts = [np.load(work / "dedup" / s.file_name) for s in steps if s.space.startswith(prefix)]
+        return np.concatenate(parts) if parts else np.zeros((0, 2), dtype=np.int64)
+
+    exact_dups = np.unique(load("exact")[:, 1])
+    nodes, roots = _components(load("band"))
+    near_dups = np.setdiff1d(nodes[roots != nodes], exact_dups)
+    for task in tasks:
+        lo, hi = int(offsets[task.index]), int(offsets[task.index + 1])
+        decision = np.full(hi - lo, KEEP, dtype=np.uint8)
+        for dups, code in ((exact_dups, EXACT_DUP), (near_dups, NEAR_DUP)):  # both sorted
+            mine = dups[np.searchsorted(dups, lo) : np.searchsorted(dups, hi)]
+            decision[mine - lo] = code
+        tmp = task_dir(work, task) / "keep.tmp.npy"
+        np.save(tmp, decision)
+        os.replace(tmp, task_dir(work, task) / "keep.npy")
+    return {"exact_duplicates": len(exact_dups), "near_duplicates": len(near_dups)}

@@ -1,0 +1,217 @@
+"""The per-input-shard tasks of `prepare`: what one worker does to one input file, and what it leaves on disk.
+
+A task is one input file (in source order, then sorted file order: the documents' global order). Tasks
+share nothing while they run; each writes its own folder `_work/tasks/tNNNNNN/` and publishes it by
+writing `clean.json` last, so a killed run redoes only unfinished tasks and the result never depends on
+which worker ran what, or when.
+
+Clean task (read → normalise → filter → exact key + MinHash signature → PII redaction), per candidate
+document (one that passed the filters), in input order:
+- `docs.jsonl`   {"id", "split", "text" (redacted), "pii" {type: count}, "audit" [[type, start, end, hash]]}
+- `exact_keys.npy` (n, 2) uint64 the 128-bit exact keys, sorted; `exact_docs.npy` (n,) uint32 their
+                 local documents
+- `sigs.npy`     (n, bands·rows) uint32 MinHash signatures (read back by memory map to verify candidates)
+- `bands.npy`    (bands, n) uint64 band hashes, each band sorted; `band_docs.npy` (bands, n) uint32 the
+                 local document of each entry
+- `clean.json`   counters (docs in, drops by filter, read problems, a skipped bad file)
+Encode task (after the dedup decision): the kept documents of one clean task as tokens, per split:
+`<split>.bin` (tokens back to back, EOS after each) + `<split>.len.npy` (tokens per document), the PII
+audit rows of kept documents (`audit.jsonl`) and `encode.json` (counts).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections import Counter
+from dataclasses import dataclass
+from itertools import islice
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from leantrain.data.clean import normalize, quality_problem, text_stats
+from leantrain.data.dedup import MinHasher, band_hashes, exact_key
+from leantrain.data.inputs import BadInputError, file_size
+from leantrain.data.layout import SPLITS
+from leantrain.data.pii import PIIRedactor
+from leantrain.data.readers import ReadStats, read_file
+from leantrain.data.shards import atomic_write_bytes
+from leantrain.spec.schema import DataSource, DataSpec
+
+CLEAN_DONE = "clean.json"
+ENCODE_DONE = "encode.json"
+ENCODE_BATCH_DOCS = 512
+KEEP, EXACT_DUP, NEAR_DUP = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class InputTask:
+    """One input file of one source; `index` is its place in the global document order."""
+
+    index: int
+    source: DataSource
+    path: str
+    num_bytes: int
+
+    @property
+    def name(self) -> str:
+        return f"t{self.index:06d}"
+
+
+def plan_tasks(sources: list[DataSource], files: dict[str, list[str]]) -> list[InputTask]:
+    tasks: list[InputTask] = []
+    for source in sources:
+        for path in files[source.name]:
+            tasks.append(InputTask(index=len(tasks), source=source, path=path, num_bytes=file_size(path)))
+    return tasks
+
+
+def task_dir(work: Path, task: InputTask) -> Path:
+    return work / "tasks" / task.name
+
+
+def read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))  # type: ignore[no-any-return]
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def clean_task(task: InputTask, spec: DataSpec, work: Path, salt: bytes) -> dict[str, Any]:
+    """Run the clean task unless its folder is already published; returns its counters."""
+    out = task_dir(work, task)
+    done = read_json(out / CLEAN_DONE)
+    if done is not None:
+        return done
+    out.mkdir(parents=True, exist_ok=True)
+    hasher = MinHasher(num_perm=spec.dedup.num_bands * spec.dedup.rows_per_band, seed=spec.dedup.seed,
+                       shingle_words=spec.dedup.shingle_words, shingle_chars=spec.dedup.shingle_chars)
+    redactor = PIIRedactor(types=spec.pii.types, salt=salt) if spec.pii.enabled else None
+    read = ReadStats()
+    counts: dict[str, Any] = {"docs_in": 0, "chars_in": 0, "drops": Counter(), "bad_input": None,
+                              "docs_lost_to_bad_input": 0}
+    keys: list[bytes] = []
+    signatures: list[np.ndarray] = []
+    valid_cut = int(spec.valid_fraction * 2**64)
+    with open(out / "docs.jsonl.tmp", "w", encoding="utf-8") as docs:
+        try:
+            for raw in read_file(task.source, task.path, read):
+                counts["docs_in"] += 1
+                counts["chars_in"] += len(raw.text)
+                row = _candidate(raw.text, spec=spec, counts=counts, hasher=hasher, keys=keys,
+                                 signatures=signatures, redactor=redactor, valid_cut=valid_cut)
+                if row is not None:
+                    row = {"id": raw.doc_id, **row}
+                    docs.write(json.dumps(row, ensure_ascii=False) + "\n")
+        except BadInputError as err:
+            if spec.on_bad_input == "error":
+                raise
+            counts.update(bad_input=err.to_json(), docs_lost_to_bad_input=counts["docs_in"], docs_in=0,
+                          chars_in=0, drops=Counter())
+            keys, signatures = [], []
+            docs.seek(0)
+            docs.truncate()
+    os.replace(out / "docs.jsonl.tmp", out / "docs.jsonl")
+    _write_hashes(out, keys=keys, signatures=signatures, spec=spec)
+    result = {**counts, "drops": dict(counts["drops"]), "candidates": len(keys), "files": read.files,
+              "bytes_read": read.bytes_read, "read_problems": dict(read.problems), "read_examples": read.examples}
+    atomic_write_bytes(out / CLEAN_DONE, json.dumps(result).encode())
+    return result
+
+
+def _candidate(text: str, *, spec: DataSpec, counts: dict[str, Any], hasher: MinHasher, keys: list[bytes],
+               signatures: list[np.ndarray], redactor: PIIRedactor | None, valid_cut: int) -> dict[str, Any] | None:
+    """The row of a document that passes the filters (its hashes appended to keys/signatures), else None."""
+    cleaned = normalize(text, form=spec.cleaning.normalization)
+    if not cleaned:
+        counts["drops"]["empty"] += 1
+        return None
+    stats = text_stats(cleaned)
+    reason = quality_problem(cleaned, spec.cleaning, stats)
+    if reason is not None:
+        counts["drops"][reason] += 1
+        return None
+    key = exact_key(stats)
+    keys.append(key)
+    if spec.dedup.near:
+        signatures.append(hasher.signature(hasher.shingles(stats.words, cjk=stats.cjk_share >= 0.5)))
+    split = "valid" if int.from_bytes(key[:8], "little") < valid_cut else "train"
+    pii: dict[str, int] = {}
+    audit: list[list[Any]] = []
+    if redactor is not None:
+        before = redactor.counts.copy()
+        cleaned, rows = redactor(cleaned, doc_id="", source="")
+        pii = dict(redactor.counts - before)
+        audit = [[r["type"], r["start"], r["end"], r["value_sha256"]] for r in rows]
+    return {"split": split, "text": cleaned, "pii": pii, "audit": audit}
+
+
+def _write_hashes(out: Path, *, keys: list[bytes], signatures: list[np.ndarray], spec: DataSpec) -> None:
+    key_array = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2).astype(np.uint64)
+    order = np.lexsort((key_array[:, 1], key_array[:, 0]))
+    np.save(out / "exact_keys.npy", key_array[order])
+    np.save(out / "exact_docs.npy", order.astype(np.uint32))
+    bands, rows = spec.dedup.num_bands, spec.dedup.rows_per_band
+    sigs = np.stack(signatures) if signatures else np.zeros((0, bands * rows), dtype=np.uint32)
+    np.save(out / "sigs.npy", sigs)
+    hashes = band_hashes(sigs, bands=bands, rows=rows).T  # (bands, n)
+    order = np.argsort(hashes, axis=1, kind="stable").astype(np.uint32)
+    np.save(out / "bands.npy", np.take_along_axis(hashes, order.astype(np.int64), axis=1))
+    np.save(out / "band_docs.npy", order)
+
+
+def encode_task(task: InputTask, work: Path, tokenizer_path: Path, eos_id: int, dtype: str) -> dict[str, Any]:
+    """Tokenize the kept documents of one clean task (decision in `keep.npy`); returns kept counts."""
+    out = task_dir(work, task)
+    done = read_json(out / ENCODE_DONE)
+    if done is not None:
+        return done
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    decision = np.load(out / "keep.npy")
+    counts: dict[str, Any] = {"docs": Counter(), "tokens": Counter(), "chars_out": 0, "pii": Counter()}
+    files = {split: open(out / f"{split}.bin.tmp", "wb") for split in SPLITS}  # noqa: SIM115 - closed below
+    lengths: dict[str, list[int]] = {split: [] for split in SPLITS}
+    try:
+        with open(out / "docs.jsonl", encoding="utf-8") as docs, open(out / "audit.jsonl.tmp", "w",
+                                                                    encoding="utf-8") as audit:
+            kept = (json.loads(line) for line, verdict in zip(docs, decision, strict=True) if verdict == KEEP)
+            while batch := list(islice(kept, ENCODE_BATCH_DOCS)):
+                for row, encoding in zip(batch, tokenizer.encode_batch([r["text"] for r in batch]), strict=True):
+                    ids = np.empty(len(encoding.ids) + 1, dtype=dtype)
+                    ids[:-1] = encoding.ids
+                    ids[-1] = eos_id
+                    files[row["split"]].write(ids.tobytes())
+                    lengths[row["split"]].append(ids.size)
+                    counts["docs"][row["split"]] += 1
+                    counts["tokens"][row["split"]] += ids.size
+                    counts["chars_out"] += len(row["text"])
+                    counts["pii"].update(row["pii"])
+                    audit.writelines(json.dumps({"source": task.source.name, "doc_id": row["id"], "type": a[0],
+                                                 "start": a[1], "end": a[2], "value_sha256": a[3]}) + "\n"
+                                     for a in row["audit"])
+    finally:
+        for file in files.values():
+            file.close()
+    for split in SPLITS:
+        np.save(out / f"{split}.len.npy", np.asarray(lengths[split], dtype=np.int64))
+        os.replace(out / f"{split}.bin.tmp", out / f"{split}.bin")
+    os.replace(out / "audit.jsonl.tmp", out / "audit.jsonl")
+    result = {k: dict(v) if isinstance(v, Counter) else v for k, v in counts.items()}
+    atomic_write_bytes(out / ENCODE_DONE, json.dumps(result).encode())
+    return result
+
+
+def kept_texts(work: Path, task: InputTask, *, split: str) -> Any:
+    """The kept documents' texts of one task in order (for training the tokenizer)."""
+    decision = np.load(task_dir(work, task) / "keep.npy")
+    with open(task_dir(work, task) / "docs.jsonl", encoding="utf-8") as docs:
+        for line, verdict in zip(docs, decision, strict=True):
+            if verdict == KEEP:
+                row = json.loads(line)
+                if row["split"] == split:
+                    yield row["text"]
+

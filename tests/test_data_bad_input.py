@@ -1,0 +1,97 @@
+"""No silent data loss: truncated, corrupt or mislabelled compressed input is an error naming the file and
+offset (CLI exit 2), or with `data.on_bad_input: skip` a counted skip in the report."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import random
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from leantrain.cli import main
+from leantrain.data.demo_corpus import _document
+from leantrain.data.inputs import BadInputError, open_binary
+from leantrain.data.pipeline import prepare_data
+from leantrain.spec.schema import CleaningSpec, DataSource, DataSpec, TokenizerSpec
+
+NUM_DOCS = 400
+
+
+def _rows(seed: int = 1) -> bytes:
+    rng = random.Random(seed)
+    return b"".join((json.dumps({"id": i, "text": _document(rng, zh=False)}) + "\n").encode() for i in range(NUM_DOCS))
+
+
+def _bad_files(tmp_path: Path) -> dict[str, Path]:
+    data = _rows()
+    zst = zstandard.ZstdCompressor(write_checksum=True).compress(data)  # as the zstd tool writes
+    gz = gzip.compress(data)
+    files = {
+        "truncated_zst": (zst[: len(zst) // 4], ".jsonl.zst"),
+        "truncated_gz": (gz[: len(gz) // 4], ".jsonl.gz"),
+        "corrupt_zst": (zst[:200] + bytes(b ^ 0x5A for b in zst[200:400]) + zst[400:], ".jsonl.zst"),
+        "corrupt_gz": (gz[:200] + bytes(b ^ 0x5A for b in gz[200:400]) + gz[400:], ".jsonl.gz"),
+        "mislabelled_zst": (data, ".jsonl.zst"),  # plain jsonl named .zst
+        "gzip_named_zst": (gz, ".jsonl.zst"),
+    }
+    out = {}
+    for name, (content, suffix) in files.items():
+        out[name] = tmp_path / f"{name}{suffix}"
+        out[name].write_bytes(content)
+    return out
+
+
+def test_every_bad_file_raises_naming_file_and_offset(tmp_path: Path) -> None:
+    for name, path in _bad_files(tmp_path).items():
+        with pytest.raises(BadInputError) as info, open_binary(str(path)) as stream:
+            sum(1 for _ in stream)
+        err = info.value
+        assert err.path == str(path) and str(path) in str(err) and "compressed byte" in str(err), name
+        assert 0 <= err.offset <= path.stat().st_size, name
+    good = tmp_path / "good.jsonl.zst"
+    frames = zstandard.ZstdCompressor().compress(b"a\n") + zstandard.ZstdCompressor().compress(b"b\n")
+    good.write_bytes(frames)  # two frames back to back are one valid stream
+    with open_binary(str(good)) as stream:
+        assert stream.read() == b"a\nb\n"
+
+
+def _spec(tmp_path: Path, path: Path, **kw: object) -> DataSpec:
+    good = tmp_path / "good.jsonl"
+    good.write_bytes(_rows()[: len(_rows()) // 2])
+    return DataSpec(tokens_total=1e5, seq_len=32, tokenizer=TokenizerSpec(kind="byte"), workers=1,
+                    cleaning=CleaningSpec(min_words=5),
+                    sources=[DataSource(name="good", path=good), DataSource(name="bad", path=path)], **kw)
+
+
+@pytest.mark.parametrize("kind", ["truncated_zst", "truncated_gz", "corrupt_zst", "mislabelled_zst"])
+def test_prepare_errors_or_counts_a_skip(tmp_path: Path, kind: str) -> None:
+    path = _bad_files(tmp_path)[kind]
+    with pytest.raises(BadInputError, match=str(path)):
+        prepare_data(_spec(tmp_path, path), data_dir=tmp_path / "data")
+    assert not (tmp_path / "data" / "manifest.json").exists()
+    folder = tmp_path / "folder"  # a folder with one bad file among good ones: only that file is skipped
+    folder.mkdir()
+    path.rename(folder / path.name)
+    ok = _rows(seed=2)[:20_000]
+    ok = ok[: ok.rindex(b"\n") + 1]
+    (folder / "ok.jsonl").write_bytes(ok)
+    result = prepare_data(_spec(tmp_path, folder, on_bad_input="skip"), data_dir=tmp_path / "skip")
+    bad = result.report["sources"][1]
+    assert [b["file"] for b in bad["bad_inputs"]] == [str(folder / path.name)]
+    assert bad["docs_in"] == ok.count(b"\n") and bad["docs_out"] > 0
+    assert result.manifest.sources[1]["bad_inputs"] == bad["bad_inputs"]
+
+
+def test_cli_exit_2_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = _bad_files(tmp_path)["truncated_gz"]
+    spec = tmp_path / "job.yaml"
+    repo = Path(__file__).resolve().parents[1]
+    text = (repo / "examples" / "tiny-cpu.yaml").read_text()
+    spec.write_text(text.replace("{name: en, builtin: demo-en, weight: 0.5}", f"{{name: en, path: {path}}}"))
+    code = main(["prepare", str(spec), "--out", str(tmp_path / "d")])
+    captured = capsys.readouterr()
+    assert code == 2, captured
+    assert path.name in (captured.out + captured.err).replace("\n", "")
