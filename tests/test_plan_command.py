@@ -13,7 +13,7 @@ import pytest
 from rich.console import Console
 
 from leantrain.errors import UserInputError
-from leantrain.plan.budget import DEFAULT_FAILURES_PER_GPU_DAY, checkpoint_bytes
+from leantrain.plan.budget import DEFAULT_FAILURES_PER_GPU_DAY, checkpoint_bytes, daly_interval_s
 from leantrain.plan.command import parse_what_if, run
 from leantrain.plan.inputs import plan_inputs
 from leantrain.plan.planner import build_plan, make_plan
@@ -141,7 +141,9 @@ def test_checkpoint_interval_young_daly() -> None:
     assert pytest.approx(419 / (54 * 16384)) == DEFAULT_FAILURES_PER_GPU_DAY
     assert ck["save_s"] == pytest.approx(save_s)
     assert ck["mtbf_s"] == pytest.approx(mtbf_s)
-    assert ck["recommended_interval_s"] == pytest.approx(math.sqrt(2 * save_s * mtbf_s))
+    assert ck["young_interval_s"] == pytest.approx(math.sqrt(2 * save_s * mtbf_s))
+    assert ck["recommended_interval_s"] == pytest.approx(daly_interval_s(blocking_s=save_s, mtbf_s=mtbf_s))
+    assert ck["recommended_interval_s"] == pytest.approx(ck["young_interval_s"], rel=0.02)  # δ ≪ M here
     assert ck["interval_steps"] == round(ck["recommended_interval_s"] / plan["throughput"]["step_s"])
     assert 0.9 < ck["expected_goodput"] < 1.0
 

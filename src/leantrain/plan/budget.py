@@ -7,12 +7,12 @@
 - Storage: tokenized data at 2 bytes per token when the vocabulary fits uint16 (< 65,536 ids, as
   Megatron's IndexedDataset), else 4; times `data.replicas`; plus the raw text (`bytes_per_token_raw`).
   A checkpoint holds the weights at master precision and both Adam moments.
-- Checkpoint interval: Young (1974) / Daly (2006) first order, τ = √(2·δ·M), δ the time a save blocks
-  training (the full write, or only the device-to-host copy when saving asynchronously), M the job's mean
-  time between failures. Default failure rate from Llama 3 (Dubey et al. 2024, §3.3.4): 419 unexpected
+- Checkpoint interval: Daly (2006) higher-order optimum (Young's √(2·δ·M) when δ ≪ M), δ the time a save
+  blocks training (the full write, or only the device-to-host copy when saving asynchronously), M the job's
+  mean time between failures. Default failure rate from Llama 3 (Dubey et al. 2024, §3.3.4): 419 unexpected
   interruptions in 54 days on 16,384 GPUs = 4.7e-4 failures per GPU-day.
-  Expected goodput = 1 − δ/τ − (τ/2 + restart) / M (save overhead, half an interval of lost work and a
-  restart per failure).
+  Expected goodput: Daly's exponential-failure model (save stalls, lost work and a restart per failure),
+  which stays right where δ/M is not small (first-order formulas go negative there).
 """
 
 from __future__ import annotations
@@ -115,28 +115,51 @@ def storage(spec: JobSpec, inputs: PlanInputs) -> dict[str, float]:
     }
 
 
+def daly_interval_s(*, blocking_s: float, mtbf_s: float) -> float:
+    """Daly (2006) higher-order optimum compute time between checkpoints:
+    √(2δM)·[1 + ⅓·√(δ/2M) + (δ/2M)/9] − δ for δ < 2M, else M. For δ ≪ M it is Young's √(2δM)."""
+    if blocking_s <= 0:
+        return 0.0
+    if blocking_s >= 2 * mtbf_s:
+        return mtbf_s
+    x = blocking_s / (2 * mtbf_s)
+    return math.sqrt(2 * blocking_s * mtbf_s) * (1 + math.sqrt(x) / 3 + x / 9) - blocking_s
+
+
+def expected_goodput(*, interval_s: float, blocking_s: float, mtbf_s: float, restart_s: float) -> float:
+    """Useful share of wall time with exponential failures (Daly 2006, eq. 13): wall / work =
+    (M/τ)·e^(R/M)·(e^((τ+δ)/M) − 1) for a compute interval τ, save stall δ, MTBF M and restart R."""
+    if interval_s <= 0:
+        return 0.0
+    ratio = mtbf_s / interval_s * math.exp(restart_s / mtbf_s) * math.expm1((interval_s + blocking_s) / mtbf_s)
+    return 1.0 / ratio
+
+
 def checkpoint_interval(spec: JobSpec, inputs: PlanInputs, *, num_gpus: int, step_s: float) -> dict[str, float]:
-    """Young/Daly interval in seconds and steps, the save time, the job MTBF and the expected goodput."""
+    """Daly interval in seconds and steps, the save time, the job MTBF and the expected goodput."""
     ckpt = checkpoint_bytes(inputs)
     save_s = ckpt / (spec.checkpoint.write_bandwidth_gb_s * GB)
     blocking_s = ckpt / num_gpus / HOST_COPY_BYTES_S if spec.checkpoint.async_save else save_s
     rate = spec.fault.failures_per_gpu_day or DEFAULT_FAILURES_PER_GPU_DAY
     mtbf_s = SECONDS_PER_DAY / (rate * num_gpus)
-    young_s = math.sqrt(2 * blocking_s * mtbf_s)
+    recommended_s = daly_interval_s(blocking_s=blocking_s, mtbf_s=mtbf_s)
     if spec.checkpoint.interval_steps == "auto":
-        interval_steps = max(1, round(young_s / step_s))
+        interval_steps = max(1, round(recommended_s / step_s))
     else:
         interval_steps = int(spec.checkpoint.interval_steps)
     interval_s = interval_steps * step_s
-    goodput = 1 - blocking_s / interval_s - (interval_s / 2 + spec.fault.restart_s) / mtbf_s
+    goodput = expected_goodput(interval_s=interval_s, blocking_s=blocking_s, mtbf_s=mtbf_s,
+                               restart_s=spec.fault.restart_s)
     return {
         "interval_steps": interval_steps,
         "interval_s": interval_s,
         "save_s": save_s,
         "blocking_s": blocking_s,
-        "recommended_interval_s": young_s,
-        "recommended_interval_steps": max(1, round(young_s / step_s)),
+        "recommended_interval_s": recommended_s,
+        "young_interval_s": math.sqrt(2 * blocking_s * mtbf_s),
+        "recommended_interval_steps": max(1, round(recommended_s / step_s)),
         "mtbf_s": mtbf_s,
+        "delta_over_mtbf": blocking_s / mtbf_s,
         "failures_per_gpu_day": rate,
         "expected_goodput": max(0.0, goodput),
     }

@@ -14,7 +14,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from leantrain.plan.budget import SECONDS_PER_DAY, Budget, checkpoint_interval, make_budget, storage
-from leantrain.plan.inputs import PlanInputs, plan_inputs
+from leantrain.plan.goodput import whole_run
+from leantrain.plan.inputs import PlanInputs, plan_inputs, sequences_per_step
 from leantrain.plan.layout import layout_from_spec
 from leantrain.plan.search import Candidate, SearchResult, evaluate, search_layouts
 from leantrain.spec.schema import JobSpec
@@ -35,6 +36,7 @@ class Plan:
     checkpoint: dict[str, float]
     what_if: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    run: dict[str, Any] = field(default_factory=dict)  # whole-run time with goodput (plan/goodput.py)
 
     @property
     def fits(self) -> bool:
@@ -68,7 +70,8 @@ class Plan:
                           "num_nodes": math.ceil(budget.num_gpus_with_spare / inputs.gpus_per_node),
                           "accelerator": inputs.accelerator},
             "time": {"days": budget.days, "gpu_hours": budget.gpu_hours, "predicted_days": predicted_days,
-                     "predicted_gpu_hours": predicted_days * 24 * self.layout_gpus},
+                     "predicted_gpu_hours": predicted_days * 24 * self.layout_gpus,
+                     **{k: v for k, v in self.run.items() if k != "warnings"}},
             "cost": {"total": budget.cost, "per_million_tokens": budget.cost_per_million_tokens,
                      "currency": self.spec.budget.currency,
                      "price_per_gpu_hour": self.spec.budget.price_per_gpu_hour},
@@ -88,6 +91,7 @@ class Plan:
                        "suggestions": self.search.suggestions},
             "what_if": self.what_if,
             "notes": self.notes,
+            "warnings": self.run.get("warnings", []),
         }
 
 
@@ -129,8 +133,10 @@ def build_plan(spec: JobSpec) -> Plan:
         source = "search" if search.best is not None else "none fits (leanest shown)"
     assert chosen is not None
     ckpt = checkpoint_interval(spec, inputs, num_gpus=gpus, step_s=chosen.time.step_s)
+    run = whole_run(spec, inputs, num_gpus=gpus, step_s=chosen.time.step_s, tokens_per_s=chosen.time.tokens_per_s,
+                    num_microbatches=chosen.layout.num_microbatches(sequences_per_step(inputs)), checkpoint=ckpt)
     return Plan(spec=spec, inputs=inputs, budget=budget, layout_gpus=gpus, chosen=chosen, layout_source=source,
-                search=search, storage=storage(spec, inputs), checkpoint=ckpt, notes=notes)
+                search=search, storage=storage(spec, inputs), checkpoint=ckpt, notes=notes, run=run)
 
 
 def what_if_rows(plan: Plan, gpu_counts: list[int]) -> list[dict[str, Any]]:

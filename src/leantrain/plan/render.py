@@ -43,6 +43,8 @@ def render_plan(plan: Plan, *, console: Console, top: int) -> None:
                    f"spare, {r['num_nodes']} nodes of {r['accelerator']}; layout on {r['layout_gpus']}")
     budget.add_row("time", f"{t['days']:.1f} days, {t['gpu_hours']:,.0f} GPU-hours at the assumed MFU; "
                    f"{t['predicted_days']:.1f} days predicted by the step-time model")
+    budget.add_row("whole run", f"{t['whole_run_days']:.1f} days, {t['whole_run_gpu_hours']:,.0f} GPU-hours with "
+                   f"{t['expected_goodput']:.1%} expected goodput and {t['eval_share']:.1%} evaluation")
     budget.add_row("cost", f"{cost['total']:,.0f} {cost['currency']} "
                    f"({cost['per_million_tokens']:.3f} per million tokens)")
     console.print(budget)
@@ -69,6 +71,8 @@ def render_plan(plan: Plan, *, console: Console, top: int) -> None:
     console.print(layouts)
     for note in plan.notes:
         console.print(f"note: {note}")
+    for warning in data["warnings"]:
+        console.print(f"[bold yellow]warning:[/] {warning}")
     if plan.search.rejected:
         console.print("rejected: " + "; ".join(f"{n} × {why}" for why, n in plan.search.rejected.items()))
     if not plan.fits:
@@ -84,7 +88,7 @@ def render_plan(plan: Plan, *, console: Console, top: int) -> None:
                   f"{s['replicas']} + raw {_si(s['raw_bytes'], 'B')})")
     other.add_row("checkpoint", f"{_si(s['checkpoint_bytes'], 'B')} each, {_si(s['checkpoints_kept_bytes'], 'B')} kept")
     other.add_row("checkpoint interval", f"{k['interval_steps']} steps = {k['interval_s'] / 60:.1f} min "
-                  f"(Young/Daly: {k['recommended_interval_s'] / 60:.1f} min); save {k['save_s']:.0f} s, "
+                  f"(Daly: {k['recommended_interval_s'] / 60:.1f} min); save {k['save_s']:.0f} s, "
                   f"blocks {k['blocking_s']:.1f} s")
     other.add_row("failures", f"MTBF {k['mtbf_s'] / 3600:.1f} h at {k['failures_per_gpu_day']:.2e}/GPU-day; "
                   f"expected goodput {k['expected_goodput']:.1%}")

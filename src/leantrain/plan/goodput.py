@@ -1,0 +1,72 @@
+"""Whole-run time: the step-time prediction divided by the expected goodput, plus held-out evaluation, and a
+warning with what would help when checkpointing and failures eat more than 10 % of the run.
+
+- goodput (plan/budget.py): Daly's model of save stalls, lost work and restarts at the job's MTBF.
+- evaluation share: `training.eval_batches` forward-only micro-batches (a third of a training micro-batch's
+  compute each) every `training.eval_every` steps.
+- whole run = steps × step time × (1 + eval share) / goodput. The pure step-time prediction is reported
+  beside it (`time.predicted_days`), never mixed.
+- below `LOW_GOODPUT` the plan says which change raises it and by how much, each recomputed with the same
+  model: asynchronous saves (only the device-to-host copy blocks), a 4× faster store, in-memory
+  checkpoints (δ = the host copy; a failure restores from a peer's memory, so the restart is shorter).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from leantrain.plan.budget import SECONDS_PER_DAY, checkpoint_interval
+from leantrain.plan.inputs import PlanInputs
+from leantrain.spec.schema import JobSpec
+
+LOW_GOODPUT = 0.90
+FASTER_STORE = 4.0
+IN_MEMORY_RESTART_SHARE = 0.5  # restoring from host/peer memory skips the storage read of a restart
+
+
+def eval_share(spec: JobSpec, *, step_s: float, num_microbatches: int) -> float:
+    """Evaluation time as a share of training time."""
+    t = spec.training
+    if t.eval_every <= 0 or step_s <= 0:
+        return 0.0
+    eval_s = t.eval_batches * step_s / max(num_microbatches, 1) / 3
+    return eval_s / (t.eval_every * step_s)
+
+
+def whole_run(spec: JobSpec, inputs: PlanInputs, *, num_gpus: int, step_s: float, num_microbatches: int,
+              tokens_per_s: float, checkpoint: dict[str, float]) -> dict[str, Any]:
+    """Whole-run days and GPU-hours, the goodput and eval share, and warnings with remedies."""
+    goodput = checkpoint["expected_goodput"]
+    share = eval_share(spec, step_s=step_s, num_microbatches=num_microbatches)
+    pure_s = inputs.tokens_total / tokens_per_s
+    wall_s = pure_s * (1 + share) / goodput if goodput > 0 else float("inf")
+    out: dict[str, Any] = {"whole_run_days": wall_s / SECONDS_PER_DAY,
+                           "whole_run_gpu_hours": wall_s / 3600 * num_gpus, "expected_goodput": goodput,
+                           "eval_share": share, "warnings": []}
+    if goodput < LOW_GOODPUT:
+        out["warnings"].append(_low_goodput_warning(spec, inputs, num_gpus=num_gpus, step_s=step_s,
+                                                    checkpoint=checkpoint))
+    return out
+
+
+def _low_goodput_warning(spec: JobSpec, inputs: PlanInputs, *, num_gpus: int, step_s: float,
+                         checkpoint: dict[str, float]) -> str:
+    options = []
+    ck, fault = spec.checkpoint, spec.fault
+    if not ck.async_save:
+        options.append(("checkpoint.async_save: true", spec.model_copy(update={
+            "checkpoint": ck.model_copy(update={"async_save": True, "interval_steps": "auto"})})))
+    options.append((f"a {FASTER_STORE:.0f}× faster store (checkpoint.write_bandwidth_gb_s: "
+                    f"{ck.write_bandwidth_gb_s * FASTER_STORE:g})", spec.model_copy(update={
+                        "checkpoint": ck.model_copy(update={"write_bandwidth_gb_s": ck.write_bandwidth_gb_s
+                                                            * FASTER_STORE, "interval_steps": "auto"})})))
+    options.append(("in-memory checkpoints (async staging, restore from a peer's memory)", spec.model_copy(
+        update={"checkpoint": ck.model_copy(update={"async_save": True, "interval_steps": "auto"}),
+                "fault": fault.model_copy(update={"restart_s": fault.restart_s * IN_MEMORY_RESTART_SHARE})})))
+    parts = []
+    for label, alt in options:
+        g = checkpoint_interval(alt, inputs, num_gpus=num_gpus, step_s=step_s)["expected_goodput"]
+        parts.append(f"{label} → {g:.0%}")
+    return (f"expected goodput {checkpoint['expected_goodput']:.0%} (save blocks {checkpoint['blocking_s']:.0f} s "
+            f"against an MTBF of {checkpoint['mtbf_s'] / 3600:.1f} h, δ/M = {checkpoint['delta_over_mtbf']:.2f}): "
+            "checkpointing and failures take more than 10 % of the run. Would raise it: " + "; ".join(parts))

@@ -1,0 +1,51 @@
+"""Whole-run time with goodput: Daly's interval and goodput, evaluation share, the low-goodput warning."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+
+from leantrain.plan.budget import daly_interval_s, expected_goodput
+from leantrain.plan.planner import make_plan
+from leantrain.spec import load_spec
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_daly_is_young_for_small_delta_and_the_optimum_otherwise() -> None:
+    m = 3600.0
+    assert daly_interval_s(blocking_s=1.0, mtbf_s=m) == pytest.approx(math.sqrt(2 * m), rel=0.01)
+    for delta in (10.0, 0.22 * m, 1.5 * m):  # δ/M up to 1.5: Young's first order is far off there
+        tau = daly_interval_s(blocking_s=delta, mtbf_s=m)
+        best = expected_goodput(interval_s=tau, blocking_s=delta, mtbf_s=m, restart_s=60)
+        for other in (0.7 * tau, 1.4 * tau):
+            assert best >= expected_goodput(interval_s=other, blocking_s=delta, mtbf_s=m, restart_s=60)
+        assert 0 < best < 1
+    assert daly_interval_s(blocking_s=3 * m, mtbf_s=m) == m
+
+
+def test_goodput_counts_stalls_lost_work_and_restarts() -> None:
+    base = expected_goodput(interval_s=1800, blocking_s=30, mtbf_s=10 * 3600, restart_s=300)
+    assert base < 1 - 30 / 1800  # more than the save stall alone
+    assert expected_goodput(interval_s=1800, blocking_s=30, mtbf_s=10 * 3600, restart_s=900) < base
+
+
+def test_whole_run_divides_the_step_time_prediction_by_goodput() -> None:
+    plan = make_plan(load_spec(EXAMPLES / "llama3-405b.yaml"))
+    t = plan["time"]
+    pure_gpu_hours = t["predicted_gpu_hours"]
+    assert t["whole_run_gpu_hours"] == pytest.approx(pure_gpu_hours * (1 + t["eval_share"]) / t["expected_goodput"])
+    assert t["whole_run_gpu_hours"] > pure_gpu_hours
+
+
+def test_low_goodput_warns_with_remedies() -> None:
+    spec = load_spec(EXAMPLES / "llama3-405b.yaml",
+                     overrides=["checkpoint.async_save=false", "checkpoint.write_bandwidth_gb_s=20"])
+    plan = make_plan(spec)
+    assert plan["checkpoint"]["expected_goodput"] < 0.9
+    (warning,) = plan["warnings"]
+    assert "checkpoint.async_save: true" in warning and "faster store" in warning and "in-memory" in warning
+    fine = make_plan(load_spec(EXAMPLES / "llama3-405b.yaml"))
+    assert fine["checkpoint"]["expected_goodput"] >= 0.9 and not fine["warnings"]
