@@ -102,3 +102,18 @@ def test_preparation_imports_and_runs_without_torch(tmp_path: Path) -> None:
                          capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr
     assert int(out.stdout.strip()) > 0
+
+
+@pytest.mark.slow
+def test_ray_executor_gives_the_same_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("ray")
+    monkeypatch.setenv("LEANTRAIN_PII_SALT", "salt")
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    spec = _write_corpus(tmp_path / "raw")
+    prepare_data(spec.model_copy(update={"workers": 1}), data_dir=tmp_path / "local")
+    # an embedded local Ray with 2 CPUs, started and stopped by prepare
+    prepare_data(spec.model_copy(update={"executor": "ray", "workers": 2}), data_dir=tmp_path / "ray")
+    import ray
+
+    assert not ray.is_initialized()
+    assert _contents(tmp_path / "ray") == _contents(tmp_path / "local")

@@ -52,8 +52,10 @@ def _value(kind: str, rng: random.Random) -> str:
         "email": lambda: f"{rng.choice(['li.na', 'ops', 'j.smith+ml', 'wang_wei'])}{rng.randint(1, 99)}@"
                          f"{rng.choice(['example.com', 'mail.qq.com', 'corp.example.cn'])}",
         "phone": lambda: _phone(rng),
-        "ip": lambda: rng.choice([".".join(str(rng.randint(0, 255)) for _ in range(4)),
-                                  f"2001:db8:{h()}:{h()}::{h()}", f"fe80::{h()}:{h()}:{h()}:{h()}"]),
+        # not the documentation ranges (192.0.2.0/24, 2001:db8::/32 ...) or loopback: those stay, by design
+        "ip": lambda: rng.choice([".".join(str(rng.randint(1 if i == 0 else 0, 126 if i == 0 else 255))
+                                           for i in range(4)),
+                                  f"2400:cb00:{h()}:{h()}::{h()}", f"fe80::{h()}:{h()}:{h()}:{h()}"]),
         "cn_id": lambda: _cn_id(rng),
         "bank_card": lambda: _card(rng),
         "us_ssn": lambda: f"{rng.randint(1, 665):03d}-{rng.randint(1, 99):02d}-{rng.randint(1, 9999):04d}",
@@ -108,6 +110,8 @@ def test_recall_and_false_positives_on_labelled_set() -> None:
             missed.append((kind, value, find_pii(text)))
     recall = 1 - len(missed) / len(positives)
     assert recall >= 0.98, missed[:10]
+    for kind in {k for k, _, _ in positives}:  # and per kind
+        assert sum(m[0] == kind for m in missed) / sum(k == kind for k, _, _ in positives) <= 0.02, kind
     false_positive = [(text, find_pii(text)) for text in negatives if find_pii(text)]
     assert len(false_positive) / len(negatives) <= 0.01, false_positive
 

@@ -64,8 +64,15 @@ def cn_id_ok(value: str) -> bool:
 _CARD_PREFIX_RE = re.compile(r"^(4|5[1-5]|2[2-7]|3[47]|6011|65|64[4-9]|35|62|30[0-5]|36|38|50|5[6-8]|6[37])")
 
 
+_CN_ID_SHAPE_RE = re.compile(r"\d{6}(?:18|19|20)\d{2}(?:0[1-9]|1[0-2])(?:0[1-9]|[12]\d|3[01])\d{3}[\dXx]", re.ASCII)
+
+
 def bank_card_ok(value: str) -> bool:
+    """Network prefix and Luhn; an 18-digit number shaped like a resident ID (area, birth date, order) is
+    never a card: a valid ID is a `cn_id`, one with a bad check digit a look-alike (IDs pass Luhn 1 in 10)."""
     digits = re.sub(r"[ -]", "", value)
+    if len(digits) == 18 and _CN_ID_SHAPE_RE.fullmatch(digits):
+        return False
     return 13 <= len(digits) <= 19 and bool(_CARD_PREFIX_RE.match(digits)) and luhn_ok(digits)
 
 
@@ -81,55 +88,83 @@ def phone_ok(value: str) -> bool:
     return 10 <= len(digits) <= 12
 
 
+def nanp_ok(value: str) -> bool:
+    """North American number: area code and exchange start with 2-9 and are not N11 service codes."""
+    digits = re.sub(r"\D", "", value)
+    area, exchange = digits[:3], digits[3:6]
+    return len(digits) == 10 and area[0] in "23456789" and exchange[0] in "23456789" and area[1:] != "11"
+
+
+# Not personal data: documentation ranges (RFC 5737, RFC 3849), loopback and the unspecified address.
+_EXAMPLE_NETWORKS = tuple(ipaddress.ip_network(n) for n in ("192.0.2.0/24", "198.51.100.0/24", "203.0.113.0/24",
+                                                               "2001:db8::/32", "127.0.0.0/8", "::1/128"))
+
+
 def ip_ok(value: str) -> bool:
     try:
-        ipaddress.ip_address(value)
+        address = ipaddress.ip_address(value)
     except ValueError:
         return False
-    return True
+    return not address.is_unspecified and not any(address in n for n in _EXAMPLE_NETWORKS
+                                                  if n.version == address.version)
 
 
 def _always(_: str) -> bool:
     return True
 
 
-_ND = r"(?<![\d])"  # no digit before
-_NDA = r"(?![\d])"  # no digit after
+# Patterns run on ASCII-folded text (full-width forms → ASCII, one character for one, so offsets hold) with
+# re.ASCII, so \w, \d and \b are ASCII: a CJK character next to a value is a boundary ("联系23.45.67.89。").
+_A = re.ASCII
+_NA = r"(?<![0-9A-Za-z])"  # no letter or digit before (a digit run inside a hash or an id is not a value)
+_NAA = r"(?![0-9A-Za-z])"  # ... or after
 _SEP = r"[ .-]?"
 PATTERNS: dict[str, list[tuple[re.Pattern[str], Callable[[str], bool]]]] = {
     "secret": [
-        (re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z0-9 ]*PRIVATE KEY-----"), _always),
-        (re.compile(r"(?<![A-Z0-9])(?:AKIA|ASIA)[0-9A-Z]{16}(?![A-Z0-9])"), _always),
-        (re.compile(r"(?<![A-Za-z0-9_])(?:gh[pousr]_[A-Za-z0-9]{36,255}|github_pat_[A-Za-z0-9_]{22,255})"), _always),
-        (re.compile(r"(?<![A-Za-z0-9])xox[abposr]-[A-Za-z0-9-]{10,}"), _always),
+        (re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z0-9 ]*PRIVATE KEY-----", _A), _always),
+        (re.compile(r"(?<![A-Z0-9])(?:AKIA|ASIA)[0-9A-Z]{16}(?![A-Z0-9])", _A), _always),
+        (re.compile(r"(?<![A-Za-z0-9_])(?:gh[pousr]_[A-Za-z0-9]{36,255}|github_pat_[A-Za-z0-9_]{22,255})", _A),
+         _always),
+        (re.compile(r"(?<![A-Za-z0-9])xox[abposr]-[A-Za-z0-9-]{10,}", _A), _always),
+        # OpenAI (sk-…, sk-proj-…), Stripe (sk_live_, sk_test_, rk_live_, pk_live_), Google API keys (AIza…)
+        (re.compile(r"(?<![A-Za-z0-9_-])(?:sk-(?:proj-)?[A-Za-z0-9_-]{20,}|[srp]k_(?:live|test)_[A-Za-z0-9]{16,}|"
+                    r"AIza[0-9A-Za-z_-]{35})(?![A-Za-z0-9_-])", _A), _always),
+        # JWT: base64url header "{"... (eyJ) . payload . signature
+        (re.compile(r"(?<![A-Za-z0-9_-])eyJ[A-Za-z0-9_-]{8,}\.eyJ[A-Za-z0-9_-]{8,}\.[A-Za-z0-9_-]{8,}", _A), _always),
     ],
-    "email": [(re.compile(r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}"),
-               _always)],
-    "cn_id": [(re.compile(_ND + r"\d{6}(?:18|19|20)\d{2}(?:0[1-9]|1[0-2])\d{2}\d{3}[\dXx]" + r"(?![\dA-Za-z])"),
-               cn_id_ok)],
-    "bank_card": [(re.compile(_ND + r"(?:\d{4}[ -]){3}\d{1,7}" + _NDA), bank_card_ok),
-                  (re.compile(_ND + r"\d{13,19}" + _NDA), bank_card_ok)],
-    "us_ssn": [(re.compile(_ND + r"\d{3}-\d{2}-\d{4}" + _NDA), us_ssn_ok)],
+    "email": [(re.compile(r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}",
+                          _A), _always)],
+    "cn_id": [(re.compile(_NA + r"\d{6}(?:18|19|20)\d{2}(?:0[1-9]|1[0-2])\d{2}\d{3}[\dXx]" + _NAA, _A), cn_id_ok)],
+    "bank_card": [
+        # 4-4-4-4 (16), 4-4-4-4-3 (19, UnionPay), 4-4-4-1..3 (13-15), Amex 4-6-5; or the digits unbroken
+        (re.compile(_NA + r"\d{4}(?:[ -]\d{4}){2,3}(?:[ -]\d{1,3})?" + _NAA, _A), bank_card_ok),
+        (re.compile(_NA + r"3[47]\d{2}[ -]\d{6}[ -]\d{5}" + _NAA, _A), bank_card_ok),
+        (re.compile(_NA + r"\d{13,19}" + _NAA, _A), bank_card_ok),
+    ],
+    "us_ssn": [(re.compile(_NA + r"\d{3}-\d{2}-\d{4}" + _NAA, _A), us_ssn_ok)],
     "phone": [
-        # E.164 / international: +CC then groups of digits with optional separators or (area) parentheses
-        (re.compile(r"(?<![\w+])\+\d{1,3}(?:[ .-]?\(?\d{1,4}\)?){2,5}" + _NDA), phone_ok),
+        # E.164 / international: +CC then groups of digits with spaces, dots, dashes or (area) brackets
+        (re.compile(r"(?<![\w+])\+\d{1,3}(?:[ .-]?\(?\d{1,4}\)?){2,5}" + _NAA, _A), phone_ok),
         # Chinese mobile: 1[3-9]x xxxx xxxx, optionally split 3-4-4
-        (re.compile(_ND + r"1[3-9]\d" + _SEP + r"\d{4}" + _SEP + r"\d{4}" + _NDA), phone_ok),
-        # North American national: (415) 555-0134, 415-555-0134, 415.555.0134
-        (re.compile(_ND + r"(?:\(\d{3}\) ?|\d{3}[.-])\d{3}[.-]\d{4}" + _NDA), phone_ok),
-        # Chinese landline with area code: 010-12345678, 0755-1234567
-        (re.compile(_ND + r"0\d{2,3}-\d{7,8}" + _NDA), phone_ok),
+        (re.compile(_NA + r"1[3-9]\d" + _SEP + r"\d{4}" + _SEP + r"\d{4}" + _NAA, _A), phone_ok),
+        # North American national: (415) 555-0134, 415-555-0134, 415.555.0134; with spaces only (415 555 0134,
+        # (415) 555 0134) when the area code and exchange are valid NANP codes (digit groups are common)
+        (re.compile(_NA + r"(?:\(\d{3}\) ?|\d{3}[.-])\d{3}[.-]\d{4}" + _NAA, _A), phone_ok),
+        (re.compile(_NA + r"(?:\(\d{3}\) ?|\d{3} )\d{3} \d{4}" + _NAA, _A), nanp_ok),
+        # Chinese landline with area code: 010-12345678, 0755-1234567, (010) 6552 9988, 010 6552-9988
+        (re.compile(_NA + r"(?:\(0\d{2,3}\) ?|0\d{2,3}[ -])\d{3,4}[ -]?\d{4}" + _NAA, _A), phone_ok),
     ],
     "ip": [
-        (re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?![\w]|\.\d)"), ip_ok),
-        (re.compile(r"(?<![\w:])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:])"),
+        (re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?![\w]|\.\d)", _A), ip_ok),
+        (re.compile(r"(?<![\w:])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:])", _A),
          lambda v: ("::" in v or v.count(":") == 7) and any(c.isalnum() for c in v) and ip_ok(v)),
     ],
 }
 # Cheap tests that rule a kind out for most text before its (slower) patterns run: ~3× faster on prose.
-_DIGITS_RE = re.compile(r"\d\d\d")
-_IP_HINT_RE = re.compile(r"\d\.\d|::|[0-9A-Fa-f]:[0-9A-Fa-f]{1,4}:[0-9A-Fa-f]")
-_SECRET_HINTS = ("AKIA", "ASIA", "gh", "github_pat_", "xox", "PRIVATE KEY")
+_DIGITS_RE = re.compile(r"\d\d\d", _A)
+_IP_HINT_RE = re.compile(r"\d\.\d|::|[0-9A-Fa-f]:[0-9A-Fa-f]{1,4}:[0-9A-Fa-f]", _A)
+_SECRET_HINTS = ("AKIA", "ASIA", "gh", "github_pat_", "xox", "PRIVATE KEY", "sk-", "k_live_", "k_test_", "AIza",
+                 "eyJ")
 GUARDS: dict[str, Callable[[str], bool]] = {
     "secret": lambda t: any(h in t for h in _SECRET_HINTS),
     "email": lambda t: "@" in t,
@@ -139,27 +174,47 @@ GUARDS: dict[str, Callable[[str], bool]] = {
     "phone": lambda t: bool(_DIGITS_RE.search(t)),
     "ip": lambda t: bool(_IP_HINT_RE.search(t)),
 }
-# `key = value` assignments of credentials: only the value is redacted.
+# `key = value` assignments of credentials, in any case and with any prefix (aws_secret_access_key,
+# DB_PASSWORD, GITHUB_TOKEN, client-secret, 密码): only the value is redacted. A value of digits only is a
+# setting (max_token=4096), not a secret.
 ASSIGNMENT_RE = re.compile(
-    r"(?i)\b(?:api[_-]?key|apikey|secret[_-]?key|access[_-]?key[_-]?id|secret|password|passwd|pwd|token|"
-    r"access[_-]?token|auth[_-]?token|client[_-]?secret)\b[\"']?\s*[:=]\s*[\"']?([^\s\"',;]{6,})"
+    r"(?i)(?<![A-Za-z0-9])(?:[A-Za-z0-9]+[_.-])*(?:api[_-]?key|apikey|secret[_-]?(?:access[_-]?)?key|"
+    r"access[_-]?key(?:[_-]?id)?|private[_-]?key|secret|password|passwd|pwd|token|credentials?)(?![A-Za-z0-9])"
+    r"[\"']?\s*[:=]\s*[\"']?([^\s\"',;\u0080-\uffff]{6,})|(?:密码|口令|密钥|令牌)\s*[:=：]?\s*([!-&(-+\--~]{6,})",
+    _A,
 )
+_ALL_DIGITS_RE = re.compile(r"[\d.]+", _A)
 
 
 # Dotted quads right after these words are section or version numbers, not addresses.
 _NOT_IP_BEFORE_RE = re.compile(r"(?i)(?:version|ver\.?|v|chapter|section|sec\.|§|版本|章节|第)\s*$")
+# Full-width forms (U+FF01–FF5E) and the ideographic space fold to ASCII one character for one; not the
+# full-width colon, which Chinese text puts right before values ("地址：2400:cb00::1").
+_FOLD = {**{c: c - 0xFEE0 for c in range(0xFF01, 0xFF5F) if c != 0xFF1A}, 0x3000: 0x20}
+_FULL_WIDTH_RE = re.compile("[\uff01-\uff5e\u3000]")
 
 
 def _context_ok(kind: str, text: str, start: int) -> bool:
     return kind != "ip" or not _NOT_IP_BEFORE_RE.search(text[max(0, start - 12) : start])
 
 
+def _assignments(text: str) -> list[Finding]:
+    found = []
+    for match in ASSIGNMENT_RE.finditer(text):
+        group = 1 if match.group(1) is not None else 2
+        if not _ALL_DIGITS_RE.fullmatch(match.group(group)):
+            found.append(Finding("secret", match.start(group), match.end(group)))
+    return found
+
+
 def find_pii(text: str, *, types: Iterable[str] = ALL_TYPES) -> list[Finding]:
-    """Validated, non-overlapping findings in text order."""
+    """Validated, non-overlapping findings in text order (offsets into `text` as given)."""
+    if _FULL_WIDTH_RE.search(text):
+        text = text.translate(_FOLD)  # same length: offsets stay valid for the original
     wanted = set(types)
     found: list[Finding] = []
     if "secret" in wanted:
-        found += [Finding("secret", m.start(1), m.end(1)) for m in ASSIGNMENT_RE.finditer(text)]
+        found += _assignments(text)
     for kind, patterns in PATTERNS.items():
         if kind not in wanted:
             continue
@@ -168,7 +223,9 @@ def find_pii(text: str, *, types: Iterable[str] = ALL_TYPES) -> list[Finding]:
         for pattern, valid in patterns:
             found += [Finding(kind, m.start(), m.end()) for m in pattern.finditer(text)
                       if valid(m.group()) and _context_ok(kind, text, m.start())]
-    found.sort(key=lambda f: (f.start, -(f.end - f.start)))
+    # earliest first; at the same start the longest; at equal spans the kind listed first in PATTERNS
+    order = {kind: i for i, kind in enumerate(PATTERNS)}
+    found.sort(key=lambda f: (f.start, -(f.end - f.start), order[f.kind]))
     chosen: list[Finding] = []
     for finding in found:
         if not chosen or finding.start >= chosen[-1].end:
