@@ -2,8 +2,8 @@
 
 1. GPU-hours at a run's reported MFU (or achieved FLOP/s per GPU) reproduce its reported GPU-hours or
    step time within ±10%: the FLOP count per token and the budget arithmetic are right.
-2. The step-time model (one efficiency per accelerator, no per-case tuning) reproduces published
-   throughput tables: Megatron-LM 2021 within ±15%, FSDP benchmarks within ±30%.
+The step-time model is checked out of sample against the published-runs data file in
+tests/test_plan_calibration.py (a fit checked on its own data would only be a regression check).
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import pytest
 
 from leantrain.plan.budget import SECONDS_PER_DAY, days_for_gpus
 from leantrain.plan.inputs import plan_inputs
-from leantrain.plan.layout import Layout
-from leantrain.plan.timing import step_time
 from leantrain.spec import spec_from_dict
 
 A100, H100 = 312e12, 989.5e12
@@ -105,49 +103,6 @@ def test_megatron_formula_is_ours_with_full_recompute() -> None:
     inputs = inputs_for(gpt(layers, h, 96), seq_len=s)
     megatron = 96 * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
     assert inputs.flops.hardware("full") - 2 * v * h == pytest.approx(megatron, rel=1e-3)
-
-
-# Megatron-LM 2021 Table 1 (Narayanan et al., SC21): params (B), heads, hidden, layers, tp, pp, GPUs, batch,
-# achieved TFLOP/s per GPU (full recompute, A100, seq 2048, vocab 51,200). Micro-batch 1 and 1F1B assumed.
-MEGATRON_TABLE_1 = [
-    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137), (3.6, 32, 3072, 30, 2, 1, 64, 512, 138),
-    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142), (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135),
-    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138), (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140),
-    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148), (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155),
-    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163), (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163),
-]
-
-
-@pytest.mark.parametrize("row", MEGATRON_TABLE_1, ids=[f"{r[0]}B" for r in MEGATRON_TABLE_1])
-def test_step_time_model_matches_megatron_table(row: tuple) -> None:
-    params_b, heads, hidden, layers, tp, pp, gpus, batch, tflops = row
-    spec = spec_from_dict({"model": gpt(layers, hidden, heads), "data": {"tokens_total": 1e12, "seq_len": 2048},
-                           "training": {"global_batch_tokens": batch * 2048},
-                           "hardware": {"accelerator": "A100-80GB"}, "plan": {"dp_overlap": 0.0}})
-    inputs = plan_inputs(spec)
-    assert inputs.shape.total_params() / 1e9 == pytest.approx(params_b, rel=0.04)
-    layout = Layout(dp=gpus // (tp * pp), tp=tp, pp=pp, zero=0, micro_batch=1, recompute="full")
-    predicted = step_time(inputs, layout, sequences_per_step=batch).hfu * A100
-    assert predicted == pytest.approx(tflops * 1e12, rel=0.15)
-
-
-FSDP_BENCHMARKS = [  # (name, model, seq, accelerator, layout, global batch in sequences, reported MFU)
-    ("torchtitan Llama 3 8B, 64 A100, selective AC", LLAMA3_8B, 8192, "A100-80GB",
-     Layout(dp=64, tp=1, pp=1, zero=3, micro_batch=1, recompute="selective"), 64, 0.582),
-    ("torchtitan Llama 3 70B, 64 A100, full AC", LLAMA3_70B, 8192, "A100-80GB",
-     Layout(dp=64, tp=1, pp=1, zero=3, micro_batch=1, recompute="full"), 64, 0.505),
-    ("LLM Foundry MPT-7B, 8 H100", mpt(32, 4096, 32), 2048, "H100-SXM",
-     Layout(dp=8, tp=1, pp=1, zero=3, micro_batch=6, recompute="none"), 48, 0.4644),
-    ("LLM Foundry MPT-70B, 64 H100, AC", mpt(80, 8192, 64), 2048, "H100-SXM",
-     Layout(dp=64, tp=1, pp=1, zero=3, micro_batch=8, recompute="full"), 2048, 0.4257),
-]
-
-
-@pytest.mark.parametrize("case", FSDP_BENCHMARKS, ids=[c[0] for c in FSDP_BENCHMARKS])
-def test_step_time_model_near_fsdp_benchmarks(case: tuple) -> None:
-    _, model, seq, accelerator, layout, gbs, mfu = case
-    inputs = inputs_for(model, seq_len=seq, accelerator=accelerator, gbs_seqs=gbs)
-    assert step_time(inputs, layout, sequences_per_step=gbs).mfu == pytest.approx(mfu, rel=0.30)
 
 
 def test_days_follow_gpu_count() -> None:
