@@ -1,13 +1,16 @@
-"""Near-duplicate detection: precision and recall on planted ≥ 0.85-Jaccard copies (English and Chinese)."""
+"""Near-duplicate detection: precision and recall on planted ≥ 0.85-Jaccard copies (English and Chinese),
+out of core across shards, and the same decisions when the merge holds only a tiny bucket in memory."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 
 from leantrain.data.clean import text_stats
-from leantrain.data.dedup import MinHasher, NearDeduplicator, detection_probability, exact_key, s_curve
+from leantrain.data.clusters import EXACT_DUP, KEEP, NEAR_DUP, deduplicate
+from leantrain.data.dedup import MinHasher, detection_probability, exact_key, s_curve
 from leantrain.spec.schema import DedupSpec
 
 ZH_CHARS = ("的一是在不了有和人这中大为上个国我以要他时来用们生到作地于出"
@@ -63,22 +66,49 @@ def _corpus(rng: random.Random) -> tuple[list[str], set[int], list[bool]]:
     return docs, planted, cjk
 
 
-def test_near_dedup_precision_and_recall() -> None:
+def test_near_dedup_precision_and_recall_across_shards(tmp_path: Path) -> None:
     docs, planted, _ = _corpus(random.Random(5))
-    dedup = NearDeduplicator(DedupSpec())
-    flagged = {i for i, text in enumerate(docs) if dedup.check_and_add(text_stats(text)) is not None}
+    decisions, _ = deduplicate(docs, spec=DedupSpec(), work=tmp_path, shard_docs=97)  # 5 shards
+    flagged = set(np.flatnonzero(decisions != KEEP).tolist())
     true_positive = len(flagged & planted)
     precision = true_positive / max(len(flagged), 1)
     recall = true_positive / len(planted)
-    assert precision >= 0.95 and recall >= 0.95, (precision, recall, sorted(flagged - planted))
+    assert recall == 1.0 and precision >= 0.95, (precision, recall, sorted(flagged - planted))
+    assert set(np.flatnonzero(decisions == NEAR_DUP).tolist()) == flagged  # no exact copies planted
 
 
-def test_without_verification_the_s_curve_shows() -> None:
+def test_a_tiny_bucket_limit_spills_into_many_steps_with_the_same_decisions(tmp_path: Path) -> None:
+    docs, _, _ = _corpus(random.Random(7))
+    docs += docs[:30]  # exact copies too
+    reference, steps = deduplicate(docs, spec=DedupSpec(), work=tmp_path / "big", shard_docs=50)
+    assert len(steps) == 15  # one hash range per space: exact + 14 bands
+    tiny = DedupSpec(bucket_records=40)
+    decisions, steps = deduplicate(docs, spec=tiny, work=tmp_path / "tiny", shard_docs=50)
+    assert len(steps) == 15 * int(np.ceil(len(docs) / 40))
+    # each step held about bucket_records records (hash ranges are even, the hashes uniform)
+    assert max(s["records"] for s in steps) <= 3 * tiny.bucket_records
+    assert np.array_equal(decisions, reference)
+    assert (decisions[-30:] == EXACT_DUP).all()
+
+
+def test_without_verification_the_s_curve_shows(tmp_path: Path) -> None:
     spec = DedupSpec(num_bands=20, rows_per_band=2, verify_jaccard=0.0)  # low threshold ≈ 0.22
-    dedup = NearDeduplicator(spec)
     docs, _, _ = _corpus(random.Random(6))
-    flagged = sum(dedup.check_and_add(text_stats(t)) is not None for t in docs)
-    assert flagged > 120  # the ≈0.3-Jaccard hard negatives are now caught as well
+    decisions, _ = deduplicate(docs, spec=spec, work=tmp_path)
+    assert int((decisions != KEEP).sum()) > 120  # the ≈0.3-Jaccard hard negatives are now caught as well
+
+
+def test_clusters_keep_the_first_in_input_order(tmp_path: Path) -> None:
+    rng = random.Random(9)
+    base = [f"w{rng.randint(0, 10**6)}" for _ in range(300)]
+    chain = [" ".join(base)]
+    for _ in range(3):  # each a near copy of the one before
+        words = chain[-1].split()
+        words[rng.randrange(len(words))] = f"x{rng.randint(0, 10**6)}"
+        chain.append(" ".join(words))
+    other = " ".join(f"o{rng.randint(0, 10**6)}" for _ in range(300))
+    decisions, _ = deduplicate([other, *reversed(chain)], spec=DedupSpec(), work=tmp_path, shard_docs=2)
+    assert decisions.tolist() == [KEEP, KEEP, NEAR_DUP, NEAR_DUP, NEAR_DUP]
 
 
 def test_minhash_estimates_jaccard() -> None:

@@ -12,7 +12,7 @@ Band edges are verified: the two MinHash signatures (read back by memory map) mu
 Resolution: a document with an exact-key edge from an earlier one is an exact duplicate; the verified
 band edges are joined into clusters (connected components, vectorised union-find), and every document
 but the first of its cluster in input order is a near duplicate. Memory here grows with the number of
-duplicate edges, not with the corpus. The decision is written per task as `keep.npy` (0 keep, 1 exact
+duplicate edges, not with the corpus. The decision is written per shard folder as `keep.npy` (0 keep, 1 exact
 duplicate, 2 near duplicate).
 """
 
@@ -20,17 +20,36 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Iterable
 from dataclasses import dataclass
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from leantrain.data.tasks import EXACT_DUP, KEEP, NEAR_DUP, InputTask, task_dir
+from leantrain.data.dedup import band_hashes
 from leantrain.spec.schema import DedupSpec
 
 HASH_SPACE = 1 << 64
 VERIFY_BLOCK_EDGES = 1 << 16
+KEEP, EXACT_DUP, NEAR_DUP = 0, 1, 2
+
+
+def write_hashes(out: Path, *, keys: list[bytes], signatures: list[np.ndarray], spec: DedupSpec) -> None:
+    """One shard's hash files: exact keys sorted (`exact_keys.npy` + `exact_docs.npy`), the signatures
+    (`sigs.npy`), and per band the band hashes sorted (`bands.npy` (bands, n) + `band_docs.npy`)."""
+    key_array = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2).astype(np.uint64)
+    order = np.lexsort((key_array[:, 1], key_array[:, 0]))
+    np.save(out / "exact_keys.npy", key_array[order])
+    np.save(out / "exact_docs.npy", order.astype(np.uint32))
+    bands, rows = spec.num_bands, spec.rows_per_band
+    sigs = np.stack(signatures) if signatures else np.zeros((0, bands * rows), dtype=np.uint32)
+    np.save(out / "sigs.npy", sigs)
+    hashes = band_hashes(sigs, bands=bands, rows=rows).T  # (bands, n)
+    band_order = np.argsort(hashes, axis=1, kind="stable")
+    np.save(out / "bands.npy", np.take_along_axis(hashes, band_order, axis=1))
+    np.save(out / "band_docs.npy", band_order.astype(np.uint32))
 
 
 @dataclass(frozen=True)
@@ -61,14 +80,12 @@ def _slice(sorted_hashes: np.ndarray, lo: int, hi: int) -> tuple[int, int]:
     return start, end
 
 
-def _gather(step: MergeStep, tasks: list[InputTask], offsets: np.ndarray, work: Path
-            ) -> tuple[list[np.ndarray], np.ndarray]:
+def _gather(step: MergeStep, folders: list[Path], offsets: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
     """The records of every task inside the step's range: sort columns (most significant first) and doc ids."""
     columns: list[list[np.ndarray]] = []
     docs: list[np.ndarray] = []
-    for task in tasks:
-        folder = task_dir(work, task)
-        if offsets[task.index + 1] == offsets[task.index]:
+    for index, folder in enumerate(folders):
+        if offsets[index + 1] == offsets[index]:
             continue
         if step.space == "exact":
             keys = np.load(folder / "exact_keys.npy", mmap_mode="r")  # (n, 2) sorted
@@ -81,7 +98,7 @@ def _gather(step: MergeStep, tasks: list[InputTask], offsets: np.ndarray, work: 
             start, end = _slice(hashes, step.lo, step.hi)
             columns.append([np.array(hashes[start:end])])
             local = np.load(folder / "band_docs.npy", mmap_mode="r")[band, start:end]
-        docs.append(offsets[task.index] + np.asarray(local, dtype=np.int64))
+        docs.append(offsets[index] + np.asarray(local, dtype=np.int64))
     if not docs:
         width = 2 if step.space == "exact" else 1
         return [np.zeros(0, dtype=np.uint64)] * width, np.zeros(0, dtype=np.int64)
@@ -103,11 +120,11 @@ def _run_edges(columns: list[np.ndarray], docs: np.ndarray) -> np.ndarray:
     return np.stack([first[~new_run], docs[~new_run]], axis=1)
 
 
-def _signatures(docs: np.ndarray, tasks: list[InputTask], offsets: np.ndarray, work: Path) -> np.ndarray:
+def _signatures(docs: np.ndarray, folders: list[Path], offsets: np.ndarray) -> np.ndarray:
     owner = np.searchsorted(offsets, docs, side="right") - 1
     out: np.ndarray | None = None
     for index in np.unique(owner):
-        sigs = np.load(task_dir(work, tasks[index]) / "sigs.npy", mmap_mode="r")
+        sigs = np.load(folders[index] / "sigs.npy", mmap_mode="r")
         if out is None:
             out = np.empty((len(docs), sigs.shape[1]), dtype=np.uint32)
         mask = owner == index
@@ -116,24 +133,23 @@ def _signatures(docs: np.ndarray, tasks: list[InputTask], offsets: np.ndarray, w
     return out
 
 
-def merge_step(step: MergeStep, tasks: list[InputTask], offsets: np.ndarray, work: Path, spec: DedupSpec
+def merge_step(step: MergeStep, folders: list[Path], offsets: np.ndarray, out_dir: Path, spec: DedupSpec
                ) -> dict[str, Any]:
-    """Edges of one hash range, verified for bands; written to `_work/dedup/<space>_<n>.npy`."""
-    out_dir = work / "dedup"
+    """Edges of one hash range, verified for bands; written to `out_dir/<space>_<n>.npy`."""
     final = out_dir / step.file_name
     if final.is_file():
         edges = np.load(final)
         return {"records": -1, "edges": len(edges), "candidates": -1, "rejected": -1}
     out_dir.mkdir(parents=True, exist_ok=True)
-    columns, docs = _gather(step, tasks, offsets, work)
+    columns, docs = _gather(step, folders, offsets)
     edges = _run_edges(columns, docs)
     candidates, rejected = len(edges), 0
     if step.space != "exact" and len(edges) and spec.verify_jaccard > 0:
         kept = []
         for i in range(0, len(edges), VERIFY_BLOCK_EDGES):
             block = edges[i : i + VERIFY_BLOCK_EDGES]
-            left = _signatures(block[:, 0], tasks, offsets, work)
-            right = _signatures(block[:, 1], tasks, offsets, work)
+            left = _signatures(block[:, 0], folders, offsets)
+            right = _signatures(block[:, 1], folders, offsets)
             kept.append(block[np.mean(left == right, axis=1) >= spec.verify_jaccard])
         edges = np.concatenate(kept)
         rejected = candidates - len(edges)
@@ -162,22 +178,57 @@ def _components(edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return nodes, nodes[label]
 
 
-def resolve(steps: list[MergeStep], tasks: list[InputTask], offsets: np.ndarray, work: Path) -> dict[str, int]:
-    """Write every task's `keep.npy` from the merged edges; returns duplicate counts."""
+def resolve(steps: list[MergeStep], folders: list[Path], offsets: np.ndarray, edge_dir: Path) -> dict[str, int]:
+    """Write every shard's `keep.npy` from the merged edges; returns duplicate counts."""
     def load(prefix: str) -> np.ndarray:
-        parts = [np.load(work / "dedup" / s.file_name) for s in steps if s.space.startswith(prefix)]
+        parts = [np.load(edge_dir / s.file_name) for s in steps if s.space.startswith(prefix)]
         return np.concatenate(parts) if parts else np.zeros((0, 2), dtype=np.int64)
 
     exact_dups = np.unique(load("exact")[:, 1])
     nodes, roots = _components(load("band"))
     near_dups = np.setdiff1d(nodes[roots != nodes], exact_dups)
-    for task in tasks:
-        lo, hi = int(offsets[task.index]), int(offsets[task.index + 1])
+    for index, folder in enumerate(folders):
+        lo, hi = int(offsets[index]), int(offsets[index + 1])
         decision = np.full(hi - lo, KEEP, dtype=np.uint8)
         for dups, code in ((exact_dups, EXACT_DUP), (near_dups, NEAR_DUP)):  # both sorted
             mine = dups[np.searchsorted(dups, lo) : np.searchsorted(dups, hi)]
             decision[mine - lo] = code
-        tmp = task_dir(work, task) / "keep.tmp.npy"
+        tmp = folder / "keep.tmp.npy"
         np.save(tmp, decision)
-        os.replace(tmp, task_dir(work, task) / "keep.npy")
+        os.replace(tmp, folder / "keep.npy")
     return {"exact_duplicates": len(exact_dups), "near_duplicates": len(near_dups)}
+
+
+def deduplicate(texts: Iterable[str], *, spec: DedupSpec, work: Path, shard_docs: int = 100_000
+                ) -> tuple[np.ndarray, list[dict[str, Any]]]:
+    """Exact + near dedup of a stream of texts, out of core, in this process (the pipeline runs the same
+    steps as parallel tasks): texts are hashed `shard_docs` at a time into shard folders under `work`,
+    merged hash range by hash range, and resolved. Returns the decision per text (KEEP, EXACT_DUP,
+    NEAR_DUP) and the merge steps' counters (records held, edges, candidates, rejected)."""
+    from leantrain.data.clean import text_stats
+    from leantrain.data.dedup import MinHasher, exact_key
+
+    hasher = MinHasher(num_perm=spec.num_bands * spec.rows_per_band, seed=spec.seed,
+                       shingle_words=spec.shingle_words, shingle_chars=spec.shingle_chars)
+    folders: list[Path] = []
+    counts = [0]
+    iterator = iter(texts)
+    while True:
+        keys: list[bytes] = []
+        signatures: list[np.ndarray] = []
+        for text in islice(iterator, shard_docs):
+            stats = text_stats(text)
+            keys.append(exact_key(stats))
+            signatures.append(hasher.signature(hasher.shingles(stats.words, cjk=stats.cjk_share >= 0.5)))
+        if not keys:
+            break
+        folders.append(work / f"shard{len(folders):06d}")
+        folders[-1].mkdir(parents=True, exist_ok=True)
+        write_hashes(folders[-1], keys=keys, signatures=signatures, spec=spec)
+        counts.append(counts[-1] + len(keys))
+    offsets = np.asarray(counts, dtype=np.int64)
+    steps = plan_merges(spec, num_records=int(offsets[-1]))
+    merged = [merge_step(step, folders, offsets, work / "edges", spec) for step in steps]
+    resolve(steps, folders, offsets, work / "edges")
+    decisions = [np.load(folder / "keep.npy") for folder in folders]
+    return (np.concatenate(decisions) if decisions else np.zeros(0, dtype=np.uint8)), merged

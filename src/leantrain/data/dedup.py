@@ -6,22 +6,21 @@ Near duplicates (Broder 1997; Leskovec et al., Mining of Massive Datasets ch. 3)
 - Signature: k = bands × rows MinHash values. Each shingle is hashed once to 64 bits (token hashes from
   blake2b, combined polynomially in numpy); permutation i is the multiply-shift hash
   h_i(x) = ((a_i·x + b_i) mod 2^64) >> 32 with odd a_i. All of it is vectorised: no per-shingle Python.
-- LSH: a document is a candidate duplicate of an earlier kept one when all `rows` values of any band agree;
-  P(candidate | Jaccard s) = 1 − (1 − s^r)^b. Optionally the candidate is confirmed when the signatures
-  agree on at least `verify_jaccard` of the k values (an unbiased estimate of Jaccard), which removes
-  most of the S-curve's false positives below the threshold.
-The first occurrence is kept (documents arrive in a fixed order), so the result is deterministic.
+- LSH: two documents are candidates when all `rows` values of any band agree (each band is hashed to 64
+  bits, `band_hashes`); P(candidate | Jaccard s) = 1 − (1 − s^r)^b. A candidate is confirmed when the
+  signatures agree on at least `verify_jaccard` of the k values (an unbiased estimate of Jaccard), which
+  removes most of the S-curve's false positives below the threshold.
+Finding the candidates across a corpus, out of core, and keeping the first of each cluster in input
+order is clusters.py.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections import defaultdict
 
 import numpy as np
 
 from leantrain.data.clean import WORD_RE, TextStats
-from leantrain.spec.schema import DedupSpec
 
 _POLY = np.uint64(0x9E3779B97F4A7C15)  # odd 64-bit multiplier (golden ratio) for combining token hashes
 
@@ -96,38 +95,3 @@ def band_hashes(signatures: np.ndarray, *, bands: int, rows: int) -> np.ndarray:
     for j in range(rows):
         combined = (combined ^ grouped[:, :, j]) * _POLY
     return combined ^ (combined >> np.uint64(29))
-
-
-class NearDeduplicator:
-    """Greedy near-duplicate filter over a stream: keeps a document unless it matches an earlier kept one."""
-
-    def __init__(self, spec: DedupSpec) -> None:
-        self.bands, self.rows = spec.num_bands, spec.rows_per_band
-        self.verify = spec.verify_jaccard
-        self.hasher = MinHasher(num_perm=self.bands * self.rows, seed=spec.seed,
-                                shingle_words=spec.shingle_words, shingle_chars=spec.shingle_chars)
-        self._tables: list[dict[bytes, list[int]]] = [defaultdict(list) for _ in range(self.bands)]
-        self._signatures: list[np.ndarray] = []
-        self.num_candidates = 0
-        self.num_rejected_by_verify = 0
-
-    def check_and_add(self, stats: TextStats) -> int | None:
-        """Index (in kept order) of the earlier document this one duplicates, else None (and it is kept)."""
-        signature = self.hasher.signature(self.hasher.shingles(stats.words, cjk=stats.cjk_share >= 0.5))
-        keys = [signature[i * self.rows : (i + 1) * self.rows].tobytes() for i in range(self.bands)]
-        seen: set[int] = set()
-        for table, key in zip(self._tables, keys, strict=True):
-            for other in table.get(key, ()):
-                if other in seen:
-                    continue
-                seen.add(other)
-                self.num_candidates += 1
-                agreement = float(np.mean(self._signatures[other] == signature))
-                if agreement >= self.verify:
-                    return other
-                self.num_rejected_by_verify += 1
-        index = len(self._signatures)
-        self._signatures.append(signature)
-        for table, key in zip(self._tables, keys, strict=True):
-            table[key].append(index)
-        return None

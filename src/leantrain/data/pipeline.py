@@ -146,9 +146,10 @@ def _dedup_stage(spec: DataSpec, *, executor: Executor, progress: StageProgress,
     if done is not None:
         return done
     steps = plan_merges(spec.dedup, num_records=int(offsets[-1]))
-    merged = _run_stage(executor, progress, "dedup merge", merge_step, steps, (tasks, offsets, work, spec.dedup),
-                        sizes=[1] * len(steps), docs=lambda r: 0)
-    counts = resolve(steps, tasks, offsets, work)
+    folders = [task_dir(work, t) for t in tasks]
+    merged = _run_stage(executor, progress, "dedup merge", merge_step, steps,
+                        (folders, offsets, work / "dedup", spec.dedup), sizes=[1] * len(steps), docs=lambda r: 0)
+    counts = resolve(steps, folders, offsets, work / "dedup")
     band_steps = [m for s, m in zip(steps, merged, strict=True) if s.space != "exact"]
     result = {"exact": spec.dedup.exact, "near": spec.dedup.near, "bands": spec.dedup.num_bands,
               "rows": spec.dedup.rows_per_band, "verify_jaccard": spec.dedup.verify_jaccard,

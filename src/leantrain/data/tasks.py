@@ -32,7 +32,8 @@ from typing import Any
 import numpy as np
 
 from leantrain.data.clean import normalize, quality_problem, text_stats
-from leantrain.data.dedup import MinHasher, band_hashes, exact_key
+from leantrain.data.clusters import KEEP, write_hashes
+from leantrain.data.dedup import MinHasher, exact_key
 from leantrain.data.inputs import BadInputError, file_size
 from leantrain.data.layout import SPLITS
 from leantrain.data.pii import PIIRedactor
@@ -43,7 +44,6 @@ from leantrain.spec.schema import DataSource, DataSpec
 CLEAN_DONE = "clean.json"
 ENCODE_DONE = "encode.json"
 ENCODE_BATCH_DOCS = 512
-KEEP, EXACT_DUP, NEAR_DUP = 0, 1, 2
 
 
 @dataclass(frozen=True)
@@ -114,7 +114,7 @@ def clean_task(task: InputTask, spec: DataSpec, work: Path, salt: bytes) -> dict
             docs.seek(0)
             docs.truncate()
     os.replace(out / "docs.jsonl.tmp", out / "docs.jsonl")
-    _write_hashes(out, keys=keys, signatures=signatures, spec=spec)
+    write_hashes(out, keys=keys, signatures=signatures, spec=spec.dedup)
     result = {**counts, "drops": dict(counts["drops"]), "candidates": len(keys), "files": read.files,
               "bytes_read": read.bytes_read, "read_problems": dict(read.problems), "read_examples": read.examples}
     atomic_write_bytes(out / CLEAN_DONE, json.dumps(result).encode())
@@ -146,20 +146,6 @@ def _candidate(text: str, *, spec: DataSpec, counts: dict[str, Any], hasher: Min
         pii = dict(redactor.counts - before)
         audit = [[r["type"], r["start"], r["end"], r["value_sha256"]] for r in rows]
     return {"split": split, "text": cleaned, "pii": pii, "audit": audit}
-
-
-def _write_hashes(out: Path, *, keys: list[bytes], signatures: list[np.ndarray], spec: DataSpec) -> None:
-    key_array = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2).astype(np.uint64)
-    order = np.lexsort((key_array[:, 1], key_array[:, 0]))
-    np.save(out / "exact_keys.npy", key_array[order])
-    np.save(out / "exact_docs.npy", order.astype(np.uint32))
-    bands, rows = spec.dedup.num_bands, spec.dedup.rows_per_band
-    sigs = np.stack(signatures) if signatures else np.zeros((0, bands * rows), dtype=np.uint32)
-    np.save(out / "sigs.npy", sigs)
-    hashes = band_hashes(sigs, bands=bands, rows=rows).T  # (bands, n)
-    order = np.argsort(hashes, axis=1, kind="stable").astype(np.uint32)
-    np.save(out / "bands.npy", np.take_along_axis(hashes, order.astype(np.int64), axis=1))
-    np.save(out / "band_docs.npy", order)
 
 
 def encode_task(task: InputTask, work: Path, tokenizer_path: Path, eos_id: int, dtype: str) -> dict[str, Any]:
