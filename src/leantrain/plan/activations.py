@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
 from leantrain.plan.flops import Recompute
 from leantrain.plan.layout import Layout
@@ -132,7 +133,17 @@ def layer_activation_bytes(terms: ActivationTerms, *, tokens: int, tp: int, sp: 
     return tokens * (replicated + sharded / tp)
 
 
+@lru_cache(maxsize=1024)
+def _stage_layers(n_layers: int, pp: int) -> tuple[int, ...]:
+    return tuple(stage_layers_list(n_layers, pp))
+
+
 def stage_layers(n_layers: int, pp: int) -> list[int]:
+    """Layers per pipeline stage (see `stage_layers_list`), cached."""
+    return list(_stage_layers(n_layers, pp))
+
+
+def stage_layers_list(n_layers: int, pp: int) -> list[int]:
     """Layers per pipeline stage. When pp does not divide the layer count, the missing layers come off the
     first and the last stage first (they also hold the embedding and the loss; Llama 3 report §3.3.2 took one
     layer each off its first and last stage), then off their neighbours, alternating."""

@@ -23,6 +23,7 @@ Conventions (docs/plan.md has the derivations; activation terms in plan/activati
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from leantrain.plan.activations import (
     activation_terms,
@@ -80,7 +81,12 @@ class StageParams:
 def stage_params(shape: ModelShape, layout: Layout, *, layers: int, first: bool, last: bool,
                  first_layer: int = 0) -> StageParams:
     """Parameters on one pipeline stage of `layers` blocks starting at block `first_layer`."""
-    tp = layout.tp
+    return _stage_params(shape, layout.tp, layout.ep, layout.pp > 1, layers, first, last, first_layer)
+
+
+@lru_cache(maxsize=8192)
+def _stage_params(shape: ModelShape, tp: int, ep: int, pipelined: bool, layers: int, first: bool, last: bool,
+                  first_layer: int) -> StageParams:
     dense_in_stage = max(0, min(layers, shape.num_dense_layers - first_layer))
     moe_layers = layers - dense_in_stage if shape.moe is not None else 0
     dense_layers = layers - moe_layers
@@ -93,12 +99,12 @@ def stage_params(shape: ModelShape, layout: Layout, *, layers: int, first: bool,
         m = shape.moe
         per_expert = 3 * shape.d_model * m.expert_hidden
         non_routed = attn_and_norms + shape.d_model * m.num_experts + m.num_shared_experts * per_expert / tp
-        routed = m.num_experts * per_expert / (layout.ep * tp)
+        routed = m.num_experts * per_expert / (ep * tp)
         dense += moe_layers * non_routed
         experts = moe_layers * routed
         largest_unit = max(largest_unit, non_routed + routed)
     table = shape.vocab_size * shape.d_model / tp
-    tables = (first + (last and not shape.tie_embeddings)) if layout.pp > 1 else (2 - shape.tie_embeddings)
+    tables = (first + (last and not shape.tie_embeddings)) if pipelined else (2 - shape.tie_embeddings)
     dense += tables * table + (shape.d_model if last else 0)
     return StageParams(dense=dense, experts=experts, largest_unit=max(largest_unit, table if tables else 0.0))
 
@@ -153,11 +159,13 @@ def _adapter_states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, shar
     return params, grads, optimizer, gather
 
 
-def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first_layer: int, stage: int,
-                       last: bool, num_microbatches: int) -> tuple[float, float]:
-    """(activations, logits buffer) of one stage at its peak."""
+@lru_cache(maxsize=8192)
+def _per_microbatch(inputs: PlanInputs, *, layers: int, first_layer: int, tp: int, sp: bool, recompute: str,
+                    micro_batch: int) -> tuple[float, float]:
+    """(bytes the stage's layers keep per micro-batch, one layer rebuilt under full recompute); cached, as
+    the search asks for the same stage shape many times."""
     shape = inputs.shape
-    tokens = layout.micro_batch * inputs.seq_len
+    tokens = micro_batch * inputs.seq_len
     dense_in_stage = max(0, min(layers, shape.num_dense_layers - first_layer))
     moe_layers = layers - dense_in_stage if shape.moe is not None else 0
     per_microbatch = 0.0
@@ -168,13 +176,23 @@ def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first
         terms = activation_terms(shape, seq_len=inputs.seq_len, act_bytes=inputs.act_bytes,
                                  flash=inputs.flash_attention, moe_layer=is_moe, fused=inputs.fused_kernels,
                                  linear_bytes=inputs.linear_input_bytes)
-        kw = {"tokens": tokens, "tp": layout.tp, "sp": layout.sp, "act_bytes": inputs.act_bytes,
-              "d_model": shape.d_model}
-        per_microbatch += count * layer_activation_bytes(terms, recompute=layout.recompute, **kw)
-        if layout.recompute == "full":  # backward rebuilds one layer's full activations at a time
+        kw = {"tokens": tokens, "tp": tp, "sp": sp, "act_bytes": inputs.act_bytes, "d_model": shape.d_model}
+        per_microbatch += count * layer_activation_bytes(terms, recompute=recompute, **kw)  # type: ignore[arg-type]
+        if recompute == "full":  # backward rebuilds one layer's full activations at a time
             one_layer_full = max(one_layer_full, layer_activation_bytes(terms, recompute="none", **kw))
     if not inputs.trains_base or inputs.lora_rank:
-        per_microbatch += layers * adapter_activation_bytes(inputs, tokens=tokens, tp=layout.tp)
+        per_microbatch += layers * adapter_activation_bytes(inputs, tokens=tokens, tp=tp)
+    return per_microbatch, one_layer_full
+
+
+def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first_layer: int, stage: int,
+                       last: bool, num_microbatches: int) -> tuple[float, float]:
+    """(activations, logits buffer) of one stage at its peak."""
+    shape = inputs.shape
+    tokens = layout.micro_batch * inputs.seq_len
+    per_microbatch, one_layer_full = _per_microbatch(
+        inputs, layers=layers, first_layer=first_layer, tp=layout.tp, sp=layout.sp, recompute=layout.recompute,
+        micro_batch=layout.micro_batch)
     held = per_microbatch * in_flight_microbatches(layout, num_microbatches, stage=stage)
     if not last:
         return held + one_layer_full, 0.0

@@ -2,11 +2,12 @@
 what does not fit (keeping the reason), rank the rest by predicted tokens/s, and say what would fit when
 nothing does.
 
-Candidates: tp divides the GPUs per node and the head, KV-head and FFN sizes (Megatron's rule: TP stays on
-NVLink); pp divides GPUs / tp and is at most the layer count (uneven last stages allowed); interleaving
-v ∈ {1, 2} when each chunk keeps a layer; ep divides dp and the expert count; micro-batch 1, 2, 4, ... up
-to `plan.max_micro_batch` and the sequences one replica gets; HSDP (shards inside a node, replicas across
-nodes) is tried for ZeRO-3 when dp spans nodes.
+Candidates: tp divides the GPUs per node and the query heads (KV heads split or replicated, the FFN padded
+to a multiple of tp; Megatron's rule: TP stays on NVLink); pp divides GPUs / tp and is at most the layer
+count (uneven stages allowed); interleaving v ∈ {1, 2, 4, ...} and the most the layers allow (pp·v ≤ layers);
+ep divides dp and the expert count; micro-batch 1, 2, 4, ... up to `plan.max_micro_batch` and the sequences
+one replica gets; ZeRO-2 and -3, HSDP (shards inside a node, replicas across nodes) for ZeRO-3 when dp spans
+nodes; recompute none → selective → full, stopping at the first that fits.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from leantrain.plan.memory import MemoryBreakdown, memory_per_gpu
 from leantrain.plan.timing import StepTime, step_time
 
 RECOMPUTE: tuple[Recompute, ...] = ("none", "selective", "full")
-ZERO_LEVELS = (0, 1, 2, 3)
 
 
 @dataclass(frozen=True)
@@ -50,6 +50,17 @@ class SearchResult:
     rejected: dict[str, int] = field(default_factory=dict)
     smallest: Candidate | None = None  # the least memory-hungry layout (reported when nothing fits)
     suggestions: list[str] = field(default_factory=list)
+    num_fitting: int = 0
+    all_fitting: list[Candidate] = field(default_factory=list, repr=False)  # ranked, best first
+
+    def rank_of(self, layout: Layout) -> int | None:
+        """1-based rank of a layout among the fitting ones, whatever recompute policy its group settled on
+        (None when it was not a candidate or does not fit). ZeRO-0/1 are ranked as ZeRO-2 (same time)."""
+        zero = 2 if layout.zero in (0, 1) and layout.dp > 1 else layout.zero
+        for i, cand in enumerate(self.all_fitting, start=1):
+            if replace(layout, zero=zero, recompute=cand.layout.recompute) == cand.layout:
+                return i
+        return None
 
     @property
     def best(self) -> Candidate | None:
@@ -65,17 +76,34 @@ def _powers_of_two(limit: int) -> list[int]:
     return [2**i for i in range(int(math.log2(max(1, limit))) + 1)]
 
 
+def _tp_degrees(inputs: PlanInputs, num_gpus: int) -> list[int]:
+    """tp stays inside a node and divides the query heads; KV heads are split or replicated (tp a multiple
+    of them); the FFN need not divide: it is padded up to a multiple of tp, as Megatron pads the vocabulary."""
+    shape = inputs.shape
+    return [t for t in _divisors(min(inputs.gpus_per_node, num_gpus))
+            if num_gpus % t == 0 and shape.n_heads % t == 0
+            and (shape.n_kv_heads % t == 0 or t % shape.n_kv_heads == 0)]
+
+
+def _virtual_stages(n_layers: int, pp: int) -> list[int]:
+    """Chunks per pipeline rank: 1, powers of two, and the most the layers allow (pp · v ≤ layers)."""
+    if pp == 1:
+        return [1]
+    most = n_layers // pp
+    return sorted({v for v in (*_powers_of_two(most), most) if 1 <= v <= most})
+
+
 def candidate_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int,
-                      skipped: dict[str, int] | None = None) -> list[Layout]:
-    """Every layout the search evaluates for `num_gpus`; (tp, pp) pairs dropped before evaluation are
-    counted in `skipped` by reason."""
+                      skipped: dict[str, int] | None = None) -> list[list[Layout]]:
+    """Every layout the search evaluates for `num_gpus`, in groups that differ only in the recompute policy
+    (cheapest first); (tp, pp) pairs dropped before evaluation are counted in `skipped` by reason.
+
+    ZeRO-0 and -1 are not listed where ZeRO-2 is possible: in this model they move the same bytes as ZeRO-2
+    (one gradient all-reduce) and hold more, so they can never rank above it."""
     shape = inputs.shape
     seqs = sequences_per_step(inputs)
-    tps = [t for t in _divisors(min(inputs.gpus_per_node, num_gpus))
-           if num_gpus % t == 0 and shape.n_heads % t == 0 and shape.n_kv_heads % t == 0
-           and shape.ffn_hidden % t == 0]
-    layouts: list[Layout] = []
-    for tp in tps:
+    groups: list[list[Layout]] = []
+    for tp in _tp_degrees(inputs, num_gpus):
         for pp in _divisors(num_gpus // tp):
             if pp > shape.n_layers:
                 break
@@ -87,26 +115,24 @@ def candidate_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int
                 continue
             per_replica = math.ceil(seqs / dp)
             micro_batches = [b for b in _powers_of_two(max_micro_batch) if b <= per_replica] or [1]
-            vs = [1, 2] if pp > 1 and shape.n_layers >= 2 * pp else [1]
             eps = [1]
             if shape.moe is not None:
                 eps = [e for e in _divisors(dp) if shape.moe.num_experts % e == 0]
+            zeros = [0] if dp == 1 else [2, 3]
             for ep in eps:
-                for v in vs:
+                for v in _virtual_stages(shape.n_layers, pp):
                     for mb in micro_batches:
-                        for recompute in RECOMPUTE:
-                            for zero in ZERO_LEVELS:
-                                if dp == 1 and zero > 0:
-                                    continue
-                                base = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, micro_batch=mb,
-                                              recompute=recompute, virtual_stages=v,
-                                              schedule="interleaved_1f1b" if v > 1 else "1f1b")
-                                layouts.append(base)
-                                hsdp_shard = max(1, inputs.gpus_per_node // tp)
-                                if (zero == 3 and 1 < hsdp_shard < dp and dp % hsdp_shard == 0
-                                        and hsdp_shard % ep == 0):
-                                    layouts.append(replace(base, dp_replicate=dp // hsdp_shard))
-    return layouts
+                        for zero in zeros:
+                            base = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, micro_batch=mb, virtual_stages=v,
+                                          schedule="interleaved_1f1b" if v > 1 else "1f1b")
+                            variants = [base]
+                            hsdp_shard = max(1, inputs.gpus_per_node // tp)
+                            if (zero == 3 and 1 < hsdp_shard < dp and dp % hsdp_shard == 0
+                                    and hsdp_shard % ep == 0):
+                                variants.append(replace(base, dp_replicate=dp // hsdp_shard))
+                            for variant in variants:
+                                groups.append([replace(variant, recompute=r) for r in RECOMPUTE])
+    return groups
 
 
 def evaluate(inputs: PlanInputs, layout: Layout) -> Candidate:
@@ -117,8 +143,7 @@ def evaluate(inputs: PlanInputs, layout: Layout) -> Candidate:
                      time=step_time(inputs, layout, sequences_per_step=seqs))
 
 
-def _reject_reason(c: Candidate) -> str:
-    mem = c.memory
+def _reject_reason(mem: MemoryBreakdown) -> str:
     parts = {"params+grads+optimizer": mem.params + mem.grads + mem.optimizer, "activations": mem.activations,
              "buffers": mem.buffers}
     worst = max(parts, key=lambda k: parts[k])
@@ -127,23 +152,34 @@ def _reject_reason(c: Candidate) -> str:
 
 def search_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int = 8, top_k: int = 5,
                    suggest: bool = True) -> SearchResult:
-    """Rank fitting layouts for `num_gpus` by predicted tokens/s (ties: more headroom)."""
+    """Rank fitting layouts for `num_gpus` by predicted tokens/s (ties: more headroom).
+
+    Within a group that differs only in recompute, recomputing more never runs faster, so the first policy
+    that fits (none → selective → full) is the group's only candidate worth ranking."""
     fitting: list[Candidate] = []
     rejected: dict[str, int] = {}
-    smallest: Candidate | None = None
-    layouts = candidate_layouts(inputs, num_gpus, max_micro_batch=max_micro_batch, skipped=rejected)
-    for layout in layouts:
-        cand = evaluate(inputs, layout)
-        if cand.memory.fits:
-            fitting.append(cand)
-        else:
-            reason = _reject_reason(cand)
+    leanest: tuple[Layout, MemoryBreakdown] | None = None
+    evaluated = 0
+    seqs = sequences_per_step(inputs)
+    groups = candidate_layouts(inputs, num_gpus, max_micro_batch=max_micro_batch, skipped=rejected)
+    for group in groups:
+        m = group[0].num_microbatches(seqs)
+        for layout in group:
+            mem = memory_per_gpu(inputs, layout, num_microbatches=m)
+            evaluated += 1
+            if leanest is None or mem.total < leanest[1].total:
+                leanest = (layout, mem)
+            if mem.fits:  # step time only for layouts that fit
+                fitting.append(Candidate(layout=layout, memory=mem,
+                                         time=step_time(inputs, layout, sequences_per_step=seqs)))
+                break
+            reason = _reject_reason(mem)
             rejected[reason] = rejected.get(reason, 0) + 1
-        if smallest is None or cand.memory.total < smallest.memory.total:
-            smallest = cand
+    smallest = evaluate(inputs, leanest[0]) if leanest is not None else None
     fitting.sort(key=lambda c: (-c.time.tokens_per_s, -c.memory.headroom))
-    result = SearchResult(num_gpus=num_gpus, ranked=fitting[:max(top_k, 1)], num_evaluated=len(layouts),
-                          rejected=rejected, smallest=smallest)
+    result = SearchResult(num_gpus=num_gpus, ranked=fitting[:max(top_k, 1)], num_evaluated=evaluated,
+                          rejected=rejected, smallest=smallest, num_fitting=len(fitting))
+    result.all_fitting = fitting
     if not fitting and suggest:
         result.suggestions = what_would_fit(inputs, num_gpus, smallest=smallest, max_micro_batch=max_micro_batch)
     return result

@@ -1,0 +1,58 @@
+"""Layout search: padded TP for any FFN size, interleaving up to layers/pp, the recompute shortcut, and the
+published layouts of Llama 3.1 405B and DeepSeek-V3 ranked near the top of their own search spaces."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from leantrain.plan.inputs import plan_inputs
+from leantrain.plan.layout import layout_from_spec
+from leantrain.plan.search import _tp_degrees, _virtual_stages, evaluate, search_layouts
+from leantrain.spec import load_spec, spec_from_dict
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def test_tp_is_padded_for_odd_ffn_sizes() -> None:
+    """MPT-7B mapped to SwiGLU has ffn 10,923 (prime to 8): TP8, as MT-NLG/BLOOM-style layouts use, is kept."""
+    spec = spec_from_dict({"model": {"n_layers": 32, "d_model": 4096, "n_heads": 32, "ffn_hidden": 10923,
+                                     "vocab_size": 50368}, "data": {"tokens_total": 1e9, "seq_len": 2048},
+                           "training": {"global_batch_tokens": 512 * 2048}})
+    assert _tp_degrees(plan_inputs(spec), 64) == [1, 2, 4, 8]
+    gqa = spec_from_dict({"model": {"n_layers": 2, "d_model": 1024, "n_heads": 16, "n_kv_heads": 2},
+                          "data": {"tokens_total": 1e9, "seq_len": 512}})
+    assert _tp_degrees(plan_inputs(gqa), 8) == [1, 2, 4, 8]  # KV heads replicated for tp > 2
+
+
+def test_interleaving_goes_up_to_layers_per_stage() -> None:
+    assert _virtual_stages(126, 16) == [1, 2, 4, 7]
+    assert _virtual_stages(96, 12) == [1, 2, 4, 8]
+    assert _virtual_stages(10, 1) == [1]
+
+
+def test_the_first_recompute_policy_that_fits_is_the_only_one_ranked() -> None:
+    inputs = plan_inputs(load_spec(EXAMPLES / "llama3-8b-h100.yaml"))
+    result = search_layouts(inputs, 64, top_k=1000)
+    seen = {dataclasses.replace(c.layout, recompute="none") for c in result.all_fitting}
+    assert len(seen) == len(result.all_fitting)  # one entry per group
+    best = result.best
+    assert best is not None
+    if best.layout.recompute != "none":  # a lighter policy did not fit
+        lighter = dataclasses.replace(best.layout, recompute="none")
+        assert not evaluate(inputs, lighter).memory.fits
+
+
+def test_llama3_405b_search_finds_over_35_percent_and_ranks_metas_layout_near_the_top() -> None:
+    spec = load_spec(EXAMPLES / "llama3-405b.yaml")
+    result = search_layouts(plan_inputs(spec), 16384)
+    assert result.best is not None and result.best.time.mfu >= 0.35
+    rank = result.rank_of(layout_from_spec(spec.parallelism, spec.training))
+    assert rank is not None and rank <= 10, rank
+
+
+def test_deepseek_v3_published_ep64_layout_is_in_the_top_tenth() -> None:
+    spec = load_spec(EXAMPLES / "deepseek-v3.yaml")
+    result = search_layouts(plan_inputs(spec), 2048)
+    rank = result.rank_of(layout_from_spec(spec.parallelism, spec.training))
+    assert rank is not None and rank <= 0.10 * result.num_fitting, (rank, result.num_fitting)
