@@ -46,7 +46,8 @@ def test_good_documents_pass() -> None:
      "aliqua enim minim veniam quis nostrud exercitation ullamco laboris", "no_stop_words"),
     ("好" * 60, "top_2gram"),
     ("集群读取本地磁盘上的分片" * 2 + GOOD_ZH + "集群读取本地磁盘上的分片" * 2, "duplicate_5grams"),
-    ("数据加载器从本地磁盘读取分片优化器按照学习率调度更新权重每张卡都会测量自己步长时间", "no_stop_words"),
+    ("手机 手机壳 苹果 华为 小米 充电器 数据线 耳机 蓝牙 音箱 钢化膜 支架 平板 电脑 键盘 鼠标", "no_stop_words"),
+    (GOOD_EN + " $$$ ©©© ™™™ ★★★" * 4, "symbol_ratio"),
 ])
 def test_each_filter_drops_its_case(text: str, reason: str) -> None:
     assert quality_problem(normalize(text, form="NFC"), SPEC) == reason
@@ -56,3 +57,33 @@ def test_thresholds_come_from_the_spec() -> None:
     loose = CleaningSpec(min_words=1, min_stop_words=0)
     assert quality_problem("Too short to keep.", loose) is None
     assert quality_problem(GOOD_EN, CleaningSpec(max_words=10)) == "too_long"
+
+
+PYTHON_DOC = """Augmented assignment statements
+*******************************
+
+Augmented assignment is the combination, in a single statement, of a binary operation and an
+assignment statement:
+
+   augmented_assignment_stmt ::= augtarget augop (expression_list | yield_expression)
+   augop ::= "+=" | "-=" | "*=" | "@=" | "/=" | "//=" | "%=" | "**=" | ">>=" | "<<=" | "&=" | "^=" | "|="
+
++-----------+----------------+
+| Operator  | Description    |
++===========+================+
+| "x += 1"  | adds one to x  |
++-----------+----------------+
+
+An augmented assignment evaluates the target and the expression list, performs the binary operation
+specific to the type of assignment on the two operands, and assigns the result to the original target."""
+
+
+def test_code_operators_in_programming_text_are_not_symbols() -> None:
+    assert quality_problem(normalize(PYTHON_DOC, form="NFC"), SPEC) is None
+
+
+@pytest.mark.parametrize("line", ["调度器在每一步之前读取分片，同时记录耗时。", "我们把检查点写入对象存储。",
+                                  "他从本地磁盘读取验证集，然后才进入下一步。"])
+def test_short_chinese_sentences_keep_their_stop_words(line: str) -> None:
+    loose = CleaningSpec(min_words=5)
+    assert quality_problem(line, loose) is None

@@ -53,6 +53,7 @@ PII_ZH = ["如有问题请拨打 13812345678 联系值班人员。", "负责人�
 LOW_QUALITY_EN = ["Click here.", "Buy now! Buy now! Buy now!\nBuy now! Buy now! Buy now!\nBuy now! Buy now! Buy now!",
                   "### $$$ ### $$$ ### @@@ ### $$$ ### $$$ ### @@@ ### $$$ ### $$$ ### @@@ ### $$$ ### $$$ ### @@@ "
                   "### $$$ ### $$$ ### @@@ ### $$$ ### $$$ ### @@@ ###",
+                  " ".join(["$$$ best ★★★ price ©©© deal ### today ™™™"] * 7),
                   "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor incididunt ut labore "
                   "magna aliqua enim minim veniam quis nostrud exercitation ullamco laboris nisi aliquip commodo"]
 LOW_QUALITY_ZH = ["点击这里。", "好好好好好好好好好好好好好好好好好好好好好好好好好好好好好好好好好好好好好好好"]

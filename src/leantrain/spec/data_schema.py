@@ -83,7 +83,8 @@ class CleaningSpec(Section):
     )
     max_mean_word_length: float = Field(10.0, gt=0, description="... or above this (Gopher: 10).")
     max_symbol_ratio: float = Field(
-        0.1, ge=0, description="Drop if (#, …/..., and Unicode symbol characters) per word exceeds this (Gopher: 0.1)."
+        0.1, ge=0, description="Drop if (#, …/..., and currency, modifier and other Unicode symbols; not code "
+        "operators such as = + < > |) per word exceeds this (Gopher: 0.1 for # and …)."
     )
     max_duplicate_line_fraction: float = Field(
         0.3, ge=0, le=1, description="Drop if this fraction of lines repeat an earlier line (Gopher: 0.3)."
