@@ -69,3 +69,19 @@ def test_cli_doctor(tmp_path: Path) -> None:
 
     run(console=console, run_dir=make_run(tmp_path, "flapping"))
     assert "isolate node3" in console.export_text()
+
+
+def test_doctor_reads_torchrun_rank_logs(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "healthy")
+    rank_log = run_dir / "logs" / "node7" / "none_ab12" / "attempt_0" / "5" / "stderr.log"
+    rank_log.parent.mkdir(parents=True)
+    rank_log.write_text("Traceback (most recent call last):\n  File x\nRuntimeError: CUDA error: an illegal memory "
+                        "access was encountered\n")
+    problems = {f.title: f for f in diagnose_run(load_run(run_dir)) if f.severity == "problem"}
+    finding = problems["errors in rank logs"]
+    assert "node7 attempt 0 local rank 5 (stderr)" in finding.evidence and "illegal memory access" in finding.evidence
+    assert "logs/node7/none_ab12/attempt_0/5/stderr.log" in finding.fix
+    oom = rank_log.with_name("stdout.log")
+    oom.write_text("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
+    problems = {f.title: f for f in diagnose_run(load_run(run_dir)) if f.severity == "problem"}
+    assert "node7 attempt 0 local rank 5 (stdout)" in problems["out of memory"].evidence

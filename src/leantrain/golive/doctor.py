@@ -23,6 +23,7 @@ from typing import Any, Literal
 import numpy as np
 
 from leantrain.observe.alerts import AlertRules, replay
+from leantrain.observe.logs import log_errors
 from leantrain.observe.report_data import (
     COMM_BOUND_SHARE,
     DATA_BOUND_SHARE,
@@ -152,7 +153,7 @@ def stuck_findings(run: RunData) -> list[Finding]:
     out = []
     world = run.world_size()
     joined = {e.get("rank") for e in run.events_of("rank_joined")}
-    log_hits = [f"{name}: {line.strip()[:160]}" for name, lines in run.logs.items() for line in lines
+    log_hits = [f"{log.label}: {line.strip()[:160]}" for log in run.logs for line in log.tail
                 if STUCK_RE.search(line)]
     if not run.metrics or (joined and len(joined) < world and world > 1):
         missing = sorted(set(range(world)) - {r for r in joined if isinstance(r, int)}) if joined else []
@@ -232,7 +233,8 @@ def _tokens_per_step_per_gpu(run: RunData) -> float:
 
 def oom_findings(run: RunData) -> list[Finding]:
     events = run.events_of("oom")
-    lines = [f"{name}: {line.strip()[:160]}" for name, log in run.logs.items() for line in log if OOM_RE.search(line)]
+    lines = [f"{log.label}: {line.strip()[:160]}" for log in run.logs for line in log.error_lines
+             if OOM_RE.search(line)]
     if not events and not lines:
         return []
     evidence = [f"{len(events)} oom event(s)" + (f" (steps {[e.get('step') for e in events][:5]})" if events else "")]
@@ -259,6 +261,22 @@ def oom_findings(run: RunData) -> list[Finding]:
     return [Finding("problem", "memory", "out of memory", "; ".join(evidence),
                     f"the largest planned share is {largest} (seed §8.3)",
                     fixes.get(largest, fixes["activations"]) + "; re-check with `leantrain plan` before relaunch")]
+
+
+def log_error_findings(run: RunData) -> list[Finding]:
+    """Errors in any rank's log (torchrun's per-rank files, Slurm's output, the pod's) that neither the planned
+    fault nor the OOM and start-up findings already explain."""
+    planned = sum(1 for e in run.events_of("restart") if e.get("planned") or e.get("cause") == "drill")
+    errors = [e for e in log_errors(run.logs, planned_restarts=planned)
+              if not e.planned and not OOM_RE.search(e.line) and not STUCK_RE.search(e.line)]
+    if not errors:
+        return []
+    files = list(dict.fromkeys(e.path for e in errors))
+    evidence = f"{len(errors)} error line(s) in {len(files)} of {len(run.logs)} log file(s): " + \
+        "; ".join(str(e) for e in errors[:3])
+    return [Finding("problem", "logs", "errors in rank logs", evidence,
+                    "a rank raised or crashed; the earliest attempt and the lowest rank named usually hold the cause",
+                    f"read {run.run_dir / files[0]} (the traceback above the first error line)")]
 
 
 def divergence_findings(run: RunData) -> list[Finding]:
@@ -382,8 +400,8 @@ def resume_findings(run: RunData) -> list[Finding]:
 
 def diagnose_run(run: RunData) -> list[Finding]:
     findings = [
-        *stuck_findings(run), *oom_findings(run), *divergence_findings(run), *utilisation_findings(run),
-        *flapping_findings(run), *resume_findings(run),
+        *stuck_findings(run), *oom_findings(run), *log_error_findings(run), *divergence_findings(run),
+        *utilisation_findings(run), *flapping_findings(run), *resume_findings(run),
     ]
     if not findings:
         findings.append(Finding("ok", "run", "no known problem", f"{len(run.metrics)} records checked against §8"))

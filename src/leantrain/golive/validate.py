@@ -21,6 +21,7 @@ import numpy as np
 
 from leantrain.errors import CheckFailed, UserInputError
 from leantrain.observe.alerts import AlertRules, load_rules, replay
+from leantrain.observe.logs import log_errors
 from leantrain.observe.report_data import (
     COMM_BOUND_SHARE,
     DATA_BOUND_SHARE,
@@ -36,8 +37,7 @@ from leantrain.observe.report_data import (
 )
 
 Status = Literal["PASS", "WARN", "FAIL"]
-ERROR_RE = re.compile(r"Traceback \(most recent call last\)|out of memory|OutOfMemoryError|NCCL error|"
-                      r"ChildFailedError|RuntimeError|Segmentation fault", re.IGNORECASE)
+OOM_RE = re.compile(r"out of memory|OutOfMemoryError", re.IGNORECASE)
 
 # Thresholds, documented in docs/observe.md.
 THROUGHPUT_PASS, THROUGHPUT_WARN = 0.9, 0.7      # actual / plan tokens/s per GPU
@@ -89,7 +89,7 @@ def health_checks(run: RunData) -> list[Check]:
                             f"missing ranks {missing} of {world}" if missing else f"all {world} ranks reported"))
     restarts = run.events_of("restart")
     jumps = resume_points(run)
-    planned = sum(1 for e in restarts if e.get("planned") or e.get("cause") == "drill")
+    planned = planned_events = sum(1 for e in restarts if e.get("planned") or e.get("cause") == "drill")
     if run.drill:
         planned = max(planned, int(as_float(run.drill.get("num_kills", 1)) or 1))
     unexpected = max(len(restarts), len(jumps)) - planned
@@ -99,21 +99,25 @@ def health_checks(run: RunData) -> list[Check]:
     errors = [f"{e.get('kind')} at step {e.get('step')}: {e.get('message', e.get('error', ''))}"
               for e in run.events_of("error", "oom", "node_lost")]
     errors += [f"alert still firing: {a.get('rule')} ({a.get('message')})" for a in _still_firing(run)]
-    log_errors = [f"{name}: {line.strip()[:160]}" for name, lines in run.logs.items()
-                  for line in lines if ERROR_RE.search(line)]
-    # A passed drill kills a rank on purpose: its traceback in the logs is expected, so it only warns.
-    drill_explains_logs = bool(run.drill and run.drill.get("passed") is True and unexpected <= 0)
-    if errors or (log_errors and not drill_explains_logs):
-        checks.append(Check("health", "no errors", "FAIL", "; ".join([*errors, *log_errors][:4])))
-    elif log_errors:
-        checks.append(Check("health", "no errors", "WARN",
-                            f"only log errors around the planned drill kill: {'; '.join(log_errors[:2])}"))
-    else:
-        checks.append(Check("health", "no errors", "PASS",
-                            f"no error events, log errors or firing critical alerts ({len(run.logs)} log file(s))"))
+    # Only a fault that happened in this run (its planned restart events) explains this run's log lines.
+    checks.append(_log_check(run, errors=errors, planned=planned_events))
     if run.bad_lines:
         checks.append(Check("health", "run files readable", "WARN", "; ".join(run.bad_lines[:3])))
     return checks
+
+
+def _log_check(run: RunData, *, errors: list[str], planned: int) -> Check:
+    """Errors in events and in every rank's log fail, unless the planned fault (a drill kill) explains them."""
+    found = log_errors(run.logs, planned_restarts=planned)
+    unexplained = [str(e) for e in found if not e.planned]
+    explained = [e for e in found if e.planned]
+    named = f"{len(run.logs)} log file(s) read"
+    if errors or unexplained:
+        return Check("health", "no errors", "FAIL", "; ".join([*errors, *unexplained][:4]) + f" ({named})")
+    if explained:
+        return Check("health", "no errors", "PASS",
+                     f"{len(explained)} log error line(s) from the planned fault, e.g. {explained[0]} ({named})")
+    return Check("health", "no errors", "PASS", f"no error events, log errors or firing critical alerts ({named})")
 
 
 def _still_firing(run: RunData) -> list[dict[str, Any]]:
@@ -212,8 +216,8 @@ def throughput_checks(run: RunData, plan: dict[str, Any] | None) -> list[Check]:
 
 def memory_check(run: RunData, plan: dict[str, Any] | None) -> Check:
     _, mem = run.series("mem_bytes")
-    ooms = run.events_of("oom") + [{"step": None} for lines in run.logs.values() for line in lines
-                                   if re.search(r"out of memory|OutOfMemoryError", line, re.IGNORECASE)]
+    ooms = run.events_of("oom") + [{"step": None} for log in run.logs for line in log.error_lines
+                                   if OOM_RE.search(line)]
     limit, source = run.memory_limit_bytes()
     predicted = as_float((((plan or {}).get("memory") or {}).get("per_gpu") or {}).get("total"))
     note = f"; plan predicted {predicted / 2**30:.2f} GiB" if math.isfinite(predicted) else ""

@@ -18,6 +18,8 @@ from typing import Any
 import numpy as np
 import yaml
 
+from leantrain.observe.logs import LogFile, read_logs
+
 METRICS_FILE = "metrics.jsonl"
 RANK_METRICS_RE = re.compile(r"^metrics-rank(\d+)\.jsonl$")
 ALERTS_FILE = "alerts.jsonl"
@@ -29,7 +31,6 @@ TRAIN_INFO_FILE = "train_info.json"  # the trainer's run facts: world_size, devi
 SPEC_FILES = ("spec.yaml", "spec.json")
 CHECKPOINT_DIR = "checkpoints"
 CHECKPOINT_RE = re.compile(r"^step-(\d+)$")
-LOG_TAIL_LINES = 400  # enough to hold a traceback and the lines that led to it
 
 # Event kinds that docs/observe.md defines; writers may add others (they are shown, not interpreted).
 EVENT_KINDS = (
@@ -142,19 +143,6 @@ def _read_checkpoints(run_dir: Path) -> list[Checkpoint]:
     return sorted(found, key=lambda c: c.step)
 
 
-def _read_logs(run_dir: Path) -> dict[str, list[str]]:
-    logs: dict[str, list[str]] = {}
-    for path in sorted([*run_dir.glob("*.log"), *run_dir.glob("logs/*.log")]):
-        if path.name == "audit.log":
-            continue  # commands and checkpoint events, not process output
-        try:
-            lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-        except OSError:
-            continue
-        logs[str(path.relative_to(run_dir))] = lines[-LOG_TAIL_LINES:]
-    return logs
-
-
 @dataclass
 class RunData:
     """Everything a run dir holds that observe/validate/doctor read; missing files are empty, not errors."""
@@ -169,7 +157,7 @@ class RunData:
     drill: dict[str, Any] | None
     lineage: dict[str, Any] | None
     checkpoints: list[Checkpoint]
-    logs: dict[str, list[str]]
+    logs: list[LogFile]  # every process log (observe/logs.py): tail and error lines
     bad_lines: list[str] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
     train_info: dict[str, Any] | None = None
@@ -297,7 +285,7 @@ def load_run(run_dir: Path) -> RunData:
         drill=_read_json(run_dir / DRILL_FILE, bad),
         lineage=_read_json(run_dir / LINEAGE_FILE, bad),
         checkpoints=_read_checkpoints(run_dir),
-        logs=_read_logs(run_dir),
+        logs=read_logs(run_dir),
         bad_lines=bad,
         evals=evals,
         train_info=_read_json(run_dir / TRAIN_INFO_FILE, bad),
