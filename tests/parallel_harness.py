@@ -107,7 +107,7 @@ def layout_run(spec: JobSpec, *, steps: int) -> dict[str, list[float]]:
         model = Transformer(args)
     num_micro = GLOBAL_SEQUENCES // MICRO_BATCH // dims.dp
     pm = parallelize(model, dims, spec, mesh=mesh, device=torch.device("cpu"), num_microbatches=num_micro)
-    pm.materialize(full_model=full_model(spec))
+    pm.initialize(seed=SEED)  # each rank fills its own shards: the same values as `full_model` (by name)
     optimizer = torch.optim.AdamW(list(pm.parameters()), lr=LR, weight_decay=0.0)
     losses, norms, comm = [], [], {}
     timer = CommTimer(device_type="cpu")

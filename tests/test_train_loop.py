@@ -169,3 +169,34 @@ def test_checkpointer_hook_is_called_every_step_and_can_stop_the_loop(data_dir: 
     calls = trainer.checkpointer.calls  # type: ignore[union-attr]
     assert calls == [("load", 0, False), ("save", 1, False), ("save", 2, False), ("close", -1, False)]
     assert trainer.step == 2  # the preemption request ended the loop before max_steps (6)
+
+
+def test_eval_time_is_reported_apart_and_kept_out_of_the_step_time(data_dir: Path, tmp_path: Path) -> None:
+    spec = tiny_spec(data_dir, max_steps=6, log_every=3, eval_every=2, eval_batches=8)
+    records = Trainer(spec, run_dir=tmp_path / "run").train()
+    evals = [r for r in records if "eval_loss" in r]
+    steps = [r for r in records if "loss" in r]
+    assert [r["step"] for r in evals] == [2, 4, 6] and all(r["eval_s"] > 0 for r in evals)
+    # The evaluations at steps 2 and 4 fall inside the windows logged at steps 3 and 6: reported, not counted.
+    assert steps[0]["eval_s"] == pytest.approx(evals[0]["eval_s"])
+    assert steps[1]["eval_s"] == pytest.approx(evals[1]["eval_s"])
+    for record in steps:
+        training_s = record["step_time_s"] * record["steps_timed"]
+        assert training_s + record["eval_s"] + record["ckpt_save_s"] + record["profile_step_s"] == pytest.approx(
+            record["window_s"], rel=1e-9)
+        assert record["tokens_per_s"] == pytest.approx(spec.training.global_batch_tokens / record["step_time_s"])
+
+
+def test_max_steps_zero_records_model_ready_and_trains_nothing(data_dir: Path, tmp_path: Path) -> None:
+    spec = tiny_spec(data_dir)
+    trainer = Trainer(spec, run_dir=tmp_path / "run", max_steps=0)
+    assert trainer.train() == [] and trainer.step == 0
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]
+    ready = [e for e in events if e["kind"] == "model_ready"]
+    assert len(ready) == 1
+    (rank,) = ready[0]["ranks"]
+    assert rank["rank"] == 0 and rank["param_bytes_local"] == ready[0]["param_bytes_total"]
+    assert ready[0]["param_bytes_total"] == 4 * sum(p.numel() for p in trainer.model.parameters())
+    assert rank["host_rss_peak_bytes"] >= rank["host_rss_base_bytes"] > 0 and rank["device_mem_peak_bytes"] > 0
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or '"loss"' not in metrics.read_text()

@@ -63,3 +63,48 @@ def test_moe_balance_summarises_the_worst_layer() -> None:
     assert summary["moe_load_max_over_min"] == 30.0  # an idle expert counts as 1, not a division by zero
     assert summary["moe_expert_load"][1] == [0.75, 0.25, 0.0, 0.0]
     assert summary["moe_load_max_over_mean"] == 3.0 and "moe_aux_loss" not in summary
+
+
+def test_window_time_excludes_eval_checkpoint_and_profiled_step() -> None:
+    from leantrain.train.step_metrics import LogWindow, StepResult
+
+    window = LogWindow(start_s=100.0)
+    step = dict(loss=torch.tensor(1.0), grad_norm=torch.tensor(1.0), skipped=False, data_wait_s=0.0)
+    for _ in range(3):
+        window.add(StepResult(**step, comm_s=None, step_s=0.5))
+    window.add(StepResult(**step, comm_s=0.2, step_s=2.0))  # the logged step, profiled: slow on purpose
+    window.eval_s, window.ckpt_save_s = 30.0, 10.0
+    timing = window.timing(now_s=100.0 + 1.5 + 2.0 + 30.0 + 10.0)
+    assert timing["steps_timed"] == 3 and timing["step_time_s"] == 0.5
+    assert (timing["eval_s"], timing["ckpt_save_s"], timing["profile_step_s"]) == (30.0, 10.0, 2.0)
+    # A window that is only the profiled step: that step is the step time.
+    single = LogWindow(start_s=0.0)
+    single.add(StepResult(**step, comm_s=0.1, step_s=0.8))
+    assert single.timing(now_s=0.8)["step_time_s"] == 0.8
+
+
+def test_cpu_peak_is_measured_once_per_cpu_and_thread_count(tmp_path: Path, monkeypatch: Any) -> None:
+    from leantrain import hardware
+
+    calls: list[str] = []
+
+    def fake_measure(*, size: int, repeats: int, dtype: str) -> float:
+        calls.append(dtype)
+        return 1e9 * (len(calls) + 1)
+
+    monkeypatch.setenv("LEANTRAIN_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(hardware, "measure_cpu_peak_flops", fake_measure)
+    hardware.host_cpu_peak_flops.cache_clear()
+    first = hardware.host_cpu_peak_flops("fp32")
+    hardware.host_cpu_peak_flops.cache_clear()  # a new process reads the file, it does not measure again
+    assert hardware.host_cpu_peak_flops("fp32") == first and calls == ["fp32"]
+    cache = json.loads((tmp_path / hardware.CPU_PEAK_CACHE_FILE).read_text())
+    assert list(cache) == [hardware.cpu_peak_key("fp32")] and hardware.cpu_model_name() in next(iter(cache))
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads + 1)  # another thread count is another peak
+        hardware.host_cpu_peak_flops.cache_clear()
+        assert hardware.host_cpu_peak_flops("fp32") != first and len(calls) == 2
+    finally:
+        torch.set_num_threads(threads)
+        hardware.host_cpu_peak_flops.cache_clear()

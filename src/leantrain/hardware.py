@@ -9,9 +9,12 @@ Memory is what the device reports to the framework: nvidia-smi's total in MiB fo
 from __future__ import annotations
 
 import functools
+import json
 import os
+import platform
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from leantrain.errors import UserInputError
 
@@ -157,11 +160,67 @@ CPU_PEAK_MATMUL_SIZE = 1024
 CPU_PEAK_REPEATS = 10
 
 
-@functools.lru_cache(maxsize=4)
+CPU_PEAK_CACHE_FILE = "cpu_peak_flops.json"
+
+
+def cpu_peak_cache_path() -> Path:
+    """Where measured CPU peaks are kept: $LEANTRAIN_CACHE_DIR, else $XDG_CACHE_HOME/leantrain, else ~/.cache."""
+    root = os.environ.get("LEANTRAIN_CACHE_DIR")
+    if not root:
+        root = str(Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "leantrain")
+    return Path(root) / CPU_PEAK_CACHE_FILE
+
+
+def cpu_model_name() -> str:
+    """The CPU's model string (/proc/cpuinfo's `model name` on Linux, else what platform reports)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text(encoding="utf-8", errors="replace").splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown-cpu"
+
+
+def cpu_peak_key(dtype: str) -> str:
+    """The cache key: CPU model, torch's intra-op thread count (what a matmul can use) and dtype."""
+    import torch
+
+    return f"{cpu_model_name()}|threads={torch.get_num_threads()}|{dtype}"
+
+
+@functools.lru_cache(maxsize=8)
 def host_cpu_peak_flops(dtype: str = "fp32") -> float:
-    """The CPU peak the planner and the trainer's MFU both use: measured once per process and dtype."""
-    return measure_cpu_peak_flops(size=CPU_PEAK_MATMUL_SIZE, repeats=CPU_PEAK_REPEATS,
-                                  dtype="bf16" if dtype == "bf16" else "fp32")
+    """The CPU peak the planner and the trainer's MFU both use: measured once per host, CPU model, thread count
+    and dtype, then read from the cache file (`cpu_peak_cache_path`), so MFU and alerts do not move with the
+    noise of a busy machine. Delete the file to measure again."""
+    dtype = "bf16" if dtype == "bf16" else "fp32"
+    path, key = cpu_peak_cache_path(), cpu_peak_key(dtype)
+    cached = _read_peak_cache(path)
+    if isinstance(cached.get(key), (int, float)) and cached[key] > 0:
+        return float(cached[key])
+    value = measure_cpu_peak_flops(size=CPU_PEAK_MATMUL_SIZE, repeats=CPU_PEAK_REPEATS, dtype=dtype)
+    _write_peak_cache(path, {**_read_peak_cache(path), key: value})
+    return value
+
+
+def _read_peak_cache(path: Path) -> dict[str, float]:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def _write_peak_cache(path: Path, data: dict[str, float]) -> None:
+    """Atomic replace (ranks on one host may write at once); a read-only home only loses the cache."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(data, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        pass
 
 
 def host_memory_bytes() -> float:

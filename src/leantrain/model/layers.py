@@ -1,17 +1,18 @@
 """Building blocks shared by the dense and mixture-of-experts blocks: the model arguments, RMSNorm, the SwiGLU
-MLP and the init constants. transformer.py and moe.py both import from here, never from each other's module
-in both directions (transformer → moe → layers).
+MLP, the RoPE tables and the init constants. transformer.py, moe.py and init.py import from here, never from
+each other's modules in both directions (transformer → moe, init → layers).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from leantrain.model.rope import inv_frequencies
 from leantrain.spec.shapes import ModelShape, ResolvedMoE
 
 INIT_STD = 0.02
@@ -29,10 +30,23 @@ class ModelArgs:
     balance: Literal["aux_loss", "aux_free", "none"] = "aux_loss"
     aux_loss_coef: float = 0.01
     bias_update_rate: float = 1e-3
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # Hugging Face rope_scaling as sorted pairs
 
     @property
     def moe(self) -> ResolvedMoE | None:
         return self.shape.moe
+
+
+def rope_tables(
+    *, head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None,
+    scaling: tuple[tuple[str, Any], ...] | None = None,
+) -> torch.Tensor:
+    """cos/sin tables for rotate-half RoPE (scaled as a Hugging Face rope_scaling says), (2, max_seq_len, head_dim)."""
+    inv_freq = inv_frequencies(head_dim=head_dim, theta=theta, scaling=scaling, device=device)
+    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
+    angles = torch.outer(positions, inv_freq)  # (seq, head_dim / 2)
+    angles = torch.cat([angles, angles], dim=-1)  # (seq, head_dim)
+    return torch.stack([angles.cos(), angles.sin()])
 
 
 class RMSNorm(nn.Module):
@@ -62,8 +76,3 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
-    def init_weights(self, *, out_std: float) -> None:
-        nn.init.trunc_normal_(self.w1.weight, std=INIT_STD)
-        nn.init.trunc_normal_(self.w3.weight, std=INIT_STD)
-        nn.init.trunc_normal_(self.w2.weight, std=out_std)

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from leantrain.model.layers import INIT_STD, FeedForward
+from leantrain.model.layers import FeedForward
 
 if TYPE_CHECKING:
     from leantrain.model.layers import ModelArgs
@@ -74,11 +74,6 @@ class GroupedExperts(nn.Module):
         out = torch.bmm(hidden, w2.to(x_sorted.dtype))  # (experts, max_load, d_model)
         return out[expert_ids, slot]
 
-    def init_weights(self, *, out_std: float) -> None:
-        nn.init.trunc_normal_(self.w1, std=INIT_STD)
-        nn.init.trunc_normal_(self.w3, std=INIT_STD)
-        nn.init.trunc_normal_(self.w2, std=out_std)
-
 
 class MoE(nn.Module):
     """Router + routed experts (+ shared experts), with load-balancing state."""
@@ -126,14 +121,6 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view(batch, seq_len, d_model)
-
-    def init_weights(self, *, out_std: float) -> None:
-        nn.init.trunc_normal_(self.router.gate.weight, std=INIT_STD)
-        self.experts.init_weights(out_std=out_std)
-        if self.shared_experts is not None:
-            self.shared_experts.init_weights(out_std=out_std)
-        self.expert_bias.zero_()
-        self.tokens_per_expert.zero_()
 
     @torch.no_grad()
     def update_balance(

@@ -1,7 +1,9 @@
 """A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention through SDPA, tied or untied embeddings.
 
 The model is built on the meta device and materialised by `init_weights` (see `build_model`), so a
-parallelize step can shard it before any memory is allocated. Layer names follow torchtitan's Llama
+parallelize step can shard it before any memory is allocated; `leantrain.model.init` gives each parameter
+values that depend only on the seed and its name, so a sharded model initialises its shards in place.
+Layer names follow torchtitan's Llama
 (`tok_embeddings`, `layers.N.attention.wq`, `feed_forward.w1` ...); `leantrain.model.hf` maps them to and
 from Hugging Face's names. RoPE uses the rotate-half layout, as Hugging Face does, so weights copy over
 without permuting q/k.
@@ -9,7 +11,6 @@ without permuting q/k.
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import torch
@@ -17,21 +18,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from leantrain.model.layers import INIT_STD, FeedForward, ModelArgs, RMSNorm
+from leantrain.model.init import init_buffers, init_parameters
+from leantrain.model.layers import FeedForward, ModelArgs, RMSNorm, rope_tables  # noqa: F401 (re-exported)
 from leantrain.model.moe import MoE
+from leantrain.spec.hf_config import read_hf_config
 from leantrain.spec.schema import ModelSpec
 from leantrain.spec.shapes import ModelShape, resolve_shape
 
 Recompute = Literal["none", "selective", "full"]
-
-
-def rope_tables(*, head_dim: int, max_seq_len: int, theta: float, device: torch.device | None = None) -> torch.Tensor:
-    """cos/sin tables for rotate-half RoPE, stacked: (2, max_seq_len, head_dim)."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim))
-    positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
-    angles = torch.outer(positions, inv_freq)  # (seq, head_dim / 2)
-    angles = torch.cat([angles, angles], dim=-1)  # (seq, head_dim)
-    return torch.stack([angles.cos(), angles.sin()])
 
 
 def apply_rope(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
@@ -49,9 +43,10 @@ class Attention(nn.Module):
     def __init__(self, shape: ModelShape) -> None:
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = shape.n_heads, shape.n_kv_heads, shape.head_dim
-        self.wq = nn.Linear(shape.d_model, shape.n_heads * shape.head_dim, bias=False)
-        self.wk = nn.Linear(shape.d_model, shape.kv_dim, bias=False)
-        self.wv = nn.Linear(shape.d_model, shape.kv_dim, bias=False)
+        bias = shape.qkv_bias  # Qwen2 has q/k/v biases
+        self.wq = nn.Linear(shape.d_model, shape.n_heads * shape.head_dim, bias=bias)
+        self.wk = nn.Linear(shape.d_model, shape.kv_dim, bias=bias)
+        self.wv = nn.Linear(shape.d_model, shape.kv_dim, bias=bias)
         self.wo = nn.Linear(shape.n_heads * shape.head_dim, shape.d_model, bias=False)
         self.recompute_core = False  # selective recompute: redo only the attention core in backward
 
@@ -85,8 +80,6 @@ class TransformerBlock(nn.Module):
             self.feed_forward: nn.Module = MoE(args)
         else:
             self.feed_forward = FeedForward(d_model=shape.d_model, hidden=shape.ffn_hidden)
-        # Depth-scaled init of the output projections keeps the residual stream's variance flat (GPT-2).
-        self.out_std = INIT_STD / math.sqrt(2 * shape.n_layers)
         self.recompute_full = False
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
@@ -97,14 +90,6 @@ class TransformerBlock(nn.Module):
     def _forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         h = x + self.attention(self.attention_norm(x), rope)
         return h + self.feed_forward(self.ffn_norm(h))
-
-    def init_weights(self) -> None:
-        for norm in (self.attention_norm, self.ffn_norm):
-            norm.reset_parameters()
-        for linear in (self.attention.wq, self.attention.wk, self.attention.wv):
-            nn.init.trunc_normal_(linear.weight, std=INIT_STD)
-        nn.init.trunc_normal_(self.attention.wo.weight, std=self.out_std)
-        self.feed_forward.init_weights(out_std=self.out_std)  # type: ignore[operator]
 
 
 class Transformer(nn.Module):
@@ -153,21 +138,10 @@ class Transformer(nn.Module):
         return self._aux_loss
 
     @torch.no_grad()
-    def init_weights(self, *, buffer_device: torch.device | None = None) -> None:
-        """Fill every parameter and buffer; call after `to_empty` when the model was built on meta."""
-        shape = self.args.shape
-        device = buffer_device or self.tok_embeddings.weight.device
-        self.rope = rope_tables(
-            head_dim=shape.head_dim, max_seq_len=self.args.max_seq_len, theta=self.args.rope_theta, device=device
-        )
-        nn.init.normal_(self.tok_embeddings.weight, std=INIT_STD)
-        for layer in self.layers.values():
-            layer.init_weights()  # type: ignore[operator]
-        self.norm.reset_parameters()
-        if self.output is not None:
-            # Scaled by 1/sqrt(d_model) so the first logits are small whatever the width (torchtitan's choice).
-            cutoff = 3 / math.sqrt(shape.d_model)
-            nn.init.trunc_normal_(self.output.weight, std=1 / math.sqrt(shape.d_model), a=-cutoff, b=cutoff)
+    def init_weights(self, *, seed: int = 0, buffer_device: torch.device | None = None) -> None:
+        """Fill every parameter and buffer after `to_empty` (leantrain.model.init: by name, layout-independent)."""
+        init_parameters(self, args=self.args, seed=seed)
+        init_buffers(self, args=self.args, device=buffer_device or self.tok_embeddings.weight.device)
 
     def set_recompute(self, mode: Recompute) -> None:
         """Activation checkpointing: none; selective (attention core only); full (every block)."""
@@ -187,6 +161,11 @@ class Transformer(nn.Module):
 def model_args_from_spec(model: ModelSpec, *, max_seq_len: int) -> ModelArgs:
     """ModelArgs from the spec's model section, with the planner's resolved shape (one source of truth)."""
     moe = model.moe
+    if model.init_from is not None:  # the checkpoint's config.json decides RoPE and the norm epsilon
+        config = read_hf_config(model.init_from)
+        return ModelArgs(shape=resolve_shape(model), rope_theta=config.rope_theta, norm_eps=config.norm_eps,
+                         max_seq_len=max_seq_len, balance="none", aux_loss_coef=0.0, bias_update_rate=0.0,
+                         rope_scaling=config.rope_scaling)
     return ModelArgs(
         shape=resolve_shape(model),
         rope_theta=model.rope_theta,
@@ -200,13 +179,11 @@ def model_args_from_spec(model: ModelSpec, *, max_seq_len: int) -> ModelArgs:
 
 
 def build_model(args: ModelArgs, *, device: torch.device, seed: int | None = None) -> Transformer:
-    """Build on meta (no memory), materialise on `device`, then initialise (seeded when `seed` is given)."""
+    """Build on meta (no memory), materialise on `device`, then initialise from `seed` (0 when not given)."""
     with torch.device("meta"):
         model = Transformer(args)
     model.to_empty(device=device)
-    if seed is not None:
-        torch.manual_seed(seed)
-    model.init_weights(buffer_device=device)
+    model.init_weights(seed=seed or 0, buffer_device=device)
     return model
 
 

@@ -57,12 +57,37 @@ def build_metrics_logger(
     return MetricsLogger([*sinks, *extra_sinks])
 
 
+def _proc_status_bytes(field: str) -> int | None:
+    """A `kB` field of /proc/self/status (Linux), in bytes; None elsewhere."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, IndexError, ValueError):
+        return None
+    return None
+
+
+def host_rss_peak_bytes() -> int:
+    """This process's peak resident set size so far (the kernel's high-water mark, VmHWM)."""
+    peak = _proc_status_bytes("VmHWM")
+    if peak is not None:
+        return peak
+    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(max_rss if sys.platform == "darwin" else max_rss * 1024)  # Linux reports KiB, macOS bytes
+
+
+def host_rss_bytes() -> int:
+    """This process's resident set size now (VmRSS; where /proc is missing, the peak, the best available)."""
+    current = _proc_status_bytes("VmRSS")
+    return host_rss_peak_bytes() if current is None else current
+
+
 def peak_memory_bytes(device: torch.device) -> int:
     """Peak memory so far: the CUDA caching allocator's peak on a GPU, the process's peak RSS on a CPU."""
     if device.type == "cuda":
         return int(torch.cuda.max_memory_allocated(device))
-    max_rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    return int(max_rss if sys.platform == "darwin" else max_rss * 1024)  # Linux reports KiB, macOS bytes
+    return host_rss_peak_bytes()
 
 
 def resolve_peak_flops(hardware: HardwareSpec, *, device: torch.device, dtype: str) -> tuple[float, str]:

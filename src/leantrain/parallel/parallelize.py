@@ -18,14 +18,17 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineSchedule
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
 
 from leantrain.dtypes import DTYPES
+from leantrain.errors import UserInputError
+from leantrain.model.init import init_buffers, init_parameters
+from leantrain.model.layers import ModelArgs
 from leantrain.model.moe import MoE
 from leantrain.model.transformer import Transformer
 from leantrain.parallel.dims import LayoutMesh, ParallelDims
 from leantrain.parallel.expert import apply_expert_parallel, finish_expert_grads
-from leantrain.parallel.fsdp import apply_fsdp
+from leantrain.parallel.fsdp import apply_fsdp, uses_bf16_compute
 from leantrain.parallel.pipeline import (
     StageGroup,
     StageModule,
@@ -40,6 +43,10 @@ from leantrain.spec.schema import JobSpec
 
 LossFn = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 ContextFactory = Callable[[], contextlib.AbstractContextManager[object]]
+# Fills the allocated (sharded) parameters of a ParallelModel in place, e.g. from a checkpoint or safetensors.
+WeightsLoader = Callable[["ParallelModel"], None]
+# Called after each micro-batch's backward with its index (tests measure gradient memory there).
+MicroBatchHook = Callable[[int], None]
 
 
 @dataclass
@@ -54,12 +61,17 @@ class ParallelModel:
     mesh: LayoutMesh | None
     parts: list[nn.Module]
     device: torch.device
+    args: ModelArgs
     schedule: _PipelineSchedule | None = None
     stages: list[PipelineStage] = field(default_factory=list)
     loss_parallel: bool = False
     # Under FSDP mixed precision the parameters are gathered in bf16: no autocast needed around forward.
     fsdp_mixed_precision: bool = False
     param_dtype: torch.dtype = torch.float32
+    cpu_offload: bool = False
+    fsdp: bool = False  # the parts are wrapped by FSDP2 (fully_shard)
+    # Reduce(-scatter) gradients after every micro-batch (sharded gradients only) or once after the last.
+    grad_sync: str = "every_micro_batch"
     # The loss the pipeline schedule calls (set by forward_backward/evaluate; the schedule is built once).
     active_loss_fn: LossFn = token_loss_fn
     # Mean MoE auxiliary loss of the last forward_backward (None for a dense model or under PP).
@@ -112,42 +124,27 @@ class ParallelModel:
         for part in self.parts:
             part.train(mode)
 
-    def initialize(self, *, seed: int, full_model: Callable[[], Transformer]) -> None:
-        """Allocate and initialise the weights: in place with one process (the model's own init, then the
-        master dtype), else this rank's slices of `full_model()` (the same weights whatever the layout)."""
-        if self.mesh is None:
-            self.init_weights(seed=seed)
-            with torch.no_grad():
-                for param in self.parameters():
-                    if param.dtype != self.param_dtype:
-                        param.data = param.data.to(self.param_dtype)
-        else:
-            self.materialize(full_model=full_model())
+    def initialize(self, *, seed: int, load: WeightsLoader | None = None) -> None:
+        """Allocate this rank's shards (`to_empty`) and fill them: buffers always, then parameters from `load`
+        when given, else the layout-independent init (`leantrain.model.init`).
 
-    def materialize(self, *, full_model: Transformer) -> None:
-        """Allocate on the device and copy this rank's slice of every weight and buffer from `full_model`.
-
-        `full_model` is the single-process model built with the same seed (`build_model` on the CPU), so a
-        layout starts from exactly the weights one process would: the equivalence guarantee. It costs the
-        full model in host memory once per rank; for models too big for that, use `init_weights`.
+        Nothing here holds more than this rank's shards plus one parameter being generated: the same values as
+        one process whatever the layout, with no full model on any rank. Under CPU offload the shards are
+        allocated in host memory (FSDP2 moves each unit to the device when it gathers it).
         """
-        full = dict(full_model.named_parameters()) | dict(full_model.named_buffers())
+        param_device = torch.device("cpu") if self.cpu_offload else self.device
         for part in self.parts:
-            part.to_empty(device=self.device)
-            with torch.no_grad():
-                for name, tensor in list(part.named_parameters()) + list(part.named_buffers()):
-                    _copy_slice(tensor, full[name].detach().to(self.device))
-
-    def init_weights(self, *, seed: int) -> None:
-        """Allocate and initialise in place with the model's own init (no full copy; the values then depend on
-        the layout's random streams, as in torchtitan). Only for an unpipelined model."""
-        self.model.to_empty(device=self.device)
-        torch.manual_seed(seed)
-        self.model.init_weights(buffer_device=self.device)  # type: ignore[operator]
+            part.to_empty(device=param_device)
+            init_buffers(part, args=self.args, device=self.device)
+        if load is not None:
+            load(self)
+            return
+        for part in self.parts:
+            init_parameters(part, args=self.args, seed=seed)
 
     def forward_backward(
         self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, loss_fn: LossFn = token_loss_fn,
-        autocast: ContextFactory = contextlib.nullcontext,
+        autocast: ContextFactory = contextlib.nullcontext, after_micro_batch: MicroBatchHook | None = None,
     ) -> torch.Tensor:
         """Forward and backward over the step's micro-batches (inputs, targets); returns the mean loss on every rank.
 
@@ -169,7 +166,8 @@ class ParallelModel:
         total = torch.zeros((), device=self.device)
         aux_total: torch.Tensor | None = None
         for index, (inputs, targets) in enumerate(micro_batches):
-            if isinstance(model, FSDPModule):  # reduce gradients once, after the last micro-batch
+            if isinstance(model, FSDPModule) and self.grad_sync == "last_micro_batch":
+                # Unsharded gradients are kept until the last micro-batch: one reduce-scatter, more memory.
                 model.set_requires_gradient_sync(index == len(micro_batches) - 1)
             with autocast():
                 logits = model(inputs.to(self.device))
@@ -180,6 +178,8 @@ class ParallelModel:
             total += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
             if aux is not None:
                 aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
+            if after_micro_batch is not None:
+                after_micro_batch(index)
         if aux_total is not None:
             self.last_aux_loss = aux_total / len(micro_batches)
         return total / len(micro_batches)
@@ -289,15 +289,18 @@ class ParallelModel:
         return tensor
 
 
-def _copy_slice(target: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy this rank's part of `full` into `target` (a DTensor shard or a plain tensor); no communication."""
-    if isinstance(target, DTensor):
-        mesh = target.device_mesh
-        replicated = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
-        local = replicated.redistribute(mesh, target.placements).to_local()
-        target.to_local().copy_(local)
-    else:
-        target.copy_(full)
+def _refuse_unbuildable(dims: ParallelDims, spec: JobSpec, args: ModelArgs) -> None:
+    """The spec rules' refusals again, for the degrees a `layout: auto` run chose (still on the meta device)."""
+    if spec.precision.compute == "fp8" and dims.tp > 1:
+        raise UserInputError(
+            f"precision.compute: fp8 with tensor parallelism ({dims.describe()}) is not supported; use compute: bf16 "
+            "or a layout with tensor_parallel: 1"
+        )
+    if args.moe is not None and args.balance == "aux_loss" and dims.pp > 1:
+        raise UserInputError(
+            f"model.moe.balance: aux_loss under pipeline parallelism ({dims.describe()}) is not supported (the "
+            "auxiliary loss is not carried between stages); use model.moe.balance: aux_free"
+        )
 
 
 def parallelize(
@@ -308,17 +311,20 @@ def parallelize(
 
     `num_microbatches` is the gradient-accumulation count; under pipeline parallelism the schedule runs
     that many micro-batches per step. `mesh` None means one process: the model is returned as it is.
-    With a mesh, the parameters are cast to the master dtype here (before sharding, on the meta device).
+    The parameters are cast to the master dtype here (before sharding, on the meta device); nothing is
+    allocated until `ParallelModel.initialize`.
     """
     par = spec.parallelism
+    _refuse_unbuildable(dims, spec, model.args)
     param_dtype = DTYPES[spec.precision.master_weights]
-    if mesh is None:
-        if dims.world_size != 1:
-            raise ValueError(f"parallelize: a layout of {dims.world_size} ranks needs a mesh")
-        return ParallelModel(dims=dims, mesh=None, parts=[model], device=device, param_dtype=param_dtype)
     for param in model.parameters():
         if param.dtype != param_dtype:
             param.data = param.data.to(param_dtype)
+    if mesh is None:
+        if dims.world_size != 1:
+            raise ValueError(f"parallelize: a layout of {dims.world_size} ranks needs a mesh")
+        return ParallelModel(dims=dims, mesh=None, parts=[model], device=device, args=model.args,
+                             param_dtype=param_dtype, grad_sync=par.grad_sync)
     if dims.pp > 1:
         pp_rank = mesh["pp"].get_local_rank()
         stage_modules = build_stage_modules(model, pp_rank=pp_rank, pp=dims.pp, virtual_stages=par.virtual_stages)
@@ -340,9 +346,9 @@ def parallelize(
             apply_fsdp(part, dp_mesh=mesh.data_parallel_mesh(), precision=spec.precision, zero_stage=zero_stage,
                        cpu_offload=par.cpu_offload, ignored_params=expert_params)
     result = ParallelModel(
-        dims=dims, mesh=mesh, parts=parts, device=device, loss_parallel=loss_parallel,
-        fsdp_mixed_precision=use_fsdp and spec.precision.compute == "bf16" and spec.precision.master_weights == "fp32",
-        param_dtype=param_dtype,
+        dims=dims, mesh=mesh, parts=parts, device=device, args=model.args, loss_parallel=loss_parallel,
+        fsdp_mixed_precision=use_fsdp and uses_bf16_compute(spec.precision), param_dtype=param_dtype,
+        cpu_offload=par.cpu_offload and use_fsdp, grad_sync=par.grad_sync, fsdp=use_fsdp,
     )
     if dims.pp > 1:
         result.stages, result.schedule = build_schedule(

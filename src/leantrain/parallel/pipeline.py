@@ -9,7 +9,8 @@ checkpoints are the same whatever the split.
 Micro-batches are the gradient-accumulation micro-batches: the schedule takes the step's whole batch and
 cuts it into `num_microbatches` pieces; gradients are averaged over them (the schedule scales them). The
 loss exists only on the last stage: `broadcast_loss` sends it to every rank for logging.
-The MoE auxiliary loss is not added under pipeline parallelism (use `moe.balance: aux_free`).
+The MoE auxiliary loss is not carried between stages, so `moe.balance: aux_loss` with pipeline parallelism is
+refused (spec rules and `parallelize`); `aux_free` balances without a loss term.
 """
 
 from __future__ import annotations

@@ -21,8 +21,26 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
         *_layout_problems(spec),
         *_shape_problems(spec.parallelism, shape),
         *_moe_problems(spec.parallelism, shape),
+        *_unbuildable_layout_problems(spec, shape),
         *_batch_and_node_problems(spec),
     ]
+
+
+def _unbuildable_layout_problems(spec: JobSpec, shape: ModelShape) -> list[str]:
+    """Combinations the trainer cannot build, refused before any rank allocates memory."""
+    par, problems = spec.parallelism, []
+    if spec.precision.compute == "fp8" and par.tensor_parallel > 1:
+        problems.append(
+            "precision.compute: fp8 with parallelism.tensor_parallel > 1 is not supported (the float8 tensor-parallel "
+            "styles are not wired in); use compute: bf16 with tensor parallelism, or fp8 with tensor_parallel: 1"
+        )
+    if shape.moe is not None and par.pipeline_parallel > 1 and (spec.model.moe is None or
+                                                                   spec.model.moe.balance == "aux_loss"):
+        problems.append(
+            "model.moe.balance: aux_loss with parallelism.pipeline_parallel > 1 is not supported (the auxiliary "
+            "loss is not carried between pipeline stages); use model.moe.balance: aux_free (DeepSeek-V3's bias)"
+        )
+    return problems
 
 
 def _layout_problems(spec: JobSpec) -> list[str]:

@@ -1,27 +1,40 @@
 """`leantrain train SPEC` and the demo's train stage.
 
-`--max-steps N` sets the run length (the LR schedule is laid over N steps, as if training.max_steps were N).
+`--max-steps N` sets the run length (the LR schedule is laid over N steps, as if training.max_steps were N);
+`--max-steps 0` builds, shards and initialises (or loads) the model, records `model_ready` and stops.
+`--resume` / `--weights-only` / `--extend-schedule` choose the starting point (ckpt/resume.py). SIGINT and
+SIGTERM save a checkpoint at the current step and exit 130/143 with one line saying so; a rerun resumes.
 Under torchrun each process is one rank (see train.runtime); rank 0 writes the run dir.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
+import signal
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 
-from leantrain.errors import UserInputError
+from leantrain.ckpt.integrity import step_dir
+from leantrain.ckpt.resume import ResumeRequest
+from leantrain.errors import LeantrainError, UserInputError
 from leantrain.spec.schema import JobSpec
 from leantrain.train.run_setup import finish_run, prepare_run
 
 if TYPE_CHECKING:
     from leantrain.demo_context import DemoContext
     from leantrain.train.trainer import Checkpointer, Trainer
+
+
+INTERRUPT_SIGNALS = ("SIGINT", "SIGTERM")
 
 
 def _check_data_dir(spec: JobSpec) -> None:
@@ -31,21 +44,35 @@ def _check_data_dir(spec: JobSpec) -> None:
         )
 
 
-def _checkpointer_factory() -> Callable[[Trainer], Checkpointer] | None:
-    """The checkpoint manager's adapter (issue #7) when this version has it; training without it otherwise."""
-    try:
-        from leantrain.ckpt.hook import TrainerCheckpointer
-    except ModuleNotFoundError as err:
-        if err.name and err.name.startswith("leantrain.ckpt"):
-            return None
-        raise
-    return TrainerCheckpointer
+def _checkpointer_factory(resume: ResumeRequest | None) -> Callable[[Trainer], Checkpointer]:
+    """The checkpoint manager's adapter, resuming as `--resume` asks."""
+    from leantrain.ckpt.hook import TrainerCheckpointer
+
+    return functools.partial(TrainerCheckpointer, resume=resume)
+
+
+class Interrupted(LeantrainError):
+    """SIGINT/SIGTERM stopped the run after saving this step: exit 130/143 (128 + the signal's number)."""
+
+    def __init__(self, message: str, *, signal_name: str) -> None:
+        super().__init__(message)
+        self.exit_code = 128 + int(getattr(signal, signal_name, signal.SIGTERM))
+
+
+@dataclass
+class TrainOutcome:
+    """What a `train` call did: the logged records, and how the loop ended."""
+
+    records: list[dict[str, Any]] = field(default_factory=list)
+    finished_already: bool = False  # the run had reached its last step before this call
+    interrupted: Interrupted | None = None
 
 
 def train(
-    spec: JobSpec, *, run_dir: Path | None, max_steps: int | None, console: Console | None
-) -> list[dict[str, Any]]:
-    """Build a trainer for the spec, train to the end, close it; returns the logged records."""
+    spec: JobSpec, *, run_dir: Path | None, max_steps: int | None, console: Console | None,
+    resume: ResumeRequest | None = None,
+) -> TrainOutcome:
+    """Build a trainer for the spec, train to the end (or a signal), close it."""
     from leantrain.train.trainer import Trainer
 
     if max_steps is not None and max_steps <= 0:
@@ -57,35 +84,69 @@ def train(
     try:
         trainer = Trainer(
             spec, run_dir=target, max_steps=max_steps, console=console, extra_sinks=context.sinks,
-            checkpointer_factory=_checkpointer_factory(),
+            checkpointer_factory=_checkpointer_factory(resume),
         )
     except BaseException:
         for sink in context.sinks:  # the trainer never took them over: stop the alert watchdog here
             sink.close()
         finish_run(context, status=status)
         raise
+    outcome = TrainOutcome()
     try:
-        records = trainer.train()
-        stop_reason = getattr(trainer.checkpointer, "stop_reason", None)
+        outcome.records = trainer.train()
+        hook = trainer.checkpointer
+        outcome.finished_already = bool(getattr(hook, "finished", False))
+        stop_reason = getattr(hook, "stop_reason", None)
         status = {None: "finished", "preempted": "preempted"}.get(stop_reason, "requeued")
-        return records
+        outcome.interrupted = _interrupted(trainer)
+        if outcome.interrupted is not None:
+            status = "interrupted"
+        return outcome
     finally:
         trainer.close()
         finish_run(context, status=status)
 
 
-def run(*, console: Console, spec: JobSpec, run_dir: Path | None, max_steps: int | None) -> None:
+def _interrupted(trainer: Trainer) -> Interrupted | None:
+    """The one-line report of a SIGINT/SIGTERM stop (other preemption signals keep exit 0)."""
+    hook: Any = trainer.checkpointer
+    name = getattr(hook, "stop_signal", None)
+    if name not in INTERRUPT_SIGNALS:
+        return None
+    manager = hook.manager
+    with contextlib.suppress(LeantrainError):  # reported through the checkpoint_failed alert
+        manager.wait()
+    saved = manager.last_saved_step
+    if saved == trainer.step:
+        what = f"checkpoint saved at step {saved} ({manager.store.describe(step_dir(saved))}); run the same " \
+               "command again to resume from it"
+    else:
+        what = (f"the checkpoint at step {trainer.step} could not be saved (newest good: "
+                f"{'none' if saved is None else f'step {saved}'}); see events.jsonl")
+    return Interrupted(f"stopped by {name} at step {trainer.step}: {what}", signal_name=name)
+
+
+def run(
+    *, console: Console, spec: JobSpec, run_dir: Path | None, max_steps: int | None,
+    resume: ResumeRequest | None = None,
+) -> None:
     """The CLI entry point."""
-    records = train(spec, run_dir=run_dir, max_steps=max_steps, console=console)
+    outcome = train(spec, run_dir=run_dir, max_steps=max_steps, console=console, resume=resume)
+    code = 0 if outcome.interrupted is None else outcome.interrupted.exit_code
     if int(os.environ.get("RANK", "0")) == 0:  # rank 0 speaks for the job
         target = Path(run_dir or spec.run.dir)
-        console.print(f"[green]trained[/green]: {summary(records)}; metrics in {target / 'metrics.jsonl'}")
+        if outcome.interrupted is not None:
+            console.print(f"[yellow]{escape(str(outcome.interrupted))}", highlight=False, soft_wrap=True)
+        elif not outcome.finished_already:
+            console.print(f"[green]trained[/green]: {summary(outcome.records)}; metrics in {target / 'metrics.jsonl'}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
         # A torchrun worker can abort at interpreter exit after destroy_process_group ("terminate called
         # without an active exception", seen here about 1 run in 8): everything is written, so leave now.
         sys.stdout.flush()
         sys.stderr.flush()
-        os._exit(0)
+        os._exit(code)
+    if code:
+        raise SystemExit(code)
 
 
 def summary(records: list[dict[str, Any]]) -> str:
@@ -104,5 +165,7 @@ def summary(records: list[dict[str, Any]]) -> str:
 def demo_stage(ctx: DemoContext) -> str:
     """Train the demo spec (its own training.max_steps) on the data dir the prepare stage wrote."""
     spec = ctx.spec()
-    records = train(spec, run_dir=Path(spec.run.dir), max_steps=None, console=ctx.console)
-    return summary(records)
+    outcome = train(spec, run_dir=Path(spec.run.dir), max_steps=None, console=ctx.console)
+    if outcome.interrupted is not None:
+        raise outcome.interrupted
+    return summary(outcome.records)

@@ -21,31 +21,42 @@ import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 import torch
-import torch.nn.functional as F
 from rich.console import Console
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.tensor import DTensor
 
 from leantrain.data.sampler import Batch, PackedBatchSampler
 from leantrain.errors import LeantrainError, UserInputError
-from leantrain.model.transformer import Transformer, build_model, model_args_from_spec, num_params
-from leantrain.observe.metrics import build_metrics_logger, console_line, mfu, peak_memory_bytes, resolve_peak_flops
+from leantrain.model.transformer import num_params
+from leantrain.observe.metrics import (
+    build_metrics_logger,
+    console_line,
+    host_rss_bytes,
+    mfu,
+    peak_memory_bytes,
+    resolve_peak_flops,
+)
 from leantrain.observe.sinks import Sink
-from leantrain.parallel import CommTimer, parallelize
+from leantrain.parallel import CommTimer
 from leantrain.parallel.dims import layout_for_run
 from leantrain.plan.flops import flops_per_token
 from leantrain.spec.schema import JobSpec
+from leantrain.train import finetune
+from leantrain.train.build import WeightsLoader, build_parallel_model
+from leantrain.train.model_ready import rank_memory, record_model_ready
 from leantrain.train.optim import build_optimizer
-from leantrain.train.precision import apply_precision, resolve_precision
+from leantrain.train.precision import enable_tf32, float8_post_step, resolve_precision
 from leantrain.train.run_setup import record_oom, record_ranks_joined
 from leantrain.train.runtime import close_runtime, init_runtime, load_rng_state, rng_state
 from leantrain.train.schedule import build_scheduler
+from leantrain.train.step_metrics import LogWindow, SourceLoss, StepResult, moe_balance, synchronize
+
+__all__ = ["TRAIN_INFO_FILE", "Checkpointer", "LogWindow", "SourceLoss", "StepResult", "Trainer", "TrainingDiverged",
+           "moe_balance"]
 
 TRAIN_INFO_FILE = "train_info.json"
 
@@ -71,67 +82,6 @@ class Checkpointer(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass
-class StepResult:
-    """What one optimizer step produced (loss tensors stay on the device until a log step reads them)."""
-
-    loss: torch.Tensor
-    grad_norm: torch.Tensor
-    skipped: bool
-    data_wait_s: float
-    comm_s: float | None  # measured on log steps of a multi-rank run, else None
-    aux_loss: torch.Tensor | None = None
-    source_loss_sum: torch.Tensor | None = None
-    source_tokens: torch.Tensor | None = None
-    moe_counts: torch.Tensor | None = None
-
-
-@dataclass
-class LogWindow:
-    """Sums between two log steps."""
-
-    start_s: float = field(default_factory=time.perf_counter)
-    steps: int = 0
-    skipped: int = 0
-    loss_sum: float = 0.0
-    aux_sum: float = 0.0
-    data_wait_s: float = 0.0
-    comm_s: float = 0.0
-    source_loss: torch.Tensor | None = None
-    source_tokens: torch.Tensor | None = None
-    moe_counts: torch.Tensor | None = None
-
-
-def _add(total: torch.Tensor | None, value: torch.Tensor | None) -> torch.Tensor | None:
-    if value is None:
-        return total
-    return value.clone() if total is None else total + value
-
-
-class SourceLoss:
-    """The loss function the parallel model calls on each micro-batch's logits (on every rank, or on the last
-    pipeline stage): returns the mean token loss and adds per-source loss sums and token counts on the side.
-
-    Targets carry each token's source id in a last channel, `(batch, seq, 2)` = (next token, source), so the
-    pipeline schedule cuts them into micro-batches together with the tokens.
-    """
-
-    def __init__(self, num_sources: int, *, device: torch.device) -> None:
-        self.num_sources = num_sources
-        self.loss_sum = torch.zeros(num_sources, device=device)
-        self.tokens = torch.zeros(num_sources, device=device)
-
-    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        token_loss = F.cross_entropy(logits.float().flatten(0, 1), targets[..., 0].flatten(), reduction="none")
-        detached = token_loss.detach()
-        if isinstance(detached, DTensor):  # loss parallel: the per-token losses of the vocabulary-split logits
-            detached = detached.full_tensor()
-        sources = targets[..., 1].flatten()
-        self.loss_sum.index_add_(0, sources, detached)
-        self.tokens += torch.bincount(sources, minlength=self.num_sources)
-        return token_loss.mean()
-
-
 class Trainer:
     """Owns every component of one training process. See the module docstring for the setup order."""
 
@@ -144,6 +94,7 @@ class Trainer:
         console: Console | None = None,
         extra_sinks: list[Sink] | None = None,
         checkpointer_factory: Callable[[Trainer], Checkpointer] | None = None,
+        weights_loader: WeightsLoader | None = None,
     ) -> None:
         self.spec, self.run_dir = spec, Path(run_dir)
         training = spec.training
@@ -152,6 +103,7 @@ class Trainer:
         self.console = console if self.runtime.is_main else None
         self.device = self.runtime.device
         self.precision = resolve_precision(spec.precision, device=self.device)
+        enable_tf32(self.device)
         par, self.dims = layout_for_run(spec, world_size=self.runtime.world_size)
         self.spec = spec = spec.model_copy(update={"parallelism": par})
         if self.console is not None:
@@ -165,31 +117,27 @@ class Trainer:
             )
         self.accum_steps = training.global_batch_tokens // tokens_per_micro_step
         default_steps = max(1, round(spec.data.tokens_total / training.global_batch_tokens))
-        self.max_steps = max_steps or training.max_steps or default_steps
-        # 2. model on meta
-        self.model_args = model_args_from_spec(spec.model, max_seq_len=spec.data.seq_len)
-        with torch.device("meta"):
-            model = Transformer(self.model_args)
-        apply_precision(model, self.precision, cast=False)
-        model.set_recompute(training.activation_checkpointing)
-        if training.compile:
-            model.compile_blocks()
-        # 3. parallelize (one process: the model as it is)
-        mesh = self.dims.build_mesh(self.device.type) if self.runtime.distributed else None
-        self.parallel = parallelize(model, self.dims, spec, mesh=mesh, device=self.device,
-                                    num_microbatches=self.accum_steps)
+        # 0 (`--max-steps 0`) builds everything, reports `model_ready` and trains no step.
+        self.max_steps = max_steps if max_steps is not None else training.max_steps or default_steps
+        # 2.-4. model on meta → parallelize → this rank's shards allocated → init (or `weights_loader`) in place:
+        # the same weights as one process whatever the layout, and no full model on any rank (train/build.py).
+        self.rss_base_bytes = host_rss_bytes()
+        built = build_parallel_model(spec, dims=self.dims, precision=self.precision, runtime=self.runtime,
+                                     num_microbatches=self.accum_steps,
+                                     load=weights_loader or finetune.weights_loader(spec))
+        self.parallel, self.model_args = built.parallel, built.model_args
+        self.param_bytes_total = built.param_bytes_total
         self.comm_timer = CommTimer(device_type=self.device.type)
         # Under FSDP mixed precision the weights are gathered in bf16 already: autocast would only add casts.
         self.autocast = contextlib.nullcontext if self.parallel.fsdp_mixed_precision else self.precision.autocast
-        # 4. materialise + init (same weights as one process with this seed), then per-rank RNG for the run
-        self.parallel.initialize(seed=training.seed, full_model=lambda: build_model(
-            self.model_args, device=torch.device("cpu"), seed=training.seed))
         # The model with the single-process names (this rank's stages under PP): checkpoints, optimizer groups.
         self.model: nn.Module = self.parallel.module
-        torch.manual_seed(training.seed + self.runtime.rank)
+        self.param_counts = finetune.param_counts(self.model)  # params, trainable_params (LoRA: adapters only)
+        torch.manual_seed(training.seed + self.runtime.rank)  # per-rank RNG for the run (dropout-free, data order)
         # 5. optimizer, 6. scheduler
         self.optimizer = build_optimizer(self.model, training, spec.precision, device=self.device)
-        self.scheduler = build_scheduler(self.optimizer, training, max_steps=self.max_steps)
+        self.after_optimizer_step = float8_post_step(self.parallel.parts, self.precision, fsdp=self.parallel.fsdp)
+        self.scheduler = build_scheduler(self.optimizer, training, max_steps=max(1, self.max_steps))
         # 7. data
         self.sampler = self._sampler(split="train")
         self.eval_sampler = self._eval_sampler()
@@ -245,6 +193,10 @@ class Trainer:
 
     def train_step(self) -> StepResult:
         """One optimizer step over `accum_steps` micro-batches (mean of their losses = one big batch's)."""
+        measure = self._comm_measured()
+        if measure:  # the profiled step is timed on its own, from an idle device to an idle device
+            synchronize(self.device)
+        step_start_s = time.perf_counter()
         self.parallel.train()
         self.optimizer.zero_grad(set_to_none=True)
         source_loss = SourceLoss(len(self.sampler.source_names), device=self.device)
@@ -255,7 +207,6 @@ class Trainer:
             batch = self.sampler.next_batch()
             data_wait_s += time.perf_counter() - start
             micro_batches.append(self._micro_batch(batch))
-        measure = self._comm_measured()
         with self.comm_timer.measure() if measure else contextlib.nullcontext() as measured:
             mean_loss = self.parallel.forward_backward(micro_batches, loss_fn=source_loss, autocast=self.autocast)
             self.parallel.finish_gradients()
@@ -263,16 +214,20 @@ class Trainer:
             finite = bool(torch.isfinite(mean_loss) & torch.isfinite(grad_norm))
             if finite:
                 self.optimizer.step()
+                self.after_optimizer_step()
         if not finite:
             self._on_nonfinite(mean_loss, grad_norm)
         self.scheduler.step()  # the schedule follows the step count, skipped or not
         moe_counts = self.parallel.update_moe_balance(bias_update_rate=self.model_args.bias_update_rate)
         self.step += 1
         self.tokens_seen += self.spec.training.global_batch_tokens
+        if measure:
+            synchronize(self.device)
         return StepResult(
             loss=mean_loss, grad_norm=grad_norm, skipped=not finite, data_wait_s=data_wait_s,
             comm_s=measured.comm_s if measured is not None else None, aux_loss=self.parallel.last_aux_loss,
             source_loss_sum=source_loss.loss_sum, source_tokens=source_loss.tokens, moe_counts=moe_counts,
+            step_s=time.perf_counter() - step_start_s,
         )
 
     def _on_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
@@ -289,11 +244,16 @@ class Trainer:
 
     # ----- the loop ------------------------------------------------------------------------------------
     def train(self) -> list[dict[str, Any]]:
-        """Run to max_steps; returns the metrics records this process logged (rank 0) or built."""
+        """Run to max_steps; returns the metrics records this process logged (rank 0) or built.
+
+        Evaluation and checkpoint saves are timed on their own and kept out of the window's throughput
+        (train/step_metrics.py); with `max_steps` 0 only `model_ready` is recorded.
+        """
         self._write_train_info()
         runtime = self.runtime
         record_ranks_joined(self.run_dir, rank=runtime.rank, world_size=runtime.world_size,
                             distributed=runtime.distributed)
+        self.record_model_ready()
         records: list[dict[str, Any]] = []
         window = LogWindow()
         eval_every = self.spec.training.eval_every
@@ -303,38 +263,38 @@ class Trainer:
             except torch.OutOfMemoryError as err:
                 record_oom(self.run_dir, rank=runtime.rank, mem_bytes=peak_memory_bytes(self.device), error=err)
                 raise
-            self._accumulate(window, result)
+            window.add(result)
             last = self.step == self.max_steps
             if self.step % self.log_every == 0 or last:
                 records.append(self._log(window, result))
                 window = LogWindow()
             if self.eval_sampler is not None and (self.step % eval_every == 0 or last):
-                records.append(self._log_eval())
+                eval_record = self._log_eval()
+                window.eval_s += eval_record["eval_s"]
+                records.append(eval_record)
             if self.checkpointer is not None:
+                start_s = time.perf_counter()
                 self.checkpointer.maybe_save(self, force=last)
+                window.ckpt_save_s += time.perf_counter() - start_s
                 if self.checkpointer.preempt_requested:
                     break
         return records
 
-    def _accumulate(self, window: LogWindow, result: StepResult) -> None:
-        window.steps += 1
-        window.skipped += int(result.skipped)
-        window.data_wait_s += result.data_wait_s
-        if result.comm_s is not None:  # one profiled step per window (the logged one)
-            window.comm_s = result.comm_s
-        if not result.skipped:
-            window.loss_sum += float(result.loss)
-            window.aux_sum += 0.0 if result.aux_loss is None else float(result.aux_loss)
-            window.source_loss = _add(window.source_loss, result.source_loss_sum)
-            window.source_tokens = _add(window.source_tokens, result.source_tokens)
-        window.moe_counts = _add(window.moe_counts, result.moe_counts)
+    def record_model_ready(self) -> dict[str, Any] | None:
+        """The `model_ready` event (train/model_ready.py): every rank's memory after the build, gathered on rank 0."""
+        entry = rank_memory(rank=self.runtime.rank, modules=self.parallel.parts, device=self.device,
+                            base_rss_bytes=self.rss_base_bytes)
+        return record_model_ready(
+            self.run_dir, entry=entry, world_size=self.runtime.world_size, distributed=self.runtime.distributed,
+            param_bytes_total=self.param_bytes_total, layout=self.dims.describe(), resumed_step=self.step,
+        )
 
     def _log(self, window: LogWindow, result: StepResult) -> dict[str, Any]:
-        elapsed_s = time.perf_counter() - window.start_s
+        timing = window.timing()
         counted = max(1, window.steps - window.skipped)
         loss = torch.tensor([window.loss_sum / counted, window.aux_sum / counted], device=self.device)
         loss = self.parallel.mean_over_dp(loss)  # every pipeline stage has the loss (broadcast from the last)
-        tokens_per_s = window.steps * self.spec.training.global_batch_tokens / elapsed_s
+        tokens_per_s = self.spec.training.global_batch_tokens / timing["step_time_s"]
         record: dict[str, Any] = {
             "step": self.step,
             "loss": float(loss[0]) if window.steps > window.skipped else math.nan,
@@ -343,17 +303,22 @@ class Trainer:
             "tokens_per_s": tokens_per_s,
             "mfu": mfu(flops_per_token=self.flops_per_token, peak_flops=self.peak_flops,
                        tokens_per_s_per_device=tokens_per_s / self.runtime.world_size),
-            "step_time_s": elapsed_s / window.steps,
+            **timing,
             "data_wait_s": window.data_wait_s / window.steps,
             "comm_s": window.comm_s,
             "mem_bytes": peak_memory_bytes(self.device),
             "tokens_seen": self.tokens_seen,
             "skipped_steps": window.skipped,
+            **self.param_counts,
         }
-        if self.runtime.world_size > 1:  # each rank's own step time, for straggler alerts
-            per_rank = torch.zeros(self.runtime.world_size, device=self.device)
-            per_rank[self.runtime.rank] = record["step_time_s"]
-            record["rank_step_time_s"] = self.parallel.sum_over_ranks(per_rank).tolist()
+        if self.runtime.world_size > 1:  # each rank's own step time (straggler alerts) and peak memory
+            per_rank = torch.zeros(2, self.runtime.world_size, device=self.device, dtype=torch.float64)
+            per_rank[:, self.runtime.rank] = torch.tensor([record["step_time_s"], record["mem_bytes"]],
+                                                          dtype=torch.float64)
+            per_rank = self.parallel.sum_over_ranks(per_rank).tolist()
+            record["rank_step_time_s"] = per_rank[0]
+            record["rank_mem_bytes"] = [int(m) for m in per_rank[1]]
+            record["mem_bytes"] = max(record["rank_mem_bytes"])
         if window.source_loss is not None and window.source_tokens is not None:
             sums = self.parallel.sum_over_ranks(torch.stack([window.source_loss, window.source_tokens]))
             record["loss_by_source"] = {
@@ -385,7 +350,11 @@ class Trainer:
         return {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50.0))}
 
     def _log_eval(self) -> dict[str, Any]:
-        record = {"step": self.step, **self.evaluate()}
+        synchronize(self.device)
+        start_s = time.perf_counter()
+        record: dict[str, Any] = {"step": self.step, **self.evaluate()}
+        synchronize(self.device)
+        record["eval_s"] = time.perf_counter() - start_s
         self.metrics.log(record)
         if self.console is not None:
             self.console.print(
@@ -407,9 +376,10 @@ class Trainer:
             "global_batch_tokens": self.spec.training.global_batch_tokens, "compute_dtype": self.precision.compute,
             "optimizer": type(self.optimizer).__name__, "evaluation": self.eval_sampler is not None,
             "sources": self.sampler.source_names, "torch": torch.__version__, "layout": self.dims.describe(),
-            "data_parallel": self.dims.dp,
+            "data_parallel": self.dims.dp, "task": self.spec.task, **self.param_counts,
         }
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        finetune.record_base(self.run_dir, self.spec)
         (self.run_dir / TRAIN_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 
     # ----- state for checkpoints -----------------------------------------------------------------------
@@ -446,18 +416,3 @@ class Trainer:
             self.checkpointer.close()
         self.metrics.close()
         close_runtime(self.runtime)
-
-
-def moe_balance(counts: torch.Tensor, *, aux_loss: float, balance: str) -> dict[str, Any]:
-    """Per-expert load over the log window: shares per layer and the worst layer's max/min ratio."""
-    counts = counts.double()  # (moe_layers, experts)
-    ratio = counts.max(dim=1).values / counts.min(dim=1).values.clamp(min=1.0)
-    share = counts / counts.sum(dim=1, keepdim=True).clamp(min=1.0)
-    record: dict[str, Any] = {
-        "moe_load_max_over_min": float(ratio.max()),
-        "moe_load_max_over_mean": float((share.max(dim=1).values * counts.shape[1]).max()),
-        "moe_expert_load": [[round(float(x), 5) for x in row] for row in share],
-    }
-    if balance == "aux_loss":
-        record["moe_aux_loss"] = aux_loss
-    return record

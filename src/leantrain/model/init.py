@@ -1,0 +1,108 @@
+"""Weight initialisation by parameter name: the same values whatever the layout, with no full model anywhere.
+
+Every parameter gets its own random stream, seeded from `(training.seed, parameter name)`: the value of
+element (i, j) of `layers.3.attention.wq.weight` does not depend on which rank holds it, on the order in
+which parameters are initialised, or on how the model is split (FSDP shard, tensor-parallel slice,
+pipeline stage, expert-parallel slice). A sharded parameter (a DTensor) is filled by generating that one
+parameter whole on the device and keeping this rank's slice (a local redistribute, no communication), so
+the transient cost is one parameter, never the model: each rank holds its shards plus one tensor.
+
+The rules (torchtitan's Llama init): embeddings normal(0, 0.02); q/k/v, w1/w3, router and expert up
+projections truncated normal(0, 0.02) (cut at ±2, torch's default); the output projections of each block
+(`attention.wo`, `w2`) 0.02/√(2·n_layers), which keeps the residual stream's variance flat with depth (GPT-2);
+the untied head 1/√d cut at ±3/√d; norm gains 1. Buffers: RoPE tables computed, MoE bias and counts zero.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Callable
+from functools import partial
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
+
+from leantrain.model.layers import INIT_STD, ModelArgs, rope_tables
+
+Fill = Callable[[torch.Tensor, torch.Generator], None]
+
+
+def _normal(tensor: torch.Tensor, generator: torch.Generator, *, std: float) -> None:
+    nn.init.normal_(tensor, std=std, generator=generator)
+
+
+def _trunc_normal(tensor: torch.Tensor, generator: torch.Generator, *, std: float, cutoff: float = 2.0) -> None:
+    nn.init.trunc_normal_(tensor, std=std, a=-cutoff, b=cutoff, generator=generator)
+
+
+def _ones(tensor: torch.Tensor, generator: torch.Generator) -> None:
+    del generator  # deterministic
+    nn.init.ones_(tensor)
+
+
+def init_rule(name: str, args: ModelArgs) -> Fill:
+    """How the parameter called `name` (single-process name, e.g. `layers.0.feed_forward.experts.w2`) is filled."""
+    shape = args.shape
+    out_std = INIT_STD / math.sqrt(2 * shape.n_layers)
+    if name.endswith("norm.weight"):
+        return _ones
+    if name == "tok_embeddings.weight":
+        return partial(_normal, std=INIT_STD)
+    if name == "output.weight":
+        return partial(_trunc_normal, std=1 / math.sqrt(shape.d_model), cutoff=3 / math.sqrt(shape.d_model))
+    if name.endswith(("attention.wo.weight", ".w2.weight", "experts.w2")):
+        return partial(_trunc_normal, std=out_std)
+    if name.endswith(("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "router.gate.weight",
+                      ".w1.weight", ".w3.weight", "experts.w1", "experts.w3")):
+        return partial(_trunc_normal, std=INIT_STD)
+    raise KeyError(f"no init rule for parameter {name!r}: add one to leantrain.model.init.init_rule")
+
+
+def param_seed(seed: int, name: str) -> int:
+    """A 63-bit seed for one parameter's stream, stable across processes, Python versions and layouts."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & (2**63 - 1)
+
+
+def fill_parameter(param: torch.Tensor, fill: Fill, *, seed: int) -> None:
+    """Fill `param` (a plain tensor or this rank's DTensor shard) with `fill` on a stream seeded with `seed`.
+
+    Values are generated in fp32 for the whole (global) shape and cast on copy, so a bf16 master copy holds
+    the same values as an fp32 one rounded, and every layout holds the same numbers.
+    """
+    local = param.to_local() if isinstance(param, DTensor) else param
+    generator = torch.Generator(device=local.device).manual_seed(seed)
+    if not isinstance(param, DTensor) and param.dtype == torch.float32:
+        fill(param, generator)
+        return
+    full = torch.empty(param.shape, dtype=torch.float32, device=local.device)
+    fill(full, generator)
+    if isinstance(param, DTensor):
+        mesh = param.device_mesh
+        replicated = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
+        local.copy_(replicated.redistribute(mesh, param.placements).to_local())
+    else:
+        param.copy_(full)
+
+
+@torch.no_grad()
+def init_parameters(module: nn.Module, *, args: ModelArgs, seed: int) -> None:
+    """Initialise every parameter of `module` (a Transformer, a pipeline stage, a sharded model) by name."""
+    for name, param in module.named_parameters():
+        fill_parameter(param, init_rule(name, args), seed=param_seed(seed, name))
+
+
+@torch.no_grad()
+def init_buffers(module: nn.Module, *, args: ModelArgs, device: torch.device) -> None:
+    """Fill the non-learned state on `device`: RoPE tables (computed), MoE selection bias and counts (zero)."""
+    for owner in module.modules():
+        for name, buffer in list(owner.named_buffers(recurse=False)):
+            if name == "rope":
+                owner.register_buffer(name, rope_tables(
+                    head_dim=args.shape.head_dim, max_seq_len=args.max_seq_len, theta=args.rope_theta,
+                    device=device, scaling=args.rope_scaling), persistent=False)
+            elif name in ("expert_bias", "tokens_per_expert"):
+                persistent = name not in owner._non_persistent_buffers_set
+                owner.register_buffer(name, torch.zeros(buffer.shape, device=device), persistent=persistent)

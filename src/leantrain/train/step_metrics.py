@@ -1,0 +1,136 @@
+"""What one optimizer step produced, the sums of a log window, and the numbers a logged record derives from them.
+
+The throughput of a window counts training steps only: held-out evaluation, checkpoint saves and the one
+profiled step (the collective timing of a logged step) happen inside the window's wall time but are measured
+on their own and taken out, each reported under its own key (`eval_s`, `ckpt_save_s`, `profile_step_s`).
+So `step_time_s × steps_timed + eval_s + ckpt_save_s + profile_step_s = window_s` (up to the loop's own
+few microseconds), and `tokens_per_s`/`mfu` do not move when evaluation or saving is switched on.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
+
+
+@dataclass
+class StepResult:
+    """What one optimizer step produced (loss tensors stay on the device until a log step reads them)."""
+
+    loss: torch.Tensor
+    grad_norm: torch.Tensor
+    skipped: bool
+    data_wait_s: float
+    comm_s: float | None  # measured on log steps of a multi-rank run (the profiled step), else None
+    aux_loss: torch.Tensor | None = None
+    source_loss_sum: torch.Tensor | None = None
+    source_tokens: torch.Tensor | None = None
+    moe_counts: torch.Tensor | None = None
+    step_s: float = 0.0  # this step's wall time (with the device synchronised around it when profiled)
+
+
+def _add(total: torch.Tensor | None, value: torch.Tensor | None) -> torch.Tensor | None:
+    if value is None:
+        return total
+    return value.clone() if total is None else total + value
+
+
+@dataclass
+class LogWindow:
+    """Sums between two log steps; `excluded_s()` is the time that is not training."""
+
+    start_s: float = field(default_factory=time.perf_counter)
+    steps: int = 0
+    skipped: int = 0
+    loss_sum: float = 0.0
+    aux_sum: float = 0.0
+    data_wait_s: float = 0.0
+    comm_s: float = 0.0
+    eval_s: float = 0.0
+    ckpt_save_s: float = 0.0
+    profile_step_s: float = 0.0
+    profiled_steps: int = 0
+    source_loss: torch.Tensor | None = None
+    source_tokens: torch.Tensor | None = None
+    moe_counts: torch.Tensor | None = None
+
+    def add(self, result: StepResult) -> None:
+        self.steps += 1
+        self.skipped += int(result.skipped)
+        self.data_wait_s += result.data_wait_s
+        if result.comm_s is not None:  # one profiled step per window (the logged one)
+            self.comm_s = result.comm_s
+            self.profile_step_s += result.step_s
+            self.profiled_steps += 1
+        if not result.skipped:
+            self.loss_sum += float(result.loss)
+            self.aux_sum += 0.0 if result.aux_loss is None else float(result.aux_loss)
+            self.source_loss = _add(self.source_loss, result.source_loss_sum)
+            self.source_tokens = _add(self.source_tokens, result.source_tokens)
+        self.moe_counts = _add(self.moe_counts, result.moe_counts)
+
+    def timing(self, *, now_s: float | None = None) -> dict[str, float | int]:
+        """The window's time split: `window_s`, the excluded parts, and the training steps' mean `step_time_s`.
+
+        When every step of the window was profiled (a window of one step) the profiled step is all there is:
+        it is then the step time (and still reported as `profile_step_s`).
+        """
+        window_s = (time.perf_counter() if now_s is None else now_s) - self.start_s
+        steps_timed = self.steps - self.profiled_steps
+        train_s = window_s - self.eval_s - self.ckpt_save_s - self.profile_step_s
+        if steps_timed <= 0:
+            steps_timed, train_s = self.steps, self.profile_step_s
+        return {
+            "window_s": window_s, "steps_timed": steps_timed, "step_time_s": max(train_s, 1e-9) / max(1, steps_timed),
+            "eval_s": self.eval_s, "ckpt_save_s": self.ckpt_save_s, "profile_step_s": self.profile_step_s,
+        }
+
+
+class SourceLoss:
+    """The loss function the parallel model calls on each micro-batch's logits (on every rank, or on the last
+    pipeline stage): returns the mean token loss and adds per-source loss sums and token counts on the side.
+
+    Targets carry each token's source id in a last channel, `(batch, seq, 2)` = (next token, source), so the
+    pipeline schedule cuts them into micro-batches together with the tokens.
+    """
+
+    def __init__(self, num_sources: int, *, device: torch.device) -> None:
+        self.num_sources = num_sources
+        self.loss_sum = torch.zeros(num_sources, device=device)
+        self.tokens = torch.zeros(num_sources, device=device)
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        token_loss = F.cross_entropy(logits.float().flatten(0, 1), targets[..., 0].flatten(), reduction="none")
+        detached = token_loss.detach()
+        if isinstance(detached, DTensor):  # loss parallel: the per-token losses of the vocabulary-split logits
+            detached = detached.full_tensor()
+        sources = targets[..., 1].flatten()
+        self.loss_sum.index_add_(0, sources, detached)
+        self.tokens += torch.bincount(sources, minlength=self.num_sources)
+        return token_loss.mean()
+
+
+def moe_balance(counts: torch.Tensor, *, aux_loss: float, balance: str) -> dict[str, Any]:
+    """Per-expert load over the log window: shares per layer and the worst layer's max/min ratio."""
+    counts = counts.double()  # (moe_layers, experts)
+    ratio = counts.max(dim=1).values / counts.min(dim=1).values.clamp(min=1.0)
+    share = counts / counts.sum(dim=1, keepdim=True).clamp(min=1.0)
+    record: dict[str, Any] = {
+        "moe_load_max_over_min": float(ratio.max()),
+        "moe_load_max_over_mean": float((share.max(dim=1).values * counts.shape[1]).max()),
+        "moe_expert_load": [[round(float(x), 5) for x in row] for row in share],
+    }
+    if balance == "aux_loss":
+        record["moe_aux_loss"] = aux_loss
+    return record
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for the device's queued work, so a wall-clock interval measures what ran in it (no-op on a CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
