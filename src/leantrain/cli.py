@@ -39,6 +39,13 @@ ProfileOpt = Annotated[
     str | None, typer.Option("--profile", help="Apply the spec's named overlay (scale and resources).")
 ]
 RunDirArg = Annotated[Path, typer.Argument(help="A run dir written by train/launch.", show_default=False)]
+ResumeOpt = Annotated[str, typer.Option(
+    help="Where to start: auto (newest valid checkpoint of the run, else fresh), none (start over: a run dir "
+    "without checkpoints), latest, a STEP, or a checkpoint PATH (step folder, run dir, s3://...).")]
+WeightsOnlyOpt = Annotated[bool, typer.Option(
+    "--weights-only", help="With --resume PATH: load only the model weights into a new run (step 0).")]
+ExtendOpt = Annotated[bool, typer.Option(
+    "--extend-schedule", help="Resume although max steps/LR/schedule/batch changed: go on with the new settings.")]
 
 def _spec(path: Path, sets: list[str] | None, profile: str | None) -> JobSpec:
     return load_spec(path, profile=profile, overrides=sets or [])
@@ -67,13 +74,18 @@ def plan(
     top: Annotated[int, typer.Option(help="Layouts to show.")] = 5,
     what_if: Annotated[str | None, typer.Option("--what-if", help="e.g. gpus=64,128,256")] = None,
     plot: Annotated[Path | None, typer.Option(help="With --what-if: write a PNG plot of days/cost here.")] = None,
+    calibrate: Annotated[list[Path] | None, typer.Option(
+        "--calibrate", help="Run dir of an earlier run on the same hardware (repeatable): fit the step-time "
+        "constants to its measured step times first.")] = None,
 ) -> None:
     """Compute budget, GPU count, per-GPU memory, best layout, storage, checkpoint interval, cost.
 
-    Reads SPEC; prints a table and writes plan.json with --json.
+    Reads SPEC (and with --calibrate the run dirs' spec.yaml, plan.json, metrics.jsonl); prints a table and
+    writes plan.json with --json.
     """
     job = _spec(spec, set_, profile)
-    _stage("leantrain.plan.command", spec=job, json_out=json_out, top=top, what_if=what_if, plot=plot)
+    _stage("leantrain.plan.command", spec=job, json_out=json_out, top=top, what_if=what_if, plot=plot,
+           calibrate=calibrate)
 
 
 @app.command()
@@ -100,13 +112,20 @@ def train(
     profile: ProfileOpt = None,
     run_dir: Annotated[Path | None, typer.Option(help="Run dir (default: run.dir).")] = None,
     max_steps: Annotated[int | None, typer.Option(help="Stop after this many steps.")] = None,
+    resume: ResumeOpt = "auto",
+    weights_only: WeightsOnlyOpt = False,
+    extend_schedule: ExtendOpt = False,
 ) -> None:
     """Train: one process, or one rank under torchrun.
 
     Reads SPEC and the data dir; writes the run dir (metrics.jsonl, checkpoints/, lineage.json).
+    SIGINT/SIGTERM save a checkpoint at the current step and exit 130/143.
     """
+    from leantrain.ckpt.resume import parse_resume
+
+    request = parse_resume(resume, weights_only=weights_only, extend_schedule=extend_schedule)
     job = _spec(spec, set_, profile)
-    _stage("leantrain.train.command", spec=job, run_dir=run_dir, max_steps=max_steps)
+    _stage("leantrain.train.command", spec=job, run_dir=run_dir, max_steps=max_steps, resume=request)
 
 
 @app.command()

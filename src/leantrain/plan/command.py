@@ -11,7 +11,7 @@ from rich.console import Console
 
 from leantrain.errors import UserInputError
 from leantrain.plan.planner import build_plan, make_plan, what_if_rows
-from leantrain.plan.render import plot_what_if, render_plan, render_what_if
+from leantrain.plan.render import plot_what_if, render_calibration, render_plan, render_what_if
 from leantrain.spec import JobSpec, load_spec
 
 __all__ = ["demo_stage", "make_plan", "parse_what_if", "run"]
@@ -43,10 +43,20 @@ def write_plan_json(data: dict[str, Any], path: Path) -> None:
 
 
 def run(*, console: Console, spec: JobSpec, json_out: Path | None, top: int, what_if: str | None,
-        plot: Path | None = None) -> None:
-    """Print the plan; write plan.json with --json; --what-if adds a table (and a PNG with plot=)."""
+        plot: Path | None = None, calibrate: list[Path] | None = None) -> None:
+    """Print the plan; write plan.json with --json; --what-if adds a table (and a PNG with plot=);
+    --calibrate fits the step-time constants to earlier runs first (plan/calibrate.py)."""
     start = time.perf_counter()
+    calibration = None
+    if calibrate:
+        from leantrain.plan.calibrate import apply
+        from leantrain.plan.calibrate import calibrate as fit
+
+        calibration = fit(spec, list(calibrate))
+        spec = apply(spec, calibration)
+        render_calibration(calibration, console=console)
     plan = build_plan(spec)
+    plan.calibration = calibration
     if what_if:
         counts, plot_from_flag = parse_what_if(what_if)
         what_if_rows(plan, counts)

@@ -37,6 +37,7 @@ class Plan:
     what_if: list[dict[str, Any]] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     run: dict[str, Any] = field(default_factory=dict)  # whole-run time with goodput (plan/goodput.py)
+    calibration: dict[str, Any] | None = None  # constants fitted to earlier runs (plan/calibrate.py)
 
     @property
     def fits(self) -> bool:
@@ -92,6 +93,7 @@ class Plan:
             "what_if": self.what_if,
             "notes": self.notes,
             "warnings": self.run.get("warnings", []),
+            "calibration": self.calibration,
         }
 
 

@@ -95,6 +95,17 @@ def render_plan(plan: Plan, *, console: Console, top: int) -> None:
     console.print(other)
 
 
+def render_calibration(calibration: dict[str, Any], *, console: Console) -> None:
+    table = Table(title=f"calibrated on {len(calibration['runs'])} run(s): compute efficiency "
+                  f"{calibration['compute_efficiency']:.3f}, dp overlap {calibration['dp_overlap']:.1f}")
+    for col in ("run dir", "layout", "measured step", "fitted efficiency"):
+        table.add_column(col)
+    for row in calibration["runs"]:
+        table.add_row(row["run_dir"], row["layout"], f"{row['measured_step_s']:.3f} s",
+                      f"{row['fitted_efficiency']:.3f}")
+    console.print(table)
+
+
 def render_what_if(rows: list[dict[str, Any]], *, console: Console, currency: str) -> None:
     table = Table(title="what if")
     for col in ("GPUs", "days (assumed MFU)", "cost", "fits", "predicted days", "predicted MFU", "layout"):

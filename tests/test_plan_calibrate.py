@@ -1,0 +1,81 @@
+"""`leantrain plan SPEC --calibrate RUN_DIR...`: constants fitted to earlier runs' measured step times."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from rich.console import Console
+
+from leantrain.errors import UserInputError
+from leantrain.plan.calibrate import calibrate
+from leantrain.plan.command import run
+from leantrain.plan.planner import make_plan
+from leantrain.spec import spec_from_dict
+
+MODEL = {"n_layers": 16, "d_model": 2048, "n_heads": 16, "n_kv_heads": 8, "ffn_hidden": 5632, "vocab_size": 32000}
+
+
+def job(gpus: int, **plan) -> dict:
+    return {"model": MODEL, "data": {"tokens_total": 1e10, "seq_len": 2048},
+            "training": {"global_batch_tokens": 256 * 2048, "micro_batch": 1},
+            "parallelism": {"data_parallel": gpus, "zero_stage": 2, "layout": "spec"},
+            "hardware": {"accelerator": "A100-80GB", "gpus_per_node": 8, "num_nodes": max(1, gpus // 8),
+                         },
+            "budget": {"target_days": None, "num_gpus": gpus}, "plan": plan}
+
+
+def write_run(tmp: Path, name: str, gpus: int, *, true_efficiency: float, true_overlap: float) -> Path:
+    """A run dir whose measured step times are what the model predicts at the 'true' constants."""
+    truth = make_plan(spec_from_dict(job(gpus, compute_efficiency=true_efficiency, dp_overlap=true_overlap)))
+    run_dir = tmp / name
+    run_dir.mkdir()
+    (run_dir / "spec.yaml").write_text(yaml.safe_dump(job(gpus)))
+    (run_dir / "plan.json").write_text(json.dumps(truth))
+    step = truth["throughput"]["step_s"]
+    lines = [{"step": 10, "loss": 9.0, "step_time_s": 5 * step}]  # warm-up (compile): skipped
+    lines += [{"step": 10 * (i + 2), "loss": 8.0, "step_time_s": step} for i in range(9)]
+    lines.append({"step": 100, "eval_loss": 7.0, "eval_s": 99.0})  # not a training step
+    (run_dir / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in lines) + "\n{torn")
+    return run_dir
+
+
+def test_one_run_recovers_the_efficiency(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path, "rehearsal", 8, true_efficiency=0.41, true_overlap=0.8)
+    result = calibrate(spec_from_dict(job(64)), [run_dir])
+    assert result["compute_efficiency"] == pytest.approx(0.41, rel=1e-3)
+    assert result["runs"][0]["measured_step_s"] > 0
+
+
+def test_two_runs_recover_efficiency_and_dp_overlap(tmp_path: Path) -> None:
+    dirs = [write_run(tmp_path, f"r{g}", g, true_efficiency=0.45, true_overlap=0.3) for g in (8, 32)]
+    result = calibrate(spec_from_dict(job(64)), dirs)
+    assert result["dp_overlap"] == pytest.approx(0.3)
+    assert result["compute_efficiency"] == pytest.approx(0.45, rel=1e-3)
+
+
+def test_cli_plans_with_the_fitted_constants(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path, "rehearsal", 8, true_efficiency=0.35, true_overlap=0.8)
+    out = tmp_path / "plan.json"
+    buf = io.StringIO()
+    run(console=Console(file=buf, width=200), spec=spec_from_dict(job(64)), json_out=out, top=1, what_if=None,
+        calibrate=[run_dir])
+    data = json.loads(out.read_text())
+    default = make_plan(spec_from_dict(job(64)))
+    assert data["calibration"]["compute_efficiency"] == pytest.approx(0.35, rel=1e-3)
+    assert data["throughput"]["tokens_per_s"] < default["throughput"]["tokens_per_s"]  # 0.35 < the 0.595 default
+    assert "calibrated on 1 run" in buf.getvalue()
+
+
+def test_other_hardware_or_missing_files_are_refused(tmp_path: Path) -> None:
+    run_dir = write_run(tmp_path, "rehearsal", 8, true_efficiency=0.4, true_overlap=0.8)
+    h100 = job(64)
+    h100["hardware"]["accelerator"] = "H100-SXM"
+    with pytest.raises(UserInputError, match="same hardware"):
+        calibrate(spec_from_dict(h100), [run_dir])
+    (run_dir / "metrics.jsonl").unlink()
+    with pytest.raises(UserInputError, match="no metrics.jsonl"):
+        calibrate(spec_from_dict(job(64)), [run_dir])
