@@ -180,8 +180,12 @@ def _per_microbatch(inputs: PlanInputs, *, layers: int, first_layer: int, tp: in
         per_microbatch += count * layer_activation_bytes(terms, recompute=recompute, **kw)  # type: ignore[arg-type]
         if recompute == "full":  # backward rebuilds one layer's full activations at a time
             one_layer_full = max(one_layer_full, layer_activation_bytes(terms, recompute="none", **kw))
-    if not inputs.trains_base or inputs.lora_rank:
-        per_microbatch += layers * adapter_activation_bytes(inputs, tokens=tokens, tp=tp)
+    if inputs.lora_rank:  # adapters inside a fully recomputed block are rebuilt with it, one layer at a time
+        adapters = adapter_activation_bytes(inputs, tokens=tokens, tp=tp)
+        if recompute == "full":
+            one_layer_full += adapters
+        else:
+            per_microbatch += layers * adapters
     return per_microbatch, one_layer_full
 
 

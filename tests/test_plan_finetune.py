@@ -1,0 +1,79 @@
+"""Fine-tuning in the memory model (task: finetune; finetune.method full | lora | qlora)."""
+
+from __future__ import annotations
+
+import pytest
+
+from leantrain.hardware import GB
+from leantrain.plan.finetune import NF4_BYTES_PER_PARAM, adapter_params, frozen_weight_bytes
+from leantrain.plan.inputs import plan_inputs
+from leantrain.plan.layout import Layout
+from leantrain.plan.memory import memory_per_gpu
+from leantrain.spec import spec_from_dict
+
+LLAMA_65B = {"n_layers": 80, "d_model": 8192, "n_heads": 64, "n_kv_heads": 64, "ffn_hidden": 22016,
+             "vocab_size": 32000}
+LLAMA3_70B = {"n_layers": 80, "d_model": 8192, "n_heads": 64, "n_kv_heads": 8, "ffn_hidden": 28672,
+              "vocab_size": 128256}
+A6000_BYTES = 49140 * 2**20  # a "48 GB" GPU (RTX A6000 / A40) as nvidia-smi reports it
+
+
+def finetune_inputs(model: dict, *, method: str, gpus: int = 1, memory_bytes: float | None = None,
+                    rank: int = 64, offload: bool = False, **precision):
+    hardware = {"accelerator": "A100-80GB", "gpus_per_node": min(gpus, 8), "num_nodes": max(1, gpus // 8)}
+    if memory_bytes is not None:
+        hardware["memory_gb"] = memory_bytes / GB
+    spec = spec_from_dict({
+        "task": "finetune", "model": model, "finetune": {"method": method, "lora": {"rank": rank}},
+        "data": {"tokens_total": 1e8, "seq_len": 512},
+        "training": {"global_batch_tokens": 16 * 512, "micro_batch": 1, "activation_checkpointing": "full"},
+        "precision": {"compute": "bf16", **precision}, "hardware": hardware,
+        "parallelism": {"data_parallel": gpus, "zero_stage": 0, "cpu_offload": offload},
+        "budget": {"target_days": None, "num_gpus": gpus}})
+    return plan_inputs(spec)
+
+
+def test_adapter_and_nf4_counts() -> None:
+    inputs = finetune_inputs(LLAMA_65B, method="qlora", rank=64)
+    d, f, r = 8192, 22016, 64
+    per_layer = 4 * r * (d + d) + 2 * r * (d + f) + r * (f + d)  # wq wk wv wo (MHA), w1 w3, w2
+    assert adapter_params(inputs) == 80 * per_layer
+    linear = 80 * (4 * d * d + 3 * d * f)
+    rest = inputs.shape.total_params() - linear
+    assert frozen_weight_bytes(inputs) == pytest.approx(linear * NF4_BYTES_PER_PARAM + rest * 2)
+    assert pytest.approx(0.516, abs=1e-3) == NF4_BYTES_PER_PARAM  # QLoRA §3: 4 + 0.127 bits
+
+
+def test_qlora_65b_fits_one_48gb_gpu() -> None:
+    """QLoRA (Dettmers et al. 2023): 65B fine-tuned on a single 48 GB GPU (r = 64 on every linear layer,
+    bf16 adapters, gradient checkpointing). Plain LoRA (a bf16 base of 130 GB) does not."""
+    layout = Layout(dp=1, tp=1, pp=1, zero=0, micro_batch=1, recompute="full")
+    qlora = finetune_inputs(LLAMA_65B, method="qlora", memory_bytes=A6000_BYTES, master_weights="bf16",
+                            grad_reduce="bf16")
+    mem = memory_per_gpu(qlora, layout, num_microbatches=16)
+    assert mem.fits, mem
+    assert mem.grads < 0.05 * mem.params  # only the adapters have gradients
+    lora = finetune_inputs(LLAMA_65B, method="lora", memory_bytes=A6000_BYTES, master_weights="bf16",
+                           grad_reduce="bf16")
+    assert not memory_per_gpu(lora, layout, num_microbatches=16).fits
+
+
+def test_70b_full_finetune_on_8x80gb_needs_zero3() -> None:
+    """16 bytes per parameter of weights, gradients and Adam states: 1.1 TB for 70B; without ZeRO-3 every
+    GPU holds at least the 141 GB of bf16 weights. ZeRO-3 with the optimizer offloaded to the host fits."""
+    full = finetune_inputs(LLAMA3_70B, method="full", gpus=8)
+    for zero in (0, 1, 2):
+        for recompute in ("none", "full"):
+            layout = Layout(dp=8, tp=1, pp=1, zero=zero, micro_batch=1, recompute=recompute)
+            assert not memory_per_gpu(full, layout, num_microbatches=2).fits
+    offloaded = finetune_inputs(LLAMA3_70B, method="full", gpus=8, offload=True)
+    assert memory_per_gpu(offloaded, Layout(dp=8, tp=1, pp=1, zero=3, recompute="full"), num_microbatches=2).fits
+
+
+def test_lora_freezes_the_base() -> None:
+    full = finetune_inputs(LLAMA3_70B, method="full", gpus=8)
+    lora = finetune_inputs(LLAMA3_70B, method="lora", gpus=8, rank=16)
+    layout = Layout(dp=8, tp=1, pp=1, zero=3, recompute="full")
+    f, lo = (memory_per_gpu(i, layout, num_microbatches=2) for i in (full, lora))
+    assert lo.optimizer < 0.01 * f.optimizer and lo.grads < 0.01 * f.grads
+    assert lo.fits
