@@ -9,7 +9,8 @@ import torch
 
 from leantrain.errors import UserInputError
 from leantrain.model import build_model, model_args_from_spec
-from leantrain.model.hf import export_hf, import_hf
+from leantrain.model.hf import export_hf
+from leantrain.model.hf_load import import_hf
 from leantrain.spec.schema import ModelSpec
 
 transformers = pytest.importorskip("transformers")

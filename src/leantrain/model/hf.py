@@ -1,30 +1,40 @@
-"""Hugging Face interop: export a dense model as a Llama checkpoint (config.json + safetensors) and import one.
+"""Hugging Face interop: names, config.json, and writing/reading a dense model as a HF checkpoint directory.
 
-The names map one to one (our layer ↔ HF `LlamaForCausalLM`); both use rotate-half RoPE, so q/k weights
-copy without permutation. Tied embeddings are written as HF writes them: no `lm_head.weight`, and
-`tie_word_embeddings: true`. MoE models have no Llama equivalent and are refused.
+The names map one to one (our layer ↔ HF `LlamaForCausalLM`, `MistralForCausalLM`, `Qwen2ForCausalLM`,
+which share them; Qwen2 adds q/k/v biases); both use rotate-half RoPE, so q/k weights copy without
+permutation. Tied embeddings are written as HF writes them: no `lm_head.weight`, and
+`tie_word_embeddings: true`. MoE models have no Llama equivalent and are refused. Large models are written
+in `model-0000i-of-0000n.safetensors` shards with an index, one shard in memory at a time
+(`write_hf_shards`); `leantrain.model.hf_load` reads them back slice by slice.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import save_file
 
 from leantrain.errors import UserInputError
-from leantrain.model.transformer import ModelArgs, Transformer, build_model
-from leantrain.spec.shapes import ModelShape
+from leantrain.model.transformer import ModelArgs, Transformer
+from leantrain.spec.hf_config import SUPPORTED_MODEL_TYPES, read_hf_config
+from leantrain.spec.model_schema import ModelSpec
+from leantrain.spec.shapes import resolve_shape
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+SHARD_BYTES = 5 * 2**30  # transformers' default max_shard_size
 
 _LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
+    "attention.wq.bias": "self_attn.q_proj.bias",
+    "attention.wk.bias": "self_attn.k_proj.bias",
+    "attention.wv.bias": "self_attn.v_proj.bias",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
     "attention.wo.weight": "self_attn.o_proj.weight",
@@ -58,12 +68,20 @@ def from_hf_name(name: str) -> str:
     return {v: k for k, v in _TOP_NAMES.items()}[name]
 
 
-def hf_config(args: ModelArgs, *, dtype: torch.dtype = torch.float32) -> dict[str, Any]:
-    """A LlamaConfig as JSON; rope_theta is written in both the v4 and the v5 (`rope_parameters`) form."""
+def hf_config(
+    args: ModelArgs, *, dtype: torch.dtype = torch.float32, base: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """A config.json for our model: `base` (the init_from checkpoint's config, keeping its architecture and
+    extra fields) updated with our shape, else a LlamaConfig. rope_theta is written in the v4 and v5 forms."""
     shape = args.shape
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
+    model_type = (base or {}).get("model_type", "qwen2" if shape.qkv_bias else "llama")
+    rope: dict[str, Any] = {"rope_type": "default", "rope_theta": args.rope_theta}
+    if args.rope_scaling is not None:
+        rope = {**dict(args.rope_scaling), "rope_theta": args.rope_theta}
+    config = dict(base or {})
+    config.update({
+        "architectures": [SUPPORTED_MODEL_TYPES[model_type]],
+        "model_type": model_type,
         "vocab_size": shape.vocab_size,
         "hidden_size": shape.d_model,
         "intermediate_size": shape.ffn_hidden,
@@ -71,82 +89,76 @@ def hf_config(args: ModelArgs, *, dtype: torch.dtype = torch.float32) -> dict[st
         "num_attention_heads": shape.n_heads,
         "num_key_value_heads": shape.n_kv_heads,
         "head_dim": shape.head_dim,
-        "max_position_embeddings": args.max_seq_len,
+        "max_position_embeddings": max(args.max_seq_len, int(config.get("max_position_embeddings", 0))),
         "rms_norm_eps": args.norm_eps,
         "rope_theta": args.rope_theta,
-        "rope_parameters": {"rope_type": "default", "rope_theta": args.rope_theta},
+        "rope_scaling": None if args.rope_scaling is None else dict(args.rope_scaling),
+        "rope_parameters": rope,
         "tie_word_embeddings": shape.tie_embeddings,
-        "attention_bias": False,
-        "mlp_bias": False,
         "hidden_act": "silu",
         "torch_dtype": str(dtype).removeprefix("torch."),
-    }
+    })
+    if model_type != "qwen2":
+        config.update({"attention_bias": False, "mlp_bias": False})
+    return config
 
 
-def export_hf(model: Transformer, out_dir: Path, *, dtype: torch.dtype = torch.float32) -> Path:
-    """Write config.json and model.safetensors for `LlamaForCausalLM.from_pretrained(out_dir)`."""
-    if model.moe_layers():
-        raise UserInputError("HF export: mixture-of-experts models have no Llama equivalent; export a dense model")
+def plan_shards(sizes: dict[str, int], *, max_shard_bytes: int = SHARD_BYTES) -> list[list[str]]:
+    """Our tensor names grouped into files of at most `max_shard_bytes` (a bigger tensor gets a file alone)."""
+    shards: list[list[str]] = [[]]
+    used = 0
+    for name, size in sizes.items():
+        if shards[-1] and used + size > max_shard_bytes:
+            shards.append([])
+            used = 0
+        shards[-1].append(name)
+        used += size
+    return shards
+
+
+def write_hf_shards(
+    out_dir: Path, *, shards: list[list[str]], load: Callable[[list[str]], dict[str, torch.Tensor]],
+    config: dict[str, Any],
+) -> Path:
+    """Write config.json and the safetensors files, calling `load(names)` for one shard's tensors at a time."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        to_hf_name(name): tensor.detach().to("cpu", dtype).contiguous()
-        for name, tensor in model.state_dict().items()
-    }
-    save_file(tensors, str(out_dir / WEIGHTS_FILE), metadata={"format": "pt"})
-    config = hf_config(model.args, dtype=dtype)
+    weight_map: dict[str, str] = {}
+    total_bytes = 0
+    for index, names in enumerate(shards):
+        file = WEIGHTS_FILE if len(shards) == 1 else f"model-{index + 1:05d}-of-{len(shards):05d}.safetensors"
+        tensors = {to_hf_name(name): tensor.contiguous() for name, tensor in load(names).items()}
+        save_file(tensors, str(out_dir / file), metadata={"format": "pt"})
+        weight_map.update({name: file for name in tensors})
+        total_bytes += sum(t.numel() * t.element_size() for t in tensors.values())
+        del tensors
+    if len(shards) > 1:
+        index_json = {"metadata": {"total_size": total_bytes}, "weight_map": dict(sorted(weight_map.items()))}
+        (out_dir / INDEX_FILE).write_text(json.dumps(index_json, indent=2) + "\n", encoding="utf-8")
     (out_dir / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return out_dir
 
 
-def _read_tensors(hf_dir: Path) -> dict[str, torch.Tensor]:
-    index = hf_dir / INDEX_FILE
-    if index.is_file():
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        tensors: dict[str, torch.Tensor] = {}
-        for shard in sorted(set(weight_map.values())):
-            tensors.update(load_file(str(hf_dir / shard)))
-        return tensors
-    if not (hf_dir / WEIGHTS_FILE).is_file():
-        raise UserInputError(f"{hf_dir}: no {WEIGHTS_FILE} or {INDEX_FILE} (only safetensors checkpoints load)")
-    return load_file(str(hf_dir / WEIGHTS_FILE))
+def export_hf(
+    model: Transformer, out_dir: Path, *, dtype: torch.dtype = torch.float32, base: dict[str, Any] | None = None,
+    tensors: Iterable[tuple[str, torch.Tensor]] | None = None,
+) -> Path:
+    """Write config.json and safetensors for `AutoModelForCausalLM.from_pretrained(out_dir)` from a model in memory
+    (`tensors` overrides its state dict, e.g. with LoRA merged)."""
+    if model.moe_layers():
+        raise UserInputError("HF export: mixture-of-experts models have no Llama equivalent; export a dense model")
+    state = {name: t.detach().to("cpu", dtype) for name, t in (tensors or model.state_dict().items())}
+    sizes = {name: t.numel() * t.element_size() for name, t in state.items()}
+    return write_hf_shards(out_dir, shards=plan_shards(sizes), load=lambda names: {n: state[n] for n in names},
+                           config=hf_config(model.args, dtype=dtype, base=base))
 
 
-def args_from_hf_config(config: dict[str, Any]) -> ModelArgs:
-    """ModelArgs from a Llama config.json (refuses features our model does not have)."""
-    if config.get("model_type") != "llama":
-        raise UserInputError(f"HF import: model_type {config.get('model_type')!r} is not 'llama'")
-    rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
-    if rope.get("rope_type", "default") != "default" or config.get("attention_bias") or config.get("mlp_bias"):
-        raise UserInputError("HF import: RoPE scaling and attention/MLP biases are not supported by this model")
-    d_model, n_heads = config["hidden_size"], config["num_attention_heads"]
-    if config.get("head_dim", d_model // n_heads) != d_model // n_heads:
-        raise UserInputError("HF import: head_dim must equal hidden_size / num_attention_heads")
-    shape = ModelShape(
-        n_layers=config["num_hidden_layers"], d_model=d_model, n_heads=n_heads,
-        n_kv_heads=config.get("num_key_value_heads", n_heads), ffn_hidden=config["intermediate_size"],
-        vocab_size=config["vocab_size"], tie_embeddings=bool(config.get("tie_word_embeddings", False)),
-        moe=None, nominal_params=0.0,
-    )
-    theta = rope.get("rope_theta", config.get("rope_theta", 10000.0))
+def args_from_hf_config(hf_dir: Path, *, max_seq_len: int | None = None) -> ModelArgs:
+    """ModelArgs from a Llama/Mistral/Qwen2 config.json (refuses features our model does not have)."""
+    config = read_hf_config(hf_dir)
+    shape = resolve_shape(ModelSpec(init_from=Path(hf_dir)))
     return ModelArgs(
-        shape=shape, rope_theta=float(theta), norm_eps=float(config.get("rms_norm_eps", 1e-6)),
-        max_seq_len=int(config.get("max_position_embeddings", 4096)), balance="none",
+        shape=shape, rope_theta=config.rope_theta, norm_eps=config.norm_eps,
+        max_seq_len=max_seq_len or config.max_position_embeddings, balance="none", aux_loss_coef=0.0,
+        bias_update_rate=0.0, rope_scaling=config.rope_scaling,
     )
-
-
-def import_hf(hf_dir: Path, *, device: torch.device | None = None) -> Transformer:
-    """Load a Llama safetensors checkpoint into our model (fp32 parameters)."""
-    hf_dir = Path(hf_dir)
-    config = json.loads((hf_dir / CONFIG_FILE).read_text(encoding="utf-8"))
-    args = args_from_hf_config(config)
-    model = build_model(args, device=device or torch.device("cpu"))
-    state = {
-        from_hf_name(name): tensor.float()
-        for name, tensor in _read_tensors(hf_dir).items()
-        if not name.endswith("rotary_emb.inv_freq")  # derived from rope_theta; older exports carry it
-    }
-    if args.shape.tie_embeddings:
-        state.pop("output.weight", None)
-    model.load_state_dict(state, strict=True)
-    return model

@@ -1,0 +1,195 @@
+"""`leantrain export RUN_DIR --out DIR [--step N] [--adapter-only]`: a DCP checkpoint → a Hugging Face directory.
+
+Output: config.json (the init_from checkpoint's, updated with our shape, or a LlamaConfig), model.safetensors
+(or `model-0000i-of-0000n.safetensors` shards + index, one shard in memory at a time: tensors are read
+from DCP by name, a group at a time, never the whole model), and the tokenizer files (the model's, or the
+data dir's tokenizer.json). A LoRA run's checkpoint holds only the adapters: the export reads the base from
+`base_model.json`'s init_from after checking its sha256, and writes W + (alpha / rank) · B A for each
+adapted weight; `--adapter-only` writes a PEFT-format adapter instead (adapter_config.json +
+adapter_model.safetensors, loadable with `peft.PeftModel.from_pretrained(base, DIR)`).
+
+Everything is written to a temporary sibling folder and renamed at the end: on any error nothing appears
+at `--out`, and an existing non-empty `--out` is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+import leantrain.ckpt.integrity as integ
+from leantrain.ckpt.base_ref import verify_base
+from leantrain.ckpt.dcp_io import SealedFileSystem, SealedReader
+from leantrain.ckpt.manager import _make_cipher
+from leantrain.ckpt.storage import open_store
+from leantrain.errors import UserInputError
+from leantrain.model.hf import CONFIG_FILE, from_hf_name, hf_config, plan_shards, to_hf_name, write_hf_shards
+from leantrain.model.hf_load import weight_files
+from leantrain.model.lora import is_adapter
+from leantrain.model.transformer import model_args_from_spec
+from leantrain.spec import JobSpec, load_spec
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class ExportResult:
+    out_dir: Path
+    step: int
+    num_tensors: int
+    merged_lora: bool
+    adapter_only: bool
+
+
+class DcpTensors:
+    """Read named tensors of a checkpoint's model state (`model.<name>` keys) a group at a time."""
+
+    def __init__(self, spec: JobSpec, run_dir: Path, *, step: int | None) -> None:
+        store = open_store(spec, run_dir=run_dir)
+        entries = [e for e in integ.list_steps(store) if e.good_candidate]
+        if step is not None:
+            entries = [e for e in entries if e.step == step]
+        if not entries:
+            which = f"step {step}" if step is not None else "any step"
+            raise UserInputError(f"{run_dir}: no committed checkpoint for {which} in {store.url}")
+        self.entry = entries[-1]
+        manifest = integ.read_manifest(store, self.entry.name)
+        self.fs = SealedFileSystem(store, cipher=_make_cipher(spec) if manifest.get("encryption") else None)
+        metadata = SealedReader(self.fs, self.entry.name).read_metadata().state_dict_metadata
+        self.meta = {key.removeprefix("model."): md for key, md in metadata.items() if key.startswith("model.")}
+
+    def sizes(self) -> dict[str, int]:
+        return {name: md.size.numel() * md.properties.dtype.itemsize for name, md in self.meta.items()}
+
+    def load(self, names: list[str], *, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        state = {"model": {n: torch.empty(self.meta[n].size, dtype=self.meta[n].properties.dtype) for n in names}}
+        dcp.load(state, storage_reader=SealedReader(self.fs, self.entry.name), no_dist=True)
+        return {name: tensor.to(dtype) for name, tensor in state["model"].items()}
+
+
+def _base_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
+    with safe_open(str(files[to_hf_name(name)]), framework="pt") as handle:
+        return handle.get_tensor(to_hf_name(name))
+
+
+def _lora_loader(
+    spec: JobSpec, dcp_tensors: DcpTensors, base: Path, dtype: torch.dtype
+) -> tuple[Any, dict[str, int]]:
+    """(load(names), sizes): base weights from safetensors with (alpha / rank) · B A merged into adapted ones."""
+    files = weight_files(base)
+    scale = spec.finetune.lora.alpha / spec.finetune.lora.rank
+    tie = model_args_from_spec(spec.model, max_seq_len=1).shape.tie_embeddings
+    sizes: dict[str, int] = {}
+    for hf_name, file in files.items():
+        name = from_hf_name(hf_name) if not hf_name.endswith("rotary_emb.inv_freq") else None
+        if name is None or (tie and name == "output.weight"):
+            continue
+        with safe_open(str(file), framework="pt") as handle:
+            shape = handle.get_slice(hf_name).get_shape()
+        sizes[name] = int(torch.Size(shape).numel()) * dtype.itemsize
+
+    def load(group: list[str]) -> dict[str, torch.Tensor]:
+        out = {}
+        for name in group:
+            weight = _base_tensor(files, name).float()
+            prefix = name.removesuffix(".weight")
+            if f"{prefix}.lora_a" in dcp_tensors.meta:
+                adapters = dcp_tensors.load([f"{prefix}.lora_a", f"{prefix}.lora_b"], dtype=torch.float32)
+                weight = weight + scale * (adapters[f"{prefix}.lora_b"] @ adapters[f"{prefix}.lora_a"])
+            out[name] = weight.to(dtype)
+        return out
+
+    return load, sizes
+
+
+def _copy_tokenizer(spec: JobSpec, out: Path) -> None:
+    source = Path(spec.model.init_from) if spec.model.init_from else None
+    copied = False
+    if source is not None:
+        for name in TOKENIZER_FILES:
+            if (source / name).is_file():
+                shutil.copy2(source / name, out / name)
+                copied = copied or name == "tokenizer.json"
+    data_tokenizer = Path(spec.data.dir) / "tokenizer.json"
+    if not copied and data_tokenizer.is_file():
+        shutil.copy2(data_tokenizer, out / "tokenizer.json")
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": spec.data.tokenizer.eos_token}
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+
+
+def _write_adapter(spec: JobSpec, dcp_tensors: DcpTensors, out: Path, *, base: Path) -> int:
+    """A PEFT LoRA adapter: lora_A (rank, in) and lora_B (out, rank) under PEFT's module names."""
+    names = sorted(n for n in dcp_tensors.meta if is_adapter(n))
+    tensors = {}
+    for name, tensor in dcp_tensors.load(names, dtype=torch.float32).items():
+        prefix, which = name.rsplit(".", 1)
+        hf_prefix = to_hf_name(f"{prefix}.weight").removesuffix(".weight")
+        tensors[f"base_model.model.{hf_prefix}.lora_{which[-1].upper()}.weight"] = tensor.contiguous()
+    save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    lora = spec.finetune.lora
+    targets = sorted({to_hf_name(f"{n.rsplit('.', 1)[0]}.weight").split(".")[-2] for n in names})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base),
+              "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": targets,
+              "bias": "none", "fan_in_fan_out": False, "inference_mode": True}
+    (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return len(tensors)
+
+
+def export_run(
+    run_dir: Path, out_dir: Path, *, step: int | None = None, adapter_only: bool = False,
+    dtype: torch.dtype = torch.float32,
+) -> ExportResult:
+    """Export RUN_DIR's checkpoint (newest committed, or `step`) to `out_dir` as a HF directory."""
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    spec_path = run_dir / "spec.yaml"
+    if not spec_path.is_file():
+        raise UserInputError(f"{run_dir}: no spec.yaml (not a run dir written by `leantrain train`)")
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise UserInputError(f"--out {out_dir}: exists and is not empty (nothing was written)")
+    spec = load_spec(spec_path)
+    dcp_tensors = DcpTensors(spec, run_dir, step=step)
+    lora = any(is_adapter(n) for n in dcp_tensors.meta)
+    if adapter_only and not lora:
+        raise UserInputError(f"--adapter-only: the checkpoint in {run_dir} has no LoRA adapters (task "
+                             f"{spec.task}, finetune.method {spec.finetune.method})")
+    args = model_args_from_spec(spec.model, max_seq_len=spec.data.seq_len)
+    base_config = (json.loads((Path(spec.model.init_from) / CONFIG_FILE).read_text(encoding="utf-8"))
+                   if spec.model.init_from else None)
+    tmp = out_dir.with_name(f".{out_dir.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        if lora:
+            base = verify_base(run_dir)
+        if adapter_only:
+            count = _write_adapter(spec, dcp_tensors, tmp, base=base)
+        else:
+            if lora:
+                load, sizes = _lora_loader(spec, dcp_tensors, base, dtype)
+            else:
+                sizes = dcp_tensors.sizes()
+
+                def load(group: list[str]) -> dict[str, torch.Tensor]:
+                    return dcp_tensors.load(group, dtype=dtype)
+            write_hf_shards(tmp, shards=plan_shards(sizes), load=load,
+                            config=hf_config(args, dtype=dtype, base=base_config))
+            count = len(sizes)
+        _copy_tokenizer(spec, tmp)
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        if out_dir.exists():
+            out_dir.rmdir()
+        tmp.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return ExportResult(out_dir=out_dir, step=dcp_tensors.entry.step, num_tensors=count, merged_lora=lora and not
+                        adapter_only, adapter_only=adapter_only)

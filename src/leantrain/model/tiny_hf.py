@@ -1,0 +1,74 @@
+"""A tiny Hugging Face checkpoint built on demand (random weights, nothing downloaded) for examples and tests.
+
+`save_tiny_hf(out_dir)` writes what `model.init_from` expects: config.json and model.safetensors from
+transformers' own `LlamaForCausalLM` / `MistralForCausalLM` / `Qwen2ForCausalLM` (`save_pretrained`), plus a
+byte-level tokenizer.json (256 byte tokens and the chat special tokens) and a tokenizer_config.json carrying
+a ChatML chat template. transformers is needed only here and in export tests (it is a dev dependency).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+
+def save_tokenizer(out_dir: Path, *, chat_template: str | None = CHATML_TEMPLATE) -> int:
+    """Byte-level tokenizer.json + tokenizer_config.json; returns the vocabulary size."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
+    tokenizer = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out_dir / "tokenizer.json"))
+    config: dict[str, Any] = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|endoftext|>",
+                              "pad_token": "<|endoftext|>", "model_max_length": 4096}
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    (out_dir / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return tokenizer.get_vocab_size()
+
+
+def save_tiny_hf(
+    out_dir: Path | str, *, model_type: str = "llama", vocab_size: int = 512, hidden_size: int = 64,
+    num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
+    tie_embeddings: bool = False, rope_scaling: dict[str, Any] | None = None, seed: int = 0,
+    max_positions: int = 256, tokenizer: bool = True,
+) -> Path:
+    """Save a randomly initialised transformers model (and a tokenizer) to `out_dir`; returns it."""
+    import torch
+    import transformers
+
+    classes = {"llama": ("LlamaConfig", "LlamaForCausalLM"), "mistral": ("MistralConfig", "MistralForCausalLM"),
+               "qwen2": ("Qwen2Config", "Qwen2ForCausalLM")}
+    config_cls, model_cls = (getattr(transformers, name) for name in classes[model_type])
+    extra: dict[str, Any] = {"sliding_window": None} if model_type == "mistral" else {}
+    if rope_scaling is not None:
+        extra["rope_scaling"] = rope_scaling
+    config = config_cls(
+        vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,
+        max_position_embeddings=max_positions, rms_norm_eps=1e-5, tie_word_embeddings=tie_embeddings,
+        rope_theta=10000.0, **extra,
+    )
+    torch.manual_seed(seed)
+    model = model_cls(config)
+    with torch.no_grad():  # transformers zero-initialises biases; random ones make the bias path testable
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.normal_(std=0.02)
+    out = Path(out_dir)
+    model.save_pretrained(out)
+    if tokenizer:
+        save_tokenizer(out)
+    return out

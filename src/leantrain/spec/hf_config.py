@@ -1,0 +1,172 @@
+"""Read a Hugging Face `config.json` (Llama, Mistral, Qwen2) into the fields of our model shape.
+
+Pure JSON, no torch: `spec/shapes.py` calls `read_hf_config` when `model.init_from` is set, so the planner, the
+spec checks and the trainer all see the checkpoint's shape. What our model cannot express (sliding-window
+attention, YaRN/dynamic RoPE, MLP biases, a head_dim other than hidden_size / num_attention_heads) is refused
+with the file and the field named, never silently approximated.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from leantrain.errors import UserInputError
+
+CONFIG_FILE = "config.json"
+SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+# RoPE variants whose frequencies model/rope.py computes exactly as transformers does.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+# Fields of ModelSpec that config.json decides; an explicit spec value must agree with it.
+SHAPE_FIELDS = {
+    "n_layers": "num_hidden_layers", "d_model": "hidden_size", "n_heads": "num_attention_heads",
+    "n_kv_heads": "num_key_value_heads", "ffn_hidden": "intermediate_size", "vocab_size": "vocab_size",
+    "tie_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps",
+}
+
+
+class HFConfigError(UserInputError, ValueError):
+    """config.json is missing, malformed, or describes a model this trainer cannot build."""
+
+
+@dataclass(frozen=True)
+class HFModelConfig:
+    """What our model needs from a config.json, plus where it came from (for messages and export)."""
+
+    path: Path
+    model_type: str
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_hidden: int
+    vocab_size: int
+    tie_embeddings: bool
+    rope_theta: float
+    norm_eps: float
+    qkv_bias: bool
+    max_position_embeddings: int
+    rope_scaling: tuple[tuple[str, Any], ...] | None  # sorted (key, value) pairs; None for plain RoPE
+    sliding_window: int | None
+    raw: tuple[tuple[str, Any], ...]  # the JSON as sorted pairs (hashable), for export
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def value(self, field: str) -> Any:
+        return getattr(self, field)
+
+
+def _load_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        raise HFConfigError(f"{path}: not found (model.init_from must be a directory with config.json and "
+                            "*.safetensors)")
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise HFConfigError(f"{path}: not valid JSON ({err})") from err
+    if not isinstance(data, dict):
+        raise HFConfigError(f"{path}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _int_field(data: dict[str, Any], key: str, *, path: Path, default: int | None = None) -> int:
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise HFConfigError(f"{path}: field {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+def _rope(data: dict[str, Any], *, path: Path) -> tuple[float, tuple[tuple[str, Any], ...] | None]:
+    """(theta, scaling) from either the v4 form (rope_theta + rope_scaling) or v5's rope_parameters."""
+    params = data.get("rope_parameters") or data.get("rope_scaling") or {}
+    if not isinstance(params, dict):
+        raise HFConfigError(f"{path}: field 'rope_scaling' must be an object or null, got {params!r}")
+    theta = params.get("rope_theta", data.get("rope_theta", 10000.0))
+    if isinstance(theta, bool) or not isinstance(theta, int | float) or theta <= 0:
+        raise HFConfigError(f"{path}: field 'rope_theta' must be a positive number, got {theta!r}")
+    rope_type = params.get("rope_type", params.get("type", "default"))
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise HFConfigError(f"{path}: field 'rope_scaling.rope_type' {rope_type!r} is not supported "
+                            f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    if rope_type == "default":
+        return float(theta), None
+    keys = {"linear": ("factor",),
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+    scaling = {"rope_type": rope_type}
+    for key in keys[rope_type]:
+        if not isinstance(params.get(key), int | float):
+            raise HFConfigError(f"{path}: field 'rope_scaling.{key}' is required for rope_type {rope_type!r}")
+        scaling[key] = params[key]
+    return float(theta), tuple(sorted(scaling.items()))
+
+
+def _architecture(data: dict[str, Any], *, path: Path) -> str:
+    model_type = data.get("model_type")
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise HFConfigError(f"{path}: field 'model_type' {model_type!r} is not a supported architecture "
+                            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+    archs = data.get("architectures") or [SUPPORTED_MODEL_TYPES[model_type]]
+    if archs != [SUPPORTED_MODEL_TYPES[model_type]]:
+        raise HFConfigError(f"{path}: field 'architectures' {archs!r} is not supported "
+                            f"(expected [{SUPPORTED_MODEL_TYPES[model_type]!r}])")
+    if data.get("mlp_bias") or (model_type != "qwen2" and data.get("attention_bias")):
+        raise HFConfigError(f"{path}: fields 'attention_bias'/'mlp_bias' are set; only Qwen2's q/k/v biases are "
+                            "supported")
+    if data.get("hidden_act", "silu") != "silu":
+        raise HFConfigError(f"{path}: field 'hidden_act' {data.get('hidden_act')!r} is not supported (silu only)")
+    return model_type
+
+
+def _sliding_window(data: dict[str, Any], model_type: str) -> int | None:
+    if model_type == "qwen2" and not data.get("use_sliding_window", False):
+        return None
+    window = data.get("sliding_window")
+    return int(window) if isinstance(window, int) and not isinstance(window, bool) else None
+
+
+def read_hf_config(model_dir: Path | str) -> HFModelConfig:
+    """Parse `model_dir/config.json`; HFConfigError names the file and the field on any problem."""
+    path = Path(model_dir) / CONFIG_FILE
+    data = _load_json(path)
+    model_type = _architecture(data, path=path)
+    d_model, n_heads = _int_field(data, "hidden_size", path=path), _int_field(data, "num_attention_heads", path=path)
+    head_dim = data.get("head_dim") or d_model // n_heads
+    if d_model % n_heads or head_dim != d_model // n_heads:
+        raise HFConfigError(f"{path}: field 'head_dim' ({head_dim}) must equal hidden_size / num_attention_heads "
+                            f"({d_model} / {n_heads})")
+    n_kv_heads = _int_field(data, "num_key_value_heads", path=path, default=n_heads)
+    if n_heads % n_kv_heads:
+        raise HFConfigError(f"{path}: field 'num_key_value_heads' ({n_kv_heads}) must divide num_attention_heads "
+                            f"({n_heads})")
+    theta, scaling = _rope(data, path=path)
+    eps = data.get("rms_norm_eps", 1e-6)
+    if not isinstance(eps, int | float) or eps <= 0:
+        raise HFConfigError(f"{path}: field 'rms_norm_eps' must be a positive number, got {eps!r}")
+    return HFModelConfig(
+        path=path, model_type=model_type, n_layers=_int_field(data, "num_hidden_layers", path=path),
+        d_model=d_model, n_heads=n_heads, n_kv_heads=n_kv_heads,
+        ffn_hidden=_int_field(data, "intermediate_size", path=path),
+        vocab_size=_int_field(data, "vocab_size", path=path),
+        tie_embeddings=bool(data.get("tie_word_embeddings", False)), rope_theta=theta, norm_eps=float(eps),
+        qkv_bias=model_type == "qwen2" or bool(data.get("attention_bias", False)),
+        max_position_embeddings=_int_field(data, "max_position_embeddings", path=path, default=4096),
+        rope_scaling=scaling, sliding_window=_sliding_window(data, model_type),
+        raw=tuple(sorted((k, json.dumps(v)) for k, v in data.items())),
+    )
+
+
+def shape_conflicts(config: HFModelConfig, explicit: dict[str, Any]) -> list[str]:
+    """`model.<field>` values the spec set explicitly that disagree with config.json, one message each."""
+    problems = []
+    for field, value in explicit.items():
+        if field not in SHAPE_FIELDS or value is None:
+            continue
+        theirs = config.value(field)
+        if (float(value) != float(theirs)) if isinstance(theirs, float) else value != theirs:
+            problems.append(f"model.{field} is {value!r} but {config.path} has {SHAPE_FIELDS[field]} = {theirs!r} "
+                            "(drop the field, or point model.init_from at a matching checkpoint)")
+    return problems
