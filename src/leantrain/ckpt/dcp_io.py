@@ -24,7 +24,7 @@ from torch import nn
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from leantrain.ckpt.crypto import ChunkCipher
 from leantrain.ckpt.integrity import FileRecord, SealedWriter, step_name
@@ -175,6 +175,13 @@ def _model_and_optimizers(app_state: dict[str, Any]) -> tuple[nn.Module | None, 
     return model, optimizers
 
 
+def _frozen_options(model: nn.Module) -> StateDictOptions | None:
+    """Frozen parameters (a LoRA run's base, loaded from model.init_from) are neither saved nor loaded."""
+    if all(p.requires_grad for p in model.parameters()):
+        return None
+    return StateDictOptions(ignore_frozen_params=True, strict=False)
+
+
 def _is_stateful(value: Any) -> bool:
     return callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None))
 
@@ -184,7 +191,7 @@ def build_state_dict(app_state: dict[str, Any], *, skip: frozenset[str] = frozen
     model, optimizers = _model_and_optimizers(app_state)
     state: dict[str, Any] = {}
     if model is not None:
-        model_sd, optim_sd = get_state_dict(model, optimizers)
+        model_sd, optim_sd = get_state_dict(model, optimizers, options=_frozen_options(model))
         state[MODEL_KEY] = model_sd
         if optimizers:
             state[OPTIMIZER_KEY] = optim_sd
@@ -200,7 +207,7 @@ def apply_state_dict(app_state: dict[str, Any], state: dict[str, Any]) -> None:
     model, optimizers = _model_and_optimizers(app_state)
     if model is not None:
         set_state_dict(model, optimizers, model_state_dict=state[MODEL_KEY],
-                       optim_state_dict=state.get(OPTIMIZER_KEY, {}))
+                       optim_state_dict=state.get(OPTIMIZER_KEY, {}), options=_frozen_options(model))
     for key, value in app_state.items():
         if key in (MODEL_KEY, OPTIMIZER_KEY) or key not in state:
             continue

@@ -236,11 +236,21 @@ def spec_from_dict(
     merged = _interpolate(merged, "", env_problems)
     if env_problems:
         raise SpecError(env_problems, source=source)
+    _resolve_init_from(merged, base_dir or Path.cwd())
     try:
         spec = JobSpec.model_validate(merged)
     except ValidationError as err:
         raise SpecError(format_validation_error(err), source=source) from None
     return _resolve_paths(spec, base_dir or Path.cwd())
+
+
+def _resolve_init_from(merged: dict[str, Any], base_dir: Path) -> None:
+    """model.init_from is read while the spec validates (its config.json gives the shape), so it is made
+    relative to the spec file before validation, not after like the other paths."""
+    model = merged.get("model")
+    if isinstance(model, dict) and isinstance(model.get("init_from"), str):
+        path = Path(model["init_from"]).expanduser()
+        model["init_from"] = str(path if path.is_absolute() else base_dir / path)
 
 
 def load_spec(path: str | Path, *, profile: str | None = None, overrides: list[str] | None = None) -> JobSpec:

@@ -12,6 +12,7 @@ from typing import Literal
 from pydantic import Field, model_validator
 
 from leantrain.spec.base import PositiveInt, Section
+from leantrain.spec.hf_config import SHAPE_FIELDS, read_hf_config, shape_conflicts
 
 # The projections of our Llama-style block (model/transformer.py): attention wq/wk/wv/wo, SwiGLU w1/w2/w3.
 DEFAULT_LORA_TARGETS = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
@@ -73,6 +74,20 @@ class ModelSpec(Section):
             self.moe = MoESpec()
         if self.architecture == "dense" and self.moe is not None:
             raise ValueError("moe settings given but architecture is 'dense' (set architecture: moe)")
+        return self
+
+    @model_validator(mode="after")
+    def _shape_from_checkpoint(self) -> ModelSpec:
+        """With init_from, the shape fields take config.json's values (so a dumped spec says what runs); an
+        explicit field that disagrees is an error naming it and the file."""
+        if self.init_from is None:
+            return self
+        config = read_hf_config(self.init_from)
+        problems = shape_conflicts(config, {name: getattr(self, name) for name in self.model_fields_set})
+        if problems:
+            raise ValueError("; ".join(problems))
+        for name in SHAPE_FIELDS:
+            self.__dict__[name] = config.value(name)  # no re-validation, and not marked as set by the user
         return self
 
 

@@ -14,10 +14,13 @@ This reproduces Llama 3 8B exactly for size_billion: 8.03. For MoE the same sear
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 
+from leantrain.spec.hf_config import SHAPE_FIELDS, HFConfigError, read_hf_config, shape_conflicts
 from leantrain.spec.model_schema import ModelSpec, MoESpec
 
 HEAD_DIM = 128
@@ -53,6 +56,7 @@ class ModelShape:
     tie_embeddings: bool
     moe: ResolvedMoE | None
     nominal_params: float  # size_billion × 1e9 when given, else the exact total
+    qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
 
     @property
     def head_dim(self) -> int:
@@ -71,9 +75,10 @@ class ModelShape:
         return self.n_layers - self.num_moe_layers
 
     def attention_params(self) -> int:
-        """q, k, v, o projections of one layer (no biases)."""
+        """q, k, v, o projections of one layer (with q/k/v biases where the shape has them)."""
         d = self.d_model
-        return 2 * d * d + 2 * d * self.kv_dim
+        biases = d + 2 * self.kv_dim if self.qkv_bias else 0
+        return 2 * d * d + 2 * d * self.kv_dim + biases
 
     def dense_mlp_params(self) -> int:
         return 3 * self.d_model * self.ffn_hidden
@@ -167,8 +172,31 @@ def _search_shape(model: ModelSpec, target: float) -> ModelShape:
 
 
 def resolve_shape(model: ModelSpec) -> ModelShape:
-    """The explicit shape for a model spec (explicit fields win over the size rule)."""
+    """The explicit shape for a model spec (explicit fields win over the size rule; with `init_from` the
+    checkpoint's config.json decides, and an explicit field that disagrees is an error)."""
+    if model.init_from is not None:
+        explicit = {name: getattr(model, name) for name in model.model_fields_set if name in SHAPE_FIELDS}
+        config_path = Path(model.init_from) / "config.json"
+        stamp = config_path.stat().st_mtime_ns if config_path.is_file() else 0
+        return _resolve_hf(str(model.init_from), json.dumps(explicit, sort_keys=True), model.architecture, stamp)
     return _resolve_cached(model.model_dump_json())
+
+
+@lru_cache(maxsize=64)
+def _resolve_hf(init_from: str, explicit_json: str, architecture: str, _stamp: int) -> ModelShape:
+    if architecture != "dense":
+        raise HFConfigError(f"model.architecture is {architecture!r}, but model.init_from loads dense checkpoints "
+                            "only (Llama, Mistral, Qwen2)")
+    config = read_hf_config(init_from)
+    problems = shape_conflicts(config, json.loads(explicit_json))
+    if problems:
+        raise HFConfigError("; ".join(problems))
+    shape = ModelShape(
+        n_layers=config.n_layers, d_model=config.d_model, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads,
+        ffn_hidden=config.ffn_hidden, vocab_size=config.vocab_size, tie_embeddings=config.tie_embeddings,
+        moe=None, nominal_params=0.0, qkv_bias=config.qkv_bias,
+    )
+    return _with_nominal(shape, float(shape.total_params()))
 
 
 @lru_cache(maxsize=256)
