@@ -7,7 +7,8 @@ the search can evaluate thousands of layouts without re-reading or re-validating
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
+from functools import cached_property
 from typing import Literal
 
 from leantrain.hardware import GB, get_accelerator, host_cpu_peak_flops
@@ -74,6 +75,13 @@ class PlanInputs:
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
     lora_dropout: float = 0.0
+
+    @cached_property
+    def _hash(self) -> int:
+        return hash(tuple(getattr(self, f.name) for f in fields(self)))
+
+    def __hash__(self) -> int:  # computed once: the search's caches key on the inputs thousands of times
+        return self._hash
 
     @property
     def compute_flops_s(self) -> float:

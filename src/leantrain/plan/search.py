@@ -94,15 +94,15 @@ def _virtual_stages(n_layers: int, pp: int) -> list[int]:
 
 
 def candidate_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int,
-                      skipped: dict[str, int] | None = None) -> list[list[Layout]]:
-    """Every layout the search evaluates for `num_gpus`, in groups that differ only in the recompute policy
-    (cheapest first); (tp, pp) pairs dropped before evaluation are counted in `skipped` by reason.
+                      skipped: dict[str, int] | None = None) -> list[Layout]:
+    """Every layout the search evaluates for `num_gpus`, each with recompute none (the search tries heavier
+    policies only while it does not fit); (tp, pp) pairs dropped before evaluation are counted in `skipped`.
 
     ZeRO-0 and -1 are not listed where ZeRO-2 is possible: in this model they move the same bytes as ZeRO-2
     (one gradient all-reduce) and hold more, so they can never rank above it."""
     shape = inputs.shape
     seqs = sequences_per_step(inputs)
-    groups: list[list[Layout]] = []
+    groups: list[Layout] = []
     for tp in _tp_degrees(inputs, num_gpus):
         for pp in _divisors(num_gpus // tp):
             if pp > shape.n_layers:
@@ -130,8 +130,7 @@ def candidate_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int
                             if (zero == 3 and 1 < hsdp_shard < dp and dp % hsdp_shard == 0
                                     and hsdp_shard % ep == 0):
                                 variants.append(replace(base, dp_replicate=dp // hsdp_shard))
-                            for variant in variants:
-                                groups.append([replace(variant, recompute=r) for r in RECOMPUTE])
+                            groups.extend(variants)
     return groups
 
 
@@ -162,9 +161,10 @@ def search_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int = 
     evaluated = 0
     seqs = sequences_per_step(inputs)
     groups = candidate_layouts(inputs, num_gpus, max_micro_batch=max_micro_batch, skipped=rejected)
-    for group in groups:
-        m = group[0].num_microbatches(seqs)
-        for layout in group:
+    for base in groups:
+        m = base.num_microbatches(seqs)
+        for recompute in RECOMPUTE:  # heavier policies only while it does not fit
+            layout = base if recompute == "none" else replace(base, recompute=recompute)
             mem = memory_per_gpu(inputs, layout, num_microbatches=m)
             evaluated += 1
             if leanest is None or mem.total < leanest[1].total:

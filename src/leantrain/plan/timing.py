@@ -15,7 +15,9 @@ Model (constants documented in docs/plan.md and plan/inputs.py):
 - DP: ZeRO-0/1/2 reduce gradients once per step (all-reduce); ZeRO-3 (FSDP) all-gathers weights in the
   forward and the backward and reduce-scatters gradients for every micro-batch; HSDP adds an all-reduce
   of the shard across replicas. A share `dp_overlap` of it hides under compute.
-- EP: an all-to-all dispatch and combine of each token's top-k copies per MoE layer, forward and backward.
+- EP: an all-to-all dispatch and combine of each token's top-k copies per MoE layer, forward and backward;
+  a share `ep_overlap` (default 0.8: DeepSeek-V3 §3.2.1 hides nearly all of it with DualPipe's paired
+  forward/backward chunks) hides under the micro-batch's compute, never more than that compute.
 - Pipeline bubble: (p−1)/v micro-batch times, i.e. a fraction (p−1)/(v·m) of the compute.
 - Optimizer: a memory-bound pass over the local shard (weights, gradients, master, moments; read + write).
 """
@@ -92,7 +94,7 @@ def step_time(inputs: PlanInputs, layout: Layout, *, sequences_per_step: int) ->
     tokens_mb = layout.micro_batch * inputs.seq_len
     stage_imbalance = math.ceil(shape.n_layers / layout.pp) * layout.pp / shape.n_layers
     hw_flops_mb = inputs.hardware_flops_per_token(layout.recompute) * tokens_mb * stage_imbalance
-    compute_mb = hw_flops_mb / (layout.tp * layout.pp) / (inputs.peak_flops * inputs.compute_efficiency)
+    compute_mb = hw_flops_mb / (layout.tp * layout.pp) / inputs.compute_flops_s
 
     layers = math.ceil(shape.n_layers / layout.pp)
     activation_bytes = tokens_mb * shape.d_model * inputs.act_bytes
@@ -109,7 +111,7 @@ def step_time(inputs: PlanInputs, layout: Layout, *, sequences_per_step: int) ->
         ep_mb = moe_layers * calls * ring_time_s(num_bytes=a2a_bytes, ranks=layout.ep,
                                                  bandwidth_bytes_s=_link(inputs, layout.ep * layout.tp),
                                                  kind="all_to_all")
-        ep_mb *= 1 - inputs.ep_overlap
+        ep_mb -= min(ep_mb * inputs.ep_overlap, compute_mb)  # overlap hides it under compute, never more
 
     per_mb = compute_mb + tp_mb + ep_mb
     compute_s = m * compute_mb
