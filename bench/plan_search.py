@@ -17,6 +17,15 @@ from leantrain.plan.search import evaluate, search_layouts
 from leantrain.spec import load_spec
 
 BUDGET_S = 0.5
+REPEATS = 3
+
+
+def clear_caches() -> None:
+    from leantrain.plan import activations, memory
+
+    memory._per_microbatch.cache_clear()
+    memory._stage_params.cache_clear()
+    activations._stage_layers.cache_clear()
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 JOBS = (("405b_16384gpu", "llama3-405b.yaml", 16384), ("dsv3_2048gpu", "deepseek-v3.yaml", 2048))
 
@@ -25,9 +34,14 @@ def main() -> None:
     for name, file, gpus in JOBS:
         spec = load_spec(EXAMPLES / file)
         inputs = plan_inputs(spec)
-        start = time.perf_counter()  # cold: the first search of this job in the process
-        result = search_layouts(inputs, gpus)
-        search_s = time.perf_counter() - start
+        times = []
+        for _ in range(REPEATS):  # cold each time (caches cleared); the best of a few, the CPU is shared
+            clear_caches()
+            start, cpu_start = time.perf_counter(), time.process_time()
+            result = search_layouts(inputs, gpus)
+            times.append((time.perf_counter() - start, time.process_time() - cpu_start))
+        search_s, search_cpu_s = min(times)
+        clear_caches()
         start = time.perf_counter()
         plan = make_plan(load_spec(EXAMPLES / file))
         plan_s = time.perf_counter() - start
@@ -35,7 +49,8 @@ def main() -> None:
         assert best is not None
         published = layout_from_spec(spec.parallelism, spec.training)
         own = evaluate(inputs, published)
-        print(f"plan_search_{name}: {search_s:.3f} s ({search_s / BUDGET_S:.2f}x of the {BUDGET_S} s budget)")
+        print(f"plan_search_{name}: {search_s:.3f} s wall, {search_cpu_s:.3f} s CPU "
+              f"({search_s / BUDGET_S:.2f}x of the {BUDGET_S} s budget)")
         print(f"plan_search_{name}_evaluated: {result.num_evaluated} layouts, {result.num_fitting} fit")
         print(f"plan_full_{name}: {plan_s:.3f} s ({plan_s / BUDGET_S:.2f}x of the {BUDGET_S} s budget)")
         print(f"plan_best_layout_{name}: {best.layout.describe()}")

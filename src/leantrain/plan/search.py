@@ -23,6 +23,7 @@ from leantrain.plan.memory import MemoryBreakdown, memory_per_gpu
 from leantrain.plan.timing import StepTime, step_time
 
 RECOMPUTE: tuple[Recompute, ...] = ("none", "selective", "full")
+SMALLER_MB_FAILED = "does not fit: a smaller micro-batch of the same layout did not fit"
 
 
 @dataclass(frozen=True)
@@ -153,15 +154,22 @@ def search_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int = 
                    suggest: bool = True) -> SearchResult:
     """Rank fitting layouts for `num_gpus` by predicted tokens/s (ties: more headroom).
 
-    Within a group that differs only in recompute, recomputing more never runs faster, so the first policy
-    that fits (none → selective → full) is the group's only candidate worth ranking."""
+    Recomputing more never runs faster, so the first policy that fits (none → selective → full) is a layout's
+    only candidate worth ranking; and once a layout does not fit even with full recompute, the same layout
+    with a larger micro-batch (which holds at least as many activations: mb × in-flight never shrinks when
+    mb doubles) is not evaluated."""
     fitting: list[Candidate] = []
     rejected: dict[str, int] = {}
     leanest: tuple[Layout, MemoryBreakdown] | None = None
     evaluated = 0
     seqs = sequences_per_step(inputs)
     groups = candidate_layouts(inputs, num_gpus, max_micro_batch=max_micro_batch, skipped=rejected)
+    too_big: set[Layout] = set()  # layouts (micro-batch 0) that did not fit at some smaller micro-batch
     for base in groups:
+        key = replace(base, micro_batch=0)
+        if key in too_big:  # a larger micro-batch holds more of everything: it cannot fit either
+            rejected[SMALLER_MB_FAILED] = rejected.get(SMALLER_MB_FAILED, 0) + 1
+            continue
         m = base.num_microbatches(seqs)
         for recompute in RECOMPUTE:  # heavier policies only while it does not fit
             layout = base if recompute == "none" else replace(base, recompute=recompute)
@@ -175,6 +183,9 @@ def search_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int = 
                 break
             reason = _reject_reason(mem)
             rejected[reason] = rejected.get(reason, 0) + 1
+        else:  # (with grad_sync: last_micro_batch a larger micro-batch can drop the unsharded gradients)
+            if inputs.grad_sync == "every_micro_batch":
+                too_big.add(key)
     smallest = evaluate(inputs, leanest[0]) if leanest is not None else None
     fitting.sort(key=lambda c: (-c.time.tokens_per_s, -c.memory.headroom))
     result = SearchResult(num_gpus=num_gpus, ranked=fitting[:max(top_k, 1)], num_evaluated=evaluated,
