@@ -105,3 +105,71 @@ def test_shipped_prepull_daemonset_is_what_the_code_emits() -> None:
     shipped = yaml.safe_load((REPO / "docker" / "prepull-daemonset.yaml").read_text())
     assert shipped == prepull_daemonset(image=ClusterSpec().image)
     roundtrip(shipped, "V1DaemonSet")
+
+
+def test_every_referenced_env_var_metrics_port_fabric_and_rdma(tmp_path: Path) -> None:
+    from leantrain.launch.k8s import raw_env_references
+
+    overrides = ["monitoring.webhook_url_env=ALERT_WEBHOOK_URL", "cluster.nccl_preset=roce",
+                 "checkpoint.endpoint_url=${S3_ENDPOINT_URL:-https://s3.amazonaws.com}",
+                 "cluster.k8s_rdma_resource=rdma/rdma_shared_device_a", "cluster.k8s_rdma_per_node=2"]
+    spec = load_spec(SEED, profile="rehearsal", overrides=overrides)
+    refs = raw_env_references(SEED, profile="rehearsal", overrides=overrides)
+    config_map, job_doc, _ = k8s_documents(spec, run_dir=tmp_path, env_refs=refs)
+    # The pods resolve the reference from their own environment, not the submit host's value.
+    pod_spec = yaml.safe_load(config_map["data"]["spec.yaml"])
+    assert pod_spec["checkpoint"]["endpoint_url"] == "${S3_ENDPOINT_URL:-https://s3.amazonaws.com}"
+    job = roundtrip(job_doc, "KubeflowOrgV1PyTorchJob")
+    template = job.spec.pytorch_replica_specs["Worker"].template
+    (container,) = template.spec.containers
+    from_secret = {e.name for e in container.env if e.value_from}
+    assert {"ALERT_WEBHOOK_URL", "S3_ENDPOINT_URL", "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"} <= from_secret
+    values = {e.name: e.value for e in container.env if not e.value_from}
+    assert values["NCCL_IB_GID_INDEX"] == "3" and values["NCCL_IB_DISABLE"] == "0"
+    ports = {p.name: p.container_port for p in container.ports}
+    assert ports["metrics"] == 9464
+    assert template.metadata.annotations["prometheus.io/port"] == "9464"
+    assert container.resources.limits["rdma/rdma_shared_device_a"] == "2"
+    assert container.security_context.capabilities.add == ["IPC_LOCK"]
+    assert "logs/pod-$HOSTNAME.log" in container.command[-1]
+    plain = emitted(tmp_path)[1]["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]
+    assert "securityContext" not in plain and not any(k.startswith("rdma/") for k in plain["resources"]["limits"])
+
+
+def test_job_names_are_unique_and_the_run_dir_stays(tmp_path: Path) -> None:
+    (cm1, job1, _), (cm2, job2, _) = emitted(tmp_path), emitted(tmp_path)
+    assert job1["metadata"]["name"] != job2["metadata"]["name"]
+    assert job1["metadata"]["name"].startswith("run-") and cm1["metadata"]["name"] != cm2["metadata"]["name"]
+    run_dirs = {yaml.safe_load(cm["data"]["spec.yaml"])["run"]["dir"] for cm in (cm1, cm2)}
+    assert run_dirs == {"/mnt/runs/run"}
+    script = job1["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["command"][-1]
+    assert "--run-dir /mnt/runs/run" in script
+
+
+def test_pod_monitor_and_setup_manifests_pvc_and_secret(tmp_path: Path) -> None:
+    from leantrain.launch.k8s import setup_documents
+
+    docs = emitted(tmp_path, "cluster.k8s_pod_monitor=true", "cluster.k8s_gang_scheduler=none")
+    monitor = docs[3]
+    assert monitor["kind"] == "PodMonitor" and monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
+    assert monitor["spec"]["selector"]["matchLabels"] == docs[1]["metadata"]["labels"]
+    assert "schedulerName" not in docs[1]["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    spec = load_spec(SEED, profile="rehearsal", overrides=["cluster.k8s_storage_class=shared-nfs"])
+    data_pvc, runs_pvc, secret = setup_documents(spec)
+    for doc, model in ((data_pvc, "V1PersistentVolumeClaim"), (runs_pvc, "V1PersistentVolumeClaim"),
+                       (secret, "V1Secret")):
+        roundtrip(doc, model)
+    assert data_pvc["spec"]["accessModes"] == ["ReadOnlyMany"] and runs_pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert runs_pvc["spec"]["storageClassName"] == "shared-nfs"
+    assert secret["stringData"] == {"AWS_ACCESS_KEY_ID": "${AWS_ACCESS_KEY_ID}",
+                                    "AWS_SECRET_ACCESS_KEY": "${AWS_SECRET_ACCESS_KEY}"}  # placeholders only
+
+
+def test_cli_emit_k8s_writes_setup_beside_the_job(tmp_path: Path) -> None:
+    from leantrain.cli import main
+
+    out = tmp_path / "job.k8s.yaml"
+    assert main(["launch", str(SEED), "--profile", "rehearsal", "--emit", "k8s", "--out", str(out),
+                 "--run-dir", str(tmp_path / "run")]) == 0
+    kinds = [d["kind"] for d in yaml.safe_load_all((tmp_path / "job.k8s.setup.yaml").read_text())]
+    assert kinds == ["PersistentVolumeClaim", "PersistentVolumeClaim", "Secret"]

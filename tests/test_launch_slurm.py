@@ -113,8 +113,12 @@ def test_resources_flags_override_spec_and_bad_nnodes_is_a_user_error() -> None:
     planned = job_resources(open_size)
     from leantrain.plan.planner import make_plan
 
-    assert planned.source == "plan resources.num_gpus"
-    assert planned.num_nodes == -(-make_plan(open_size)["resources"]["num_gpus"] // 8)
+    resources = make_plan(open_size)["resources"]
+    assert resources["num_gpus_with_spare"] > resources["num_gpus"]  # 126 > 116 for the seed
+    assert planned.source == "plan resources.num_gpus_with_spare"
+    assert planned.num_nodes * 8 >= resources["num_gpus_with_spare"] > (planned.num_nodes - 1) * 8
+    # Elastic (the seed sets fault.elasticity): the spare nodes can be lost, down to what the budget needs.
+    assert planned.min_nodes == -(-resources["num_gpus"] // 8) < planned.num_nodes == planned.max_nodes
     with pytest.raises(Exception, match="MIN:MAX"):
         job_resources(spec, nnodes="8:2")
 
@@ -191,7 +195,7 @@ def test_time_limit_signal_asks_for_checkpoint_then_requeues_with_exclusions(tmp
 
 
 def test_container_mode_runs_every_step_in_the_image_with_the_needed_mounts(tmp_path: Path) -> None:
-    spec = load_spec(SEED, profile="rehearsal", overrides=["cluster.slurm_container=true"])
+    spec = load_spec(SEED, profile="rehearsal", overrides=["cluster.slurm_runtime=pyxis"])
     text = slurm_script(spec, command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
     for words in srun_torchrun_lines(text):
         image = next(w for w in words if w.startswith("--container-image="))
@@ -199,6 +203,80 @@ def test_container_mode_runs_every_step_in_the_image_with_the_needed_mounts(tmp_
         mounts = next(w for w in words if w.startswith("--container-mounts=")).split("=", 1)[1].split(",")
         assert {f"{tmp_path}:{tmp_path}", f"{SEED.parent}:{SEED.parent}"} <= set(mounts)
     assert f"export LEANTRAIN_IMAGE={spec.cluster.image}" in text  # lineage records the image
+    assert sys.executable not in text  # nothing of the submit host's venv
+
+
+def test_apptainer_runtime_and_env_hook_replace_the_submit_hosts_venv(tmp_path: Path) -> None:
+    spec = load_spec(SEED, profile="rehearsal", overrides=["cluster.slurm_runtime=apptainer"])
+    text = slurm_script(spec, command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
+    subprocess.run(["bash", "-n"], input=text, text=True, check=True)
+    for words in srun_torchrun_lines(text):
+        at = words.index("apptainer")
+        assert words[at:at + 4] == ["apptainer", "exec", "--nv", "--cleanenv"]
+        assert words[at + 6] == f"docker://{spec.cluster.image}" and words[at + 7] == "torchrun"
+        assert str(tmp_path) in words[at + 5].split(",")
+    assert 'export APPTAINERENV_TORCH_NCCL_ASYNC_ERROR_HANDLING="$TORCH_NCCL_ASYNC_ERROR_HANDLING"' in text
+    assert sys.executable not in text
+    hooked = slurm_script(load_spec(SEED, profile="rehearsal", overrides=["cluster.env_hook=/shared/env.sh"]),
+                          command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
+    assert "source /shared/env.sh" in hooked and sys.executable not in hooked
+    plain = slurm_script(load_spec(SEED, profile="rehearsal"), command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
+    assert f"export PATH={Path(sys.executable).parent}" in plain  # said so in a comment right above it
+    assert "No cluster.env_hook and no container" in plain
+
+
+@pytest.mark.parametrize(("preset", "expected"), [
+    ("infiniband", {"NCCL_IB_DISABLE": "0", "NCCL_NET_GDR_LEVEL": "PHB"}),
+    ("roce", {"NCCL_IB_GID_INDEX": "3", "NCCL_IB_TC": "106"}),
+    ("tcp", {"NCCL_IB_DISABLE": "1", "NCCL_NSOCKS_PERTHREAD": "4"}),
+])
+def test_nccl_fabric_preset_and_spec_overrides_are_exported(tmp_path: Path, preset: str,
+                                                             expected: dict[str, str]) -> None:
+    spec = load_spec(SEED, profile="rehearsal", overrides=[
+        f"cluster.nccl_preset={preset}", "cluster.nccl_env={NCCL_IB_HCA: 'mlx5_0,mlx5_1', NCCL_DEBUG: WARN}"])
+    text = slurm_script(spec, command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
+    exported = dict(line.removeprefix("export ").split("=", 1) for line in text.splitlines()
+                    if line.startswith("export NCCL_"))
+    assert {k: v.strip("'") for k, v in exported.items()}.items() >= {**expected, "NCCL_DEBUG": "WARN"}.items()
+    if preset != "tcp":
+        assert exported["NCCL_IB_HCA"].strip("'") == "mlx5_0,mlx5_1"  # the spec's entry wins over the preset
+    assert text.index("export NCCL_") < text.index("torchrun")
+    assert "export NCCL_" not in slurm_script(load_spec(SEED, profile="rehearsal"),
+                                              command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
+
+
+def test_elastic_job_survives_a_node_loss_and_failures_requeue(tmp_path: Path) -> None:
+    elastic = load_spec(SEED, profile="rehearsal", overrides=["fault.min_nodes=3", "fault.max_nodes=4"])
+    text = slurm_script(elastic, command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
+    assert "--no-kill" in sbatch_options(text)
+    for words in srun_torchrun_lines(text):
+        assert "--kill-on-bad-exit=1" not in words and {"--kill-on-bad-exit=0", "--no-kill"} <= set(words)
+    fixed = slurm_script(load_spec(SEED, profile="rehearsal", overrides=["fault.elasticity=false"]),
+                         command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
+    assert "--no-kill" not in sbatch_options(fixed)
+    assert all("--kill-on-bad-exit=1" in words for words in srun_torchrun_lines(fixed))
+    assert '"${SLURM_RESTART_COUNT:-0}" -lt 3 ]' in text
+
+
+@pytest.mark.parametrize(("restart_count", "requeued"), [("0", True), ("3", False)])
+def test_failed_training_requeues_until_max_requeues(tmp_path: Path, restart_count: str, requeued: bool) -> None:
+    spec = load_spec(SEED, profile="rehearsal", overrides=["cluster.preflight=false"])
+    script = tmp_path / "job.sbatch"
+    script.write_text(slurm_script(spec, command=TrainCommand(spec_path=SEED), run_dir=tmp_path / "run"))
+    bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        f'#!/bin/bash\nif [ "$1" = show ]; then echo n1; else echo "scontrol $*" >> {log}; fi\n')
+    (bin_dir / "srun").write_text(
+        f'#!/bin/bash\necho "srun $*" >> {log}\ncase "$*" in *leantrain.cli*) exit 1;; esac\n')
+    (bin_dir / "python").write_text("#!/bin/bash\nexit 0\n")  # the health file reader: no host to exclude
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+           "SLURM_JOB_NODELIST": "n1", "SLURM_RESTART_COUNT": restart_count}
+    proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert ("scontrol requeue 7" in log.read_text()) is requeued
 
 
 def test_demo_stage_writes_both_job_files(tmp_path: Path) -> None:

@@ -40,6 +40,12 @@ def _audit(spec: JobSpec, run_dir: Path, event: str, **fields: object) -> None:
         AuditLog(run_dir / "audit.log", spec=spec).append(event, argv=sys.argv, **fields)
 
 
+def setup_path(out: Path) -> Path:
+    """Where `--emit k8s` writes the PVC and Secret manifests: beside the job, `<job>.setup.yaml`."""
+    out = Path(out)
+    return out.with_name(out.name.removesuffix(".yaml").removesuffix(".yml") + ".setup.yaml")
+
+
 def emit_job_file(
     spec: JobSpec, *, kind: str, out: Path, spec_path: Path, overrides: list[str], profile: str | None,
     run_dir: Path, nproc: int | None, nnodes: str | None, max_restarts: int | None,
@@ -50,9 +56,12 @@ def emit_job_file(
         text = slurm_script(spec, command=command, run_dir=run_dir, nnodes=nnodes, nproc=nproc,
                             max_restarts=max_restarts)
     elif kind == "k8s":
-        from leantrain.launch.k8s import k8s_documents, k8s_yaml
+        from leantrain.launch.k8s import k8s_documents, k8s_yaml, raw_env_references, setup_documents
 
-        text = k8s_yaml(k8s_documents(spec, run_dir=run_dir, nnodes=nnodes, nproc=nproc, max_restarts=max_restarts))
+        refs = raw_env_references(spec_path, profile=profile, overrides=list(overrides))
+        text = k8s_yaml(k8s_documents(spec, run_dir=run_dir, nnodes=nnodes, nproc=nproc, max_restarts=max_restarts,
+                                      env_refs=refs))
+        write_job_file(k8s_yaml(setup_documents(spec, env_refs=refs)), setup_path(out))
     else:
         raise UserInputError(f"--emit {kind!r}: allowed: {', '.join(EMIT_KINDS)}")
     return write_job_file(text, out)
@@ -79,6 +88,9 @@ def run(
         _audit(spec, run_dir, "launch.emit", kind=emit, out=str(path.resolve()), **describe(res), excluded=excluded)
         console.print(f"wrote {emit} job file {path}: {res.num_nodes} node(s) × {res.gpus_per_node} GPU(s) "
                       f"(from {res.source}); excluded hosts: {', '.join(excluded) or 'none'}")
+        if emit == "k8s":
+            console.print(f"wrote {setup_path(path)}: the PVCs and the Secret (placeholders) the job needs; "
+                          f"apply once first: envsubst < {setup_path(path)} | kubectl apply -f -")
         return
     if preflight:
         from leantrain.launch.preflight import preflight_command

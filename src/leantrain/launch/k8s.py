@@ -7,20 +7,31 @@ One multi-document YAML file:
    (c10d rendezvous, min/max replicas, max restarts) — the operator injects torchrun's PET_* settings;
    gang scheduling through `runPolicy.schedulingPolicy.minAvailable` and the gang scheduler's name (all pods
    of the minimum set start together or none do; the operator must run with `--gang-scheduler-name`);
-   secrets as env vars from one Kubernetes Secret; PVCs for data and run dirs; an in-memory /dev/shm;
-   node-local staging in an init container when `cluster.data_url` is set; GPUs/CPU/memory from the plan;
-   excluded hosts kept away by node affinity,
-3. a DaemonSet that pre-pulls the training image on every GPU node, so a restart does not wait on a pull.
+   every env var the spec references (`${VAR}` anywhere, the webhook URL's variable) from one Secret; NCCL
+   fabric variables (launch/fabric.py); PVCs for data and run dirs; an in-memory /dev/shm; node-local staging
+   in an init container when `cluster.data_url` is set; GPUs/CPU/memory from the plan (with spare), RDMA NICs
+   and IPC_LOCK when asked; excluded hosts kept away by node affinity; rank 0's Prometheus port exposed as
+   `metrics` with scrape annotations; the pod's console teed to `RUN_DIR/logs/pod-<pod>.log`. The job's name
+   carries a random suffix (each submission is a new job); the run dir is named after the run, so a new job
+   resumes the old one's checkpoints,
+3. a DaemonSet that pre-pulls the training image on every GPU node, so a restart does not wait on a pull,
+4. with `cluster.k8s_pod_monitor`, a prometheus-operator PodMonitor.
+`setup_documents` gives the PVCs and the Secret template, which `--emit k8s` writes beside the job
+(`<job>.setup.yaml`): apply them once, before the job.
 """
 
 from __future__ import annotations
 
+import json
+import re
+import secrets
 import shlex
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from leantrain.launch.fabric import nccl_env
 from leantrain.launch.health import excluded_hosts
 from leantrain.launch.resources import TORCHRUN_ENV, JobResources, TrainCommand, job_name, job_resources, torchrun_args
 from leantrain.launch.staging import is_remote
@@ -31,23 +42,76 @@ SPEC_MOUNT = "/etc/leantrain"
 DATA_MOUNT = "/mnt/data"
 RUNS_MOUNT = "/mnt/runs"
 LOCAL_MOUNT = "/mnt/local"
+SCHEDULERS = {"volcano": "volcano", "scheduler-plugins": "scheduler-plugins-scheduler"}
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 RUN_AS_UID = 1000  # the image's non-root `leantrain` user (docker/Dockerfile)
+METRICS_PORT = 9464  # rank 0's Prometheus endpoint in the pod when the spec sets none (or 0: any free port)
+ENV_REF_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-[^}]*)?\}")
 
 
-def pod_spec_document(spec: JobSpec, *, data_dir: str, run_dir: str) -> dict[str, Any]:
-    """The spec as the pods load it: explicitly set fields only (defaults stay defaults), pod paths."""
+def metrics_port(spec: JobSpec) -> int:
+    return spec.monitoring.prometheus_port or METRICS_PORT
+
+
+def raw_env_references(spec_path: Path, *, profile: str | None, overrides: list[str]) -> dict[str, str]:
+    """Dotted path → the spec file's text for every value that references `${VAR}` (profile and overrides
+    applied), so the pods resolve them from their own environment instead of the submit host's."""
+    from leantrain.spec.load import _leaf_paths, _set_path, apply_profile, parse_override
+
+    raw = yaml.safe_load(Path(spec_path).read_text(encoding="utf-8")) or {}
+    merged = apply_profile(raw, profile)
+    for text in overrides:
+        key, value = parse_override(text)
+        _set_path(merged, key, value)
+    found = {}
+    for dotted in _leaf_paths(merged):
+        node: Any = merged
+        for part in dotted.split("."):
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, str) and ENV_REF_RE.search(node):
+            found[dotted] = node
+    return found
+
+
+def _restore_references(doc: dict[str, Any], refs: dict[str, str]) -> None:
+    for dotted, text in refs.items():
+        *parents, leaf = dotted.split(".")
+        node: Any = doc
+        for part in parents:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and leaf in node:
+            node[leaf] = text
+
+
+def pod_spec_document(
+    spec: JobSpec, *, data_dir: str, run_dir: str, env_refs: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """The spec as the pods load it: explicitly set fields only (defaults stay defaults), pod paths, and the
+    spec file's `${VAR}` references kept as references."""
     doc = spec.model_dump(mode="json", exclude_unset=True, exclude={"profiles"})
+    _restore_references(doc, env_refs or {})
     doc.setdefault("data", {})["dir"] = data_dir
     doc.setdefault("run", {})["dir"] = run_dir
     if spec.run.registry is not None:
         doc["run"]["registry"] = f"{RUNS_MOUNT}/runs.db"
+    doc.setdefault("monitoring", {})["prometheus_port"] = metrics_port(spec)  # a fixed port the scraper knows
     return doc
 
 
-def _secret_env(spec: JobSpec) -> list[dict[str, Any]]:
-    names = sorted(spec_secret_env_names(spec))
+def referenced_env_names(spec: JobSpec, env_refs: dict[str, str] | None = None) -> set[str]:
+    """Every env var the spec needs in the pod: `${VAR}` anywhere in a value (also in the spec file's text,
+    `env_refs`), secret_env, the webhook URL's."""
+    names = set(spec_secret_env_names(spec))
+    names |= {n for text in (env_refs or {}).values() for n in ENV_REF_RE.findall(text)}
+    names |= set(ENV_REF_RE.findall(json.dumps(spec.model_dump(mode="json", exclude={"profiles"}))))
+    if spec.monitoring.webhook_url_env:
+        names.add(spec.monitoring.webhook_url_env)
+    return names
+
+
+def _secret_env(spec: JobSpec, env_refs: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    names = sorted(referenced_env_names(spec, env_refs))
     env = [{"name": n, "valueFrom": {"secretKeyRef": {"name": spec.cluster.k8s_secret_name, "key": n}}} for n in names]
     if spec.cluster.data_url and spec.cluster.data_url.startswith("s3://"):
         env += [
@@ -58,10 +122,12 @@ def _secret_env(spec: JobSpec) -> list[dict[str, Any]]:
     return env
 
 
-def _resources(res: JobResources) -> dict[str, Any]:
+def _resources(res: JobResources, spec: JobSpec) -> dict[str, Any]:
     amounts = {"cpu": str(res.cpus_per_node), "memory": f"{res.memory_gb_per_node}Gi"}
     if res.gpu_resource:
         amounts[res.gpu_resource] = str(res.gpus_per_node)
+    if spec.cluster.k8s_rdma_resource:
+        amounts[spec.cluster.k8s_rdma_resource] = str(spec.cluster.k8s_rdma_per_node)
     return {"limits": dict(amounts), "requests": dict(amounts)}
 
 
@@ -78,7 +144,9 @@ def _gpu_tolerations(res: JobResources) -> list[dict[str, Any]]:
     return [{"key": res.gpu_resource, "operator": "Exists", "effect": "NoSchedule"}]
 
 
-def _storage(spec: JobSpec, *, name: str, data_dir: str) -> tuple[list[Any], list[Any], list[Any]]:
+def _storage(
+    spec: JobSpec, *, name: str, data_dir: str, env_refs: dict[str, str] | None = None
+) -> tuple[list[Any], list[Any], list[Any]]:
     """(volumes, training container mounts, init containers): spec, runs PVC, /dev/shm, and the data either
     on its PVC or staged by an init container into node-local disk."""
     cluster = spec.cluster
@@ -103,7 +171,7 @@ def _storage(spec: JobSpec, *, name: str, data_dir: str) -> tuple[list[Any], lis
     if cluster.data_endpoint_url:
         stage += ["--endpoint-url", cluster.data_endpoint_url]
     init = {"name": "stage-data", "image": cluster.image, "imagePullPolicy": "IfNotPresent", "command": stage,
-            "env": _secret_env(spec), "volumeMounts": [{"name": "local", "mountPath": LOCAL_MOUNT}]}
+            "env": _secret_env(spec, env_refs), "volumeMounts": [{"name": "local", "mountPath": LOCAL_MOUNT}]}
     return volumes, mounts, [init]
 
 
@@ -113,43 +181,50 @@ def _container_script(spec: JobSpec, *, res: JobResources, name: str, max_restar
     spec_args = TrainCommand(spec_path=Path(f"{SPEC_MOUNT}/spec.yaml")).spec_args(run_dir=run_dir)
     train_rdzv = torchrun_args(res, max_restarts=max_restarts, rdzv_endpoint=None, rdzv_id=None)
     train = shlex.join(["torchrun", *train_rdzv, "-m", "leantrain.cli", "train", *spec_args])
+    # The pod's console also goes to the run dir, where validate and doctor read it (logs/pod-<pod>.log).
+    tee = f'mkdir -p {run_dir}/logs; exec > >(tee -a "{run_dir}/logs/pod-$HOSTNAME.log") 2>&1'
     if not spec.cluster.preflight:
-        return f"umask 077; exec {train}"
+        return f"umask 077; {tee}; exec {train}"
     pre_rdzv = torchrun_args(res, max_restarts=0, rdzv_endpoint=None, rdzv_id=f"preflight-{name}")
     preflight = shlex.join(["torchrun", *pre_rdzv, "-m", "leantrain.launch.preflight_worker", *spec_args,
                             "--expected-world-size", str(res.min_nodes * res.gpus_per_node),
                             "--timeout-s", str(int(spec.cluster.preflight_timeout_s))])
-    return f"set -eu; umask 077; {preflight} && exec {train}"
+    return f"set -eu; umask 077; {tee}; {preflight} && exec {train}"
 
 
 def _pod_spec(
-    spec: JobSpec, *, res: JobResources, name: str, max_restarts: int, run_dir: Path | None
+    spec: JobSpec, *, res: JobResources, name: str, run_name: str, max_restarts: int, run_dir: Path | None,
+    env_refs: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The Worker pods: one training container, gang scheduler, non-root, GPU tolerations, bad hosts avoided."""
     cluster = spec.cluster
     data_dir = f"{LOCAL_MOUNT}/data" if is_remote(cluster.data_url) else DATA_MOUNT
     volumes, mounts, init_containers = _storage(spec, name=name, data_dir=data_dir)
-    env = [{"name": k, "value": v} for k, v in TORCHRUN_ENV.items()]
-    env += [{"name": "LEANTRAIN_IMAGE", "value": cluster.image}, *_secret_env(spec)]
+    env = [{"name": k, "value": v} for k, v in {**TORCHRUN_ENV, **nccl_env(spec)}.items()]
+    env += [{"name": "LEANTRAIN_IMAGE", "value": cluster.image}, *_secret_env(spec, env_refs)]
     container = {
         "name": "pytorch",  # the operator looks for this container name
         "image": cluster.image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["bash", "-c", _container_script(spec, res=res, name=name, max_restarts=max_restarts,
-                                                    run_dir=f"{RUNS_MOUNT}/{name}")],
+                                                    run_dir=f"{RUNS_MOUNT}/{run_name}")],
         "env": env,
-        "ports": [{"name": "pytorchjob-port", "containerPort": cluster.rdzv_port}],
-        "resources": _resources(res),
+        "ports": [{"name": "pytorchjob-port", "containerPort": cluster.rdzv_port},
+                  {"name": "metrics", "containerPort": metrics_port(spec)}],
+        "resources": _resources(res, spec),
         "volumeMounts": mounts,
     }
+    if cluster.k8s_rdma_resource or cluster.k8s_ipc_lock:  # RDMA pins memory: the verbs need IPC_LOCK
+        container["securityContext"] = {"capabilities": {"add": ["IPC_LOCK"]}}
     pod_spec: dict[str, Any] = {
-        "schedulerName": "volcano" if cluster.k8s_gang_scheduler == "volcano" else "scheduler-plugins-scheduler",
         "terminationGracePeriodSeconds": cluster.checkpoint_signal_s,  # SIGTERM leaves time to checkpoint
         "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_UID, "fsGroup": RUN_AS_UID},
         "containers": [container],
         "volumes": volumes,
         "tolerations": _gpu_tolerations(res),
     }
+    if cluster.k8s_gang_scheduler != "none":
+        pod_spec["schedulerName"] = SCHEDULERS[cluster.k8s_gang_scheduler]
     if init_containers:
         pod_spec["initContainers"] = init_containers
     if (affinity := _affinity(excluded_hosts(run_dir, crash_threshold=cluster.unhealthy_after_crashes))) is not None:
@@ -159,14 +234,23 @@ def _pod_spec(
     return pod_spec
 
 
+def unique_job_name(spec: JobSpec, *, job_id: str | None = None) -> str:
+    """The run's name plus a short random suffix: every submission is its own PyTorchJob (a second `kubectl
+    apply` of the same run would otherwise collide with, or silently reconfigure, the first)."""
+    return f"{job_name(spec)[:43]}-{job_id or secrets.token_hex(3)}"
+
+
 def pytorch_job(
-    spec: JobSpec, *, res: JobResources, max_restarts: int, run_dir: Path | None = None
+    spec: JobSpec, *, res: JobResources, max_restarts: int, run_dir: Path | None = None, job_id: str | None = None,
+    env_refs: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
-    """(ConfigMap, PyTorchJob) for this spec."""
+    """(ConfigMap, PyTorchJob) for this spec. The run dir on the PVC is named after the run, not the job, so a
+    resubmitted job resumes from the same checkpoints."""
     cluster = spec.cluster
-    name = job_name(spec)
+    run_name = job_name(spec)
+    name = unique_job_name(spec, job_id=job_id)
     data_dir = f"{LOCAL_MOUNT}/data" if is_remote(cluster.data_url) else DATA_MOUNT
-    pod_document = pod_spec_document(spec, data_dir=data_dir, run_dir=f"{RUNS_MOUNT}/{name}")
+    pod_document = pod_spec_document(spec, data_dir=data_dir, run_dir=f"{RUNS_MOUNT}/{run_name}", env_refs=env_refs)
     config_map = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -178,7 +262,10 @@ def pytorch_job(
         scheduling["queue"] = cluster.k8s_queue
     if cluster.k8s_priority_class:
         scheduling["priorityClass"] = cluster.k8s_priority_class
-    pod_spec = _pod_spec(spec, res=res, name=name, max_restarts=max_restarts, run_dir=run_dir)
+    pod_spec = _pod_spec(spec, res=res, name=name, run_name=run_name, max_restarts=max_restarts, run_dir=run_dir,
+                         env_refs=env_refs)
+    scrape = {"prometheus.io/scrape": "true", "prometheus.io/port": str(metrics_port(spec)),
+              "prometheus.io/path": "/metrics"}
     job = {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
@@ -198,7 +285,7 @@ def pytorch_job(
                 "Worker": {
                     "replicas": res.num_nodes,
                     "restartPolicy": cluster.k8s_restart_policy,
-                    "template": {"metadata": {"labels": _labels(name)}, "spec": pod_spec},
+                    "template": {"metadata": {"labels": _labels(name), "annotations": scrape}, "spec": pod_spec},
                 }
             },
         },
@@ -208,6 +295,41 @@ def pytorch_job(
 
 def _labels(name: str) -> dict[str, str]:
     return {"app.kubernetes.io/name": "leantrain", "app.kubernetes.io/instance": name}
+
+
+def pod_monitor(spec: JobSpec, *, name: str) -> dict[str, Any]:
+    """A prometheus-operator PodMonitor scraping the job's pods on the `metrics` port."""
+    return {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": {"name": name, "namespace": spec.cluster.k8s_namespace, "labels": _labels(name)},
+        "spec": {"selector": {"matchLabels": _labels(name)},
+                 "podMetricsEndpoints": [{"port": "metrics", "path": "/metrics", "interval": "15s"}]},
+    }
+
+
+def setup_documents(spec: JobSpec, *, env_refs: dict[str, str] | None = None) -> list[dict[str, Any]]:
+    """What the job needs to exist first, applied once per namespace: the data PVC (ReadOnlyMany: every pod
+    reads it), the run-dir PVC (ReadWriteMany: every pod writes checkpoints and logs), and the Secret with every
+    env var the spec references, as `${VAR}` placeholders for `envsubst` (no secret value is ever written)."""
+    cluster = spec.cluster
+
+    def claim(name: str, mode: str, size_gb: int) -> dict[str, Any]:
+        claim_spec: dict[str, Any] = {"accessModes": [mode], "resources": {"requests": {"storage": f"{size_gb}Gi"}}}
+        if cluster.k8s_storage_class:
+            claim_spec["storageClassName"] = cluster.k8s_storage_class
+        return {"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+                "metadata": {"name": name, "namespace": cluster.k8s_namespace}, "spec": claim_spec}
+
+    docs = [claim(cluster.k8s_checkpoint_pvc, "ReadWriteMany", cluster.k8s_checkpoint_pvc_gb)]
+    if not is_remote(cluster.data_url):
+        docs.insert(0, claim(cluster.k8s_data_pvc, "ReadOnlyMany", cluster.k8s_data_pvc_gb))
+    names = sorted(referenced_env_names(spec, env_refs))
+    if names:
+        docs.append({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+                     "metadata": {"name": cluster.k8s_secret_name, "namespace": cluster.k8s_namespace},
+                     "stringData": {n: f"${{{n}}}" for n in names}})
+    return docs
 
 
 def prepull_daemonset(
@@ -240,15 +362,19 @@ def prepull_daemonset(
 
 def k8s_documents(
     spec: JobSpec, *, run_dir: Path | None = None, nnodes: str | None = None, nproc: int | None = None,
-    max_restarts: int | None = None,
+    max_restarts: int | None = None, job_id: str | None = None, env_refs: dict[str, str] | None = None,
 ) -> list[dict[str, Any]]:
-    """[ConfigMap, PyTorchJob, DaemonSet]."""
+    """[ConfigMap, PyTorchJob, DaemonSet] and, with cluster.k8s_pod_monitor, a PodMonitor."""
     res = job_resources(spec, nnodes=nnodes, nproc=nproc)
     restarts = spec.fault.max_restarts if max_restarts is None else max_restarts
-    config_map, job = pytorch_job(spec, res=res, max_restarts=restarts, run_dir=run_dir)
+    config_map, job = pytorch_job(spec, res=res, max_restarts=restarts, run_dir=run_dir, job_id=job_id,
+                                  env_refs=env_refs)
     daemonset = prepull_daemonset(image=spec.cluster.image, namespace=spec.cluster.k8s_namespace,
                                   gpu_resource=res.gpu_resource)
-    return [config_map, job, daemonset]
+    docs = [config_map, job, daemonset]
+    if spec.cluster.k8s_pod_monitor:
+        docs.append(pod_monitor(spec, name=job["metadata"]["name"]))
+    return docs
 
 
 class _ManifestDumper(yaml.SafeDumper):

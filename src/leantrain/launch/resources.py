@@ -43,23 +43,15 @@ class JobResources:
         return self.min_nodes != self.max_nodes
 
 
-def _planned_num_gpus(spec: JobSpec) -> int | None:
-    """GPU count from the planner (plan.json's resources.num_gpus), when it is built; None otherwise."""
-    try:
-        from leantrain.plan.planner import make_plan
-    except ImportError:
-        try:
-            from leantrain.plan.command import make_plan  # type: ignore[attr-defined,no-redef]
-        except ImportError:
-            return None
-    plan = make_plan(spec)
-    if hasattr(plan, "model_dump"):
-        plan = plan.model_dump()
-    elif hasattr(plan, "to_dict"):
-        plan = plan.to_dict()
-    resources = plan.get("resources", {}) if isinstance(plan, dict) else getattr(plan, "resources", {})
-    num = resources.get("num_gpus") if isinstance(resources, dict) else getattr(resources, "num_gpus", None)
-    return int(num) if num else None
+def _planned_num_gpus(spec: JobSpec) -> tuple[int, int] | None:
+    """(GPUs the budget needs, GPUs with the plan's spare) from the planner; None when the plan gives none."""
+    from leantrain.plan.planner import make_plan
+
+    resources = make_plan(spec).get("resources", {})
+    num = resources.get("num_gpus")
+    if not num:
+        return None
+    return int(num), int(resources.get("num_gpus_with_spare") or num)
 
 
 def parse_nnodes(text: str) -> tuple[int, int]:
@@ -82,10 +74,12 @@ def job_resources(spec: JobSpec, *, nnodes: str | None = None, nproc: int | None
         min_nodes, max_nodes = parse_nnodes(nnodes)
         num_nodes, source = max_nodes, "--nnodes"
     else:
+        planned = None
         if spec.hardware.num_nodes:
             num_nodes, source = spec.hardware.num_nodes, "hardware.num_nodes"
         elif (planned := _planned_num_gpus(spec)) is not None:
-            num_nodes, source = math.ceil(planned / gpus_per_node), "plan resources.num_gpus"
+            # The plan's count with spare: the spare nodes are what an elastic job loses a node into.
+            num_nodes, source = math.ceil(planned[1] / gpus_per_node), "plan resources.num_gpus_with_spare"
         elif spec.budget.num_gpus:
             num_nodes, source = math.ceil(spec.budget.num_gpus / gpus_per_node), "budget.num_gpus"
         else:
@@ -94,7 +88,8 @@ def job_resources(spec: JobSpec, *, nnodes: str | None = None, nproc: int | None
             )
         min_nodes = max_nodes = num_nodes
         if spec.fault.elasticity:
-            min_nodes = spec.fault.min_nodes or num_nodes
+            floor = math.ceil(planned[0] / gpus_per_node) if planned is not None else num_nodes
+            min_nodes = spec.fault.min_nodes or min(floor, num_nodes)
             max_nodes = spec.fault.max_nodes or num_nodes
     if not min_nodes <= num_nodes <= max_nodes:
         raise UserInputError(f"nodes {num_nodes} is outside fault.min_nodes..max_nodes = {min_nodes}..{max_nodes}")
@@ -127,6 +122,7 @@ class TrainCommand:
     spec_path: Path
     overrides: tuple[str, ...] = ()
     profile: str | None = None
+    train_args: tuple[str, ...] = ()  # more `train` flags for the first start (--resume, --weights-only, ...)
 
     def spec_args(self, *, run_dir: str, extra_sets: tuple[str, ...] = ()) -> list[str]:
         """SPEC [--profile P] [--set k=v ...] --run-dir DIR, as `train` and the preflight worker take them."""

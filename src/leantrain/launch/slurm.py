@@ -19,6 +19,7 @@ import time
 from pathlib import Path
 
 from leantrain.ckpt.control import CHECKPOINT_REQUEST_NAME
+from leantrain.launch.fabric import nccl_env
 from leantrain.launch.health import HEALTH_FILE_NAME, excluded_hosts
 from leantrain.launch.resources import (
     TORCHRUN_ENV,
@@ -52,6 +53,8 @@ def _sbatch_options(
         "open-mode": "append",
         "output": str(run_dir / "slurm-%j.out"),
     }
+    if res.elastic:  # a lost node must not end the allocation: torchrun's agents go on with the rest
+        sbatch["no-kill"] = None
     if res.gpu_resource:
         sbatch["gpus-per-node"] = str(res.gpus_per_node)
     for key, value in (("partition", cluster.slurm_partition), ("account", cluster.slurm_account),
@@ -82,18 +85,61 @@ def _requeue_trap(*, signal_s: int, health_cmd: str) -> list[str]:
 
 # Bash keeps a background job's exit status until `wait` reports it; a trapped signal makes `wait` return
 # early with a status > 128, and 127 means the status was already reported.
-WAIT_FOR_TRAINING = [
-    "TRAIN_PID=$!",
-    "STATUS=0",
-    "while :; do  # a trapped signal interrupts `wait`: wait again for the real exit status",
-    '  if wait "$TRAIN_PID"; then CODE=0; else CODE=$?; fi',
-    '  if [ "$CODE" -eq 127 ]; then break; fi  # already reported: STATUS holds it',
-    '  STATUS=$CODE',
-    '  if [ "$CODE" -le 128 ]; then break; fi',
-    "done",
-    'exit "$STATUS"',
-    "",
-]
+def _wait_for_training(*, max_requeues: int, health_cmd: str) -> list[str]:
+    """Wait for torchrun's exit status; after a failure, requeue (bad hosts excluded) up to max_requeues times."""
+    return [
+        "TRAIN_PID=$!",
+        "STATUS=0",
+        "while :; do  # a trapped signal interrupts `wait`: wait again for the real exit status",
+        '  if wait "$TRAIN_PID"; then CODE=0; else CODE=$?; fi',
+        '  if [ "$CODE" -eq 127 ]; then break; fi  # already reported: STATUS holds it',
+        '  STATUS=$CODE',
+        '  if [ "$CODE" -le 128 ]; then break; fi',
+        "done",
+        "# A failed run (beyond torchrun's own restarts) is requeued; the next allocation resumes from the newest",
+        "# valid checkpoint. SLURM_RESTART_COUNT counts the requeues so far.",
+        f'if [ "$STATUS" -ne 0 ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {max_requeues} ]; then',
+        f'  echo "leantrain: training exited $STATUS; requeue ${{SLURM_RESTART_COUNT:-0}} of {max_requeues}"',
+        f"  EXCLUDE=$({health_cmd} || true)",
+        '  if [ -n "$EXCLUDE" ]; then scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$EXCLUDE" || true; fi',
+        '  scontrol requeue "$SLURM_JOB_ID"',
+        "fi",
+        'exit "$STATUS"',
+        "",
+    ]
+
+
+def _runtime_prefix(spec: JobSpec, *, mounts: list[str]) -> tuple[list[str], list[str]]:
+    """(srun flags, command prefix) that run a step in the image: pyxis flags, or `apptainer exec`."""
+    cluster = spec.cluster
+    if cluster.slurm_runtime == "pyxis":
+        return [f"--container-image={cluster.image}", f"--container-mounts={','.join(f'{d}:{d}' for d in mounts)}",
+                "--no-container-mount-home"], []
+    if cluster.slurm_runtime == "apptainer":
+        image = cluster.image if cluster.image.endswith(".sif") or "://" in cluster.image else \
+            f"docker://{cluster.image}"
+        return [], ["apptainer", "exec", "--nv", "--cleanenv", "--bind", ",".join(mounts), image]
+    return [], []
+
+
+def _environment_lines(spec: JobSpec) -> list[str]:
+    """How the nodes find leantrain (image, env hook, or this venv) and the fabric variables."""
+    cluster = spec.cluster
+    lines = [f"export {k}={quote_arg(v)}" for k, v in TORCHRUN_ENV.items()]
+    lines += [f"export {k}={quote_arg(v)}" for k, v in nccl_env(spec).items()]
+    if cluster.slurm_runtime != "host":
+        lines.append(f"export LEANTRAIN_IMAGE={quote_arg(cluster.image)}")
+        if cluster.slurm_runtime == "apptainer":  # --cleanenv drops the host env: pass what the job sets
+            names = [*TORCHRUN_ENV, *nccl_env(spec), "LEANTRAIN_IMAGE"]
+            lines += [f"export APPTAINERENV_{n}=\"${n}\"" for n in names]
+    elif cluster.env_hook:
+        lines += ["# The env hook sets up leantrain on the node (modules, a venv on shared storage); srun steps "
+                  "inherit it.", f"source {quote_arg(cluster.env_hook)}"]
+    else:
+        lines += ["# No cluster.env_hook and no container: the venv this file was written from, which must be at "
+                  "the same path on every node.",
+                  f'export PATH={quote_arg(str(Path(sys.executable).parent))}:"$PATH"']
+    return lines
 
 
 def _stage_step(spec: JobSpec, *, srun: list[str], name: str) -> tuple[tuple[str, ...], list[str]]:
@@ -142,26 +188,23 @@ def slurm_script(
     sbatch = _sbatch_options(spec, res=res, run_dir=run_dir, name=name, exclude=exclude)
 
     # Inside the image the job needs the run dir, the spec's folder and the data (or the node-local stage).
-    data_root = cluster.node_local_dir if is_remote(cluster.data_url) else str(spec.data.dir)
-    mounts = ",".join(f"{d}:{d}" for d in dict.fromkeys([str(run_dir), str(Path(command.spec_path).parent), data_root]))
-    container = [f"--container-image={cluster.image}", f"--container-mounts={mounts}",
-                 "--no-container-mount-home"] if cluster.slurm_container else []
-    srun = ["srun", "--ntasks-per-node=1", "--kill-on-bad-exit=1", f"--cpus-per-task={res.cpus_per_node}", *container]
+    data_root = cluster.node_local_dir if is_remote(cluster.data_url) else str(Path(spec.data.dir).resolve())
+    mounts = list(dict.fromkeys([str(run_dir), str(Path(command.spec_path).parent), data_root]))
+    container, prefix = _runtime_prefix(spec, mounts=mounts)
+    # Elastic: a failed node's step must not take the others down (torchrun re-forms the group without it).
+    kill = ["--kill-on-bad-exit=0", "--no-kill"] if res.elastic else ["--kill-on-bad-exit=1"]
+    srun = ["srun", "--ntasks-per-node=1", *kill, f"--cpus-per-task={res.cpus_per_node}", *container, *prefix]
     extra_sets, stage_lines = _stage_step(spec, srun=srun, name=name)
     rdzv = torchrun_args(res, max_restarts=restarts, rdzv_endpoint="$HEAD_NODE:$RDZV_PORT", rdzv_id="$SLURM_JOB_ID")
     train = ["train", *command.spec_args(run_dir=str(run_dir), extra_sets=extra_sets)]
     preflight_lines = _preflight_step(spec, res=res, srun=srun, spec_args=command.spec_args(
         run_dir=str(run_dir), extra_sets=extra_sets)) if cluster.preflight else []
-    health = ["python", "-m", "leantrain.launch.health", "$RUN_DIR", "--crash-threshold",
+    health = [*prefix, "python", "-m", "leantrain.launch.health", "$RUN_DIR", "--crash-threshold",
               str(cluster.unhealthy_after_crashes)]
-    if cluster.slurm_container:  # the batch shell runs outside the image: read the file inside it
+    if cluster.slurm_runtime != "host":  # the batch shell runs outside the image: read the file inside it
         health = ["srun", "--overlap", "--nodes=1", "--ntasks=1", *container, *health]
     health_cmd = join_args(health)
-    env_lines = [f"export {k}={quote_arg(v)}" for k, v in TORCHRUN_ENV.items()]
-    if cluster.slurm_container:
-        env_lines.append(f"export LEANTRAIN_IMAGE={quote_arg(cluster.image)}")
-    else:
-        env_lines.append(f'export PATH={quote_arg(str(Path(sys.executable).parent))}:"$PATH"')
+    env_lines = _environment_lines(spec)
     header = [
         "#!/bin/bash",
         f"# Written by `leantrain launch --emit slurm` at {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; "
@@ -190,6 +233,6 @@ def slurm_script(
         *preflight_lines,
         "# Train: torchrun's elastic agent on every node, c10d rendezvous on the first node.",
         join_args([*srun, "torchrun", *rdzv, "-m", "leantrain.cli", *train]) + " &",
-        *WAIT_FOR_TRAINING,
+        *_wait_for_training(max_requeues=cluster.max_requeues, health_cmd=health_cmd),
     ]
     return "\n".join(header + body)

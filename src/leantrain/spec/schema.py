@@ -131,6 +131,10 @@ class CheckpointSpec(Section):
     max_consecutive_failures: PositiveInt = Field(
         3, description="Failed saves in a row after which the run stops (exit 1) instead of training unprotected."
     )
+    save_retries: int = Field(2, ge=0, le=10, description="Retries of a failed save before it counts as failed.")
+    retry_backoff_s: float = Field(
+        1.0, ge=0, le=600, description="Wait before the first retry of a failed save, doubling each retry, seconds."
+    )
 
     @model_validator(mode="after")
     def _object_store_needs_url(self) -> CheckpointSpec:
@@ -152,7 +156,12 @@ class FaultSpec(Section):
     )
     restart_s: float = Field(300.0, ge=0, description="Time to detect a failure and restart, seconds.")
     preempt_signals: list[Literal["SIGTERM", "SIGUSR1", "SIGUSR2", "SIGINT"]] = Field(
-        ["SIGTERM", "SIGUSR1"], description="Signals that trigger an immediate checkpoint and a clean exit."
+        ["SIGTERM", "SIGINT", "SIGUSR1"],
+        description="Signals that trigger an immediate checkpoint and a clean exit (SIGINT/SIGTERM exit 130/143).",
+    )
+    collective_timeout_s: float = Field(
+        600.0, gt=0, le=86400,
+        description="Process-group timeout: a collective stuck this long aborts the job so it restarts, seconds.",
     )
     preempt_check_every: PositiveInt = Field(
         1, description="Steps between the ranks' agreement on a preemption signal (one tiny all-reduce)."
@@ -306,12 +315,41 @@ class ClusterSpec(Section):
     slurm_partition: str | None = Field(None, description="Slurm partition (-p).")
     slurm_account: str | None = Field(None, description="Slurm account (-A).")
     slurm_qos: str | None = Field(None, description="Slurm quality of service.")
-    slurm_container: bool = Field(
-        False, description="Run srun steps inside `image` with the pyxis/enroot plugin (--container-image)."
+    slurm_runtime: Literal["host", "pyxis", "apptainer"] = Field(
+        "host", description="Where srun steps run: `pyxis` (enroot, --container-image) or `apptainer` (apptainer "
+        "exec --nv) run them in `image`; `host` runs them on the node (with `env_hook`, or else the venv the job "
+        "file was written from)."
+    )
+    env_hook: str | None = Field(
+        None, description="Shell file sourced on every node before leantrain runs (module loads, a venv on "
+        "shared storage); the job file's env hook instead of the submit host's venv."
+    )
+    max_requeues: int = Field(
+        3, ge=0, description="Slurm: requeue the job after a failed training step at most this many times."
+    )
+    nccl_preset: Literal["none", "infiniband", "roce", "tcp"] = Field(
+        "none", description="NCCL fabric settings for job files (launch/fabric.py); `nccl_env` entries win."
+    )
+    nccl_env: dict[str, str] = Field(
+        default_factory=dict, description="NCCL_*/UCX_* variables exported on every node (over `nccl_preset`)."
     )
     k8s_namespace: str = Field("default", description="Kubernetes namespace.")
-    k8s_gang_scheduler: Literal["volcano", "scheduler-plugins"] = Field(
-        "volcano", description="Gang scheduler that starts all pods or none."
+    k8s_gang_scheduler: Literal["volcano", "scheduler-plugins", "none"] = Field(
+        "volcano", description="Gang scheduler that starts all pods or none (`none`: the default scheduler)."
+    )
+    k8s_rdma_resource: str | None = Field(
+        None, description="Extended resource for RDMA NICs (e.g. rdma/rdma_shared_device_a, nvidia.com/hostdev); "
+        "requested per pod, with the IPC_LOCK capability."
+    )
+    k8s_rdma_per_node: PositiveInt = Field(1, description="How many `k8s_rdma_resource` each pod requests.")
+    k8s_ipc_lock: bool = Field(False, description="Add IPC_LOCK (pinned memory for RDMA) without an RDMA resource.")
+    k8s_pod_monitor: bool = Field(
+        False, description="Emit a PodMonitor (prometheus-operator) beside the job; scrape annotations always."
+    )
+    k8s_storage_class: str | None = Field(None, description="StorageClass of the emitted PVCs (cluster default).")
+    k8s_data_pvc_gb: PositiveInt = Field(1024, description="Size of the emitted data PVC (ReadOnlyMany), GB.")
+    k8s_checkpoint_pvc_gb: PositiveInt = Field(
+        4096, description="Size of the emitted run-dir PVC (ReadWriteMany: every pod writes), GB."
     )
     k8s_queue: str | None = Field(None, description="Scheduler queue (volcano) for the job's pod group.")
     k8s_priority_class: str | None = Field(None, description="PriorityClass of the pods.")
