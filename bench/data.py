@@ -1,76 +1,217 @@
-"""Data pipeline speed: near-dedup, tokenize + shard, loader. Prints `name: value unit (ratio vs baseline)`.
+"""Data pipeline speed and memory. Prints `name: value unit (ratio vs baseline)` lines.
 
-- near-dedup docs/s against datasketch's MinHash + MinHashLSH at the same parameters (112 permutations,
-  14 bands × 8 rows, word 5-gram shingles of the same words), same documents, greedy keep-first;
+- near-dedup docs/s: our out-of-core MinHash/LSH (`clusters.deduplicate`, one process) against
+  datasketch's MinHash + MinHashLSH at the same parameters (112 permutations, 14 bands × 8 rows, word
+  5-gram shingles of the same words), same documents, with recall on the planted ≥ 0.85-Jaccard copies;
+- whole pipeline docs/s per core: `prepare` (read → clean → filter → PII → exact + near dedup → tokenize →
+  shards) with one worker against datatrove's equivalent pipeline (JsonlReader → Gopher repetition +
+  quality filters → PII formatter → MinHash signature/buckets/cluster/filter → DocumentTokenizer with the
+  same tokenizer.json) with one task, on the same jsonl files; both single-threaded;
+- scaling: `prepare` wall time with data.workers 1 and 2 on the same corpus;
+- peak RSS of a `prepare` process (one worker) at 20k and 100k documents: memory must not follow the corpus;
 - tokenize + shard MB/s (byte-level BPE, 8k vocab, encode_batch + Megatron .bin/.idx writing with hashes)
-  against tokenizing alone (the share of raw tokenizer speed the shard writing keeps);
+  against tokenizing alone;
 - loader tokens/s of one `PackedBatchSampler` (seq 4096, micro-batch 8, two sources) against the tokens/s
   one H100 consumes training a 1B dense model at 40% MFU (peak × MFU / FLOPs per token).
-Run: .venv/bin/python bench/data.py   (needs the `peers` extra for datasketch)
+Run: .venv/bin/python bench/data.py [--quick]   (needs the `peers` extra: datasketch, datatrove)
 """
 
 from __future__ import annotations
 
+import json
+import os
 import random
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # per-core numbers: one thread for both sides
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-from leantrain.data.clean import text_stats
-from leantrain.data.dedup import NearDeduplicator
-from leantrain.data.demo_corpus import builtin_rows
-from leantrain.data.layout import write_split_shards, write_token_data_dir
-from leantrain.data.sampler import PackedBatchSampler
-from leantrain.data.tokenizer import build_tokenizer
-from leantrain.hardware import get_accelerator
-from leantrain.plan.flops import flops_per_token
-from leantrain.spec.schema import DedupSpec, ModelSpec, TokenizerSpec
-from leantrain.spec.shapes import resolve_shape
+import numpy as np  # noqa: E402
+
+from leantrain.data.clean import text_stats  # noqa: E402
+from leantrain.data.clusters import KEEP, deduplicate  # noqa: E402
+from leantrain.data.demo_corpus import _document, builtin_rows  # noqa: E402
+from leantrain.data.layout import write_split_shards, write_token_data_dir  # noqa: E402
+from leantrain.data.pipeline import prepare_data  # noqa: E402
+from leantrain.data.sampler import PackedBatchSampler  # noqa: E402
+from leantrain.data.tokenizer import build_tokenizer  # noqa: E402
+from leantrain.hardware import get_accelerator  # noqa: E402
+from leantrain.plan.flops import flops_per_token  # noqa: E402
+from leantrain.spec.schema import DataSource, DataSpec, DedupSpec, ModelSpec, TokenizerSpec  # noqa: E402
+from leantrain.spec.shapes import resolve_shape  # noqa: E402
 
 
-def _dedup_corpus(num_docs: int) -> list[str]:
+def _dedup_corpus(num_docs: int) -> tuple[list[str], set[int]]:
+    """Random-word documents; every fifth is a near copy (3 words changed) of an earlier one."""
     rng = random.Random(0)
     vocab = ["".join(rng.choice("abcdefghijklmnopqrstuvwxyz") for _ in range(rng.randint(2, 9))) for _ in range(5000)]
     docs: list[str] = []
+    planted: set[int] = set()
     for i in range(num_docs):
-        if docs and i % 5 == 0:  # every fifth document is a near copy of an earlier one
+        if docs and i % 5 == 0:
             words = rng.choice(docs).split()
             for _ in range(3):
                 words[rng.randrange(len(words))] = rng.choice(vocab)
+            planted.add(len(docs))
             docs.append(" ".join(words))
         else:
             docs.append(" ".join(rng.choice(vocab) for _ in range(rng.randint(150, 400))))
-    return docs
+    return docs, planted
+
+
+def _shingle_jaccard(a: str, b: str) -> float:
+    def grams(t: str) -> set[tuple[str, ...]]:
+        w = [x.lower() for x in text_stats(t).words]
+        return {tuple(w[i : i + 5]) for i in range(len(w) - 4)}
+    x, y = grams(a), grams(b)
+    return len(x & y) / len(x | y)
 
 
 def bench_dedup(num_docs: int = 3000) -> None:
     from datasketch import MinHash, MinHashLSH
 
-    docs = _dedup_corpus(num_docs)
-    start = time.perf_counter()
-    ours = NearDeduplicator(DedupSpec())
-    ours_dups = sum(ours.check_and_add(text_stats(t)) is not None for t in docs)
-    ours_s = time.perf_counter() - start
+    docs, planted = _dedup_corpus(num_docs)
+    with tempfile.TemporaryDirectory() as tmp:
+        start = time.perf_counter()
+        decisions, _ = deduplicate(docs, spec=DedupSpec(), work=Path(tmp), shard_docs=1000)
+        ours_s = time.perf_counter() - start
+    ours = set(np.flatnonzero(decisions != KEEP).tolist())
 
     start = time.perf_counter()
     lsh = MinHashLSH(num_perm=112, params=(14, 8))
-    theirs_dups = 0
+    theirs: set[int] = set()
     for i, text in enumerate(docs):
         words = [w.lower() for w in text_stats(text).words]
         shingles = {" ".join(words[j : j + 5]).encode() for j in range(len(words) - 4)}
         signature = MinHash(num_perm=112, seed=42)
         signature.update_batch(list(shingles))
         if lsh.query(signature):
-            theirs_dups += 1
+            theirs.add(i)
         else:
             lsh.insert(str(i), signature)
     theirs_s = time.perf_counter() - start
-    ratio = (num_docs / ours_s) / (num_docs / theirs_s)
-    print(f"near_dedup_docs_per_s: {num_docs / ours_s:,.0f} docs/s ({ratio:.2f}x vs datasketch "
+    # recall on the planted copies that are at Jaccard >= 0.85 with their original (by construction most are)
+    hard = {i for i in planted if max(_shingle_jaccard(docs[i], docs[j]) for j in range(i) if
+                                      abs(len(docs[j]) - len(docs[i])) < 40) >= 0.85}
+    print(f"near_dedup_docs_per_s: {num_docs / ours_s:,.0f} docs/s ({theirs_s / ours_s:.2f}x vs datasketch "
           f"{num_docs / theirs_s:,.0f} docs/s)")
-    print(f"near_dedup_duplicates_found: {ours_dups} ({theirs_dups} by datasketch; {num_docs // 5} planted)")
+    print(f"near_dedup_recall_at_0.85: {len(ours & hard) / len(hard):.3f} ({len(theirs & hard) / len(hard):.3f} by "
+          f"datasketch; {len(hard)} planted pairs at Jaccard >= 0.85, flagged {len(ours)} vs {len(theirs)})")
+
+
+def _write_corpus(root: Path, num_docs: int, *, files: int) -> Path:
+    """English demo-style documents (with planted duplicates and junk, as the bundled corpus) in jsonl files."""
+    rng = random.Random(1)
+    raw = root / "raw"
+    raw.mkdir(parents=True, exist_ok=True)
+    docs = [_document(rng, zh=False) for _ in range(num_docs)]
+    for number in range(files):
+        with open(raw / f"part-{number:05d}.jsonl", "w", encoding="utf-8") as f:
+            f.writelines(json.dumps({"text": t}) + "\n" for t in docs[number::files])
+    return raw
+
+
+def _ours_spec(raw: Path, *, workers: int) -> DataSpec:
+    return DataSpec(tokens_total=1e6, sources=[DataSource(name="en", path=raw)], workers=workers,
+                    tokenizer=TokenizerSpec(vocab_size=4096, train_sample_bytes=4_000_000))
+
+
+def _datatrove(raw: Path, work: Path, tokenizer_json: Path, *, bands: int, rows: int) -> None:
+    from datatrove.executor.local import LocalPipelineExecutor
+    from datatrove.pipeline.dedup.minhash import (
+        MinhashConfig,
+        MinhashDedupBuckets,
+        MinhashDedupCluster,
+        MinhashDedupFilter,
+        MinhashDedupSignature,
+    )
+    from datatrove.pipeline.filters import GopherQualityFilter, GopherRepetitionFilter
+    from datatrove.pipeline.formatters import PIIFormatter
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.tokens import DocumentTokenizer
+    from datatrove.pipeline.writers import JsonlWriter
+
+    config = MinhashConfig(n_grams=5, num_buckets=bands, hashes_per_bucket=rows)
+    stages = iter(range(10))
+
+    def run(steps: list[object], tasks: int = 1) -> None:  # one worker: the tasks run one after the other
+        LocalPipelineExecutor(steps, tasks=tasks, workers=1, logging_dir=str(work / "logs" / str(next(stages))),
+                              skip_completed=False).run()
+
+    run([JsonlReader(str(raw)), GopherRepetitionFilter(), GopherQualityFilter(), PIIFormatter(),
+         JsonlWriter(str(work / "filtered")), MinhashDedupSignature(output_folder=str(work / "sigs"), config=config)])
+    run([MinhashDedupBuckets(input_folder=str(work / "sigs"), output_folder=str(work / "buckets"), config=config)],
+        tasks=bands)  # datatrove: one task per bucket
+    run([MinhashDedupCluster(input_folder=str(work / "buckets"), output_folder=str(work / "remove"), config=config)])
+    run([JsonlReader(str(work / "filtered")), MinhashDedupFilter(input_folder=str(work / "remove")),
+         DocumentTokenizer(output_folder=str(work / "tokens"), tokenizer_name_or_path=str(tokenizer_json),
+                           eos_token="<|endoftext|>")])
+
+
+def bench_pipeline(num_docs: int) -> None:
+    import logging
+
+    logging.getLogger("datatrove").setLevel(logging.WARNING)
+    from loguru import logger
+
+    logger.remove()
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = _write_corpus(Path(tmp), num_docs, files=4)
+        start = time.perf_counter()
+        result = prepare_data(_ours_spec(raw, workers=1), data_dir=Path(tmp) / "ours")
+        ours_s = time.perf_counter() - start
+        start = time.perf_counter()
+        dedup = DedupSpec()
+        _datatrove(raw, Path(tmp) / "datatrove", Path(tmp) / "ours" / "tokenizer.json", bands=dedup.num_bands,
+                   rows=dedup.rows_per_band)
+        theirs_s = time.perf_counter() - start
+        kept = sum(s.num_docs for s in result.manifest.shards)
+    print(f"pipeline_docs_per_s_per_core: {num_docs / ours_s:,.0f} docs/s ({theirs_s / ours_s:.2f}x vs datatrove "
+          f"{num_docs / theirs_s:,.0f} docs/s; {num_docs:,} docs in, {kept:,} kept by us)")
+
+
+def bench_scaling(num_docs: int) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        raw = _write_corpus(Path(tmp), num_docs, files=8)
+        times = {}
+        for workers in (1, 2):
+            start = time.perf_counter()
+            prepare_data(_ours_spec(raw, workers=workers), data_dir=Path(tmp) / f"w{workers}")
+            times[workers] = time.perf_counter() - start
+        same = all((Path(tmp) / "w1" / p.relative_to(Path(tmp) / "w2")).read_bytes() == p.read_bytes()
+                   for p in (Path(tmp) / "w2").rglob("*.bin"))
+    print(f"prepare_2_workers_docs_per_s: {num_docs / times[2]:,.0f} docs/s ({times[1] / times[2]:.2f}x vs 1 worker "
+          f"{num_docs / times[1]:,.0f} docs/s; {os.cpu_count()} cores; shards identical: {same})")
+
+
+_RSS_CHILD = """
+import resource, sys
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+from data import _ours_spec, _write_corpus
+from leantrain.data.pipeline import prepare_data
+root = Path(sys.argv[1])
+raw = _write_corpus(root, int(sys.argv[2]), files=max(1, int(sys.argv[2]) // 5000))
+prepare_data(_ours_spec(raw, workers=1), data_dir=root / "data")
+print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def bench_rss(sizes: tuple[int, ...] = (20_000, 100_000)) -> None:
+    """Peak RSS of one prepare process, corpus files of 5k documents each (the task size)."""
+    peaks = {}
+    for num_docs in sizes:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = subprocess.run([sys.executable, "-c", _RSS_CHILD, tmp, str(num_docs), str(Path(__file__).parent)],
+                                 capture_output=True, text=True, check=True)
+            peaks[num_docs] = int(out.stdout.split()[-1]) / 1024  # KiB -> MiB
+    small, large = sizes[0], sizes[-1]
+    print(f"prepare_peak_rss_mib_{large // 1000}k_docs: {peaks[large]:,.0f} MiB ({peaks[large] / peaks[small]:.2f}x vs "
+          f"{peaks[small]:,.0f} MiB at {small // 1000}k docs; corpus {large / small:.0f}x larger)")
 
 
 def bench_tokenize_shard(target_bytes: int = 6_000_000, repeats: int = 3) -> None:
@@ -132,7 +273,11 @@ def bench_loader(duration_s: float = 3.0) -> None:
 
 
 def main() -> None:
-    bench_dedup()
+    quick = "--quick" in sys.argv
+    bench_dedup(1000 if quick else 3000)
+    bench_pipeline(2000 if quick else 10_000)
+    bench_scaling(4000 if quick else 16_000)
+    bench_rss((2000, 10_000) if quick else (20_000, 100_000))
     bench_tokenize_shard()
     bench_loader()
 

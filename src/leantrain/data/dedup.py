@@ -66,7 +66,7 @@ class MinHasher:
         return np.fromiter(map(self._token_hash.__getitem__, tokens), dtype=np.uint64, count=len(tokens))
 
     def shingles(self, words: list[str], *, cjk: bool) -> np.ndarray:
-        """Unique 64-bit shingle hashes of a document's words (n-grams of n words, or n chars for CJK)."""
+        """64-bit shingle hashes of a document's words (n-grams of n words, or n chars for CJK), repeats kept."""
         n = self._n_chars if cjk else self._n_words
         hashes = self._hash_tokens(words or [""])
         n = min(n, len(hashes))
@@ -74,7 +74,7 @@ class MinHasher:
         combined = hashes[:count].copy()
         for j in range(1, n):
             combined = combined * _POLY + hashes[j : j + count]
-        return np.unique(combined)
+        return combined  # repeated shingles do not change a minimum: no need to deduplicate them
 
     def signature(self, shingles: np.ndarray) -> np.ndarray:
         """(num_perm,) uint32 MinHash values of a shingle set."""

@@ -105,8 +105,11 @@ class DedupSpec(Section):
 
     exact: bool = Field(True, description="Drop documents whose normalised text hash was seen before.")
     near: bool = Field(True, description="Drop near duplicates (MinHash + LSH).")
-    num_bands: PositiveInt = Field(14, description="LSH bands b (datatrove default 14).")
-    rows_per_band: PositiveInt = Field(8, description="MinHash rows per band r (datatrove default 8).")
+    num_bands: PositiveInt = Field(
+        20, description="LSH bands b. 20 × 5 finds a pair at Jaccard 0.85 with probability 0.99998 (datatrove's "
+        "14 × 8: 0.988, so about 1 in 80 such pairs is missed); verify_jaccard removes the extra candidates.",
+    )
+    rows_per_band: PositiveInt = Field(5, description="MinHash rows per band r.")
     shingle_words: PositiveInt = Field(5, description="Word n-gram size of a shingle (Latin script).")
     shingle_chars: PositiveInt = Field(5, description="Character n-gram size of a shingle for CJK text.")
     verify_jaccard: float = Field(
