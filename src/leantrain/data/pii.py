@@ -118,14 +118,18 @@ def _always(_: str) -> bool:
 _A = re.ASCII
 _NA = r"(?<![0-9A-Za-z])"  # no letter or digit before (a digit run inside a hash or an id is not a value)
 _NAA = r"(?![0-9A-Za-z])"  # ... or after
+# The same "nothing before" test written after the first character, so the pattern starts with a character
+# (class) and the regex engine skips ahead to candidates instead of trying every position: 2-3× faster.
+_D1 = r"\d(?<![0-9A-Za-z]\d)"  # a digit with no letter or digit before it
+_PD1 = r"[(0-9](?<![0-9A-Za-z][(0-9])"  # ... or an opening bracket
 _SEP = r"[ .-]?"
 PATTERNS: dict[str, list[tuple[re.Pattern[str], Callable[[str], bool]]]] = {
     "secret": [
         (re.compile(r"-----BEGIN [A-Z0-9 ]*PRIVATE KEY-----[\s\S]*?-----END [A-Z0-9 ]*PRIVATE KEY-----", _A), _always),
-        (re.compile(r"(?<![A-Z0-9])(?:AKIA|ASIA)[0-9A-Z]{16}(?![A-Z0-9])", _A), _always),
-        (re.compile(r"(?<![A-Za-z0-9_])(?:gh[pousr]_[A-Za-z0-9]{36,255}|github_pat_[A-Za-z0-9_]{22,255})", _A),
+        (re.compile(r"A(?<![A-Z0-9]A)(?:KIA|SIA)[0-9A-Z]{16}(?![A-Z0-9])", _A), _always),
+        (re.compile(r"g(?<![A-Za-z0-9_]g)(?:h[pousr]_[A-Za-z0-9]{36,255}|ithub_pat_[A-Za-z0-9_]{22,255})", _A),
          _always),
-        (re.compile(r"(?<![A-Za-z0-9])xox[abposr]-[A-Za-z0-9-]{10,}", _A), _always),
+        (re.compile(r"x(?<![A-Za-z0-9]x)ox[abposr]-[A-Za-z0-9-]{10,}", _A), _always),
         # OpenAI (sk-…, sk-proj-…), Stripe (sk_live_, sk_test_, rk_live_, pk_live_), Google API keys (AIza…)
         (re.compile(r"(?<![A-Za-z0-9_-])(?:sk-(?:proj-)?[A-Za-z0-9_-]{20,}|[srp]k_(?:live|test)_[A-Za-z0-9]{16,}|"
                     r"AIza[0-9A-Za-z_-]{35})(?![A-Za-z0-9_-])", _A), _always),
@@ -134,28 +138,29 @@ PATTERNS: dict[str, list[tuple[re.Pattern[str], Callable[[str], bool]]]] = {
     ],
     "email": [(re.compile(r"(?<![A-Za-z0-9._%+-])[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}",
                           _A), _always)],
-    "cn_id": [(re.compile(_NA + r"\d{6}(?:18|19|20)\d{2}(?:0[1-9]|1[0-2])\d{2}\d{3}[\dXx]" + _NAA, _A), cn_id_ok)],
+    "cn_id": [(re.compile(_D1 + r"\d{5}(?:18|19|20)\d{2}(?:0[1-9]|1[0-2])\d{2}\d{3}[\dXx]" + _NAA, _A), cn_id_ok)],
     "bank_card": [
         # 4-4-4-4 (16), 4-4-4-4-3 (19, UnionPay), 4-4-4-1..3 (13-15), Amex 4-6-5; or the digits unbroken
-        (re.compile(_NA + r"\d{4}(?:[ -]\d{4}){2,3}(?:[ -]\d{1,3})?" + _NAA, _A), bank_card_ok),
-        (re.compile(_NA + r"3[47]\d{2}[ -]\d{6}[ -]\d{5}" + _NAA, _A), bank_card_ok),
-        (re.compile(_NA + r"\d{13,19}" + _NAA, _A), bank_card_ok),
+        (re.compile(_D1 + r"\d{3}(?:[ -]\d{4}){2,3}(?:[ -]\d{1,3})?" + _NAA, _A), bank_card_ok),
+        (re.compile(r"3(?<![0-9A-Za-z]3)[47]\d{2}[ -]\d{6}[ -]\d{5}" + _NAA, _A), bank_card_ok),
+        (re.compile(_D1 + r"\d{12,18}" + _NAA, _A), bank_card_ok),
     ],
-    "us_ssn": [(re.compile(_NA + r"\d{3}-\d{2}-\d{4}" + _NAA, _A), us_ssn_ok)],
+    "us_ssn": [(re.compile(_D1 + r"\d{2}-\d{2}-\d{4}" + _NAA, _A), us_ssn_ok)],
     "phone": [
         # E.164 / international: +CC then groups of digits with spaces, dots, dashes or (area) brackets
-        (re.compile(r"(?<![\w+])\+\d{1,3}(?:[ .-]?\(?\d{1,4}\)?){2,5}" + _NAA, _A), phone_ok),
+        (re.compile(r"\+(?<![\w+]\+)\d{1,3}(?:[ .-]?\(?\d{1,4}\)?){2,5}" + _NAA, _A), phone_ok),
         # Chinese mobile: 1[3-9]x xxxx xxxx, optionally split 3-4-4
-        (re.compile(_NA + r"1[3-9]\d" + _SEP + r"\d{4}" + _SEP + r"\d{4}" + _NAA, _A), phone_ok),
+        (re.compile(r"1(?<![0-9A-Za-z]1)[3-9]\d" + _SEP + r"\d{4}" + _SEP + r"\d{4}" + _NAA, _A), phone_ok),
         # North American national: (415) 555-0134, 415-555-0134, 415.555.0134; with spaces only (415 555 0134,
         # (415) 555 0134) when the area code and exchange are valid NANP codes (digit groups are common)
-        (re.compile(_NA + r"(?:\(\d{3}\) ?|\d{3}[.-])\d{3}[.-]\d{4}" + _NAA, _A), phone_ok),
-        (re.compile(_NA + r"(?:\(\d{3}\) ?|\d{3} )\d{3} \d{4}" + _NAA, _A), nanp_ok),
+        (re.compile(_PD1 + r"(?:(?<=\()\d{3}\) ?|(?<=\d)\d{2}[.-])\d{3}[.-]\d{4}" + _NAA, _A), phone_ok),
+        (re.compile(_PD1 + r"(?:(?<=\()\d{3}\) ?|(?<=\d)\d{2} )\d{3} \d{4}" + _NAA, _A), nanp_ok),
         # Chinese landline with area code: 010-12345678, 0755-1234567, (010) 6552 9988, 010 6552-9988
-        (re.compile(_NA + r"(?:\(0\d{2,3}\) ?|0\d{2,3}[ -])\d{3,4}[ -]?\d{4}" + _NAA, _A), phone_ok),
+        (re.compile(r"[(0](?<![0-9A-Za-z][(0])(?:(?<=\()0\d{2,3}\) ?|(?<=0)\d{2,3}[ -])\d{3,4}[ -]?\d{4}" + _NAA,
+                    _A), phone_ok),
     ],
     "ip": [
-        (re.compile(r"(?<![\w.])(?:\d{1,3}\.){3}\d{1,3}(?![\w]|\.\d)", _A), ip_ok),
+        (re.compile(r"\d(?<![\w.]\d)\d{0,2}\.(?:\d{1,3}\.){2}\d{1,3}(?![\w]|\.\d)", _A), ip_ok),
         (re.compile(r"(?<![\w:])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:])", _A),
          lambda v: ("::" in v or v.count(":") == 7) and any(c.isalnum() for c in v) and ip_ok(v)),
     ],
@@ -163,8 +168,8 @@ PATTERNS: dict[str, list[tuple[re.Pattern[str], Callable[[str], bool]]]] = {
 # Cheap tests that rule a kind out for most text before its (slower) patterns run: ~3× faster on prose.
 _DIGITS_RE = re.compile(r"\d\d\d", _A)
 _IP_HINT_RE = re.compile(r"\d\.\d|::|[0-9A-Fa-f]:[0-9A-Fa-f]{1,4}:[0-9A-Fa-f]", _A)
-_SECRET_HINTS = ("AKIA", "ASIA", "gh", "github_pat_", "xox", "PRIVATE KEY", "sk-", "k_live_", "k_test_", "AIza",
-                 "eyJ")
+_SECRET_HINTS = ("AKIA", "ASIA", "ghp_", "gho_", "ghu_", "ghs_", "ghr_", "github_pat_", "xox", "PRIVATE KEY", "sk-",
+                 "k_live_", "k_test_", "AIza", "eyJ")
 GUARDS: dict[str, Callable[[str], bool]] = {
     "secret": lambda t: any(h in t for h in _SECRET_HINTS),
     "email": lambda t: "@" in t,
@@ -177,10 +182,11 @@ GUARDS: dict[str, Callable[[str], bool]] = {
 # `key = value` assignments of credentials, in any case and with any prefix (aws_secret_access_key,
 # DB_PASSWORD, GITHUB_TOKEN, client-secret, 密码): only the value is redacted. A value of digits only is a
 # setting (max_token=4096), not a secret.
-ASSIGNMENT_RE = re.compile(
-    r"(?i)(?<![A-Za-z0-9])(?:[A-Za-z0-9]+[_.-])*(?:api[_-]?key|apikey|secret[_-]?(?:access[_-]?)?key|"
-    r"access[_-]?key(?:[_-]?id)?|private[_-]?key|secret|password|passwd|pwd|token|credentials?)(?![A-Za-z0-9])"
-    r"[\"']?\s*[:=]\s*[\"']?([^\s\"',;\u0080-\uffff]{6,})|(?:密码|口令|密钥|令牌)\s*[:=：]?\s*([!-&(-+\--~]{6,})",
+ASSIGNMENT_RE = re.compile(  # starts with a character class so the engine skips ahead (see _D1)
+    r"[acpstACPST](?<![A-Za-z0-9][acpstACPST])(?i:(?<=a)(?:pi[_-]?key|pikey|ccess[_-]?key(?:[_-]?id)?)|"
+    r"(?<=s)ecret(?:[_-]?(?:access[_-]?)?key)?|(?<=p)(?:rivate[_-]?key|assword|asswd|wd)|(?<=t)oken|"
+    r"(?<=c)redentials?)(?![A-Za-z0-9])[\"']?\s*[:=]\s*[\"']?([^\s\"',;\u0080-\uffff]{6,})"
+    r"|(?:密码|口令|密钥|令牌)\s*[:=：]?\s*([!-&(-+\--~]{6,})",
     _A,
 )
 _ALL_DIGITS_RE = re.compile(r"[\d.]+", _A)
