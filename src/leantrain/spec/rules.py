@@ -23,7 +23,26 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
         *_moe_problems(spec.parallelism, shape),
         *_unbuildable_layout_problems(spec, shape),
         *_batch_and_node_problems(spec),
+        *_finetune_problems(spec),
     ]
+
+
+def _finetune_problems(spec: JobSpec) -> list[str]:
+    """LoRA/QLoRA combinations the trainer does not build (train/finetune.py says why)."""
+    method, par, problems = spec.finetune.method, spec.parallelism, []
+    if method == "full":
+        return problems
+    if spec.task != "finetune":
+        problems.append(f"finetune.method {method} needs task: finetune (task is {spec.task})")
+    if par.tensor_parallel > 1:
+        problems.append(f"finetune.method {method} with parallelism.tensor_parallel > 1 is not supported (the TP "
+                        "plans shard the base weight, not the adapters): use data_parallel/FSDP or pipeline_parallel")
+    if spec.precision.compute == "fp8":
+        problems.append(f"finetune.method {method} with precision.compute fp8 is not supported (the fp8 swap would "
+                        "replace the adapted Linear layers)")
+    if method == "qlora" and par.pipeline_parallel > 1:
+        problems.append("finetune.method qlora runs without pipeline parallelism (parallelism.pipeline_parallel: 1)")
+    return problems
 
 
 def _unbuildable_layout_problems(spec: JobSpec, shape: ModelShape) -> list[str]:

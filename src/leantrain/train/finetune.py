@@ -19,6 +19,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 from leantrain.ckpt.base_ref import record_base  # noqa: F401 (re-exported: the trainer calls finetune.record_base)
@@ -49,12 +50,19 @@ def weights_loader(spec: JobSpec) -> Callable[[Any], None] | None:
     """The `load` for `ParallelModel.initialize` when the spec starts from a checkpoint (None otherwise)."""
     hf_dir = spec.model.init_from
     if hf_dir is None:
+        if spec.task != "pretrain":
+            raise UserInputError(f"task {spec.task} trains from existing weights: set model.init_from to a Hugging "
+                                 "Face checkpoint dir (plan works without it)")
         return None
     args = model_args_from_spec(spec.model, max_seq_len=spec.data.seq_len)
     check_hf_dir(Path(hf_dir), args=args)  # names and shapes, from the headers, before anything is allocated
     seed, qlora = spec.training.seed, uses_adapters(spec) and spec.finetune.method == "qlora"
 
+    @torch.no_grad()
     def load(parallel: Any) -> None:
+        if qlora and parallel.mesh is not None:
+            raise UserInputError("finetune.method qlora runs in one process for now (the NF4 base is not sharded "
+                                 "across ranks); use method lora with FSDP for several ranks")
         for part in parallel.parts:
             fill_from_hf(part, Path(hf_dir), args=args, skip=is_adapter)
             for name, param in part.named_parameters():

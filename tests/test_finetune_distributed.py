@@ -1,0 +1,87 @@
+"""Starting from a HF checkpoint on 2 ranks (gloo): each rank reads only its slices of the safetensors, and the run
+matches one process step for step (continued pre-training under FSDP and TP, LoRA under FSDP and PP)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import yaml
+
+from leantrain.data.layout import write_token_data_dir
+from leantrain.launch import torchrun
+from leantrain.launch.resources import TrainCommand
+from leantrain.model.tiny_hf import save_tiny_hf
+from leantrain.spec import spec_from_dict
+from leantrain.train.trainer import Trainer
+
+pytest.importorskip("transformers")
+SEQ, VOCAB, STEPS = 16, 512, 3
+RUNS: dict[str, tuple[str, dict[str, Any]]] = {
+    "cp_fsdp": ("continue_pretrain", {"zero_stage": 3}),
+    "cp_tp": ("continue_pretrain", {"tensor_parallel": 2}),
+    "lora_fsdp": ("lora", {"zero_stage": 3}),
+    "lora_pp": ("lora", {"pipeline_parallel": 2, "pipeline_schedule": "1f1b"}),
+}
+
+
+def job(hf_dir: Path, data_dir: Path, *, kind: str, **parallelism: Any) -> dict[str, Any]:
+    raw: dict[str, Any] = {
+        "task": "continue_pretrain" if kind == "continue_pretrain" else "finetune",
+        "model": {"init_from": str(hf_dir)},
+        "parallelism": parallelism,
+        "precision": {"compute": "fp32", "optimizer_state": "fp32"},
+        "data": {"tokens_total": 1e5, "seq_len": SEQ, "dir": str(data_dir)},
+        "training": {"global_batch_tokens": 4 * SEQ, "micro_batch": 1, "lr": 3e-3, "warmup_steps": 1,
+                     "max_steps": STEPS, "device": "cpu", "log_every": 1, "eval_every": 0},
+        "checkpoint": {"interval_steps": 1000},
+        "hardware": {"accelerator": "cpu", "gpus_per_node": 2, "num_nodes": 1, "peak_flops": 1e11},
+        "budget": {"num_gpus": 1, "target_days": None},
+        "monitoring": {"tensorboard": False},
+    }
+    if kind == "lora":
+        raw["finetune"] = {"method": "lora", "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.0}}
+    return raw
+
+
+def losses(path: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in path.read_text().splitlines() if '"grad_norm"' in line]
+
+
+@pytest.mark.slow
+def test_sharded_load_and_lora_match_one_process(tmp_path: Path) -> None:
+    hf_dir = save_tiny_hf(tmp_path / "hf", vocab_size=VOCAB)
+    rng = np.random.default_rng(0)
+    docs = [[int((s + i) % 200) + 1 for i in range(40)] for s in rng.integers(0, 200, 40)]
+    write_token_data_dir(tmp_path / "data", {"counting": docs}, vocab_size=VOCAB - 3, eos_id=0)
+    reference = {}
+    for kind in ("continue_pretrain", "lora"):
+        single = Trainer(spec_from_dict(job(hf_dir, tmp_path / "data", kind=kind)), run_dir=tmp_path / kind)
+        try:
+            single.train()
+        finally:
+            single.close()
+        reference[kind] = losses(tmp_path / kind / "metrics.jsonl")
+    procs = {}
+    for name, (kind, parallelism) in RUNS.items():
+        raw = job(hf_dir, tmp_path / "data", kind=kind, **parallelism)
+        spec_path = tmp_path / f"{name}.yaml"
+        spec_path.write_text(yaml.safe_dump(raw))
+        argv = torchrun.torchrun_argv(spec_from_dict(raw), train=TrainCommand(spec_path=spec_path),
+                                      run_dir=tmp_path / name, nproc=2, max_restarts=0)
+        procs[name] = subprocess.Popen(argv, env=torchrun.torchrun_env() | {"OMP_NUM_THREADS": "1"},
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    outputs = {name: proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for name, proc in procs.items()}
+    for name, (kind, _) in RUNS.items():
+        assert procs[name].returncode == 0, f"{name}:\n{outputs[name][-4000:]}"
+        assert losses(tmp_path / name / "metrics.jsonl") == pytest.approx(reference[kind], rel=1e-4), name
+        info = json.loads((tmp_path / name / "train_info.json").read_text())
+        single = json.loads((tmp_path / kind / "train_info.json").read_text())
+        if "pp" not in name:  # a pipeline rank counts its own stages only
+            assert info["trainable_params"] == single["trainable_params"], name
