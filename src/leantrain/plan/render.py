@@ -51,7 +51,8 @@ def render_plan(plan: Plan, *, console: Console, top: int) -> None:
 
     mem = data["memory"]
     per = mem["per_gpu"]
-    memory = Table(title=f"memory per GPU — {'fits' if mem['fits'] else 'DOES NOT FIT'}")
+    where = f" (pipeline stage {mem['stage']}, the heaviest)" if data["layout"]["pp"] > 1 else ""
+    memory = Table(title=f"memory per GPU{where} — {'fits' if mem['fits'] else 'DOES NOT FIT'}")
     for col in ("params", "grads", "optimizer", "activations", "buffers", "total", "capacity", "headroom"):
         memory.add_column(col, justify="right")
     memory.add_row(*(_gib(per[k]) for k in ("params", "grads", "optimizer", "activations", "buffers", "total")),
