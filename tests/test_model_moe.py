@@ -82,3 +82,50 @@ def test_aux_loss_follows_the_switch_formula_and_trains_the_router() -> None:
     assert aux is not None and abs(float(aux.detach()) - 2.0) < 1e-6
     aux.backward()
     assert model.moe_layers()[0].router.gate.weight.grad is not None
+
+
+def test_grouped_gemm_and_padded_fallback_agree_in_forward_and_backward(monkeypatch) -> None:  # noqa: ANN001
+    import leantrain.model.moe as moe_module
+
+    model = build_model(moe_args(num_shared_experts=1), device=torch.device("cpu"), seed=0)
+    layer = model.layers["1"].feed_forward
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
+
+    def run() -> tuple[torch.Tensor, torch.Tensor]:
+        layer.zero_grad(set_to_none=True)
+        out = layer(x)
+        (out * torch.linspace(-1, 1, out.numel()).view_as(out)).sum().backward()
+        return out.detach(), layer.experts.w2.grad.clone()
+
+    grouped = run()
+    monkeypatch.setattr(moe_module, "grouped_mm_supported", lambda device, dtype: False)
+    padded = run()
+    torch.testing.assert_close(grouped[0], padded[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grouped[1], padded[1], rtol=1e-5, atol=1e-6)
+
+
+def test_moe_forward_reads_nothing_on_the_host(monkeypatch) -> None:  # noqa: ANN001
+    """Every way a tensor's value reaches Python (a device sync on a GPU) raises inside the MoE forward."""
+    model = build_model(moe_args(num_shared_experts=1), device=torch.device("cpu"), seed=0)
+    layer = model.layers["1"].feed_forward
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(3))
+
+    def host_read(*_args: object, **_kwargs: object) -> None:
+        raise AssertionError("a host read (.item/.tolist/int/float/bool) in the MoE forward")
+
+    for name in ("item", "tolist", "__int__", "__float__", "__bool__", "__index__"):
+        monkeypatch.setattr(torch.Tensor, name, host_read)
+    out = layer(x)
+    monkeypatch.undo()
+    assert out.shape == x.shape and torch.isfinite(out).all()
+
+
+def test_moe_forward_has_no_host_sync_and_compiles_as_one_graph() -> None:
+    """fullgraph=True fails on any graph break: `.item()`, `.tolist()` or a data-dependent output shape (bf16:
+    the grouped GEMM's compile-time rules take bf16, the dtype GPUs train MoE in)."""
+    model = build_model(moe_args(), device=torch.device("cpu"), seed=0).to(torch.bfloat16)
+    layer = model.layers["1"].feed_forward
+    x = torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
+    compiled = torch.compile(layer, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x), layer(x))
+    torch._dynamo.reset()

@@ -104,3 +104,50 @@ def test_fp8_swap_happens_on_meta_and_spares_the_output_head() -> None:
     model.to_empty(device=CPU)
     model.init_weights()
     assert not model.layers["0"].attention.wq.weight.is_meta
+
+
+def test_fp8_runs_the_rest_in_bf16_and_mfu_uses_the_bf16_peak() -> None:
+    from leantrain.parallel.fsdp import mixed_precision_policy
+    from leantrain.train.precision import PrecisionPolicy
+
+    policy = PrecisionPolicy(compute="fp8", param_dtype=torch.float32, device_type="cpu")
+    assert policy.peak_dtype == "bf16"  # torchtitan's convention: fp8 shows up as a higher MFU
+    with policy.autocast():
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    fsdp_policy = mixed_precision_policy(PrecisionSpec(compute="fp8"))
+    assert fsdp_policy.param_dtype == torch.bfloat16 and fsdp_policy.reduce_dtype == torch.float32
+
+
+def test_fp8_under_fsdp_gathers_float8_weights_and_precomputes_scales() -> None:
+    pytest.importorskip("torchao")
+    from leantrain.model import model_args_from_spec
+    from leantrain.model.transformer import Transformer
+    from leantrain.spec.schema import ModelSpec
+    from leantrain.train.precision import PrecisionPolicy, apply_precision, float8_post_step
+
+    spec = ModelSpec(n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=96)
+    policy = PrecisionPolicy(compute="fp8", param_dtype=torch.float32, device_type="cuda")
+    with torch.device("meta"):
+        model = Transformer(model_args_from_spec(spec, max_seq_len=16))
+    apply_precision(model, policy, cast=False, fsdp_float8_all_gather=True)
+    wq = model.layers["0"].attention.wq
+    assert wq.config.enable_fsdp_float8_all_gather
+    assert type(wq.weight.data).__name__ == "WeightWithDynamicFloat8CastTensor"  # FSDP2 gathers it in float8
+    assert float8_post_step([model], policy, fsdp=False)() is None  # nothing to precompute without FSDP
+    bf16 = PrecisionPolicy(compute="bf16", param_dtype=torch.float32, device_type="cuda")
+    assert float8_post_step([model], bf16, fsdp=True)() is None
+
+
+def test_unbuildable_precision_and_pipeline_combinations_are_refused_by_the_spec() -> None:
+    from leantrain.spec import spec_from_dict
+
+    base = {"model": {"n_layers": 4, "d_model": 64, "n_heads": 4, "ffn_hidden": 128, "vocab_size": 96,
+                      "tie_embeddings": False},
+            "data": {"tokens_total": 1e6, "seq_len": 16}, "training": {"global_batch_tokens": 64, "micro_batch": 1}}
+    with pytest.raises(UserInputError, match=r"precision.compute: fp8 with parallelism.tensor_parallel"):
+        spec_from_dict(base | {"precision": {"compute": "fp8"}, "parallelism": {"tensor_parallel": 2}})
+    moe = base["model"] | {"architecture": "moe", "moe": {"num_experts": 4, "top_k": 2}}
+    with pytest.raises(UserInputError, match=r"model.moe.balance: aux_loss with parallelism.pipeline_parallel"):
+        spec_from_dict(base | {"model": moe, "parallelism": {"pipeline_parallel": 2}})
+    ok = moe | {"moe": {"num_experts": 4, "top_k": 2, "balance": "aux_free"}}
+    assert spec_from_dict(base | {"model": ok, "parallelism": {"pipeline_parallel": 2}}).parallelism.pipeline_parallel == 2

@@ -10,7 +10,7 @@ the transient cost is one parameter, never the model: each rank holds its shards
 The rules (torchtitan's Llama init): embeddings normal(0, 0.02); q/k/v, w1/w3, router and expert up
 projections truncated normal(0, 0.02) (cut at ±2, torch's default); the output projections of each block
 (`attention.wo`, `w2`) 0.02/√(2·n_layers), which keeps the residual stream's variance flat with depth (GPT-2);
-the untied head 1/√d cut at ±3/√d; norm gains 1. Buffers: RoPE tables computed, MoE bias and counts zero.
+the untied head 1/√d cut at ±3/√d; norm gains 1; biases 0. Buffers: RoPE tables computed, MoE bias and counts zero.
 """
 
 from __future__ import annotations
@@ -42,12 +42,19 @@ def _ones(tensor: torch.Tensor, generator: torch.Generator) -> None:
     nn.init.ones_(tensor)
 
 
+def _zeros(tensor: torch.Tensor, generator: torch.Generator) -> None:
+    del generator  # deterministic
+    nn.init.zeros_(tensor)
+
+
 def init_rule(name: str, args: ModelArgs) -> Fill:
     """How the parameter called `name` (single-process name, e.g. `layers.0.feed_forward.experts.w2`) is filled."""
     shape = args.shape
     out_std = INIT_STD / math.sqrt(2 * shape.n_layers)
     if name.endswith("norm.weight"):
         return _ones
+    if name.endswith(".bias"):  # projection biases (Qwen2-style q/k/v) start at zero
+        return _zeros
     if name == "tok_embeddings.weight":
         return partial(_normal, std=INIT_STD)
     if name == "output.weight":

@@ -1,9 +1,14 @@
 """Mixture-of-experts layer: top-k router, dropless grouped experts, shared experts, load balancing.
 
 Dispatch is dropless: every (token, expert) assignment is computed. Assignments are sorted by expert and
-packed into one zero-padded (experts, max_tokens_per_expert, d_model) tensor, so all experts run in three
-batched matmuls — no Python loop over tokens or experts. Padding costs (experts × max_load − assignments)
-rows, small when the load is balanced; on GPUs a grouped GEMM would skip it.
+run as three grouped GEMMs (`torch._grouped_mm` over the sorted rows, with the per-expert offsets on the
+device): no Python loop over tokens or experts, no padding, and no host sync — every shape in the forward is
+static ((tokens × top_k, d_model) whatever the routing), so `torch.compile` traces a block in one graph
+without recompiling when the load moves. Where the grouped GEMM has no kernel (CUDA before sm90 or not in
+bf16; fp32 under torch.compile) a padded (experts, max_load, d_model) batched matmul is used instead; it
+reads `max_load` on the host (one sync per MoE layer and a dynamic shape — the documented fallback). Under
+expert parallelism the all-to-all's split sizes are read on the host (`parallel.expert`), as every
+all-to-all-v needs.
 
 Balancing (chosen by `model.moe.balance`):
 - aux_loss: Switch/GShard auxiliary loss E · Σ_i f_i · P_i (f_i: share of assignments to expert i,
@@ -16,6 +21,7 @@ Per-expert token counts are kept in a buffer between optimizer steps for the upd
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,6 +70,21 @@ class GroupedExperts(nn.Module):
         """x_sorted (assignments, d_model) grouped by expert; expert_ids (assignments,) ascending."""
         # Under expert parallelism the weights are DTensors split over experts: compute with this rank's experts.
         w1, w2, w3 = (w.to_local() if isinstance(w, DTensor) else w for w in (self.w1, self.w2, self.w3))
+        dtype = torch.get_autocast_dtype(x_sorted.device.type) if torch.is_autocast_enabled(
+            x_sorted.device.type) else x_sorted.dtype
+        if grouped_mm_supported(x_sorted.device, dtype):
+            offsets = torch.cumsum(counts, 0).to(torch.int32)  # (experts,) end row of each expert's group
+            x = x_sorted.to(dtype)
+            hidden = F.silu(_grouped(x, w1.to(dtype), offsets)) * _grouped(x, w3.to(dtype), offsets)
+            return _grouped(hidden, w2.to(dtype), offsets)  # (assignments, d_model)
+        return self._padded(x_sorted, expert_ids, counts, w1=w1, w2=w2, w3=w3)
+
+    @staticmethod
+    def _padded(
+        x_sorted: torch.Tensor, expert_ids: torch.Tensor, counts: torch.Tensor, *, w1: torch.Tensor,
+        w2: torch.Tensor, w3: torch.Tensor,
+    ) -> torch.Tensor:
+        """The fallback: experts' rows zero-padded to the largest group, three batched matmuls (a host sync)."""
         num_experts = w1.shape[0]
         starts = torch.cumsum(counts, 0) - counts  # first row of each expert's group
         slot = torch.arange(x_sorted.shape[0], device=x_sorted.device) - starts[expert_ids]
@@ -73,6 +94,40 @@ class GroupedExperts(nn.Module):
         hidden = F.silu(torch.bmm(padded, w1.to(x_sorted.dtype))) * torch.bmm(padded, w3.to(x_sorted.dtype))
         out = torch.bmm(hidden, w2.to(x_sorted.dtype))  # (experts, max_load, d_model)
         return out[expert_ids, slot]
+
+
+def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Does `torch._grouped_mm` have a kernel here? CPU (fp32 eager, or bf16); CUDA sm90+ in bf16.
+
+    torch.compile's shape rules for the op accept bf16 only, so a compiled fp32 model takes the padded path.
+    """
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cpu":
+        return dtype == torch.bfloat16 or not torch.compiler.is_compiling()
+    return device.type == "cuda" and dtype == torch.bfloat16 and _cuda_capability(device) >= (9, 0)
+
+
+@functools.lru_cache(maxsize=16)
+def _cuda_capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward hands on a contiguous gradient (the grouped GEMM's backward needs one)."""
+
+    @staticmethod
+    def forward(ctx: object, x: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: object, grad: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        return grad.contiguous()
+
+
+def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows of `x` (sorted by expert, group ends at `offsets`) times their expert's weight (experts, in, out)."""
+    return _ContiguousGrad.apply(torch._grouped_mm(x, weight, offs=offsets))
 
 
 class MoE(nn.Module):
@@ -105,7 +160,9 @@ class MoE(nn.Module):
         bias = self.expert_bias if self.balance == "aux_free" else None
         probs, top_idx, top_weights = self.router(flat, selection_bias=bias)
         assigned = top_idx.reshape(-1)  # (tokens × k,)
-        counts = torch.bincount(assigned, minlength=self.num_experts)
+        # A scatter-add, not bincount: bincount's output size depends on the data (a graph break under compile).
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=assigned.device).index_add_(
+            0, assigned, torch.ones_like(assigned))
         # Kept, not accumulated, here: a recomputed forward (activation checkpointing) would count twice.
         self.last_counts = counts.detach()
         if self.balance == "aux_loss":

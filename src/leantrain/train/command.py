@@ -13,7 +13,6 @@ import contextlib
 import functools
 import math
 import os
-import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +24,7 @@ from rich.markup import escape
 
 from leantrain.ckpt.integrity import step_dir
 from leantrain.ckpt.resume import ResumeRequest
-from leantrain.errors import LeantrainError, UserInputError
+from leantrain.errors import Interrupted, LeantrainError, UserInputError
 from leantrain.spec.schema import JobSpec
 from leantrain.train.run_setup import finish_run, prepare_run
 
@@ -51,14 +50,6 @@ def _checkpointer_factory(resume: ResumeRequest | None) -> Callable[[Trainer], C
     return functools.partial(TrainerCheckpointer, resume=resume)
 
 
-class Interrupted(LeantrainError):
-    """SIGINT/SIGTERM stopped the run after saving this step: exit 130/143 (128 + the signal's number)."""
-
-    def __init__(self, message: str, *, signal_name: str) -> None:
-        super().__init__(message)
-        self.exit_code = 128 + int(getattr(signal, signal_name, signal.SIGTERM))
-
-
 @dataclass
 class TrainOutcome:
     """What a `train` call did: the logged records, and how the loop ended."""
@@ -75,8 +66,8 @@ def train(
     """Build a trainer for the spec, train to the end (or a signal), close it."""
     from leantrain.train.trainer import Trainer
 
-    if max_steps is not None and max_steps <= 0:
-        raise UserInputError(f"--max-steps must be positive, got {max_steps}")
+    if max_steps is not None and max_steps < 0:
+        raise UserInputError(f"--max-steps must be 0 (build the model, record model_ready, stop) or more: {max_steps}")
     _check_data_dir(spec)
     target = Path(run_dir or spec.run.dir)
     context = prepare_run(spec, run_dir=target, rank=int(os.environ.get("RANK", "0")), console=console)
@@ -137,6 +128,8 @@ def run(
         target = Path(run_dir or spec.run.dir)
         if outcome.interrupted is not None:
             console.print(f"[yellow]{escape(str(outcome.interrupted))}", highlight=False, soft_wrap=True)
+        elif max_steps == 0:
+            console.print(f"[green]model ready[/green]: built, sharded, initialised; see {target / 'events.jsonl'}")
         elif not outcome.finished_already:
             console.print(f"[green]trained[/green]: {summary(outcome.records)}; metrics in {target / 'metrics.jsonl'}")
     if int(os.environ.get("WORLD_SIZE", "1")) > 1:
