@@ -77,3 +77,13 @@ def test_lora_freezes_the_base() -> None:
     f, lo = (memory_per_gpu(i, layout, num_microbatches=2) for i in (full, lora))
     assert lo.optimizer < 0.01 * f.optimizer and lo.grads < 0.01 * f.grads
     assert lo.fits
+
+
+def test_adapter_states_follow_the_zero_level() -> None:
+    lora = finetune_inputs(LLAMA3_70B, method="lora", gpus=8, rank=16)
+    mem = {z: memory_per_gpu(lora, Layout(dp=8, tp=1, pp=1, zero=z, recompute="full"), num_microbatches=2)
+           for z in (0, 1, 2, 3)}
+    assert mem[1].optimizer == pytest.approx(mem[0].optimizer / 8)
+    assert mem[1].grads == pytest.approx(mem[0].grads)
+    assert mem[2].grads == pytest.approx(mem[0].grads / 8)
+    assert mem[3].params == pytest.approx(mem[0].params / 8)

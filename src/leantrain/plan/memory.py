@@ -120,8 +120,9 @@ def _states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, num_microbat
         return sp.dense / shard + sp.experts / expert_shard if applies else sp.dense + sp.experts
 
     unsharded = sp.dense + sp.experts
-    if not inputs.trains_base:  # LoRA/QLoRA: frozen base + trained adapters
-        return _adapter_states(inputs, layout, sp, sharded_share=sharded(z >= 3) / max(unsharded, 1.0))
+    if not inputs.trains_base:  # LoRA/QLoRA: frozen base + trained adapters, sharded like the base
+        shares = tuple(sharded(z >= level) / max(unsharded, 1.0) for level in (1, 2, 3))
+        return _adapter_states(inputs, layout, sp, shares=shares)  # type: ignore[arg-type]
     # FSDP2 keeps only the sharded fp32 parameter (the master copy); its compute-dtype copy exists while
     # gathered. Without full sharding the compute-dtype weights stay resident beside the fp32 master.
     fsdp_master_is_param = z >= 3 and inputs.master_bytes > 0
@@ -142,17 +143,17 @@ def _states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, num_microbat
     return params, grads, optimizer, gather
 
 
-def _adapter_states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, sharded_share: float
+def _adapter_states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, shares: tuple[float, float, float]
                     ) -> tuple[float, float, float, float]:
-    """Frozen base (compute dtype, or NF4 for QLoRA) + adapters trained with Adam (sharded like the base)."""
+    """Frozen base (compute dtype, or NF4 for QLoRA) + adapters trained with Adam. `shares` is the share of
+    the stage a GPU keeps under ZeRO-1, -2 and -3 (optimizer, gradients, weights)."""
+    optimizer_share, grad_share, weight_share = shares
     share_of_model = (sp.dense + sp.experts) * layout.tp / max(inputs.shape.total_params(), 1)
-    base = frozen_weight_bytes(inputs) * share_of_model / layout.tp * sharded_share
+    base = frozen_weight_bytes(inputs) * share_of_model / layout.tp * weight_share
     adapters = adapter_params(inputs) * share_of_model / layout.tp
-    adapter_shard = sharded_share
-    params = base + adapters * inputs.weight_bytes * adapter_shard
-    grads = adapters * inputs.grad_bytes * (adapter_shard if layout.zero >= 2 else 1.0)
-    optimizer = adapters * (inputs.master_bytes + 2 * inputs.moment_bytes) * (
-        adapter_shard if layout.zero >= 1 else 1.0)
+    params = base + adapters * inputs.weight_bytes * weight_share
+    grads = adapters * inputs.grad_bytes * grad_share
+    optimizer = adapters * (inputs.master_bytes + 2 * inputs.moment_bytes) * optimizer_share
     gather = 0.0
     if layout.zero >= 3 and layout.dp_shard > 1:
         gather = 2 * sp.largest_unit * inputs.weight_bytes
