@@ -76,3 +76,14 @@ def test_sink_from_the_spec() -> None:
         assert _scrape(sink.port)[("leantrain_loss", (("host", "h"), ("rank", "3")))] == 4.0
     finally:
         sink.close()
+
+
+def test_generated_rules_wait_the_engine_rules_for() -> None:
+    from leantrain.observe.alerts import AlertRules
+    from leantrain.observe.prometheus import alerting_rules
+
+    rules = AlertRules.model_validate({"straggler": {"for_s": 90}})
+    by_name = {r["alert"]: r for r in alerting_rules(rules, hang_timeout_s=600, plan_mfu=0.4)["groups"][0]["rules"]}
+    assert by_name["LeantrainStraggler"]["for"] == "90s"
+    assert by_name["LeantrainThroughputDrop"]["for"] == f"{rules.throughput_drop.for_s:g}s" == "20s"
+    assert by_name["LeantrainLowMFU"]["for"] == "30s" and by_name["LeantrainLossSpike"]["for"] == "0s"

@@ -28,6 +28,8 @@ from leantrain.observe.report_data import ALERTS_FILE, append_jsonl, as_float
 
 Severity = Literal["info", "warning", "critical"]
 AlertOutput = Callable[[dict[str, Any]], None]
+# (condition holds, message, rank, clear: past the threshold by the resolve margin; None: not condition)
+Verdict = tuple[bool, str, "int | None", "bool | None"]
 
 
 class Rule(BaseModel):
@@ -36,6 +38,10 @@ class Rule(BaseModel):
     model_config = ConfigDict(extra="forbid")
     enabled: bool = Field(True, description="Evaluate this rule.")
     severity: Severity = Field("warning", description="info, warning or critical.")
+    for_s: float = Field(0.0, ge=0, description="The condition must hold this long (record time) before the alert "
+                         "fires; the Prometheus rule's `for`.")
+    resolve_margin: float = Field(0.0, ge=0, lt=1, description="A firing alert resolves only once the value is "
+                                  "this far (relative) on the good side of the threshold.")
 
 
 class NonFiniteRule(Rule):
@@ -57,17 +63,25 @@ class GradNormRule(Rule):
 
 
 class ThroughputDropRule(Rule):
-    window: int = Field(20, ge=3, description="Recent tokens/s values for the median.")
-    min_history: int = Field(5, ge=2, description="Values needed before the rule judges.")
-    drop_fraction: float = Field(0.3, gt=0, lt=1, description="Fire below (1 - drop_fraction) × recent median.")
+    for_s: float = 20.0
+    resolve_margin: float = 0.1
+    window: int = Field(500, ge=3, description="Post-warm-up tokens/s values the run's own baseline (median) "
+                        "is taken over.")
+    warmup_records: int = Field(5, ge=0, description="Records left out of the baseline (compile, warm caches).")
+    min_history: int = Field(5, ge=2, description="Baseline values needed before the rule judges.")
+    drop_fraction: float = Field(0.3, gt=0, lt=1, description="Fire below (1 - drop_fraction) × the baseline.")
 
 
 class LowMfuRule(Rule):
+    for_s: float = 30.0
+    resolve_margin: float = 0.1
     fraction_of_plan: float = Field(0.5, gt=0, le=1, description="Fire when MFU < this × plan throughput.mfu.")
     skip_first: int = Field(3, ge=0, description="Records ignored at start (compile, warm caches).")
 
 
 class DataWaitRule(Rule):
+    for_s: float = 20.0
+    resolve_margin: float = 0.1
     max_share: float = Field(0.2, gt=0, lt=1, description="Fire when data_wait_s / step_time_s exceeds this.")
 
 
@@ -78,6 +92,8 @@ class HangRule(Rule):
 
 
 class StragglerRule(Rule):
+    for_s: float = 20.0
+    resolve_margin: float = 0.1
     max_ratio: float = Field(1.5, gt=1, description="Fire when the slowest rank's step time / others' median > this.")
 
 
@@ -177,6 +193,7 @@ class AlertEngine:
         self._losses: deque[float] = deque(maxlen=self.rules.loss_spike.window)
         self._grad_norms: deque[float] = deque(maxlen=self.rules.grad_norm_explosion.window)
         self._tokens_per_s: deque[float] = deque(maxlen=self.rules.throughput_drop.window)
+        self._pending: dict[str, float] = {}  # rule → since when its condition holds (not yet firing)
         self._num_records = 0
         self._last_step: int | None = None
         self._last_record_s = clock()
@@ -197,8 +214,8 @@ class AlertEngine:
             self._last_record_s = now
             self._last_step = record.get("step", self._last_step)
             self._update("hang", False, "", now, record)
-            for name, (condition, message, rank) in self._evaluate(record).items():
-                self._update(name, condition, message, now, record, rank=rank)
+            for name, (condition, message, rank, clear) in self._evaluate(record).items():
+                self._update(name, condition, message, now, record, rank=rank, clear=clear)
             self._num_records += 1
 
     def event(self, kind: str, **fields: Any) -> None:
@@ -261,23 +278,23 @@ class AlertEngine:
         self._update("low_disk", low, message, now, {"step": self._last_step})
 
     # -- rules ---------------------------------------------------------------------------------------------
-    def _evaluate(self, record: dict[str, Any]) -> dict[str, tuple[bool, str, int | None]]:
+    def _evaluate(self, record: dict[str, Any]) -> dict[str, Verdict]:
         rules = self.rules
-        out: dict[str, tuple[bool, str, int | None]] = {}
+        out: dict[str, Verdict] = {}
         step = record.get("step")
         loss, grad_norm = as_float(record.get("loss")), as_float(record.get("grad_norm"))
         # Live records hold float NaN/inf; the JSONL sink writes them as null and lists them under `nonfinite`.
         listed = record.get("nonfinite") if isinstance(record.get("nonfinite"), list) else []
         bad = [n for n, v in (("loss", loss), ("grad_norm", grad_norm))
                if n in listed or (record.get(n) is not None and not math.isfinite(v))]
-        out["nonfinite_loss"] = (bool(bad), f"non-finite {' and '.join(bad)} at step {step}", None)
+        out["nonfinite_loss"] = (bool(bad), f"non-finite {' and '.join(bad)} at step {step}", None, None)
         if math.isfinite(loss):
             rule = rules.loss_spike
             if len(self._losses) >= rule.min_history:
                 z, median = spike_score(self._losses, loss)
                 spike = z > rule.z and loss > median * (1 + rule.min_rel_increase)
                 out["loss_spike"] = (spike, f"loss {loss:.4g} at step {step} vs median {median:.4g} "
-                                            f"of the last {len(self._losses)} (robust z {z:.1f})", None)
+                                            f"of the last {len(self._losses)} (robust z {z:.1f})", None, None)
             self._losses.append(loss)
         if math.isfinite(grad_norm):
             rule_g = rules.grad_norm_explosion
@@ -286,64 +303,82 @@ class AlertEngine:
                 out["grad_norm_explosion"] = (
                     grad_norm > rule_g.factor * median,
                     f"grad_norm {grad_norm:.4g} at step {step} is {grad_norm / max(median, 1e-12):.1f}× "
-                    f"the running median {median:.4g}", None)
+                    f"the running median {median:.4g}", None, None)
             self._grad_norms.append(grad_norm)
         out.update(self._throughput_rules(record, step))
         return out
 
-    def _throughput_rules(self, record: dict[str, Any], step: Any) -> dict[str, tuple[bool, str, int | None]]:
+    def _throughput_rules(self, record: dict[str, Any], step: Any) -> dict[str, Verdict]:
         rules = self.rules
-        out: dict[str, tuple[bool, str, int | None]] = {}
+        out: dict[str, Verdict] = {}
         tokens_per_s = as_float(record.get("tokens_per_s"))
         if math.isfinite(tokens_per_s):
             rule = rules.throughput_drop
             if len(self._tokens_per_s) >= rule.min_history:
-                median = statistics.median(self._tokens_per_s)
+                # The run's own robust baseline: the median of its post-warm-up values.
+                base = statistics.median(self._tokens_per_s)
+                floor = (1 - rule.drop_fraction) * base
                 out["throughput_drop"] = (
-                    tokens_per_s < (1 - rule.drop_fraction) * median,
-                    f"tokens/s {tokens_per_s:.4g} at step {step} is {tokens_per_s / max(median, 1e-12):.0%} "
-                    f"of the recent median {median:.4g}", None)
-            self._tokens_per_s.append(tokens_per_s)
+                    tokens_per_s < floor,
+                    f"tokens/s {tokens_per_s:.4g} at step {step} is {tokens_per_s / max(base, 1e-12):.0%} "
+                    f"of the run's baseline {base:.4g} (median after warm-up)", None,
+                    tokens_per_s >= floor * (1 + rule.resolve_margin))
+            # A drop (pending or firing) stays out of the baseline, so a lasting drop does not become normal.
+            dropping = "throughput_drop" in self._pending or "throughput_drop" in self.firing or (
+                out.get("throughput_drop", (False,))[0])
+            if self._num_records >= rule.warmup_records and not dropping:
+                self._tokens_per_s.append(tokens_per_s)
         mfu = as_float(record.get("mfu"))
         if self.plan_mfu and math.isfinite(mfu) and self._num_records >= rules.low_mfu.skip_first:
             floor = rules.low_mfu.fraction_of_plan * self.plan_mfu
             out["low_mfu"] = (mfu < floor, f"MFU {mfu:.1%} at step {step} is below {floor:.1%} "
                                            f"({rules.low_mfu.fraction_of_plan:.0%} of the plan's {self.plan_mfu:.1%})",
-                              None)
+                              None, mfu >= floor * (1 + rules.low_mfu.resolve_margin))
         wait_s, step_s = as_float(record.get("data_wait_s")), as_float(record.get("step_time_s"))
         if math.isfinite(wait_s) and math.isfinite(step_s) and step_s > 0:
-            share = wait_s / step_s
-            out["data_wait"] = (share > rules.data_wait.max_share,
+            share, limit = wait_s / step_s, rules.data_wait.max_share
+            out["data_wait"] = (share > limit,
                                 f"data wait {wait_s:.3g} s is {share:.0%} of the {step_s:.3g} s step at step {step} "
-                                f"(limit {rules.data_wait.max_share:.0%})", None)
+                                f"(limit {limit:.0%})", None, share <= limit * (1 - rules.data_wait.resolve_margin))
         per_rank = _rank_times(record.get("rank_step_time_s"))
         if len(per_rank) >= 2:
             slow_rank, slow_s = max(per_rank.items(), key=lambda kv: kv[1])
             # Against the other ranks' median: with two ranks the median of all would include the straggler.
             median = statistics.median(v for r, v in per_rank.items() if r != slow_rank)
-            ratio = slow_s / max(median, 1e-12)
-            out["straggler"] = (ratio > rules.straggler.max_ratio,
+            ratio, limit = slow_s / max(median, 1e-12), rules.straggler.max_ratio
+            out["straggler"] = (ratio > limit,
                                 f"rank {slow_rank} step time {slow_s:.3g} s is {ratio:.2f}× the median {median:.3g} s "
-                                f"at step {step}", slow_rank)
+                                f"at step {step}", slow_rank,
+                                ratio <= 1 + (limit - 1) * (1 - rules.straggler.resolve_margin))
         return out
 
     # -- state ---------------------------------------------------------------------------------------------
     def _update(
-        self, name: str, condition: bool, message: str, now: float, record: dict[str, Any], *, rank: int | None = None
+        self, name: str, condition: bool, message: str, now: float, record: dict[str, Any], *,
+        rank: int | None = None, clear: bool | None = None,
     ) -> None:
+        """Hysteresis: fire once the condition has held `for_s`; resolve only when `clear` (the value past the
+        threshold by the rule's resolve margin; default: the condition no longer holds)."""
         rule: Rule = getattr(self.rules, name)
         if not rule.enabled:
             return
         current = self.firing.get(name)
         step = record.get("step") if isinstance(record.get("step"), int) else None
-        if condition and current is None:
+        if current is None:
+            if not condition:
+                self._pending.pop(name, None)
+                return
+            since = self._pending.setdefault(name, now)
+            if now - since < rule.for_s:
+                return
+            del self._pending[name]
             alert = Alert(rule=name, severity=rule.severity, message=message, state="firing",
-                          first_seen=now, last_seen=now, step=step, rank=rank)
+                          first_seen=since, last_seen=now, step=step, rank=rank)
             self.firing[name] = alert
             self._emit(alert)
-        elif condition and current is not None:
+        elif condition:
             current.last_seen, current.count = now, current.count + 1
-        elif not condition and current is not None:
+        elif clear if clear is not None else True:
             del self.firing[name]
             resolved = Alert(**{**asdict(current), "state": "resolved", "last_seen": now})
             self._emit(resolved)

@@ -104,8 +104,10 @@ class PrometheusSink:
         self._thread.join(timeout=5)
 
 
-def _rule(name: str, expr: str, severity: str, summary: str, for_: str = "2m") -> dict[str, Any]:
-    return {"alert": name, "expr": expr, "for": for_, "labels": {"severity": severity},
+def _rule(name: str, expr: str, severity: str, summary: str, for_: str | float = 0.0) -> dict[str, Any]:
+    """One alerting rule; a number `for_` is the engine rule's `for_s`, so both wait the same time."""
+    duration = for_ if isinstance(for_, str) else f"{for_:g}s"
+    return {"alert": name, "expr": expr, "for": duration, "labels": {"severity": severity},
             "annotations": {"summary": summary}}
 
 
@@ -114,11 +116,12 @@ def alerting_rules(rules: AlertRules, *, hang_timeout_s: float, plan_mfu: float 
     out: list[dict[str, Any]] = []
     if rules.nonfinite_loss.enabled:
         out.append(_rule("LeantrainNonFiniteLoss", "increase(leantrain_nonfinite_steps_total[5m]) > 0",
-                         rules.nonfinite_loss.severity, "Non-finite loss or gradient on {{ $labels.host }}", "0m"))
+                         rules.nonfinite_loss.severity, "Non-finite loss or gradient on {{ $labels.host }}",
+                         rules.nonfinite_loss.for_s))
     if rules.hang.enabled:
         timeout = rules.hang.timeout_s or hang_timeout_s
         out.append(_rule("LeantrainNoProgress", f"time() - leantrain_last_step_timestamp_seconds > {timeout:g}",
-                         rules.hang.severity, f"No training step for over {timeout:g} s", "0m"))
+                         rules.hang.severity, f"No training step for over {timeout:g} s", rules.hang.for_s))
     if rules.loss_spike.enabled:
         # PromQL has no rolling median/MAD; mean + z·stddev over the window is its closest form (the engine's
         # robust z is already in standard deviations: 1.4826 × MAD estimates σ).
@@ -127,41 +130,42 @@ def alerting_rules(rules: AlertRules, *, hang_timeout_s: float, plan_mfu: float 
             f"leantrain_loss > (avg_over_time(leantrain_loss[30m]) + {rules.loss_spike.z:.3g} * "
             f"stddev_over_time(leantrain_loss[30m])) and leantrain_loss > "
             f"{1 + rules.loss_spike.min_rel_increase:g} * avg_over_time(leantrain_loss[30m])",
-            rules.loss_spike.severity, "Loss spike on rank {{ $labels.rank }}", "0m"))
+            rules.loss_spike.severity, "Loss spike on rank {{ $labels.rank }}", rules.loss_spike.for_s))
     if rules.grad_norm_explosion.enabled:
         out.append(_rule(
             "LeantrainGradNormExplosion",
             f"leantrain_grad_norm > {rules.grad_norm_explosion.factor:g} * "
             "quantile_over_time(0.5, leantrain_grad_norm[30m])",
-            rules.grad_norm_explosion.severity, "Gradient norm explosion", "0m"))
+            rules.grad_norm_explosion.severity, "Gradient norm explosion", rules.grad_norm_explosion.for_s))
     if rules.throughput_drop.enabled:
         out.append(_rule(
             "LeantrainThroughputDrop",
             f"leantrain_tokens_per_second < {1 - rules.throughput_drop.drop_fraction:g} * "
             "quantile_over_time(0.5, leantrain_tokens_per_second[30m])",
-            rules.throughput_drop.severity, "Tokens/s dropped below the recent median"))
+            rules.throughput_drop.severity, "Tokens/s dropped below the run's median", rules.throughput_drop.for_s))
     if rules.low_mfu.enabled and plan_mfu:
         floor = rules.low_mfu.fraction_of_plan * plan_mfu
         out.append(_rule("LeantrainLowMFU", f"leantrain_mfu_ratio < {floor:.4g}", rules.low_mfu.severity,
-                         f"MFU below {floor:.1%} ({rules.low_mfu.fraction_of_plan:.0%} of plan)", "10m"))
+                         f"MFU below {floor:.1%} ({rules.low_mfu.fraction_of_plan:.0%} of plan)", rules.low_mfu.for_s))
     if rules.data_wait.enabled:
         out.append(_rule(
             "LeantrainDataBound",
             f"leantrain_data_wait_seconds / leantrain_step_time_seconds > {rules.data_wait.max_share:g}",
-            rules.data_wait.severity, "Steps wait for data", "5m"))
+            rules.data_wait.severity, "Steps wait for data", rules.data_wait.for_s))
     if rules.straggler.enabled:
         out.append(_rule(
             "LeantrainStraggler",
             f"max(leantrain_rank_step_time_seconds) > {rules.straggler.max_ratio:g} * "
             "quantile(0.5, leantrain_rank_step_time_seconds)",
-            rules.straggler.severity, "A rank is much slower than the median rank", "5m"))
+            rules.straggler.severity, "A rank is much slower than the median rank", rules.straggler.for_s))
     if rules.low_disk.enabled:
         # node_exporter's filesystem series: the run dir's disk is the operator's to label; all mounts here.
         out.append(_rule(
             "LeantrainLowDisk",
             f"node_filesystem_avail_bytes < {rules.low_disk.min_free_bytes:.0f} or "
             f"node_filesystem_avail_bytes / node_filesystem_size_bytes < {rules.low_disk.min_free_fraction:g}",
-            rules.low_disk.severity, "Low disk space on {{ $labels.instance }} {{ $labels.mountpoint }}", "5m"))
+            rules.low_disk.severity, "Low disk space on {{ $labels.instance }} {{ $labels.mountpoint }}",
+            rules.low_disk.for_s))
     return {"groups": [{"name": "leantrain", "rules": out}]}
 
 
