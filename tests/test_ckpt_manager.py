@@ -314,18 +314,22 @@ def test_preemption_signal_triggers_immediate_blocking_save(run_dir: Path) -> No
 
 
 def test_young_daly_interval_and_auto_retune(run_dir: Path) -> None:
-    assert young_daly_interval_s(save_s=50.0, mtbf_s=10_000.0) == pytest.approx(1000.0)
+    # Daly's higher-order optimum (the planner's): √(2δM)·(1 + √(δ/2M)/3 + δ/(18M)) − δ ≈ Young's √(2δM).
+    assert young_daly_interval_s(save_s=50.0, mtbf_s=10_000.0) == pytest.approx(
+        1000.0 * (1 + 0.05 / 3 + 0.0025 / 9) - 50.0)
+    assert young_daly_interval_s(save_s=1e-3, mtbf_s=1e5) == pytest.approx((2 * 1e-3 * 1e5) ** 0.5, rel=1e-3)
     mtbf = job_mtbf_s(failures_per_gpu_day=None, num_gpus=16384)
     assert mtbf == pytest.approx(54 * 86400 / 419)  # Llama 3: 419 interruptions in 54 days
     assert abs(LLAMA3_FAILURES_PER_GPU_DAY - 4.736e-4) < 1e-6
     now = [0.0]
     spec = make_spec(checkpoint={"interval_steps": "auto"}, fault={"failures_per_gpu_day": 8640.0})
-    # 8640 failures per GPU-day: M = 10 s; with δ = 0.2 s the interval is sqrt(2·0.2·10) = 2 s.
+    # 8640 failures per GPU-day: M = 10 s; with δ = 0.2 s the interval is 2·(1 + 0.1/3 + 0.01/9) − 0.2 s.
     ckpt = CheckpointManager(spec, run_dir=run_dir, expected_save_s=0.2, clock=lambda: now[0])
-    assert ckpt.auto is not None and ckpt.auto.interval_s == pytest.approx(2.0)
-    now[0] = 1.9
+    expected_s = 2.0 * (1 + 0.1 / 3 + 0.01 / 9) - 0.2
+    assert ckpt.auto is not None and ckpt.auto.interval_s == pytest.approx(expected_s)
+    now[0] = expected_s - 0.1
     assert not ckpt.should_save(1)
-    now[0] = 2.1
+    now[0] = expected_s + 0.1
     assert ckpt.should_save(2)
     app = make_app()
 
@@ -336,7 +340,7 @@ def test_young_daly_interval_and_auto_retune(run_dir: Path) -> None:
     ckpt.clock = slow_clock
     ckpt.save(2, app, blocking=True)
     assert ckpt.auto.save_s == pytest.approx(0.8, abs=0.41)  # measured δ replaces the estimate
-    assert ckpt.auto.interval_s == pytest.approx((2 * ckpt.auto.save_s * 10.0) ** 0.5)
+    assert ckpt.auto.interval_s == pytest.approx(young_daly_interval_s(save_s=ckpt.auto.save_s, mtbf_s=10.0))
     ckpt.close()
     kinds = names(run_dir)
     assert kinds[0] == "checkpoint_interval" and "checkpoint_saved" in kinds

@@ -142,16 +142,22 @@ def launch(
     sweep: Annotated[str | None, typer.Option(help="Scaling sweep, e.g. nproc=1,2,4: tokens/s and efficiency.")] = None,
     emit: Annotated[str | None, typer.Option(help="Write a job file instead: slurm or k8s.")] = None,
     out: Annotated[Path | None, typer.Option(help="Where --emit writes.")] = None,
+    resume: ResumeOpt = "auto",
+    weights_only: WeightsOnlyOpt = False,
+    extend_schedule: ExtendOpt = False,
 ) -> None:
     """Launch distributed training with torchrun (or write a Slurm/Kubernetes job file).
 
     Reads SPEC; writes the run dir (one log per rank) or the --emit job file.
     """
+    from leantrain.ckpt.resume import parse_resume
+
+    request = parse_resume(resume, weights_only=weights_only, extend_schedule=extend_schedule)
     job = _spec(spec, set_, profile)
     _stage(
         "leantrain.launch.command", spec=job, spec_path=spec, overrides=set_ or [], profile=profile,
         nproc=nproc, nnodes=nnodes, max_restarts=max_restarts, run_dir=run_dir, dry_run=dry_run,
-        preflight=preflight, sweep=sweep, emit=emit, out=out,
+        preflight=preflight, sweep=sweep, emit=emit, out=out, train_args=tuple(request.cli_args()),
     )
 
 
@@ -236,6 +242,21 @@ def runs(
     Reads the SQLite registry (and RUN_DIR's lineage.json); writes nothing.
     """
     _stage("leantrain.provenance.registry", run_dir=run_dir, registry=registry)
+
+
+@app.command()
+def export(
+    run_dir: RunDirArg,
+    out: Annotated[Path, typer.Option("--out", help="The Hugging Face directory to write (new or empty).")],
+    step: Annotated[int | None, typer.Option("--step", help="Checkpoint step (default: the newest).")] = None,
+    adapter_only: Annotated[bool, typer.Option(
+        "--adapter-only", help="LoRA runs: write a PEFT adapter instead of the merged model.")] = False,
+) -> None:
+    """Export a run's checkpoint as a Hugging Face model dir (config.json, safetensors, tokenizer).
+
+    Reads RUN_DIR (spec.yaml, checkpoints, base_model.json for LoRA); writes --out only.
+    """
+    _stage("leantrain.ckpt.export", run_dir=run_dir, out=out, step=step, adapter_only=adapter_only)
 
 
 @app.command()

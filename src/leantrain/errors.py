@@ -28,3 +28,13 @@ class CheckFailed(LeantrainError):
     """A check (validate, drill) ran and failed; exit 1 by the CLI contract."""
 
     exit_code = 1
+
+
+class Interrupted(LeantrainError):
+    """SIGINT/SIGTERM stopped a run after it saved its current step: exit 130/143 (128 + the signal number)."""
+
+    def __init__(self, message: str, *, signal_name: str = "SIGINT") -> None:
+        import signal
+
+        super().__init__(message)
+        self.exit_code = 128 + int(getattr(signal, signal_name, signal.SIGTERM))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import io
 import threading
+import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import IO, Any
@@ -32,6 +33,10 @@ from leantrain.ckpt.storage import Store
 
 MODEL_KEY, OPTIMIZER_KEY = "model", "optimizer"
 WRITE_THREADS = 2
+# One process saves and loads without a process group on purpose: DCP's "assuming the intent is to save in a
+# single process" warning after every save is noise on the console.
+warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized",
+                        category=UserWarning)
 
 
 class SealedFileSystem(FileSystemBase):

@@ -38,10 +38,22 @@ import time
 from pathlib import Path
 from typing import Any
 
+import leantrain.ckpt.integrity as integ
 from leantrain.ckpt.control import checkpoint_requested, clear_checkpoint_request
+from leantrain.ckpt.errors import CheckpointLoadError
 from leantrain.ckpt.fault import FaultInjector, FaultPlan, read_marker, restart_attempt
 from leantrain.ckpt.manager import CheckpointManager, CheckpointSaveError
 from leantrain.ckpt.provenance import CheckpointProvenance
+from leantrain.ckpt.resume import (
+    SCHEDULE_KEY,
+    ResumeRequest,
+    changed_schedule_message,
+    finished_message,
+    same_store,
+    schedule_changes,
+    schedule_settings,
+    source_location,
+)
 from leantrain.ckpt.rng import RankRNGState
 from leantrain.ckpt.storage import LocalStore
 
@@ -73,9 +85,11 @@ class _Counters:
 class TrainerCheckpointer:
     """Saves on the spec's interval (or when preempted, or at the last step) and resumes at start-up."""
 
-    def __init__(self, trainer: Any, **manager_options: Any) -> None:
+    def __init__(self, trainer: Any, *, resume: ResumeRequest | None = None, **manager_options: Any) -> None:
         self.started_s = time.time()
         self.attempt = restart_attempt()
+        self.resume = resume or ResumeRequest()
+        self.finished = False  # the run had reached its last step already (nothing to train)
         # Read before the manager writes anything: after a restart this is the dead attempt's last write.
         self.last_alive_s = last_sign_of_life_s(trainer.run_dir) if self.attempt > 0 else None
         self.provenance: CheckpointProvenance | None = None
@@ -92,6 +106,8 @@ class TrainerCheckpointer:
         )
         if self.manager.rank == 0:
             self.manager.after_commit = self.provenance.register
+        self.schedule = schedule_settings(trainer.spec, max_steps=int(getattr(trainer, "max_steps", 0) or 0))
+        self.manager.manifest_extra = lambda _step: {SCHEDULE_KEY: self.schedule}
         self.metrics = getattr(trainer, "metrics", None)  # the trainer's logger: its sinks include the alert engine
         self.max_consecutive_failures = trainer.spec.checkpoint.max_consecutive_failures
         self.num_consecutive_failures = 0
@@ -115,14 +131,88 @@ class TrainerCheckpointer:
         return self.provenance.files(step) if self.provenance is not None else {}
 
     def load_latest(self, trainer: Any) -> bool:
-        step = self.manager.load_latest(self.app_state(trainer))
+        """Resume as `--resume` asks (ckpt/resume.py); a restarted worker resumes this run's newest checkpoint."""
+        request = self.resume
+        if self.attempt > 0:  # the first attempt chose; a restart goes on from this run's own checkpoints
+            fresh = request.weights_only and not self._own_steps()
+            request = ResumeRequest(mode="path", path=request.path, weights_only=True) if fresh else ResumeRequest()
+        step = self._load_weights(trainer, request) if request.weights_only else self._load_full(trainer, request)
         self._seen_saved_step = self.manager.last_saved_step
-        if step is not None:
+        if step is not None and not request.weights_only:
             self.manager.events.emit("resume", from_step=step, world_size=trainer.runtime.world_size,
-                                     attempt=self.attempt)
+                                     attempt=self.attempt, folder=self.manager.loaded_from)
+            self._say(trainer, f"resuming from step {step}, checkpoint {self.manager.loaded_from}")
+            if int(trainer.step) >= int(getattr(trainer, "max_steps", 0) or 0) > 0:
+                self.finished = True
+                self._say(trainer, finished_message(trainer.run_dir, step=step, where=self.manager.loaded_from))
         if self.attempt > 0:
             self._record_restart(resumed_from=step)
         return step is not None
+
+    def _load_full(self, trainer: Any, request: ResumeRequest) -> int | None:
+        source, step = None, request.step
+        if request.mode == "path":
+            source, step = source_location(trainer.spec, str(request.path))
+            if same_store(source, self.manager.store):
+                source = None
+        own_steps = self._own_steps() if request.mode == "none" or source is not None else []
+        if own_steps:
+            what = "--resume none starts over" if request.mode == "none" else f"--resume {request.path} is another run"
+            raise CheckpointLoadError(
+                f"{what}, but {self.manager.store.url} already holds this run's checkpoints (steps "
+                f"{', '.join(map(str, own_steps))}), which its saves would overwrite: use a new --run-dir (and a "
+                "new checkpoint.url when it is set), or move them away", user_input=True)
+        if request.mode == "none":
+            return None
+        extend = request.extend_schedule
+
+        def check(entry: Any, manifest: dict) -> str | None:
+            changes = schedule_changes(manifest.get(SCHEDULE_KEY), self.schedule)
+            if not changes:
+                return None
+            if extend:
+                self.manager.events.emit("schedule_extended", step=entry.step, changes=changes)
+                return None
+            where = (source or self.manager.store).describe(entry.name)
+            return changed_schedule_message(trainer.run_dir, step=entry.step, where=where, changes=changes)
+
+        loaded = self.manager.load_latest(self.app_state(trainer), step=step, source=source, check=check)
+        if loaded is None and request.mode in ("latest", "path"):
+            where = (source or self.manager.store).url
+            raise CheckpointLoadError(f"--resume {request.path or request.mode}: no checkpoint in {where}",
+                                      user_input=True)
+        if loaded is not None and extend:
+            _apply_new_lr(trainer)
+        return loaded
+
+    def _load_weights(self, trainer: Any, request: ResumeRequest) -> int | None:
+        """--weights-only: the model's weights from another run's checkpoint; None (this run starts at step 0)."""
+        source, step = source_location(trainer.spec, str(request.path))
+        own_steps = self._own_steps()
+        if same_store(source, self.manager.store) or own_steps:
+            raise CheckpointLoadError(
+                f"--weights-only starts a new run, but {self.manager.store.url} holds checkpoints (steps "
+                f"{', '.join(map(str, own_steps)) or 'the source itself'}): use a new --run-dir", user_input=True)
+        loaded = self.manager.load_latest({"model": trainer.model}, step=step, source=source)
+        if loaded is None:
+            raise CheckpointLoadError(f"--resume {request.path} --weights-only: no checkpoint in {source.url}",
+                                      user_input=True)
+        self.manager.events.emit("weights_loaded", from_step=loaded, folder=self.manager.loaded_from)
+        self._say(trainer, f"starting a new run from the weights of step {loaded}, checkpoint "
+                           f"{self.manager.loaded_from}")
+        return None
+
+    def _own_steps(self) -> list[int]:
+        steps = [e.step for e in integ.list_steps(self.manager.store)] if self.manager.rank == 0 else None
+        return list(self.manager._agree(steps, self.manager._control_pg))
+
+    def _say(self, trainer: Any, line: str) -> None:
+        if self.manager.rank != 0:
+            return
+        log.info("%s", line)
+        console = getattr(trainer, "console", None)
+        if console is not None:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def _record_restart(self, *, resumed_from: int | None) -> None:
         """The `restart` event of a worker group torchrun restarted (rank 0 writes it)."""
@@ -211,6 +301,11 @@ class TrainerCheckpointer:
             log.warning("could not report %s: %s", record.get("event"), err)
 
     @property
+    def stop_signal(self) -> str | None:
+        """The signal this process received when the loop stopped on one (SIGINT, SIGTERM, ...), else None."""
+        return self.manager.preemption.received if self.stop_reason == "preempted" else None
+
+    @property
     def preempt_requested(self) -> bool:
         """True once the loop should stop after this step's save: an agreed preemption signal, or a served
         checkpoint request (the job is about to be requeued)."""
@@ -223,3 +318,14 @@ class TrainerCheckpointer:
             self.manager.close()
         finally:
             self._note_saves()
+
+
+def _apply_new_lr(trainer: Any) -> None:
+    """--extend-schedule: the loaded scheduler keeps the old peak LR in base_lrs; scale it to the spec's."""
+    scheduler = getattr(trainer, "scheduler", None)
+    saved = getattr(scheduler, "base_lrs", None)
+    new_lr = trainer.spec.training.lr
+    if not saved or not getattr(scheduler, "lr_lambdas", None):
+        return
+    ratio = new_lr / max(max(saved), 1e-30)
+    scheduler.base_lrs = [lr * ratio for lr in saved]

@@ -148,6 +148,8 @@ class SealedWriter(io.RawIOBase):
             return
         try:
             self._raw.close()
+        except OSError:  # e.g. ENOSPC again while flushing: the write's own error is the one to report
+            pass
         finally:
             super().close()
 

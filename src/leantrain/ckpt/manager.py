@@ -36,49 +36,25 @@ import leantrain.ckpt.integrity as integ
 from leantrain.ckpt.crypto import ChunkCipher, parse_key
 from leantrain.ckpt.dcp_io import (
     SealedFileSystem,
-    apply_state_dict,
     build_state_dict,
-    checkpoint_keys,
-    load_state,
     save_state,
     stage_to_cpu,
     write_sealed,
 )
+from leantrain.ckpt.errors import CheckpointLoadError, CheckpointSaveError, one_line
 from leantrain.ckpt.events import AlertCallback, EventLog
+from leantrain.ckpt.loading import ResumeCheck
+from leantrain.ckpt.loading import load as load_checkpoint
 from leantrain.ckpt.policy import AutoInterval, PreemptionHandler, job_mtbf_s, planned_auto_interval
 from leantrain.ckpt.storage import Store, open_store
-from leantrain.errors import LeantrainError
 from leantrain.security import AuditLog
 from leantrain.spec import resolve_secret
 
 if TYPE_CHECKING:
     from leantrain.spec import JobSpec
 
+__all__ = ["CheckpointLoadError", "CheckpointManager", "CheckpointSaveError"]
 log = logging.getLogger("leantrain.ckpt")
-
-
-class CheckpointSaveError(LeantrainError):
-    """A save failed; earlier checkpoints are intact. The trainer alerts and keeps training, and stops (exit 1)
-    after `checkpoint.max_consecutive_failures` failures in a row: the CLI shows the message, no traceback."""
-
-    exit_code = 1
-
-    def __init__(self, step: int, message: str, *, where: str | None = None) -> None:
-        super().__init__(f"checkpoint save of step {step}{f' to {where}' if where else ''} failed: {message}")
-        self.step = step
-
-
-class CheckpointLoadError(LeantrainError):
-    """No checkpoint could be resumed from and training must not start fresh: exit 1 when the stored
-    checkpoints failed after the live state was partly overwritten, exit 2 when the user's input is wrong
-    (the encryption key does not match the checkpoints)."""
-
-    exit_code = 1
-
-    def __init__(self, message: str, *, user_input: bool = False) -> None:
-        super().__init__(message)
-        if user_input:
-            self.exit_code = 2
 
 
 class CheckpointManager:
@@ -122,6 +98,9 @@ class CheckpointManager:
         # e.g. indexing the checkpoint in the run registry. Its errors are logged, never fail the save.
         self.after_commit: Callable[[int, str], None] | None = None
         self.loaded_step: int | None = None  # the checkpoint this run resumed from: its timeline is ours
+        self.loaded_from: str | None = None  # where the loaded checkpoint is (also another store's)
+        # Rank 0, with the step: more fields for the manifest (e.g. the schedule settings ckpt/resume.py checks).
+        self.manifest_extra: Callable[[int], dict[str, Any]] | None = None
         self.save_requested = False  # the ranks agreed on an outside request (should_save's `requested`)
         self.last_saved_step: int | None = None
         self._last_attempted_step: int | None = None
@@ -219,8 +198,27 @@ class CheckpointManager:
         return None
 
     def _save_now(self, step: int, state: dict[str, Any], *, start: float, stall_s: float | None) -> None:
+        """One save with `checkpoint.save_retries` retries after `retry_backoff_s`, doubling (all ranks fail
+        and retry together: every failure below is agreed). Only the last failure is `checkpoint_failed`."""
+        ck = self.spec.checkpoint
+        for attempt in range(ck.save_retries + 1):
+            try:
+                self._save_once(step, state, start=start, stall_s=stall_s)
+                return
+            except CheckpointSaveError as err:
+                if attempt == ck.save_retries:
+                    self.events.emit("checkpoint_failed", step=step, error=str(err), operation=err.operation,
+                                     attempts=attempt + 1, duration_s=self.clock() - start)
+                    raise
+                wait_s = ck.retry_backoff_s * 2**attempt
+                self.events.emit("checkpoint_retry", step=step, error=str(err), operation=err.operation,
+                                 attempt=attempt + 1, wait_s=wait_s)
+                time.sleep(wait_s)
+
+    def _save_once(self, step: int, state: dict[str, Any], *, start: float, stall_s: float | None) -> None:
         folder = integ.tmp_dir(step) if self.store.supports_rename else integ.step_dir(step)
         is_async = stall_s is not None
+        operation = "prepare"
         try:
             skip = self._agree(self._prepare_folder(step, folder) if self.rank == 0 else None, self._save_pg)
             if skip == "exists":
@@ -231,22 +229,27 @@ class CheckpointManager:
                 raise OSError(skip)
             self.events.emit("checkpoint_save_started", step=step, folder=self.store.describe(folder),
                              **{"async": is_async})
+            operation = "write"
             written = save_state(state, fs=self._fs, folder=folder, process_group=self._save_pg)
             if self.before_commit is not None:
                 self.before_commit(step)
             all_written = self._gather(written, self._save_pg)
+            operation = "commit"
             commit_error = self._commit(step, folder, all_written) if self.rank == 0 else None
             commit_error = self._agree(commit_error, self._save_pg)
             if commit_error:
                 raise OSError(commit_error)
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - a failed save must leave the run alive
+            log.error("checkpoint save of step %d failed (%s)", step, operation, exc_info=True)  # the rank log
             self._fs.abort_and_drain()  # DCP leaves sibling writer threads running after a failure
             if self.rank == 0:
                 self._discard_attempt(step, folder)
-            message = f"{type(err).__name__}: {err}"
-            self.events.emit("checkpoint_failed", step=step, error=message, duration_s=self.clock() - start)
             where = f"{self.store.describe(integ.step_dir(step))} (run dir {self.run_dir})"
-            raise CheckpointSaveError(step, message, where=where) from err
+            raise CheckpointSaveError(step, one_line(err), where=where, operation=operation) from err
+        self._record_saved(step, all_written, start=start, stall_s=stall_s)
+
+    def _record_saved(self, step: int, all_written: list[dict[str, integ.FileRecord]], *, start: float,
+                      stall_s: float | None) -> None:
         duration_s = self.clock() - start
         self.last_saved_step = step
         if self.auto is not None:
@@ -255,7 +258,7 @@ class CheckpointManager:
         self.events.emit(
             "checkpoint_saved", step=step, bytes=num_bytes, duration_s=duration_s,
             stall_s=duration_s if stall_s is None else stall_s, mb_per_s=num_bytes / 1e6 / max(duration_s, 1e-9),
-            **{"async": is_async}, path=self.store.describe(integ.step_dir(step)),
+            **{"async": stall_s is not None}, path=self.store.describe(integ.step_dir(step)),
             next_interval_s=None if self.auto is None else self.auto.interval_s,
         )
         if self.rank == 0:
@@ -267,12 +270,14 @@ class CheckpointManager:
                     log.warning("after committing step %d: %s: %s", step, type(err).__name__, err)
 
     def _discard_attempt(self, step: int, folder: str) -> None:
-        """Rank 0, after a failed save: remove the partial folder unless it got committed (object stores)."""
+        """Rank 0, after a failed save: remove the partial folder unless it got committed (object stores).
+        Any storage error here (the store may be gone) is an event, never an escape from the failure path."""
         try:
             if not any(e.step == step and e.good_candidate for e in integ.list_steps(self.store)):
                 self.store.remove_tree(folder)
-        except OSError as err:
-            self.events.emit("checkpoint_delete_failed", folder=folder, error=str(err))
+        except Exception as err:  # noqa: BLE001 - botocore/fsspec errors are not OSErrors
+            self.events.emit("checkpoint_delete_failed", folder=self.store.describe(folder),
+                             operation="discard", error=one_line(err))
 
     def _prepare_folder(self, step: int, folder: str) -> str | None:
         """Rank 0: clear leftovers of an earlier attempt; 'exists' when this step is already committed by this
@@ -291,8 +296,8 @@ class CheckpointManager:
                     self.store.remove_tree(entry.name)
             self.store.remove_tree(folder)
             self.store.makedirs(folder)
-        except OSError as err:
-            return f"preparing {folder}: {err}"
+        except Exception as err:  # noqa: BLE001 - any storage error: the save fails cleanly
+            return f"preparing {self.store.describe(folder)}: {one_line(err)}"
         return None
 
     def _commit(self, step: int, folder: str, all_written: list[dict[str, integ.FileRecord]]) -> str | None:
@@ -301,133 +306,39 @@ class CheckpointManager:
             files = {name: rec for per_rank in all_written for name, rec in per_rank.items()}
             for name, data in (self.extra_files(step) if self.extra_files else {}).items():
                 files[name] = write_sealed(self._fs, f"{folder}/{name}", data)  # encrypted like DCP's files
-            manifest = integ.build_manifest(step=step, files=files, world_size=self.world_size, cipher=self.cipher)
+            manifest = integ.build_manifest(step=step, files=files, world_size=self.world_size, cipher=self.cipher,
+                                            extra=self.manifest_extra(step) if self.manifest_extra else None)
             integ.write_commit(self.store, folder, manifest)
             integ.publish(self.store, step=step)
-        except OSError as err:
-            return f"committing {folder}: {err}"
+        except Exception as err:  # noqa: BLE001 - any storage error: the save fails cleanly
+            return f"committing {self.store.describe(folder)}: {one_line(err)}"
         return None
 
     def _apply_retention(self, *, committed_step: int) -> None:
-        tmp_names = [n for n in self.store.list_dir("") if integ.TMP_RE.match(n)]
-        victims = integ.retention_victims(integ.list_steps(self.store), keep_last=self.spec.checkpoint.keep_last,
-                                          tmp_names=tmp_names, committed_step=committed_step)
+        """After a commit; a storage error lists or deletes nothing more (an event, the save stands)."""
+        try:
+            tmp_names = [n for n in self.store.list_dir("") if integ.TMP_RE.match(n)]
+            victims = integ.retention_victims(integ.list_steps(self.store), keep_last=self.spec.checkpoint.keep_last,
+                                              tmp_names=tmp_names, committed_step=committed_step)
+        except Exception as err:  # noqa: BLE001 - any storage error
+            self.events.emit("checkpoint_delete_failed", folder=self.store.url, operation="retention",
+                             error=one_line(err))
+            return
         for name, reason in victims:
             try:
                 integ.remove_checkpoint(self.store, name)
                 self.events.emit("checkpoint_deleted", folder=name, reason=reason)
-            except OSError as err:
-                self.events.emit("checkpoint_delete_failed", folder=name, error=str(err))
+            except Exception as err:  # noqa: BLE001 - any storage error
+                self.events.emit("checkpoint_delete_failed", folder=name, operation="retention", error=one_line(err))
 
     # ---- load -------------------------------------------------------------------------------------------
-    def load_latest(self, app_state: dict[str, Any]) -> int | None:
-        """Load the newest checkpoint that verifies, falling back to older ones; the step, or None."""
+    def load_latest(self, app_state: dict[str, Any], *, step: int | None = None, source: Store | None = None,
+                    check: ResumeCheck | None = None) -> int | None:
+        """Load the newest checkpoint that verifies, falling back to older ones; the step, or None when there
+        is no checkpoint. Raises CheckpointLoadError (exit 2, nothing changed) when checkpoints exist and none
+        is valid. `step`, `source`, `check`: see ckpt/loading.py."""
         self.wait()
-        entries = integ.list_steps(self.store) if self.rank == 0 else None
-        entries = self._agree(entries, self._control_pg)
-        candidates = [e for e in entries if e.good_candidate]
-        newest_good = candidates[-1].step if candidates else -1
-        for entry in entries:
-            if not entry.committed and entry.step > newest_good:
-                self.events.emit("checkpoint_invalid", step=entry.step, reason="no commit marker (half-written)",
-                                 condemned=False)
-        partly_loaded, skipped, reasons = False, [], []
-        for entry in reversed(candidates):
-            start = self.clock()
-            problem, manifest, skip = self._verify(entry, app_state)
-            if problem is not None and problem[2]:  # the key, not the checkpoint: stop before anything is loaded
-                self.events.emit("checkpoint_invalid", step=entry.step, reason=problem[0], condemned=False)
-                raise CheckpointLoadError(
-                    f"cannot resume run {self.run_dir} from {self.store.describe(entry.name)}: {problem[0]}. "
-                    "Set the key the checkpoints were written with, or move them away to start over.",
-                    user_input=True)
-            if problem is None:
-                try:
-                    state = build_state_dict(app_state, skip=skip)
-                    load_state(state, fs=self._reader_fs(manifest), folder=entry.name, process_group=self._control_pg)
-                except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises on all ranks together
-                    partly_loaded = True
-                    problem = (f"load failed: {type(err).__name__}: {err}", False, False)
-            if problem is not None:
-                skipped.append(entry.step)
-                reasons.append(f"step {entry.step} ({self.store.describe(entry.name)}): {problem[0]}")
-                self.events.emit("checkpoint_invalid", step=entry.step, reason=problem[0], condemned=problem[1])
-                if problem[1] and self.rank == 0:
-                    integ.condemn(self.store, entry.name, problem[0])
-                continue
-            apply_state_dict(app_state, state)
-            if skipped:
-                self.events.emit("checkpoint_fallback", from_step=skipped[0], to_step=entry.step, skipped=skipped)
-                self._abandon_newer(entries, loaded_step=entry.step)
-            self.events.emit("checkpoint_loaded", step=entry.step, bytes=manifest["total_bytes"],
-                             duration_s=self.clock() - start, saved_world_size=manifest["world_size"],
-                             world_size=self.world_size)
-            self.last_saved_step = self.loaded_step = entry.step
-            return entry.step
-        if skipped:
-            self.events.emit("checkpoint_none_valid", skipped=skipped)
-        if partly_loaded:
-            raise CheckpointLoadError(
-                f"cannot resume run {self.run_dir}: every checkpoint in {self.store.url} failed "
-                f"({'; '.join(reasons)}) and the failed load had partly overwritten the model/optimizer state, so "
-                "training cannot start fresh either. Restore a checkpoint or move them away to start over.")
-        return None
-
-    def _abandon_newer(self, entries: list[integ.StepEntry], *, loaded_step: int) -> None:
-        """Rank 0, after a fallback: condemn every still-good folder newer than the resume point. The run goes
-        on from `loaded_step`, so those hold an abandoned timeline; left good, retention would count them as
-        the newest and delete this timeline's checkpoints, and the next restart would try them again."""
-        if self.rank != 0:
-            return
-        for entry in entries:
-            if entry.step <= loaded_step or not entry.good_candidate or self.store.exists(
-                    f"{entry.name}/{integ.CORRUPT_NAME}"):
-                continue
-            reason = f"abandoned: the run resumed from step {loaded_step} after this checkpoint failed to load"
-            try:
-                integ.condemn(self.store, entry.name, reason)
-                self.events.emit("checkpoint_abandoned", step=entry.step, folder=self.store.describe(entry.name),
-                                 resumed_from=loaded_step)
-            except OSError as err:
-                self.events.emit("checkpoint_delete_failed", folder=entry.name, error=f"condemning: {err}")
-
-    def _verify(
-        self, entry: integ.StepEntry, app_state: dict[str, Any]
-    ) -> tuple[tuple[str, bool, bool] | None, dict, frozenset[str]]:
-        """Every rank checks its share of files and reads DCP's metadata; all ranks get the first problem
-        as (message, permanent, wrong key), so they fall back together instead of some entering DCP's
-        collectives."""
-        problem: tuple[str, bool, bool] | None = None
-        manifest: dict = {}
-        skip: frozenset[str] = frozenset()
-        try:
-            manifest = integ.read_manifest(self.store, entry.name)
-            integ.verify_share(self.store, entry.name, manifest, rank=self.rank, world_size=self.world_size,
-                               cipher=self.cipher)
-            skip = self._missing_rank_entries(app_state, entry.name, fs=self._reader_fs(manifest))
-        except integ.KeyMismatchError as err:
-            problem = (str(err), False, True)
-        except integ.IntegrityError as err:
-            problem = (str(err), err.permanent, False)
-        except Exception as err:  # noqa: BLE001 - e.g. unreadable DCP metadata; decided together below
-            problem = (f"{type(err).__name__}: {err}", not isinstance(err, OSError), False)
-        problems = [p for p in self._gather(problem, self._control_pg) if p is not None]
-        return (problems[0] if problems else None), manifest, skip
-
-    def _reader_fs(self, manifest: dict) -> SealedFileSystem:
-        """Plaintext checkpoints written before encryption was switched on stay readable."""
-        return self._fs if manifest.get("encryption") else SealedFileSystem(self.store, cipher=None)
-
-    def _missing_rank_entries(self, app_state: dict[str, Any], folder: str, *, fs: SealedFileSystem) -> frozenset[str]:
-        """App-state keys holding per-rank state (e.g. RankRNGState) that this checkpoint has no entry for."""
-        per_rank = {k: v.per_rank_key for k, v in app_state.items() if hasattr(v, "per_rank_key")}
-        if not per_rank:
-            return frozenset()
-        keys = checkpoint_keys(fs=fs, folder=folder)
-        missing = frozenset(k for k, sub in per_rank.items() if not any(x.startswith(f"{k}.{sub}.") for x in keys))
-        for key in missing:
-            self.events.emit("checkpoint_rank_state_missing", key=key, rank=self.rank, folder=folder)
-        return missing
+        return load_checkpoint(self, app_state, step=step, source=source, check=check)
 
     # ---- collectives (no-ops in one process) ------------------------------------------------------------
     def _agree(self, value: Any, group: dist.ProcessGroup | None) -> Any:

@@ -10,7 +10,6 @@ manager re-tunes δ from the measured stall with `young_daly_interval_s`, the sa
 
 from __future__ import annotations
 
-import math
 import signal
 import threading
 from collections.abc import Callable, Iterable
@@ -26,8 +25,11 @@ EMA_WEIGHT = 0.5
 
 
 def young_daly_interval_s(*, save_s: float, mtbf_s: float) -> float:
-    """The checkpoint interval (seconds of training between saves) that minimises expected lost time."""
-    return math.sqrt(2.0 * max(save_s, 0.0) * mtbf_s)
+    """The checkpoint interval (seconds of training between saves) that minimises expected lost time: Daly's
+    higher-order form (the planner's, so plan and run agree), which is Young's sqrt(2·δ·M) for δ ≪ M."""
+    from leantrain.plan.budget import daly_interval_s
+
+    return daly_interval_s(blocking_s=max(save_s, 0.0), mtbf_s=mtbf_s)
 
 
 def job_mtbf_s(*, failures_per_gpu_day: float | None, num_gpus: int) -> float:

@@ -12,6 +12,7 @@ record the crash (and the ranks torchrun names) against this host and exit 1.
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 import sys
 from pathlib import Path
@@ -20,7 +21,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from leantrain.errors import CheckFailed, UserInputError
+from leantrain.errors import CheckFailed, Interrupted, UserInputError
 from leantrain.launch import torchrun
 from leantrain.launch.health import excluded_hosts, health_path, record_failure
 from leantrain.launch.resources import TrainCommand, describe, job_resources, parse_nnodes, write_job_file
@@ -70,9 +71,9 @@ def emit_job_file(
 def run(
     *, console: Console, spec: JobSpec, spec_path: Path, overrides: list[str], profile: str | None,
     nproc: int | None, nnodes: str | None, max_restarts: int | None, run_dir: Path | None, dry_run: bool,
-    preflight: bool, emit: str | None, out: Path | None, sweep: str | None = None,
+    preflight: bool, emit: str | None, out: Path | None, sweep: str | None = None, train_args: tuple[str, ...] = (),
 ) -> None:
-    """The `leantrain launch` command."""
+    """The `leantrain launch` command (`train_args`: --resume/--weights-only/--extend-schedule for the ranks)."""
     run_dir = Path(run_dir or spec.run.dir)
     if out is not None and emit is None:
         raise UserInputError("--out names the file --emit writes; add --emit slurm or --emit k8s")
@@ -128,6 +129,7 @@ def run(
         print_sweep(points, console=console, path=run_dir / torchrun.SWEEP_FILE)
         _audit(spec, run_dir, "launch.sweep", sizes=sizes, steps=steps)
         return
+    train = dataclasses.replace(train, train_args=train_args)
     launch(spec, train=train, run_dir=run_dir, nproc=procs, nnodes=nnodes, max_restarts=max_restarts,
            console=console, min_nodes=min_nodes, max_nodes=max_nodes)
 
@@ -149,8 +151,14 @@ def launch(
     make_private_dir(run_dir, owner_only=spec.security.owner_only)
     _stage_data(spec, console=console)
     failed_ranks: list[int] = []
-    code = torchrun.launch_local(spec, train=train, run_dir=run_dir, nproc=nproc, nnodes=nnodes,
-                                 max_restarts=max_restarts, console=console, failed_ranks=failed_ranks)
+    try:
+        code = torchrun.launch_local(spec, train=train, run_dir=run_dir, nproc=nproc, nnodes=nnodes,
+                                     max_restarts=max_restarts, console=console, failed_ranks=failed_ranks)
+    except KeyboardInterrupt:  # the ranks got SIGTERM: each saved its current step (train's 143)
+        _audit(spec, run_dir, "launch.local", nproc=nproc, nnodes=nnodes or "1", exit_code=130, failed_ranks=[])
+        raise Interrupted(f"interrupted: the ranks were asked to save a checkpoint at their current step and "
+                          f"stop; rerun the same command to resume (per-rank logs under "
+                          f"{Path(run_dir) / torchrun.LOGS_DIR})", signal_name="SIGINT") from None
     _audit(spec, run_dir, "launch.local", nproc=nproc, nnodes=nnodes or "1", exit_code=code,
            failed_ranks=failed_ranks)
     if code != 0:

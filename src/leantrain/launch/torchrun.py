@@ -90,7 +90,7 @@ def torchrun_argv(
     log_dir = Path(run_dir) / LOGS_DIR / socket.gethostname()
     argv += [f"--nproc-per-node={nproc}", f"--max-restarts={restarts(spec, max_restarts)}",
              f"--log-dir={log_dir}", "--redirects=3", "--tee=3", "--local-ranks-filter=0",
-             "-m", "leantrain.cli", "train", *train.spec_args(run_dir=str(run_dir))]
+             "-m", "leantrain.cli", "train", *train.spec_args(run_dir=str(run_dir)), *train.train_args]
     if max_steps is not None:
         argv += ["--max-steps", str(max_steps)]
     return argv

@@ -1,0 +1,203 @@
+"""Resuming: pick, verify and load a checkpoint for `CheckpointManager.load_latest` (all ranks together).
+
+The newest checkpoint that verifies is loaded, falling back to older ones. Nothing is marked while looking:
+a failed checkpoint is condemned (a `CORRUPT` marker) and newer good ones abandoned only once an older one
+has loaded, so when every checkpoint fails the store is left exactly as it was and the run refuses to start
+(exit 2), naming each checkpoint and why: it never starts over silently on top of them.
+
+Options: `step` loads that step only (no fallback); `source` reads another store (a checkpoint named by
+path, e.g. another run's) where nothing is ever marked; `check(entry, manifest)` returns a reason to refuse
+before anything is loaded (e.g. the schedule changed, ckpt/resume.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from torch.distributed.checkpoint.api import CheckpointException
+
+import leantrain.ckpt.integrity as integ
+from leantrain.ckpt.dcp_io import SealedFileSystem, apply_state_dict, build_state_dict, checkpoint_keys, load_state
+from leantrain.ckpt.errors import CheckpointLoadError, one_line
+from leantrain.ckpt.storage import FsspecStore, Store
+
+if TYPE_CHECKING:
+    from leantrain.ckpt.manager import CheckpointManager
+
+ResumeCheck = Callable[[integ.StepEntry, dict], "str | None"]
+Problem = tuple[str, bool, bool]  # (message, permanent, wrong key)
+
+START_OVER_HINT = ("Nothing was changed. Restore a good checkpoint, load one explicitly with --resume STEP|PATH, "
+                   "or start over with `--resume none --run-dir NEW_DIR` (and a new checkpoint.url when it is set)")
+
+
+def _counts_as_checkpoint(store: Store, entry: integ.StepEntry) -> bool:
+    """Whether a folder may hold a run's state. On an object store a save is written in place, so a folder
+    with neither commit marker nor manifest is a save that was interrupted, not a checkpoint."""
+    if entry.committed or entry.corrupt or not isinstance(store, FsspecStore):
+        return True
+    return store.exists(f"{entry.name}/{integ.MANIFEST_NAME}")
+
+
+def _list(m: CheckpointManager, store: Store) -> list[integ.StepEntry]:
+    listed: Any = None
+    if m.rank == 0:
+        try:
+            listed = [(e, _counts_as_checkpoint(store, e)) for e in integ.list_steps(store)]
+        except Exception as err:  # noqa: BLE001 - botocore/fsspec errors are not OSErrors
+            listed = f"cannot list the checkpoints in {store.url}: {one_line(err)}"
+    listed = m._agree(listed, m._control_pg)
+    if isinstance(listed, str):
+        raise CheckpointLoadError(listed)
+    return [e for e, counts in listed if counts]
+
+
+def load(m: CheckpointManager, app_state: dict[str, Any], *, step: int | None = None, source: Store | None = None,
+         check: ResumeCheck | None = None) -> int | None:
+    """The loaded step, or None when the store holds no checkpoint at all (see the module docstring)."""
+    store = source or m.store
+    own = source is None
+    entries = _list(m, store)
+    chosen = entries if step is None else [e for e in entries if e.step == step]
+    if step is not None and not chosen:
+        steps = ", ".join(str(e.step) for e in entries) or "none"
+        raise CheckpointLoadError(f"--resume {step}: no checkpoint of step {step} in {store.url} (steps there: "
+                                  f"{steps})", user_input=True)
+    candidates = [e for e in chosen if e.good_candidate]
+    reasons = [f"step {e.step} ({store.describe(e.name)}): "
+               + ("no commit marker (half-written or marker lost)" if not e.committed else "marked CORRUPT earlier")
+               for e in chosen if not e.good_candidate]
+    for entry in chosen:
+        if not entry.committed:
+            m.events.emit("checkpoint_invalid", step=entry.step, reason="no commit marker (half-written)",
+                          condemned=False)
+    partly_loaded, skipped, to_condemn = False, [], []
+    for entry in reversed(candidates):
+        start = m.clock()
+        fs = _reader_fs(m, store)
+        problem, manifest, skip = _verify(m, entry, app_state, store=store, fs=fs)
+        if problem is not None and problem[2]:  # the key, not the checkpoint: stop before anything is loaded
+            m.events.emit("checkpoint_invalid", step=entry.step, reason=problem[0], condemned=False)
+            raise CheckpointLoadError(
+                f"cannot resume run {m.run_dir} from {store.describe(entry.name)}: {problem[0]}. "
+                "Set the key the checkpoints were written with, or move them away to start over.", user_input=True)
+        refusal = check(entry, manifest) if problem is None and check is not None else None
+        if refusal:
+            raise CheckpointLoadError(refusal, user_input=True)
+        if problem is None:
+            try:
+                state = build_state_dict(app_state, skip=skip)
+                load_state(state, fs=fs(manifest), folder=entry.name, process_group=m._control_pg)
+            except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises on all ranks together
+                partly_loaded = True
+                problem = (f"load failed: {one_line(err)}", False, False)
+        if problem is not None:
+            skipped.append(entry.step)
+            reasons.insert(0, f"step {entry.step} ({store.describe(entry.name)}): {problem[0]}")
+            # `permanent`: it will be marked CORRUPT once an older checkpoint has loaded (never before).
+            m.events.emit("checkpoint_invalid", step=entry.step, reason=problem[0], permanent=problem[1],
+                          condemned=False)
+            if problem[1]:
+                to_condemn.append((entry.name, problem[0]))
+            continue
+        apply_state_dict(app_state, state)
+        if own and m.rank == 0:
+            _condemn(m, to_condemn)  # only now: a good resume point exists
+        if skipped:
+            m.events.emit("checkpoint_fallback", from_step=skipped[0], to_step=entry.step, skipped=skipped)
+        if own and (skipped or step is not None):
+            _abandon_newer(m, entries, loaded_step=entry.step)
+        m.events.emit("checkpoint_loaded", step=entry.step, bytes=manifest["total_bytes"],
+                      duration_s=m.clock() - start, saved_world_size=manifest["world_size"],
+                      world_size=m.world_size, folder=store.describe(entry.name))
+        m.loaded_from = store.describe(entry.name)
+        if own:
+            m.last_saved_step = m.loaded_step = entry.step
+        return entry.step
+    if chosen:
+        m.events.emit("checkpoint_none_valid", skipped=[e.step for e in chosen])
+    if partly_loaded:
+        raise CheckpointLoadError(
+            f"cannot resume run {m.run_dir}: every checkpoint in {store.url} failed ({'; '.join(reasons)}) and the "
+            "failed load had partly overwritten the model/optimizer state, so training cannot start fresh "
+            "either. Restore a checkpoint or move them away to start over.")
+    if chosen:
+        raise CheckpointLoadError(
+            f"cannot resume run {m.run_dir}: {len(chosen)} checkpoint(s) in {store.url} and none is valid: "
+            f"{'; '.join(reasons)}. {START_OVER_HINT}.", user_input=True)
+    return None
+
+
+def _condemn(m: CheckpointManager, victims: list[tuple[str, str]]) -> None:
+    for name, reason in victims:
+        try:
+            integ.condemn(m.store, name, reason)
+            m.events.emit("checkpoint_condemned", folder=m.store.describe(name), reason=reason)
+        except Exception as err:  # noqa: BLE001 - any storage error: the resume stands
+            m.events.emit("checkpoint_delete_failed", folder=name, operation="condemn", error=one_line(err))
+
+
+def _abandon_newer(m: CheckpointManager, entries: list[integ.StepEntry], *, loaded_step: int) -> None:
+    """Rank 0, after a fallback or an explicit older step: condemn every still-good folder newer than the
+    resume point. The run goes on from `loaded_step`, so those hold an abandoned timeline; left good,
+    retention would count them as the newest and delete this timeline's checkpoints, and the next restart
+    would resume onto them."""
+    if m.rank != 0:
+        return
+    for entry in entries:
+        if entry.step <= loaded_step or not entry.good_candidate or m.store.exists(
+                f"{entry.name}/{integ.CORRUPT_NAME}"):
+            continue
+        reason = f"abandoned: the run resumed from step {loaded_step}"
+        try:
+            integ.condemn(m.store, entry.name, reason)
+            m.events.emit("checkpoint_abandoned", step=entry.step, folder=m.store.describe(entry.name),
+                          resumed_from=loaded_step)
+        except Exception as err:  # noqa: BLE001 - any storage error
+            m.events.emit("checkpoint_delete_failed", folder=entry.name, error=f"condemning: {one_line(err)}")
+
+
+def _reader_fs(m: CheckpointManager, store: Store) -> Callable[[dict], SealedFileSystem]:
+    """Plaintext checkpoints written before encryption was switched on stay readable."""
+    def pick(manifest: dict) -> SealedFileSystem:
+        if store is m.store and manifest.get("encryption"):
+            return m._fs
+        return SealedFileSystem(store, cipher=m.cipher if manifest.get("encryption") else None)
+    return pick
+
+
+def _verify(
+    m: CheckpointManager, entry: integ.StepEntry, app_state: dict[str, Any], *, store: Store,
+    fs: Callable[[dict], SealedFileSystem],
+) -> tuple[Problem | None, dict, frozenset[str]]:
+    """Every rank checks its share of files and reads DCP's metadata; all ranks get the first problem, so
+    they fall back together instead of some entering DCP's collectives."""
+    problem: Problem | None = None
+    manifest: dict = {}
+    skip: frozenset[str] = frozenset()
+    try:
+        manifest = integ.read_manifest(store, entry.name)
+        integ.verify_share(store, entry.name, manifest, rank=m.rank, world_size=m.world_size, cipher=m.cipher)
+        skip = _missing_rank_entries(m, app_state, entry.name, fs=fs(manifest))
+    except integ.KeyMismatchError as err:
+        problem = (str(err), False, True)
+    except integ.IntegrityError as err:
+        problem = (str(err), err.permanent, False)
+    except Exception as err:  # noqa: BLE001 - e.g. unreadable DCP metadata; decided together below
+        problem = (one_line(err), not isinstance(err, OSError), False)
+    problems = [p for p in m._gather(problem, m._control_pg) if p is not None]
+    return (problems[0] if problems else None), manifest, skip
+
+
+def _missing_rank_entries(m: CheckpointManager, app_state: dict[str, Any], folder: str, *,
+                          fs: SealedFileSystem) -> frozenset[str]:
+    """App-state keys holding per-rank state (e.g. RankRNGState) that this checkpoint has no entry for."""
+    per_rank = {k: v.per_rank_key for k, v in app_state.items() if hasattr(v, "per_rank_key")}
+    if not per_rank:
+        return frozenset()
+    keys = checkpoint_keys(fs=fs, folder=folder)
+    missing = frozenset(k for k, sub in per_rank.items() if not any(x.startswith(f"{k}.{sub}.") for x in keys))
+    for key in missing:
+        m.events.emit("checkpoint_rank_state_missing", key=key, rank=m.rank, folder=folder)
+    return missing
