@@ -24,6 +24,7 @@ from leantrain.plan.timing import StepTime, step_time
 
 RECOMPUTE: tuple[Recompute, ...] = ("none", "selective", "full")
 SMALLER_MB_FAILED = "does not fit: a smaller micro-batch of the same layout did not fit"
+STATES_FAILED = "does not fit: params+grads+optimizer largest (other chunkings of the same layout)"
 
 
 @dataclass(frozen=True)
@@ -87,11 +88,12 @@ def _tp_degrees(inputs: PlanInputs, num_gpus: int) -> list[int]:
 
 
 def _virtual_stages(n_layers: int, pp: int) -> list[int]:
-    """Chunks per pipeline rank: 1, powers of two, and the most the layers allow (pp · v ≤ layers)."""
+    """Chunks per pipeline rank: powers of two, the divisors of the layers per rank (equal chunks, e.g.
+    MegaScale's v = 6 for 96 layers on 8 stages) and the most the layers allow (pp · v ≤ layers)."""
     if pp == 1:
         return [1]
     most = n_layers // pp
-    return sorted({v for v in (*_powers_of_two(most), most) if 1 <= v <= most})
+    return sorted({v for v in (*_powers_of_two(most), *_divisors(most), most) if 1 <= v <= most})
 
 
 def candidate_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int,
@@ -164,11 +166,16 @@ def search_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int = 
     evaluated = 0
     seqs = sequences_per_step(inputs)
     groups = candidate_layouts(inputs, num_gpus, max_micro_batch=max_micro_batch, skipped=rejected)
-    too_big: set[Layout] = set()  # layouts (micro-batch 0) that did not fit at some smaller micro-batch
+    too_big: set[tuple] = set()  # layouts (without micro-batch) that did not fit at a smaller micro-batch
+    states_too_big: set[tuple] = set()  # weights + grads + optimizer alone exceed memory, whatever v and mb
     for base in groups:
-        key = replace(base, micro_batch=0)
+        states_key = (base.dp, base.tp, base.pp, base.ep, base.dp_replicate, base.zero)
+        key = (*states_key, base.virtual_stages)
         if key in too_big:  # a larger micro-batch holds more of everything: it cannot fit either
             rejected[SMALLER_MB_FAILED] = rejected.get(SMALLER_MB_FAILED, 0) + 1
+            continue
+        if states_key in states_too_big:
+            rejected[STATES_FAILED] = rejected.get(STATES_FAILED, 0) + 1
             continue
         m = base.num_microbatches(seqs)
         for recompute in RECOMPUTE:  # heavier policies only while it does not fit
@@ -186,6 +193,8 @@ def search_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int = 
         else:  # (with grad_sync: last_micro_batch a larger micro-batch can drop the unsharded gradients)
             if inputs.grad_sync == "every_micro_batch":
                 too_big.add(key)
+                if mem.params + mem.grads + mem.optimizer > mem.capacity:
+                    states_too_big.add(states_key)
     smallest = evaluate(inputs, leanest[0]) if leanest is not None else None
     fitting.sort(key=lambda c: (-c.time.tokens_per_s, -c.memory.headroom))
     result = SearchResult(num_gpus=num_gpus, ranked=fitting[:max(top_k, 1)], num_evaluated=evaluated,
