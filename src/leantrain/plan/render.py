@@ -81,6 +81,10 @@ def render_plan(plan: Plan, *, console: Console, top: int) -> None:
         for line in plan.search.suggestions:
             console.print(f"  • {line}")
 
+    _render_storage(data, console=console)
+
+
+def _render_storage(data: dict[str, Any], *, console: Console) -> None:
     s, k = data["storage"], data["checkpoint"]
     other = Table(title="storage and checkpoints", show_header=False)
     other.add_column("item", style="bold")
