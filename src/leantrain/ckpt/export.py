@@ -193,3 +193,12 @@ def export_run(
         raise
     return ExportResult(out_dir=out_dir, step=dcp_tensors.entry.step, num_tensors=count, merged_lora=lora and not
                         adapter_only, adapter_only=adapter_only)
+
+
+def run(*, console: Any, run_dir: Path, out: Path, step: int | None, adapter_only: bool) -> None:
+    """The `leantrain export` command."""
+    result = export_run(run_dir, out, step=step, adapter_only=adapter_only)
+    what = ("a PEFT LoRA adapter" if result.adapter_only else
+            "a Hugging Face model (LoRA merged)" if result.merged_lora else "a Hugging Face model")
+    console.print(f"[green]exported[/green] step {result.step} of {run_dir} as {what}: {result.num_tensors} "
+                  f"tensors in {result.out_dir}", highlight=False)

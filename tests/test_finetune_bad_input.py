@@ -1,0 +1,99 @@
+"""Bad starting checkpoints and bad export requests: a clear error naming the file and the field, exit 2, nothing
+written."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from safetensors.torch import load_file, save_file
+
+from leantrain.cli import main
+from leantrain.errors import UserInputError
+from leantrain.model.hf import args_from_hf_config
+from leantrain.model.hf_load import check_hf_dir
+from leantrain.model.tiny_hf import save_tiny_hf
+
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return save_tiny_hf(tmp_path_factory.mktemp("hf") / "tiny", vocab_size=300)
+
+
+def spec_file(tmp_path: Path, init_from: Path) -> Path:
+    path = tmp_path / "spec.yaml"
+    path.write_text(yaml.safe_dump({
+        "task": "continue_pretrain", "model": {"init_from": str(init_from)},
+        "data": {"tokens_total": 1e5, "seq_len": 16, "dir": str(tmp_path / "data")},
+        "training": {"global_batch_tokens": 64, "micro_batch": 4, "device": "cpu"},
+        "hardware": {"accelerator": "cpu", "gpus_per_node": 1}, "run": {"dir": str(tmp_path / "run")},
+    }))
+    return path
+
+
+def copy_with_config(hf_dir: Path, dest: Path, **changes: object) -> Path:
+    shutil.copytree(hf_dir, dest)
+    config = json.loads((dest / "config.json").read_text())
+    config.update(changes)
+    (dest / "config.json").write_text(json.dumps(config))
+    return dest
+
+
+@pytest.mark.parametrize(("change", "message"), [
+    ({"model_type": "gpt2"}, r"config.json: field 'model_type' 'gpt2' is not a supported architecture"),
+    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, r"field 'rope_scaling.rope_type' 'yarn'"),
+    ({"hidden_act": "gelu"}, r"field 'hidden_act' 'gelu'"),
+    ({"num_key_value_heads": 3}, r"field 'num_key_value_heads' \(3\) must divide"),
+])
+def test_unsupported_configs_exit_2_naming_file_and_field(
+    hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], change: dict, message: str
+) -> None:
+    bad = copy_with_config(hf_dir, tmp_path / "bad", **change)
+    assert main(["check", str(spec_file(tmp_path, bad))]) == 2
+    err = capsys.readouterr()
+    assert re.search(message, err.err), err.err
+    assert "Traceback" not in err.out + err.err
+    assert not (tmp_path / "run").exists()
+
+
+def test_missing_and_malformed_config_json(hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(["check", str(spec_file(tmp_path, empty))]) == 2
+    assert "config.json: not found" in capsys.readouterr().err
+    broken = copy_with_config(hf_dir, tmp_path / "broken")
+    (broken / "config.json").write_text("{not json")
+    assert main(["check", str(spec_file(tmp_path, broken))]) == 2
+    assert "config.json: not valid JSON" in capsys.readouterr().err
+
+
+def test_safetensors_names_and_shapes_must_match_config(hf_dir: Path, tmp_path: Path) -> None:
+    args = args_from_hf_config(hf_dir)
+    check_hf_dir(hf_dir, args=args)  # the good one passes
+    renamed = copy_with_config(hf_dir, tmp_path / "renamed")
+    tensors = load_file(str(renamed / "model.safetensors"))
+    tensors["model.layers.0.self_attn.q_proj.weightx"] = tensors.pop("model.layers.0.self_attn.q_proj.weight")
+    save_file(tensors, str(renamed / "model.safetensors"))
+    with pytest.raises(UserInputError, match=r"model.safetensors: tensor 'model.layers.0.self_attn.q_proj.weightx'"):
+        check_hf_dir(renamed, args=args)
+    reshaped = copy_with_config(hf_dir, tmp_path / "reshaped")
+    tensors = load_file(str(reshaped / "model.safetensors"))
+    tensors["model.norm.weight"] = torch.ones(65)
+    save_file(tensors, str(reshaped / "model.safetensors"))
+    with pytest.raises(UserInputError, match=r"'model.norm.weight' has shape \[65\], but config.json implies \[64\]"):
+        check_hf_dir(reshaped, args=args)
+
+
+def test_export_refuses_a_dir_that_is_not_a_run_and_writes_nothing(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["export", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
+    assert "no spec.yaml" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
