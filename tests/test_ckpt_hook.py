@@ -121,6 +121,25 @@ def test_failed_saves_alert_and_the_run_stops_after_the_limit(run_dir: Path) -> 
     assert [e["step"] for e in events(run_dir) if e["event"] == "checkpoint_failed"] == [2, 4, 5]
 
 
+def test_consecutive_failure_reason_survives_an_async_close(run_dir: Path) -> None:
+    """Async saves: the stop is raised by the save after the failed ones, with a new save pending; that one
+    fails too, and closing must not replace the "N saves in a row" reason with its own error."""
+    spec = make_spec(checkpoint={"interval_steps": 1, "max_consecutive_failures": 2, "async_save": True})
+    store = FailingStore(run_dir / "checkpoints", budget_bytes=100)
+    trainer = make_trainer(spec, run_dir, alerts=[])
+    hook = TrainerCheckpointer(trainer, store=store)
+    step(trainer, hook)  # 1: saving in the background
+    hook.manager.wait()
+    store.armed = True
+    step(trainer, hook)  # 2: fails in the background
+    with pytest.raises(CheckpointSaveError) as raised:
+        for _ in range(3):  # 3 reports 2's failure (1 in a row), 4 reports 3's (2 in a row) → stop
+            step(trainer, hook)
+    assert "saves in a row failed" in str(raised.value)
+    hook.close()  # the pending save of the last step failed as well: logged, not raised over the reason
+    assert hook.fatal_error is raised.value
+
+
 @pytest.mark.parametrize("encrypted", [False, True])
 def test_checkpoints_carry_lineage_and_runs_lists_them(
     tmp_path: Path, encrypted: bool, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch

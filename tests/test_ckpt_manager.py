@@ -27,7 +27,7 @@ BASE_SPEC: dict[str, Any] = {
     "training": {"global_batch_tokens": 8, "device": "cpu"},
     "hardware": {"accelerator": "cpu", "gpus_per_node": 1, "num_nodes": 1},
     "budget": {"target_days": None, "num_gpus": 1},
-    "checkpoint": {"interval_steps": 2, "keep_last": 3},
+    "checkpoint": {"interval_steps": 2, "keep_last": 3, "save_retries": 0},  # retries: test_ckpt_s3
 }
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from leantrain.ckpt import CheckpointManager
+from leantrain.ckpt import CheckpointManager, CheckpointSaveError
 from leantrain.ckpt.storage import FsspecStore, open_store
 from leantrain.errors import UserInputError
 from leantrain.spec.schema import SecuritySpec
@@ -86,3 +87,78 @@ def test_s3_credentials_come_from_the_environment(tmp_path: Path, monkeypatch: p
     monkeypatch.delenv("LT_TEST_S3_KEY", raising=False)
     with pytest.raises(UserInputError, match="LT_TEST_S3_KEY"):
         open_store(spec, run_dir=tmp_path)
+
+
+@pytest.mark.parametrize("cut", ["before_commit", "mid_write"])
+def test_endpoint_cut_mid_save_fails_cleanly_and_keeps_the_last_good(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut: str
+) -> None:
+    """The S3 server goes away during a save: one clean CheckpointSaveError naming the url and the operation
+    (no botocore traceback), a checkpoint_failed event and alert after the bounded retries, the last good
+    checkpoint untouched; once the endpoint is back the next save works and the run resumes from it."""
+    monkeypatch.setenv("LT_TEST_S3_KEY", "testing-key")
+    monkeypatch.setenv("LT_TEST_S3_SECRET", "testing-secret")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    host, port = server.get_host_and_port()
+    endpoint = f"http://{host}:{port}"
+    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=10).close()
+    spec = s3_spec(endpoint)
+    spec.checkpoint.save_retries, spec.checkpoint.retry_backoff_s = 1, 0.0
+    # Few botocore retries, short timeouts: a dead endpoint fails in seconds (production keeps s3fs's defaults).
+    options = {"endpoint_url": endpoint, "key": "testing-key", "secret": "testing-secret",
+               "config_kwargs": {"connect_timeout": 2, "read_timeout": 5, "retries": {"max_attempts": 1}}}
+
+    class CuttableStore(FsspecStore):
+        armed = False
+
+        def open_write(self, rel: str) -> Any:
+            if self.armed and cut == "mid_write" and rel.endswith(".distcp"):
+                server.stop()
+            return super().open_write(rel)
+
+    store = CuttableStore(spec.checkpoint.url, storage_options=options)
+    store.fs.mkdir("ckpt-bucket")
+    run_dir = tmp_path / "run"
+    alerts: list[dict] = []
+    ckpt = CheckpointManager(spec, run_dir=run_dir, store=store, on_alert=lambda _n, rec: alerts.append(rec))
+    app = make_app()
+    try:
+        train(app, 2)
+        ckpt.save(2, app, blocking=True)
+        good = snapshot(app)
+        before = {name: store.read_bytes(f"step-00000002/{name}") for name in store.list_dir("step-00000002")}
+        train(app, 2)
+        store.armed = True
+        if cut == "before_commit":
+            ckpt.before_commit = lambda _step: server.stop()
+        with pytest.raises(CheckpointSaveError) as raised:
+            ckpt.save(4, app, blocking=True)
+        message = str(raised.value)
+        assert "s3://ckpt-bucket/runs/demo/step-00000004" in message
+        # The retry found the endpoint still gone at its first step (listing the store to prepare).
+        assert "failed (prepare): preparing s3://ckpt-bucket/runs/demo/step-00000004: EndpointConnectionError" \
+            in message
+        assert "\n" not in message and "Traceback" not in message
+        failed = [e for e in events(run_dir) if e["event"] == "checkpoint_failed"]
+        assert len(failed) == 1 and failed[0]["attempts"] == 2 and "Traceback" not in failed[0]["error"]
+        retries = [e for e in events(run_dir) if e["event"] == "checkpoint_retry"]
+        assert [e["operation"] for e in retries] == ["commit" if cut == "before_commit" else "write"]
+        assert "EndpointConnectionError" in retries[0]["error"] and "\n" not in retries[0]["error"]
+        assert [a["event"] for a in alerts if a["event"] == "checkpoint_failed"] == ["checkpoint_failed"]
+
+        server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+        server.start()  # the endpoint is back (moto keeps its buckets in process memory)
+        ckpt.before_commit = None
+        store.armed = False
+        assert {name: store.read_bytes(f"step-00000002/{name}") for name in store.list_dir("step-00000002")} \
+            == before  # the last good checkpoint was never touched
+        fresh = make_app(seed=5)
+        assert CheckpointManager(spec, run_dir=run_dir, store=store).load_latest(fresh) == 2
+        assert_same(snapshot(fresh), good)
+        ckpt.save(6, app, blocking=True)  # the next interval saves again
+        assert CheckpointManager(spec, run_dir=run_dir, store=store).load_latest(make_app(seed=6)) == 6
+    finally:
+        ckpt.close()
+        server.stop()

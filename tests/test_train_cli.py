@@ -96,3 +96,23 @@ def test_out_of_memory_is_recorded_before_the_error(demo_data: Path, tmp_path: P
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     oom_events = [e for e in events if e.get("kind") == "oom"]
     assert oom_events and oom_events[0]["rank"] == 0 and "out of memory" in oom_events[0]["error"]
+
+
+def test_trainer_close_always_closes_metrics_and_runtime(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A checkpointer whose close raises (a failed last save) must not leave the metrics or the process group
+    open."""
+    from types import SimpleNamespace
+
+    import leantrain.train.trainer as trainer_module
+
+    closed: list[str] = []
+
+    def failing_close() -> None:
+        raise RuntimeError("last save failed")
+
+    monkeypatch.setattr(trainer_module, "close_runtime", lambda runtime: closed.append(f"runtime {runtime}"))
+    fake = SimpleNamespace(checkpointer=SimpleNamespace(close=failing_close),
+                           metrics=SimpleNamespace(close=lambda: closed.append("metrics")), runtime="rt")
+    with pytest.raises(RuntimeError, match="last save failed"):
+        trainer_module.Trainer.close(fake)  # type: ignore[arg-type]
+    assert closed == ["metrics", "runtime rt"]

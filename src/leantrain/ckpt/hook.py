@@ -112,6 +112,7 @@ class TrainerCheckpointer:
         self.max_consecutive_failures = trainer.spec.checkpoint.max_consecutive_failures
         self.num_consecutive_failures = 0
         self.last_error: CheckpointSaveError | None = None
+        self.fatal_error: CheckpointSaveError | None = None  # the max_consecutive_failures stop, once raised
         self._seen_saved_step: int | None = None
         self.stop_reason: str | None = None  # why the loop should stop: "preempted" or "checkpoint requested"
         plan = FaultPlan.from_env()
@@ -274,12 +275,13 @@ class TrainerCheckpointer:
                      "consecutive_failures": self.num_consecutive_failures})
         if self.num_consecutive_failures >= self.max_consecutive_failures:
             newest = self._seen_saved_step
-            raise CheckpointSaveError(
+            self.fatal_error = CheckpointSaveError(
                 err.step, f"{self.num_consecutive_failures} saves in a row failed "
                 f"(checkpoint.max_consecutive_failures={self.max_consecutive_failures}), so the run stops rather "
                 "than train on without a checkpoint to come back to ("
                 + ("none was saved yet" if newest is None else f"the newest good one is step {newest}")
-                + f"). Last error: {err}", where=f"run dir {self.manager.run_dir}") from err
+                + f"). Last error: {err}", where=f"run dir {self.manager.run_dir}")
+            raise self.fatal_error from err
 
     def _note_saves(self) -> None:
         """A newly committed save (async ones finish later) resets the failure count and resolves the alert."""
@@ -314,8 +316,14 @@ class TrainerCheckpointer:
         return self.stop_reason is not None
 
     def close(self) -> None:
+        """Finish a pending save. When the run already stopped on `max_consecutive_failures`, that reason is
+        kept: the pending save's own failure is logged and counted, not raised over it."""
         try:
             self.manager.close()
+        except CheckpointSaveError as err:
+            if self.fatal_error is None:
+                raise
+            log.error("after the run stopped: %s", err)
         finally:
             self._note_saves()
 

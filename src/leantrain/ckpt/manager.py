@@ -57,6 +57,10 @@ __all__ = ["CheckpointLoadError", "CheckpointManager", "CheckpointSaveError"]
 log = logging.getLogger("leantrain.ckpt")
 
 
+class _AgreedFailure(OSError):
+    """Rank 0's storage failure (already one line, naming the location), which every rank raises."""
+
+
 class CheckpointManager:
     """Interval, save, commit, retention, resume point and preemption for one training process."""
 
@@ -226,7 +230,7 @@ class CheckpointManager:
                 self.last_saved_step = step
                 return
             if skip:
-                raise OSError(skip)
+                raise _AgreedFailure(skip)
             self.events.emit("checkpoint_save_started", step=step, folder=self.store.describe(folder),
                              **{"async": is_async})
             operation = "write"
@@ -238,14 +242,15 @@ class CheckpointManager:
             commit_error = self._commit(step, folder, all_written) if self.rank == 0 else None
             commit_error = self._agree(commit_error, self._save_pg)
             if commit_error:
-                raise OSError(commit_error)
+                raise _AgreedFailure(commit_error)
         except (Exception, CheckpointException) as err:  # noqa: BLE001 - a failed save must leave the run alive
             log.error("checkpoint save of step %d failed (%s)", step, operation, exc_info=True)  # the rank log
             self._fs.abort_and_drain()  # DCP leaves sibling writer threads running after a failure
             if self.rank == 0:
                 self._discard_attempt(step, folder)
             where = f"{self.store.describe(integ.step_dir(step))} (run dir {self.run_dir})"
-            raise CheckpointSaveError(step, one_line(err), where=where, operation=operation) from err
+            message = str(err) if isinstance(err, _AgreedFailure) else one_line(err)
+            raise CheckpointSaveError(step, message, where=where, operation=operation) from err
         self._record_saved(step, all_written, start=start, stall_s=stall_s)
 
     def _record_saved(self, step: int, all_written: list[dict[str, integ.FileRecord]], *, start: float,

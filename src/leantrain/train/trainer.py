@@ -412,7 +412,12 @@ class Trainer:
             load_rng_state(rng, self.device)
 
     def close(self) -> None:
-        if self.checkpointer is not None:
-            self.checkpointer.close()
-        self.metrics.close()
-        close_runtime(self.runtime)
+        """Close the checkpointer, then always the metrics and the runtime (a failed last save re-raises)."""
+        try:
+            if self.checkpointer is not None:
+                self.checkpointer.close()
+        finally:
+            try:
+                self.metrics.close()
+            finally:
+                close_runtime(self.runtime)
