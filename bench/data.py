@@ -1,8 +1,8 @@
 """Data pipeline speed and memory. Prints `name: value unit (ratio vs baseline)` lines.
 
 - near-dedup docs/s: our out-of-core MinHash/LSH (`clusters.deduplicate`, one process) against
-  datasketch's MinHash + MinHashLSH at the same parameters (112 permutations, 14 bands × 8 rows, word
-  5-gram shingles of the same words), same documents, with recall on the planted ≥ 0.85-Jaccard copies;
+  datasketch's MinHash + MinHashLSH at the same parameters (the spec's bands × rows, word 5-gram shingles
+  of the same words), same documents, with recall on the planted ≥ 0.85-Jaccard copies;
 - whole pipeline docs/s per core: `prepare` (read → clean → filter → PII → exact + near dedup → tokenize →
   shards) with one worker against datatrove's equivalent pipeline (JsonlReader → Gopher repetition +
   quality filters → PII formatter → MinHash signature/buckets/cluster/filter → DocumentTokenizer with the
@@ -81,13 +81,15 @@ def bench_dedup(num_docs: int = 3000) -> None:
         ours_s = time.perf_counter() - start
     ours = set(np.flatnonzero(decisions != KEEP).tolist())
 
+    spec = DedupSpec()
+    num_perm = spec.num_bands * spec.rows_per_band
     start = time.perf_counter()
-    lsh = MinHashLSH(num_perm=112, params=(14, 8))
+    lsh = MinHashLSH(num_perm=num_perm, params=(spec.num_bands, spec.rows_per_band))
     theirs: set[int] = set()
     for i, text in enumerate(docs):
         words = [w.lower() for w in text_stats(text).words]
         shingles = {" ".join(words[j : j + 5]).encode() for j in range(len(words) - 4)}
-        signature = MinHash(num_perm=112, seed=42)
+        signature = MinHash(num_perm=num_perm, seed=42)
         signature.update_batch(list(shingles))
         if lsh.query(signature):
             theirs.add(i)
@@ -108,7 +110,16 @@ def _write_corpus(root: Path, num_docs: int, *, files: int) -> Path:
     rng = random.Random(1)
     raw = root / "raw"
     raw.mkdir(parents=True, exist_ok=True)
-    docs = [_document(rng, zh=False) for _ in range(num_docs)]
+    docs: list[str] = []
+    for i in range(num_docs):  # every 10th an exact copy, every 10th + 5 a near copy of an earlier document
+        if docs and i % 10 == 0:
+            docs.append(rng.choice(docs))
+        elif docs and i % 10 == 5:
+            sentences = rng.choice(docs).split(". ")
+            sentences[rng.randrange(len(sentences))] = "The planner measured it again"
+            docs.append(". ".join(sentences))
+        else:
+            docs.append(_document(rng, zh=False))
     for number in range(files):
         with open(raw / f"part-{number:05d}.jsonl", "w", encoding="utf-8") as f:
             f.writelines(json.dumps({"text": t}) + "\n" for t in docs[number::files])
