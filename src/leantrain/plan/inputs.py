@@ -31,7 +31,8 @@ DEFAULT_COMPUTE_EFFICIENCY = {"A100": 0.595, "H100": 0.525, "H800": 0.525, "H200
 FALLBACK_COMPUTE_EFFICIENCY = 0.55
 # FP8 GEMMs: the step speed-up torchao's Float8 linears give over bf16 in torchtitan's H100 benchmarks
 # (benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3: 6,667 → 8,532 and 6,514 → 8,380 TPS/GPU,
-# 1.28-1.29×), so an fp8 job runs at bf16 peak × efficiency × this, not at the fp8 datasheet peak.
+# 1.28-1.29×), so an fp8 job runs at bf16 peak × efficiency × this, not at the fp8 datasheet peak, and its
+# MFU is measured against the bf16 peak, as the trainer does.
 FP8_STEP_SPEEDUP = 1.28
 # Latency of one collective call (ring start-up, kernel launch): NCCL tests show ~10-30 µs on NVLink/IB.
 COLLECTIVE_LATENCY_S = 20e-6
@@ -75,6 +76,7 @@ class PlanInputs:
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
     lora_dropout: float = 0.0
+    fp8_speedup: float = 1.0  # compute rate over bf16 for fp8 GEMMs (peak_flops stays the bf16 peak)
 
     @cached_property
     def _hash(self) -> int:
@@ -85,8 +87,8 @@ class PlanInputs:
 
     @property
     def compute_flops_s(self) -> float:
-        """FLOP/s one GPU sustains on the model's matmuls: peak × efficiency (fp8: bf16 peak × its speed-up)."""
-        return self.peak_flops * self.compute_efficiency
+        """FLOP/s one GPU sustains on the model's matmuls: peak × efficiency (× the fp8 speed-up)."""
+        return self.peak_flops * self.compute_efficiency * self.fp8_speedup
 
     @property
     def trains_base(self) -> bool:
@@ -117,16 +119,16 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
     weight_bytes = 2.0 if compute in ("bf16", "fp16", "fp8") else 4.0
     master_bytes = 4.0 if prec.master_weights == "fp32" and weight_bytes < 4 else 0.0
     efficiency = knobs.compute_efficiency or _default_efficiency(acc.name)
+    fp8_speedup = 1.0
     if hw.peak_flops is not None:
         peak = hw.peak_flops
     elif acc.name == "cpu":
         # CPUs differ by orders of magnitude: measure this host, as the trainer's MFU does. On a CPU a "GPU" is
         # one process, and gpus_per_node processes share the host's cores.
         peak = host_cpu_peak_flops(compute) / hw.gpus_per_node
-    else:
-        peak = acc.peak_for(compute)
-        if compute == "fp8" and knobs.compute_efficiency is None:  # efficiency is quoted against bf16 peak
-            efficiency *= acc.peak_for("bf16") * FP8_STEP_SPEEDUP / peak
+    else:  # fp8 runs: MFU against the bf16 peak (the trainer's and torchtitan's convention), run faster
+        peak = acc.peak_for("bf16" if compute == "fp8" else compute)
+        fp8_speedup = FP8_STEP_SPEEDUP if compute == "fp8" else 1.0
     kernels = knobs.activation_kernels
     fused = spec.training.compile if kernels == "auto" else kernels == "fused"
     ft = spec.finetune
@@ -165,6 +167,7 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
         lora_rank=ft.lora.rank if ft.method in ("lora", "qlora") else 0,
         lora_targets=tuple(ft.lora.targets),
         lora_dropout=ft.lora.dropout,
+        fp8_speedup=fp8_speedup,
     )
 
 
