@@ -103,3 +103,24 @@ def _spec(tmp_path: Path) -> Any:
     from leantrain.spec import load_spec
 
     return load_spec(DEMO_SPEC, overrides=[f"run.dir={tmp_path}"])
+
+
+def test_each_drill_run_gets_its_own_checkpoint_location(tmp_path: Path) -> None:
+    """checkpoint.url set: the reference and faulted runs keep their checkpoints under the drill's run dir
+    (local) or under a sibling prefix of the job's (object store), never in the job's location."""
+    from leantrain.golive.drill import drill_checkpoint_url
+    from leantrain.spec import spec_from_dict
+
+    drill_dir = tmp_path / "run" / "drill"
+    base = {"model": {"n_layers": 1, "d_model": 16, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 32,
+                      "vocab_size": 64}, "data": {"tokens_total": 1e4, "seq_len": 8}}
+    plain = spec_from_dict(base)
+    assert drill_checkpoint_url(plain, drill_dir=drill_dir, name="faulted") is None  # run dirs differ already
+    local = spec_from_dict({**base, "checkpoint": {"url": "/shared/job/ckpts"}})
+    urls = {name: drill_checkpoint_url(local, drill_dir=drill_dir, name=name) for name in ("reference", "faulted")}
+    assert urls == {name: str(drill_dir / name / "checkpoints") for name in urls}
+    s3 = spec_from_dict({**base, "checkpoint": {"storage": "object_store", "url": "s3://bucket/jobs/llama"}})
+    urls = {name: drill_checkpoint_url(s3, drill_dir=drill_dir, name=name) for name in ("reference", "faulted")}
+    assert urls == {"reference": "s3://bucket/jobs/llama.drill/run/reference",
+                    "faulted": "s3://bucket/jobs/llama.drill/run/faulted"}
+    assert not any(u.startswith("s3://bucket/jobs/llama/") for u in urls.values())

@@ -41,11 +41,16 @@ SAMPLES_PER_STEP = 4  # global_batch_tokens / seq_len in write_resume_spec
 def drilled(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("drill")
     spec_file = write_resume_spec(root)
-    spec = load_spec(spec_file)
+    # A job's checkpoint.url holding a (planted) checkpoint: the drill must neither resume from it nor write it.
+    job_ckpts = root / "job-checkpoints"
+    (job_ckpts / "step-00000005").mkdir(parents=True)
+    (job_ckpts / "step-00000005" / "COMMIT").write_text("the job's")
+    overrides = [f"checkpoint.url={job_ckpts}"]
+    spec = load_spec(spec_file, overrides=overrides)
     console = Console(file=io.StringIO(), width=160)
-    result = run_drill(spec, spec_path=spec_file, overrides=[], profile=None, run_dir=root / "run", kill_at=KILL_AT,
-                       during_save=False, corrupt_latest=False, console=console)
-    return {"root": root, "spec_file": spec_file, "spec": spec, "result": result,
+    result = run_drill(spec, spec_path=spec_file, overrides=overrides, profile=None, run_dir=root / "run",
+                       kill_at=KILL_AT, during_save=False, corrupt_latest=False, console=console)
+    return {"root": root, "spec_file": spec_file, "spec": spec, "result": result, "job_checkpoints": job_ckpts,
             "reference": Path(result["drill_dir"]) / "reference", "faulted": Path(result["drill_dir"]) / "faulted",
             "output": console.file.getvalue()}  # type: ignore[attr-defined]
 
@@ -70,6 +75,10 @@ def resume_dir_from(drilled: dict[str, Any], name: str, *, step: int) -> Path:
 def test_sigkill_of_one_rank_restarts_and_resumes_bit_for_bit(drilled: dict[str, Any]) -> None:
     result = drilled["result"]
     assert result["passed"], (result, drilled["output"][-3000:])
+    job = drilled["job_checkpoints"]  # with checkpoint.url set, the drill kept to its own locations
+    assert sorted(p.name for p in job.rglob("*")) == ["COMMIT", "step-00000005"]
+    assert (job / "step-00000005" / "COMMIT").read_text() == "the job's"
+    assert (drilled["faulted"] / "checkpoints" / "step-00000002" / "COMMIT").is_file()
     reference = reference_losses(drilled["reference"])
     assert sorted(reference) == list(range(1, MAX_STEPS + 1))
     logged = logged_losses(drilled["faulted"])

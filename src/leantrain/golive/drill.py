@@ -14,7 +14,9 @@ reduction order), else within `LOSS_TOLERANCE_NONDETERMINISTIC`.
 
 Output: RUN_DIR/drill.json (docs/observe.md: passed, reason, recovery_s, steps_lost, goodput, max_loss_diff,
 num_kills, plus the drill's settings), the two runs under RUN_DIR/drill/{reference,faulted}/ (cleared at
-start). The faulted run's events.jsonl holds the `restart` event (planned: true).
+start). The faulted run's events.jsonl holds the `restart` event (planned: true). Each run has its own
+checkpoint location (`drill_checkpoint_url`): with `checkpoint.url` set, the drill never reads or writes the
+job's checkpoints.
 
 Goodput = useful step time / (useful step time + recovery time + time to redo the lost steps), with the
 median step time of the faulted run: the share of the drill's training time that advanced the model.
@@ -50,6 +52,7 @@ if TYPE_CHECKING:
 
 DRILL_FILE = "drill.json"
 DRILL_DIR = "drill"
+RUNS = ("reference", "faulted")
 NUM_RANKS = 2
 KILL_RANK = 1  # not rank 0: the survivor that writes metrics must be torn down and restarted too
 LOSS_TOLERANCE_NONDETERMINISTIC = 1e-2  # relative, for specs without training.deterministic
@@ -139,6 +142,32 @@ def _environment(values: dict[str, str]) -> Iterator[None]:
                 os.environ[key] = value
 
 
+def drill_checkpoint_url(spec: JobSpec, *, drill_dir: Path, name: str) -> str | None:
+    """Where one drill run keeps its checkpoints: under the drill's run dir, or for an object store a sibling
+    prefix of the job's (`<url>.drill/<run dir name>/<run>`), never the job's own location. None: the spec
+    has no checkpoint.url, so each run's default (its run dir's checkpoints/) is isolated already."""
+    url = spec.checkpoint.url
+    if not url:
+        return None
+    if spec.checkpoint.storage == "object_store":
+        return f"{url.rstrip('/')}.drill/{drill_dir.parent.name}/{name}"
+    return str(drill_dir / name / "checkpoints")
+
+
+def isolated_checkpoints(spec: JobSpec, *, drill_dir: Path, name: str) -> list[str]:
+    """The --set override giving a drill run its own checkpoint location (cleared first: an earlier drill's
+    checkpoints there would be resumed from)."""
+    url = drill_checkpoint_url(spec, drill_dir=drill_dir, name=name)
+    if url is None:
+        return []
+    if spec.checkpoint.storage == "object_store":
+        from leantrain.ckpt.storage import open_store
+
+        drill_spec = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"url": url})})
+        open_store(drill_spec, run_dir=drill_dir).remove_tree("")
+    return [f"checkpoint.url={url}"]
+
+
 # ---- the drill ------------------------------------------------------------------------------------------------
 def run_drill(
     spec: JobSpec, *, spec_path: Path, overrides: list[str], profile: str | None, run_dir: Path,
@@ -156,10 +185,11 @@ def run_drill(
                             rng=rng)
     plan = FaultPlan(kill_at_step=step, kill_rank=min(KILL_RANK, nproc - 1), during_save=during_save,
                      corrupt_latest=corrupt_latest)
-    train = TrainCommand(spec_path=Path(spec_path), overrides=(*overrides, *extra_sets), profile=profile)
     run_dir = Path(run_dir).resolve()
     drill_dir = run_dir / DRILL_DIR
     shutil.rmtree(drill_dir, ignore_errors=True)  # old checkpoints here would be resumed from
+    trains = {name: TrainCommand(spec_path=Path(spec_path), profile=profile, overrides=(
+        *overrides, *extra_sets, *isolated_checkpoints(spec, drill_dir=drill_dir, name=name))) for name in RUNS}
     max_restarts = max(1, spec.fault.max_restarts)
     console.print(f"drill: {nproc} ranks, {max_steps} steps, checkpoint every {interval}; kill rank "
                   f"{plan.kill_rank} at step {step}{' mid-save' if during_save else ''}"
@@ -167,10 +197,10 @@ def run_drill(
                   f"restart(s)")
     logs = Console(file=io.StringIO(), width=160)
     runs: dict[str, dict[str, Any]] = {}
-    for name, fault, restarts in (("reference", None, 0), ("faulted", plan, max_restarts)):
+    for name, fault, restarts in zip(RUNS, (None, plan), (0, max_restarts), strict=True):
         start = time.monotonic()
         with _environment({} if fault is None else fault.to_env()):
-            code = launch_local(spec, train=train, run_dir=drill_dir / name, nproc=nproc, nnodes=None,
+            code = launch_local(spec, train=trains[name], run_dir=drill_dir / name, nproc=nproc, nnodes=None,
                                 max_restarts=restarts, console=logs, timeout_s=LAUNCH_TIMEOUT_S)
         runs[name] = {"exit_code": code, "wall_s": time.monotonic() - start}
         console.print(f"drill: {name} run exit code {code} in {runs[name]['wall_s']:.1f} s")
