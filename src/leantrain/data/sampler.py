@@ -25,6 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from leantrain.data.chat import load_mask
 from leantrain.data.layout import Manifest, MixtureStage, load_manifest
 from leantrain.data.shards import ShardReader
 from leantrain.errors import UserInputError
@@ -38,6 +39,8 @@ class Batch:
 
     tokens: torch.Tensor  # (micro_batch, seq_len + 1) int64: inputs are [:, :-1], targets [:, 1:]
     source_ids: torch.Tensor  # (micro_batch, seq_len + 1) int64: index into sampler.source_names per token
+    # (micro_batch, seq_len + 1) bool: the token is a loss target (chat: assistant tokens); None: all are
+    loss_mask: torch.Tensor | None = None
 
 
 def largest_remainder_counts(weights: np.ndarray, total: int) -> np.ndarray:
@@ -53,10 +56,12 @@ def largest_remainder_counts(weights: np.ndarray, total: int) -> np.ndarray:
 class SourceStream:
     """One source's endless, epoch-shuffled, packed token stream over its shards."""
 
-    def __init__(self, readers: list[ShardReader], *, name: str, seed: int, seq_len: int) -> None:
+    def __init__(self, readers: list[ShardReader], *, name: str, seed: int, seq_len: int,
+                 masks: list[np.ndarray] | None = None) -> None:
         self.name = name
         self.seq_len = seq_len
         self._readers = readers
+        self._masks = masks  # per shard, one byte per token (chat sources), else None
         self._seed = [seed, zlib.crc32(name.encode("utf-8"))]
         self.doc_shard = np.concatenate([np.full(r.num_docs, i, np.int64) for i, r in enumerate(readers)])
         self.doc_start = np.concatenate([r.doc_starts for r in readers])
@@ -73,8 +78,9 @@ class SourceStream:
                 self._epochs.popitem(last=False)
         return self._epochs[epoch]
 
-    def sample(self, index: int, out: np.ndarray) -> None:
-        """Fill `out` (seq_len + 1,) with source sample `index`."""
+    def sample(self, index: int, out: np.ndarray, mask_out: np.ndarray | None = None) -> None:
+        """Fill `out` (seq_len + 1,) with source sample `index` (and `mask_out` with its loss mask: 1 everywhere
+        for a source without masks)."""
         offset = index * self.seq_len
         epoch, within = divmod(offset, self.tokens_per_epoch)
         filled = 0
@@ -89,6 +95,10 @@ class SourceStream:
                 take = min(int(self.doc_len[doc]) - skip, need - filled)
                 start = int(self.doc_start[doc]) + skip
                 out[filled : filled + take] = self._readers[int(self.doc_shard[doc])].tokens[start : start + take]
+                if mask_out is not None:
+                    masks = self._masks
+                    mask_out[filled : filled + take] = 1 if masks is None else masks[int(self.doc_shard[doc])][
+                        start : start + take]
                 filled += take
                 within += take
                 pos += 1
@@ -173,9 +183,12 @@ class PackedBatchSampler:
         self.vocab_size: int = manifest.vocab_size
         self.eos_id: int = manifest.eos_id
         self._streams: list[SourceStream | None] = []
+        self.has_loss_mask = False  # some source (chat) trains only on masked tokens
         for name in self.source_names:
             readers = [ShardReader(self.data_dir / s.path) for s in manifest.shards_for(split=split, source=name)]
-            stream = SourceStream(readers, name=name, seed=seed, seq_len=seq_len) if readers else None
+            masks = loss_masks(manifest, name=name, readers=readers, seq_len=seq_len, data_dir=self.data_dir)
+            self.has_loss_mask = self.has_loss_mask or masks is not None
+            stream = SourceStream(readers, name=name, seed=seed, seq_len=seq_len, masks=masks) if readers else None
             self._streams.append(stream if stream is not None and stream.tokens_per_epoch > 0 else None)
         available = np.array([s is not None for s in self._streams], dtype=np.float64)
         if not available.any():
@@ -206,15 +219,17 @@ class PackedBatchSampler:
         first = self._position + self.dp_rank * self.micro_batch
         tokens = np.empty((self.micro_batch, self.seq_len + 1), dtype=np.int64)
         sources = np.empty(self.micro_batch, dtype=np.int64)
+        mask = np.empty(tokens.shape, dtype=np.uint8) if self.has_loss_mask else None
         for row in range(self.micro_batch):
             source, local = self._schedule.locate(first + row)
             stream = self._streams[source]
             assert stream is not None, "schedule gave a slot to a source without data"
-            stream.sample(local, tokens[row])
+            stream.sample(local, tokens[row], None if mask is None else mask[row])
             sources[row] = source
         self._position += self.micro_batch * self.dp_size
         source_ids = np.broadcast_to(sources[:, None], tokens.shape).copy()
-        return Batch(tokens=torch.from_numpy(tokens), source_ids=torch.from_numpy(source_ids))
+        return Batch(tokens=torch.from_numpy(tokens), source_ids=torch.from_numpy(source_ids),
+                     loss_mask=None if mask is None else torch.from_numpy(mask).bool())
 
     def state_dict(self) -> dict:
         return {"global_sample_index": self._position}
@@ -224,3 +239,25 @@ class PackedBatchSampler:
         if position < 0:
             raise UserInputError(f"sampler state global_sample_index must be ≥ 0, got {position}")
         self._position = position
+
+
+def loss_masks(
+    manifest: Manifest, *, name: str, readers: list[ShardReader], seq_len: int, data_dir: Path
+) -> list[np.ndarray] | None:
+    """The `.mask` arrays of a chat source's shards (data/chat.py), or None for a source without a loss mask.
+
+    Chat conversations are padded to a multiple of `pad_multiple` tokens so that every window of seq_len
+    tokens lies inside one conversation; that holds only when pad_multiple is a multiple of seq_len.
+    """
+    entry = next(s for s in manifest.sources if s["name"] == name)
+    if not entry.get("loss_mask"):
+        return None
+    pad = int(entry.get("pad_multiple", 0))
+    if pad % seq_len:
+        raise UserInputError(f"{data_dir}/manifest.json: source {name!r} was prepared for data.seq_len {pad}, which "
+                             f"is not a multiple of this run's data.seq_len {seq_len}; prepare it again")
+    masks = [load_mask(r.bin_path) for r in readers]
+    missing = [r.bin_path for r, m in zip(readers, masks, strict=True) if m is None]
+    if missing:
+        raise UserInputError(f"{missing[0]}: the source {name!r} has a loss mask but this shard's .mask is missing")
+    return masks  # type: ignore[return-value]

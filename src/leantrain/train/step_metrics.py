@@ -91,6 +91,9 @@ class LogWindow:
         }
 
 
+IGNORE_INDEX = -100  # cross_entropy's default: a target outside the loss mask
+
+
 class SourceLoss:
     """The loss function the parallel model calls on each micro-batch's logits (on every rank, or on the last
     pipeline stage): returns the mean token loss and adds per-source loss sums and token counts on the side.
@@ -99,8 +102,8 @@ class SourceLoss:
     pipeline schedule cuts them into micro-batches together with the tokens.
     """
 
-    def __init__(self, num_sources: int, *, device: torch.device) -> None:
-        self.num_sources = num_sources
+    def __init__(self, num_sources: int, *, device: torch.device, masked: bool = False) -> None:
+        self.num_sources, self.masked = num_sources, masked
         self.loss_sum = torch.zeros(num_sources, device=device)
         self.tokens = torch.zeros(num_sources, device=device)
 
@@ -111,8 +114,13 @@ class SourceLoss:
             detached = detached.full_tensor()
         sources = targets[..., 1].flatten()
         self.loss_sum.index_add_(0, sources, detached)
-        self.tokens += torch.bincount(sources, minlength=self.num_sources)
-        return token_loss.mean()
+        if not self.masked:
+            self.tokens += torch.bincount(sources, minlength=self.num_sources)
+            return token_loss.mean()
+        # Chat data: targets outside the loss mask are IGNORE_INDEX (their loss is 0); the mean is over the rest.
+        valid = targets[..., 0].flatten() != IGNORE_INDEX
+        self.tokens += torch.bincount(sources[valid], minlength=self.num_sources)
+        return token_loss.sum() / valid.sum().clamp(min=1)
 
 
 def moe_balance(counts: torch.Tensor, *, aux_loss: float, balance: str) -> dict[str, Any]:

@@ -53,7 +53,7 @@ from leantrain.train.precision import enable_tf32, float8_post_step, resolve_pre
 from leantrain.train.run_setup import record_oom, record_ranks_joined
 from leantrain.train.runtime import close_runtime, init_runtime, load_rng_state, rng_state
 from leantrain.train.schedule import build_scheduler
-from leantrain.train.step_metrics import LogWindow, SourceLoss, StepResult, moe_balance, synchronize
+from leantrain.train.step_metrics import IGNORE_INDEX, LogWindow, SourceLoss, StepResult, moe_balance, synchronize
 
 __all__ = ["TRAIN_INFO_FILE", "Checkpointer", "LogWindow", "SourceLoss", "StepResult", "Trainer", "TrainingDiverged",
            "moe_balance"]
@@ -184,7 +184,10 @@ class Trainer:
         """(inputs (micro_batch, seq), targets (micro_batch, seq, 2) = next token and its source id)."""
         tokens = batch.tokens.to(self.device, non_blocking=True)
         sources = batch.source_ids[:, 1:].to(self.device, non_blocking=True)
-        return tokens[:, :-1], torch.stack([tokens[:, 1:], sources], dim=-1)
+        targets = tokens[:, 1:]
+        if batch.loss_mask is not None:  # chat data: only assistant tokens are targets
+            targets = targets.masked_fill(~batch.loss_mask[:, 1:].to(self.device), IGNORE_INDEX)
+        return tokens[:, :-1], torch.stack([targets, sources], dim=-1)
 
     def _comm_measured(self) -> bool:
         """Profile the collectives of this step? Only steps that get logged, and only with several ranks."""
@@ -199,7 +202,8 @@ class Trainer:
         step_start_s = time.perf_counter()
         self.parallel.train()
         self.optimizer.zero_grad(set_to_none=True)
-        source_loss = SourceLoss(len(self.sampler.source_names), device=self.device)
+        source_loss = SourceLoss(len(self.sampler.source_names), device=self.device,
+                                 masked=self.sampler.has_loss_mask)
         data_wait_s = 0.0
         micro_batches = []
         for _ in range(self.accum_steps):
@@ -340,7 +344,8 @@ class Trainer:
         self.eval_sampler.load_state_dict({"global_sample_index": 0})
         multiple = self.parallel.eval_batch_multiple  # under PP whole schedules: eval_batches rounded up
         num_batches = -(-self.spec.training.eval_batches // multiple) * multiple
-        recorder = SourceLoss(len(self.eval_sampler.source_names), device=self.device)
+        recorder = SourceLoss(len(self.eval_sampler.source_names), device=self.device,
+                              masked=self.eval_sampler.has_loss_mask)
         micro_batches = [self._micro_batch(self.eval_sampler.next_batch()) for _ in range(num_batches)]
         self.parallel.evaluate(micro_batches, loss_fn=recorder, autocast=self.autocast)
         self.parallel.train()

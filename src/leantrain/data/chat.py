@@ -1,0 +1,231 @@
+"""Chat / instruction data (`data.sources[].format: chat`): records → rendered tokens + a loss mask on assistant tokens.
+
+Records (JSONL, one conversation per line):
+- OpenAI style: `{"messages": [{"role": "system"|"user"|"assistant"|"tool", "content": "..."}, ...]}`;
+- pairs: `{"prompt": "...", "response": "..."}` (a user turn, then an assistant turn).
+A record without an assistant turn with content is an error naming the file, the line and the field.
+
+Rendering: the model's chat template (`chat_template` in the tokenizer_config.json beside the tokenizer, a
+Jinja template as transformers uses), else `DEFAULT_TEMPLATE` (ChatML: `<|im_start|>{role}\\n{content}<|im_end|>\\n`).
+The conversation is rendered turn by turn: for each assistant turn the text up to and including the
+generation prompt (`<|im_start|>assistant\\n`) is the prompt part, and what the full render adds after it
+(the content and the end-of-turn marker) is the assistant part. Each part is tokenized on its own and the
+mask is 1 exactly on the assistant parts' tokens: the model learns to write answers and to end them, never
+the user's words or the template's headers.
+
+Packing: padding, not cross-document attention. Each conversation (EOS appended, mask 0 there) is padded
+with EOS to a multiple of `pad_multiple` = data.seq_len, mask 0 on the padding. The sampler's windows start
+at multiples of seq_len of each source's stream, so every window's inputs lie inside one conversation: no
+attention mask is needed and no conversation sees another. A conversation longer than seq_len spans several
+windows (as a long pre-training document does).
+
+On disk: beside each shard's `.bin`/`.idx` a `.mask` file holds one byte per token (1: the token is a loss
+target), in the same order; docs/data.md describes it. The manifest's source entry says `loss_mask: true`
+and `pad_multiple`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from leantrain.data.layout import Manifest, shard_prefix
+from leantrain.data.shards import ShardInfo, ShardWriter, token_dtype
+from leantrain.errors import UserInputError
+
+DEFAULT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+ROLES = ("system", "user", "assistant", "tool")
+MASK_SUFFIX = ".mask"
+
+
+def parse_record(record: Any, *, where: str) -> list[dict[str, str]]:
+    """The messages of one chat record; UserInputError names `where` (file:line) and the field."""
+    if not isinstance(record, dict):
+        raise UserInputError(f"{where}: a chat record must be a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        messages = record["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise UserInputError(f"{where}: field 'messages' must be a non-empty list")
+        for i, message in enumerate(messages):
+            if not isinstance(message, dict) or message.get("role") not in ROLES or not isinstance(
+                    message.get("content"), str):
+                raise UserInputError(f"{where}: field 'messages[{i}]' needs a role in {', '.join(ROLES)} and a "
+                                     "string content")
+        messages = [{"role": m["role"], "content": m["content"]} for m in messages]
+    elif "prompt" in record or "response" in record:
+        prompt, response = record.get("prompt"), record.get("response")
+        if not isinstance(prompt, str) or not isinstance(response, str):
+            raise UserInputError(f"{where}: fields 'prompt' and 'response' must both be strings")
+        messages = [{"role": "user", "content": prompt}, {"role": "assistant", "content": response}]
+    else:
+        raise UserInputError(f"{where}: a chat record needs field 'messages' (or 'prompt' and 'response')")
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        raise UserInputError(f"{where}: field 'messages' has no assistant turn with content (nothing to learn)")
+    return messages
+
+
+def template_for(tokenizer_path: Path | None) -> str:
+    """The chat template in the tokenizer_config.json beside `tokenizer_path`, else the default (ChatML)."""
+    if tokenizer_path is not None:
+        config = Path(tokenizer_path).with_name("tokenizer_config.json")
+        if config.is_file():
+            template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+            if isinstance(template, list):  # transformers' named templates: take "default"
+                template = next((t["template"] for t in template if t.get("name") == "default"), None)
+            if isinstance(template, str):
+                return template
+    return DEFAULT_TEMPLATE
+
+
+class ChatRenderer:
+    """Renders conversations with a Jinja chat template and tokenizes them with the loss mask."""
+
+    def __init__(self, tokenizer: Any, *, template: str = DEFAULT_TEMPLATE, eos_id: int) -> None:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message: str) -> None:
+            raise UserInputError(f"chat template: {message}")
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = raise_exception
+        self.template = env.from_string(template)
+        self.tokenizer, self.eos_id = tokenizer, eos_id
+
+    def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = False) -> str:
+        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                    bos_token="", eos_token="")
+
+    def segments(self, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
+        """The rendered text cut into (text, is_assistant) pieces, in order."""
+        pieces: list[tuple[str, bool]] = []
+        done = ""
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = self.render(messages[:i], add_generation_prompt=True)
+            full = self.render(messages[: i + 1])
+            if not prompt.startswith(done) or not full.startswith(prompt):
+                raise UserInputError("chat template: rendering is not incremental (a turn changes earlier text); "
+                                     "use a template whose output only grows with each message")
+            pieces += [(prompt[len(done):], False), (full[len(prompt):], True)]
+            done = full
+        rest = self.render(messages)[len(done):]
+        return [p for p in [*pieces, (rest, False)] if p[0]]
+
+    def encode(self, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
+        """(token ids with EOS appended, mask uint8 with 1 on assistant tokens), both (n,)."""
+        ids: list[int] = []
+        mask: list[int] = []
+        for text, assistant in self.segments(messages):
+            piece = self.tokenizer.encode(text, add_special_tokens=False).ids
+            ids += piece
+            mask += [int(assistant)] * len(piece)
+        ids.append(self.eos_id)
+        mask.append(0)
+        return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
+
+
+def pad_to_multiple(ids: np.ndarray, mask: np.ndarray, *, multiple: int, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
+    """Pad a conversation with `pad_id` (mask 0) to a multiple of `multiple` tokens."""
+    extra = (-len(ids)) % multiple
+    return (np.concatenate([ids, np.full(extra, pad_id, dtype=ids.dtype)]),
+            np.concatenate([mask, np.zeros(extra, dtype=np.uint8)]))
+
+
+def mask_path(bin_path: Path) -> Path:
+    return Path(bin_path).with_suffix(MASK_SUFFIX)
+
+
+def load_mask(bin_path: Path) -> np.ndarray | None:
+    """The memory-mapped mask of a shard (None for a shard without one: every token is a target)."""
+    path = mask_path(bin_path)
+    if not path.is_file():
+        return None
+    return np.memmap(path, dtype=np.uint8, mode="r") if path.stat().st_size else np.zeros(0, dtype=np.uint8)
+
+
+@dataclass
+class MaskedShardWriter:
+    """A ShardWriter plus the `.mask` file beside it (same documents, one byte per token)."""
+
+    writer: ShardWriter
+
+    def __post_init__(self) -> None:
+        self._mask_tmp = mask_path(self.writer.bin_path).with_suffix(".mask.tmp")
+        self._mask = open(self._mask_tmp, "wb")  # noqa: SIM115 - closed in finish/abort
+
+    def add(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        assert len(ids) == len(mask), "one mask byte per token"
+        self.writer.add(ids)
+        self._mask.write(np.asarray(mask, dtype=np.uint8).tobytes())
+
+    def finish(self) -> tuple[str, str, int]:
+        """Publish the mask first, then the shard (whose .idx is the shard's commit point)."""
+        self._mask.flush()
+        os.fsync(self._mask.fileno())
+        self._mask.close()
+        os.replace(self._mask_tmp, mask_path(self.writer.bin_path))
+        return self.writer.finish()
+
+    def abort(self) -> None:
+        self._mask.close()
+        self._mask_tmp.unlink(missing_ok=True)
+        self.writer.abort()
+
+
+def write_chat_split(
+    data_dir: Path, *, split: str, source: str, docs: Iterable[tuple[np.ndarray, np.ndarray]],
+    dtype: type[np.number], first_number: int = 0,
+) -> list[ShardInfo]:
+    """One shard of (already padded) conversations with its mask; returns its ShardInfo (none when empty)."""
+    items = list(docs)
+    if not items:
+        return []
+    prefix = data_dir / shard_prefix(split, source, first_number)
+    writer = MaskedShardWriter(ShardWriter(prefix, dtype=dtype))
+    try:
+        for ids, mask in items:
+            writer.add(ids, mask)
+        bin_sha, idx_sha, num_bytes = writer.finish()
+    except BaseException:
+        writer.abort()
+        raise
+    inner = writer.writer
+    return [ShardInfo(path=inner.bin_path.relative_to(data_dir).as_posix(), split=split, source=source,
+                      sha256=bin_sha, idx_sha256=idx_sha, num_tokens=inner.num_tokens, num_docs=inner.num_docs,
+                      num_bytes=num_bytes)]
+
+
+def write_chat_data_dir(
+    path: Path, conversations_by_source: Mapping[str, Sequence[list[dict[str, str]]]], *, renderer: ChatRenderer,
+    vocab_size: int, seq_len: int, valid_by_source: Mapping[str, Sequence[list[dict[str, str]]]] | None = None,
+    weights: Mapping[str, float] | None = None,
+) -> Manifest:
+    """A data dir of chat sources straight from conversations (for tests and tools: no cleaning)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    dtype = token_dtype(vocab_size)
+    shards: list[ShardInfo] = []
+    sources: list[dict[str, Any]] = []
+    for name, conversations in conversations_by_source.items():
+        tokens: dict[str, int] = {}
+        for split, convs in (("train", conversations), ("valid", (valid_by_source or {}).get(name, []))):
+            docs = [pad_to_multiple(*renderer.encode(c), multiple=seq_len, pad_id=renderer.eos_id) for c in convs]
+            shards += write_chat_split(path, split=split, source=name, docs=docs, dtype=dtype)
+            tokens[split] = sum(len(ids) for ids, _ in docs)
+        sources.append({"name": name, "weight": float((weights or {}).get(name, 1.0)), "tokens": tokens,
+                        "loss_mask": True, "pad_multiple": seq_len})
+    manifest = Manifest(vocab_size=vocab_size, eos_id=renderer.eos_id, dtype=np.dtype(dtype).name,
+                        sources=sources, shards=shards, stages=[])
+    manifest.write(path)
+    return manifest
+
