@@ -50,6 +50,17 @@ def test_cli_prints_planned_vs_traced() -> None:
     assert "trace check" in buf.getvalue() and "traced / planned" in buf.getvalue()
 
 
-def test_moe_trace_is_refused_clearly() -> None:
-    with pytest.raises(UserInputError, match="dense models"):
+def test_moe_trace_in_fp32_is_refused_clearly() -> None:
+    with pytest.raises(UserInputError, match="needs precision.compute: bf16"):
         compare(load_spec(EXAMPLES / "moe-small-cpu.yaml"), micro_batch=1)
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_moe_model_within_five_percent(recompute: str) -> None:
+    """Routed experts (top-2 of 8 + a shared expert): dispatched copies, expert tensors, outputs, indices."""
+    spec = load_spec(EXAMPLES / "moe-small-cpu.yaml", overrides=[
+        "precision.compute=bf16", "precision.master_weights=bf16", "precision.grad_reduce=bf16",
+        "precision.optimizer_state=bf16"])
+    result = compare(spec, micro_batch=4, recompute=recompute)
+    for key in ("params", "grads", "optimizer", "activations"):
+        assert result.ratio(key) == pytest.approx(1.0, abs=0.05), (key, result.planned, result.traced)

@@ -59,9 +59,9 @@ def trace_single_gpu(spec: JobSpec, *, micro_batch: int, recompute: str) -> dict
 
     from leantrain.model.transformer import Transformer, model_args_from_spec, rope_tables
 
-    if spec.model.architecture == "moe":
-        raise UserInputError("plan.trace covers dense models: MoE routing has data-dependent shapes that "
-                             "FakeTensorMode cannot follow (set plan.trace: false)")
+    if spec.model.architecture == "moe" and spec.precision.compute == "fp32":
+        raise UserInputError("plan.trace of an MoE model needs precision.compute: bf16 (the grouped expert "
+                             "matmul has no fp32 kernel to trace; set plan.trace: false or trace in bf16)")
     seq_len = spec.data.seq_len
     args = model_args_from_spec(spec.model, max_seq_len=seq_len)
     dtype = getattr(torch, TORCH_DTYPES[spec.precision.compute])
