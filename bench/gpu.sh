@@ -1,15 +1,18 @@
 #!/usr/bin/env bash
-# GPU benchmark (issue #5): a ~1B dense Llama-style model on one GPU with bf16 + torch.compile, and fp8
-# (torchao float8) where the GPU has it (compute capability >= 8.9). Prints tokens/s, MFU and peak memory
-# per run, then the fp8/bf16 ratio. Finishes in under 8 minutes; every step is printed as it goes.
-# Usage: bash bench/gpu.sh  (after `make install`); OUT=dir to change where it writes.
+# One-GPU benchmark (issues #5, #13), under 8 minutes: a ~1B dense Llama-style model in bf16 (eager) and
+# bf16 + per-block torch.compile; fp8 (torchao float8 + compile) where the GPU has it (capability >= 8.9);
+# a small MoE (grouped GEMM dispatch) in bf16; and `--max-steps 0` of an 8B-shaped model (build on meta,
+# initialise on the GPU, `model_ready`). Each run prints tokens/s, MFU and peak memory with the ratio to the
+# plan's prediction (plan.json in its run dir). Every command has a timeout and prints as it goes.
+# Usage: bash bench/gpu.sh  (after `make install TORCH=cuda`); OUT=dir to change where it writes, STEPS=N.
+# Not covered: FSDP2 on one device (one process runs the plain model; FSDP needs >= 2 ranks, i.e. 2 GPUs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LT=${LT:-.venv/bin/leantrain}
 PY=${PY:-.venv/bin/python}
 OUT=${OUT:-bench-out/gpu}
 SPEC=examples/gpu-1b-bench.yaml
-STEPS=${STEPS:-30}
+STEPS=${STEPS:-20}
 mkdir -p "$OUT"
 
 "$PY" - <<'PY'
@@ -22,35 +25,67 @@ PY
 echo "== prepare (byte tokenizer, bundled corpus)"
 timeout 120 "$LT" prepare "$SPEC" --out "$OUT/data"
 
-run() {  # name, extra --set arguments...
-  local name=$1; shift
-  echo "== train $name ($STEPS steps)"
+run() {  # name, steps, timeout_s, extra --set arguments...
+  local name=$1 steps=$2 limit=$3; shift 3
+  echo "== train $name ($steps steps)"
   rm -rf "$OUT/run-$name"
-  timeout 240 "$LT" train "$SPEC" --set "data.dir=$OUT/data" --set training.eval_every=0 "$@" \
-    --run-dir "$OUT/run-$name" --max-steps "$STEPS"
+  timeout "$limit" "$LT" train "$SPEC" --set "data.dir=$OUT/data" --set training.eval_every=0 \
+    --set training.log_every=5 "$@" --run-dir "$OUT/run-$name" --max-steps "$steps"
 }
-run bf16
+run bf16 "$STEPS" 120 --set training.compile=false
+run bf16-compile "$STEPS" 180 --set training.compile=true
 if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.get_device_capability() >= (8, 9) else 1)"; then
-  run fp8 --set precision.compute=fp8
+  run fp8-compile "$STEPS" 180 --set precision.compute=fp8 --set training.compile=true
 fi
+run moe-small "$STEPS" 120 --set training.compile=false --set model.size_billion=null --set model.architecture=moe \
+  --set model.n_layers=8 --set model.d_model=1024 --set model.n_heads=16 --set model.n_kv_heads=8 \
+  --set model.ffn_hidden=2816 --set model.moe.num_experts=8 --set model.moe.top_k=2 \
+  --set model.moe.expert_hidden=1024 --set model.moe.balance=aux_free
+run 8b-ready 0 180 --set model.size_billion=8 --set model.vocab_size=128256
 
 "$PY" - "$OUT" <<'PY'
 import json, statistics, sys
 from pathlib import Path
-out, results = Path(sys.argv[1]), {}
-for name in ("bf16", "fp8"):
-    path = out / f"run-{name}" / "metrics.jsonl"
+out = Path(sys.argv[1])
+
+def plan_of(run: Path) -> dict:
+    path = run / "plan.json"
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+def ratio(value: float, planned: float | None) -> str:
+    return f"({value / planned:.2f}x vs plan)" if planned else "(no plan)"
+
+results = {}
+for name in ("bf16", "bf16-compile", "fp8-compile", "moe-small"):
+    run = out / f"run-{name}"
+    path = run / "metrics.jsonl"
     if not path.is_file():
         continue
     rows = [r for r in map(json.loads, path.read_text().splitlines()) if "loss" in r]
     steady = rows[len(rows) // 2:] or rows  # after compile warm-up
-    results[name] = {k: statistics.median(r[k] for r in steady) for k in ("tokens_per_s", "mfu", "step_time_s")}
-    results[name]["mem_gib"] = max(r["mem_bytes"] for r in rows) / 2**30
-    r = results[name]
-    print(f"gpu_1b_{name}_tokens_per_s: {r['tokens_per_s']:.0f} tokens/s")
-    print(f"gpu_1b_{name}_mfu: {100 * r['mfu']:.1f} %")
-    print(f"gpu_1b_{name}_peak_mem: {r['mem_gib']:.1f} GiB")
-if "fp8" in results:
-    ratio = results["fp8"]["tokens_per_s"] / results["bf16"]["tokens_per_s"]
-    print(f"gpu_1b_fp8_vs_bf16: {ratio:.2f}x tokens/s (ratio vs bf16 baseline)")
+    r = {k: statistics.median(x[k] for x in steady) for k in ("tokens_per_s", "mfu", "step_time_s")}
+    r["mem_gib"] = max(x["mem_bytes"] for x in rows) / 2**30
+    results[name] = r
+    plan = plan_of(run)
+    planned_mem = plan.get("memory", {}).get("per_gpu", {}).get("total")
+    key = name.replace("-", "_")
+    print(f"gpu_{key}_tokens_per_s: {r['tokens_per_s']:.0f} tokens/s "
+          f"{ratio(r['tokens_per_s'], plan.get('throughput', {}).get('tokens_per_s'))}")
+    print(f"gpu_{key}_mfu: {100 * r['mfu']:.1f} % {ratio(r['mfu'], plan.get('throughput', {}).get('mfu'))}")
+    print(f"gpu_{key}_peak_mem: {r['mem_gib']:.1f} GiB {ratio(r['mem_gib'] * 2**30, planned_mem)}")
+if "bf16-compile" in results:
+    print(f"gpu_1b_compile_vs_eager: {results['bf16-compile']['tokens_per_s'] / results['bf16']['tokens_per_s']:.2f}x "
+          "tokens/s (ratio vs bf16 eager baseline)")
+if "fp8-compile" in results:
+    print(f"gpu_1b_fp8_vs_bf16: {results['fp8-compile']['tokens_per_s'] / results['bf16-compile']['tokens_per_s']:.2f}x "
+          "tokens/s (ratio vs bf16+compile baseline)")
+events = out / "run-8b-ready" / "events.jsonl"
+if events.is_file():
+    ready = [e for e in map(json.loads, events.read_text().splitlines()) if e["kind"] == "model_ready"][-1]
+    rank = ready["ranks"][0]
+    print(f"gpu_8b_ready_param_bytes: {ready['param_bytes_total'] / 2**30:.1f} GiB")
+    print(f"gpu_8b_ready_device_peak: {rank['device_mem_peak_bytes'] / 2**30:.1f} GiB "
+          f"({rank['device_mem_peak_bytes'] / ready['param_bytes_total']:.2f}x the parameters)")
+    print(f"gpu_8b_ready_host_rss_peak: {rank['host_rss_peak_bytes'] / 2**30:.1f} GiB "
+          f"({rank['host_rss_peak_bytes'] / ready['param_bytes_total']:.2f}x the parameters)")
 PY

@@ -11,7 +11,11 @@ median and the best (least disturbed) step time are reported, tokens/s from the 
 `name: value unit (ratio vs baseline)`; the ratio is a speed ratio (baseline time / this time), so ≥ 1.0
 means at least as fast as the minimal loop.
 
-Usage: python bench/train_step.py [--steps N] [--threads T]
+`--eval-window`: instead, the *logged* step time of a run with a heavy held-out evaluation every 2 steps
+against the same run without evaluation (the baseline), and what the step time would be if the window's
+wall clock were divided by its steps (evaluation counted in, as before the window excluded it).
+
+Usage: python bench/train_step.py [--steps N] [--threads T] [--eval-window]
 """
 
 from __future__ import annotations
@@ -38,21 +42,48 @@ SHAPE = {"n_layers": 4, "d_model": 256, "n_heads": 8, "n_kv_heads": 4, "ffn_hidd
 SEQ_LEN, MICRO_BATCH = 256, 8
 
 
-def make_trainer(work: Path) -> Trainer:
+def make_trainer(work: Path, *, run: str = "run", **training: object) -> Trainer:
     rng = np.random.default_rng(0)
     docs = [[int(t) for t in rng.integers(1, SHAPE["vocab_size"], 500)] for _ in range(400)]
-    write_token_data_dir(work / "data", {"a": docs[:200], "b": docs[200:]}, vocab_size=SHAPE["vocab_size"], eos_id=0)
+    if not (work / "data").exists():
+        write_token_data_dir(work / "data", {"a": docs[:200], "b": docs[200:]}, vocab_size=SHAPE["vocab_size"],
+                             eos_id=0, valid_docs_by_source={"a": docs[:40], "b": docs[200:240]})
     spec = spec_from_dict({
         "model": {**SHAPE, "rope_theta": 10000.0},
         "precision": {"compute": "fp32"},
         "data": {"tokens_total": 1e9, "seq_len": SEQ_LEN, "dir": str(work / "data")},
         "training": {"global_batch_tokens": SEQ_LEN * MICRO_BATCH, "micro_batch": MICRO_BATCH, "lr": 1e-4,
-                     "warmup_steps": 0, "device": "cpu", "eval_every": 0},
+                     "warmup_steps": 0, "device": "cpu", "eval_every": 0, **training},
         "hardware": {"accelerator": "cpu", "gpus_per_node": 1, "num_nodes": 1, "peak_flops": 1e11},
         "budget": {"num_gpus": 1, "target_days": None},
         "monitoring": {"tensorboard": False},
     })
-    return Trainer(spec, run_dir=work / "run")
+    return Trainer(spec, run_dir=work / run)
+
+
+def eval_window(steps: int, *, rounds: int = 3) -> None:
+    """Logged step time with a heavy held-out evaluation every 2 steps vs the same run without evaluation.
+
+    The two runs alternate `rounds` times (a busy machine slows both alike); medians over all logged windows
+    but each run's first (lazy setup).
+    """
+    logged: dict[str, list[dict[str, float]]] = {"no_eval": [], "eval": []}
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        for round_index in range(rounds):
+            for name, extra in (("no_eval", {"eval_every": 0}), ("eval", {"eval_every": 2, "eval_batches": 16})):
+                trainer = make_trainer(work, run=f"{name}-{round_index}", max_steps=steps, log_every=2, **extra)
+                logged[name] += [r for r in trainer.train() if "loss" in r][1:]
+    base = statistics.median(r["step_time_s"] for r in logged["no_eval"])
+    with_eval = statistics.median(r["step_time_s"] for r in logged["eval"])
+    eval_s = statistics.median(r["eval_s"] for r in logged["eval"] if r["eval_s"] > 0)
+    naive = statistics.median(r["window_s"] / 2 for r in logged["eval"])  # 2 steps per window
+    print(f"# eval every 2 steps, 16 eval micro-batches, log every 2 steps, {rounds} × {steps} steps, threads "
+          f"{torch.get_num_threads()}")
+    print(f"logged_step_time_no_eval: {1000 * base:.1f} ms (1.00x vs no eval)")
+    print(f"logged_step_time_with_eval: {1000 * with_eval:.1f} ms ({with_eval / base:.2f}x vs no eval)")
+    print(f"eval_s_per_window: {1000 * eval_s:.1f} ms (reported apart, {eval_s / base:.1f}x a step)")
+    print(f"window_s_over_steps_with_eval: {1000 * naive:.1f} ms ({naive / base:.2f}x vs no eval; eval counted in)")
 
 
 def minimal_step_fn(model: torch.nn.Module, *, logits_of: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[], None]:
@@ -75,9 +106,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30, help="measured steps per loop")
     parser.add_argument("--warmup", type=int, default=3, help="unmeasured steps per loop")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    parser.add_argument("--eval-window", action="store_true", help="logged step time with vs without eval")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.eval_window:
+        eval_window(max(6, args.steps))  # --steps: steps per run
+        return
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         trainer = make_trainer(work)
