@@ -16,7 +16,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from leantrain.errors import LeantrainError
+from leantrain.errors import LeantrainError, UserInputError
 from leantrain.spec import JobSpec, load_spec
 
 app = typer.Typer(
@@ -83,6 +83,8 @@ def plan(
     Reads SPEC (and with --calibrate the run dirs' spec.yaml, plan.json, metrics.jsonl); prints a table and
     writes plan.json with --json.
     """
+    if plot is not None and what_if is None:
+        raise UserInputError("--plot draws the --what-if table: add --what-if gpus=64,128,256")
     job = _spec(spec, set_, profile)
     _stage("leantrain.plan.command", spec=job, json_out=json_out, top=top, what_if=what_if, plot=plot,
            calibrate=calibrate)

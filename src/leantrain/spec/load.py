@@ -178,14 +178,54 @@ def apply_profile(raw: dict[str, Any], name: str | None) -> dict[str, Any]:
     return _deep_merge(raw, overlay)
 
 
-def format_validation_error(err: ValidationError) -> list[str]:
+def _fields_at(parts: list[str]) -> list[str]:
+    """The field names of the spec section at `parts` (a location inside JobSpec); [] when not a section."""
+    from pydantic import BaseModel
+
+    model: Any = JobSpec
+    for part in parts:
+        field = model.model_fields.get(part) if isinstance(model, type) else None
+        if field is None:
+            return []
+        model = field.annotation
+        candidates = [a for a in getattr(model, "__args__", ()) if isinstance(a, type)] or [model]
+        model = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
+        if model is None:
+            return []
+    return list(model.model_fields)
+
+
+def _unknown_field(parts: list[str]) -> str:
+    """`unknown field`, with the closest field names ("did you mean `warmup_steps`?") or the allowed ones."""
+    import difflib
+
+    allowed = _fields_at(parts[:-1])
+    close = difflib.get_close_matches(parts[-1], allowed, n=1, cutoff=0.6)
+    if close:
+        return "unknown field; did you mean " + " or ".join(f"`{c}`" for c in close) + "?"
+    return "unknown field" + (f" (allowed: {', '.join(allowed)})" if allowed else "")
+
+
+def _override_for(loc: str, overrides: list[str]) -> str | None:
+    for text in overrides:
+        key = text.partition("=")[0].strip()
+        if loc == key or loc.startswith(key + ".") or key.startswith(loc + "."):
+            return text
+    return None
+
+
+def format_validation_error(err: ValidationError, *, overrides: list[str] | None = None) -> list[str]:
+    """One line per problem: the field, what is wrong (with a suggestion for a typo), the value, and the
+    `--set` override that set it, when one did."""
     lines = []
     for e in err.errors():
-        loc = ".".join(str(p) for p in e["loc"] if p not in ("function-after",))
-        msg = e["msg"].removeprefix("Value error, ")
+        parts = [str(p) for p in e["loc"] if p not in ("function-after",)]
+        loc = ".".join(parts)
+        msg = _unknown_field(parts) if e["type"] == "extra_forbidden" else e["msg"].removeprefix("Value error, ")
         value = e.get("input")
         shown = "" if isinstance(value, dict | list) or value is None else f" (got {value!r})"
-        lines.append(f"{loc or 'spec'}: {msg}{shown}")
+        source = _override_for(loc, overrides or []) if loc else None
+        lines.append(f"{loc or 'spec'}: {msg}{shown}" + (f" — from --set {source}" if source else ""))
     return lines
 
 
@@ -240,7 +280,7 @@ def spec_from_dict(
     try:
         spec = JobSpec.model_validate(merged)
     except ValidationError as err:
-        raise SpecError(format_validation_error(err), source=source) from None
+        raise SpecError(format_validation_error(err, overrides=overrides), source=source) from None
     return _resolve_paths(spec, base_dir or Path.cwd())
 
 

@@ -119,13 +119,28 @@ def _moe_problems(par: ParallelismSpec, shape: ModelShape) -> list[str]:
     return problems
 
 
+def batch_fix_hint(*, global_batch_tokens: int, micro_batch: int, seq_len: int, data_parallel: int) -> str:
+    """Values that divide: the nearest global batch sizes, and micro_batch values that fit this global batch."""
+    step = micro_batch * seq_len * data_parallel
+    lower, upper = (global_batch_tokens // step) * step, (global_batch_tokens // step + 1) * step
+    sizes = " or ".join(str(v) for v in (lower, upper) if v > 0)
+    micro = [m for m in range(1, 65) if global_batch_tokens % (m * seq_len * data_parallel) == 0]
+    hint = f"set training.global_batch_tokens to {sizes}"
+    if micro:
+        hint += f", or training.micro_batch to {', '.join(map(str, micro[:6]))}"
+    return hint
+
+
 def _batch_and_node_problems(spec: JobSpec) -> list[str]:
     problems = []
     tokens_per_micro_step = spec.training.micro_batch * spec.data.seq_len * spec.parallelism.data_parallel
     if spec.training.global_batch_tokens % tokens_per_micro_step:
+        hint = batch_fix_hint(global_batch_tokens=spec.training.global_batch_tokens,
+                              micro_batch=spec.training.micro_batch, seq_len=spec.data.seq_len,
+                              data_parallel=spec.parallelism.data_parallel)
         problems.append(
             f"training.global_batch_tokens ({spec.training.global_batch_tokens}) must be a multiple of "
-            f"micro_batch × seq_len × data_parallel ({tokens_per_micro_step})"
+            f"micro_batch × seq_len × data_parallel ({tokens_per_micro_step}): {hint}"
         )
     fault, nodes = spec.fault, spec.hardware.num_nodes
     if nodes is not None and fault.min_nodes is not None and nodes < fault.min_nodes:
