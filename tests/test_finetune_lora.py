@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+import yaml
 from safetensors.torch import load_file
 
 from leantrain.data.layout import write_token_data_dir
@@ -37,7 +38,8 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     rng = np.random.default_rng(0)
     docs = [[int((s + i) % 200) + 1 for i in range(70)] for s in rng.integers(0, 200, 60)]
     path = tmp_path_factory.mktemp("data")
-    write_token_data_dir(path, {"counting": docs}, vocab_size=VOCAB - 3, eos_id=0)
+    write_token_data_dir(path, {"counting": docs}, vocab_size=VOCAB - 3, eos_id=0,
+                         valid_docs_by_source={"counting": docs[:8]})
     return path
 
 
@@ -107,6 +109,19 @@ def test_lora_checkpoint_holds_adapters_and_exports_merged_and_as_peft(
     tokens = torch.arange(1, 33).unsqueeze(0)
     with torch.no_grad():
         assert not torch.allclose(exported(tokens).logits, base(tokens).logits, atol=1e-3)
+
+    # eval of the run dir (adapters on the hash-checked base) = eval of the merged export as a starting point
+    from leantrain.golive.eval import evaluate
+
+    from_run = evaluate(run_dir, tasks=[])
+    merged_spec = tmp_path / "merged.yaml"
+    merged_spec.write_text(yaml.safe_dump({**spec.model_dump(mode="json", include={"data", "training"}),
+                                           "model": {"init_from": str(tmp_path / "merged")},
+                                           "run": {"dir": str(tmp_path / "merged-eval")}}))
+    from_export = evaluate(merged_spec, tasks=[])
+    assert from_run["step"] == 4 and from_run["held_out"]["counting"]["tokens"] > 0
+    assert from_run["held_out"]["counting"]["loss"] == pytest.approx(from_export["held_out"]["counting"]["loss"],
+                                                                     abs=1e-4)
 
     adapter = export_run(run_dir, tmp_path / "adapter", adapter_only=True)
     assert adapter.adapter_only

@@ -261,6 +261,21 @@ def export(
     _stage("leantrain.ckpt.export", run_dir=run_dir, out=out, step=step, adapter_only=adapter_only)
 
 
+@app.command("eval")
+def eval_(
+    target: Annotated[Path, typer.Argument(help="A run dir (its checkpoint) or a spec (its model.init_from).",
+                                           show_default=False)],
+    tasks: Annotated[list[Path] | None, typer.Option(
+        "--tasks", help="Multiple-choice JSONL {question, choices, answer} (repeatable).")] = None,
+    step: Annotated[int | None, typer.Option("--step", help="Checkpoint step (default: the newest).")] = None,
+) -> None:
+    """Held-out loss/perplexity per source and multiple-choice accuracy (log-likelihood, lm-eval style).
+
+    Reads RUN_DIR (spec.yaml, checkpoint) or SPEC, the data dir and the task files; writes eval.json in the run dir.
+    """
+    _stage("leantrain.golive.eval", target=target, tasks=tasks or [], step=step)
+
+
 @app.command()
 def demo(
     dir_: Annotated[Path, typer.Option("--dir", help="Where the demo writes.")] = Path("demo-out"),

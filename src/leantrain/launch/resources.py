@@ -22,7 +22,10 @@ DEFAULT_CPUS_PER_GPU = 8
 DEFAULT_MEMORY_GB_PER_GPU = 64
 # torchrun's elastic restarts are flaky when new workers reuse the shared rendezvous store (dead workers'
 # addresses linger there): a store per restart attempt fixed it on gloo.
-TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+# KINETO_LOG_LEVEL 6 (above kineto's USDT level 5): the profiler behind comm_s (parallel/comm.py) prints two
+# `USDT ... profiler_start/stop` lines per measured step and device-probe errors otherwise; set it to 0 to see them.
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+                "KINETO_LOG_LEVEL": "6"}
 
 
 @dataclass(frozen=True)

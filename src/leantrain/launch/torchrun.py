@@ -97,8 +97,10 @@ def torchrun_argv(
 
 
 def torchrun_env() -> dict[str, str]:
-    """This environment plus what elastic restarts need (a rendezvous store per restart attempt, docs/parallel.md)."""
-    return {**os.environ, **TORCHRUN_ENV}
+    """This environment plus what elastic restarts need (a rendezvous store per restart attempt, docs/parallel.md)
+    and a quiet profiler; a KINETO_LOG_LEVEL the user set wins."""
+    quiet = {"KINETO_LOG_LEVEL": os.environ.get("KINETO_LOG_LEVEL", TORCHRUN_ENV["KINETO_LOG_LEVEL"])}
+    return {**os.environ, **TORCHRUN_ENV, **quiet}
 
 
 def run_torchrun(
@@ -131,6 +133,27 @@ def run_torchrun(
         raise
 
 
+def oversubscription_warnings(spec: JobSpec, *, nproc: int, num_cpus: int | None = None,
+                              num_gpus: int | None = None) -> list[str]:
+    """More ranks than this node has cores (CPU runs) or GPUs: it runs, slowly, and its numbers mislead."""
+    out = []
+    if spec.hardware.accelerator == "cpu":
+        cores = num_cpus if num_cpus is not None else len(os.sched_getaffinity(0))
+        if nproc > cores:
+            out.append(f"--nproc {nproc} ranks on {cores} CPU core(s): the ranks share cores, so step times and "
+                       f"tokens/s measure contention, not scaling")
+        return out
+    if nproc > spec.hardware.gpus_per_node:
+        out.append(f"--nproc {nproc} exceeds hardware.gpus_per_node ({spec.hardware.gpus_per_node})")
+    if num_gpus is None:
+        import torch
+
+        num_gpus = torch.cuda.device_count()
+    if 0 < num_gpus < nproc:
+        out.append(f"--nproc {nproc} ranks but {num_gpus} GPU(s) visible on this node")
+    return out
+
+
 def rank_logs(run_dir: Path) -> list[Path]:
     """Every per-rank log file torchrun wrote under the run dir."""
     return sorted((Path(run_dir) / LOGS_DIR).glob("**/std*.log"))
@@ -143,6 +166,8 @@ def launch_local(
 ) -> int:
     """Check the layout, then run torchrun; returns its exit code (`failed_ranks` receives the crashed ranks)."""
     min_nodes, max_nodes = parse_nnodes(nnodes) if nnodes else (1, 1)
+    for warning in oversubscription_warnings(spec, nproc=nproc):
+        console.print(f"[yellow]warning: {warning}")
     for dims in check_layout(spec, nproc=nproc, min_nodes=min_nodes, max_nodes=max_nodes):
         console.print(f"layout at {dims.world_size} rank(s): {dims.describe()}")
         for note in dims.notes:

@@ -10,10 +10,19 @@ from rich.table import Table
 
 from leantrain.hardware import GiB
 from leantrain.plan.planner import Plan
+from leantrain.render import human_count, human_days, human_money, plural
 
 
 def _gib(value: float) -> str:
     return f"{value / GiB:,.1f} GiB"
+
+
+def _gib_number(value: float) -> str:
+    """GiB with 3 significant digits below 100, whole GiB above, "<0.01" for a tiny model's share (not 0.0)."""
+    gib = value / GiB
+    if 0 < abs(gib) < 0.01:
+        return "<0.01"
+    return f"{gib:,.0f}" if abs(gib) >= 100 else f"{gib:.3g}"
 
 
 def _si(value: float, unit: str = "") -> str:
@@ -31,8 +40,8 @@ def render_plan(plan: Plan, *, console: Console, top: int) -> None:
     budget.add_column("item", style="bold")
     budget.add_column("value")
     model = data["model"]
-    budget.add_row("model", f"{model['total_params'] / 1e9:.2f}B params ({model['active_params'] / 1e9:.2f}B "
-                   f"active, nominal {model['nominal_params']:.3g})")
+    budget.add_row("model", f"{human_count(model['total_params'])} params ({human_count(model['active_params'])} "
+                   f"active, nominal {human_count(model['nominal_params'])})")
     budget.add_row("FLOPs (sizes the GPU count)", f"{c['total_flops']:.3g} = {c['flops_per_token']:.3g}/token × "
                    f"{c['tokens']:.3g} tokens ({c['sizing']})")
     budget.add_row("FLOPs (detailed, for MFU)", f"{c['model_total_flops']:.3g} ({c['model_flops_per_token']:.3g}"
@@ -40,24 +49,26 @@ def render_plan(plan: Plan, *, console: Console, top: int) -> None:
     budget.add_row("effective FLOP/s per GPU", f"{c['peak_flops_per_gpu'] * c['assumed_mfu']:.3g} "
                    f"({c['peak_flops_per_gpu']:.3g} peak × {c['assumed_mfu']:.0%} assumed MFU)")
     budget.add_row("GPUs", f"{r['num_gpus']} ({r['num_gpus_exact']:.1f} exact) → {r['num_gpus_with_spare']} with "
-                   f"spare, {r['num_nodes']} nodes of {r['accelerator']}; layout on {r['layout_gpus']}")
-    budget.add_row("time", f"{t['days']:.1f} days, {t['gpu_hours']:,.0f} GPU-hours at the assumed MFU; "
-                   f"{t['predicted_days']:.1f} days predicted by the step-time model")
-    budget.add_row("whole run", f"{t['whole_run_days']:.1f} days, {t['whole_run_gpu_hours']:,.0f} GPU-hours with "
+                   f"spare, {plural(r['num_nodes'], 'node')} of {r['accelerator']}; layout on {r['layout_gpus']}")
+    budget.add_row("time", f"{human_days(t['days'])}, {t['gpu_hours']:,.3g} GPU-hours at the assumed MFU; "
+                   f"{human_days(t['predicted_days'])} predicted by the step-time model")
+    budget.add_row("whole run", f"{human_days(t['whole_run_days'])}, {t['whole_run_gpu_hours']:,.3g} GPU-hours with "
                    f"{t['expected_goodput']:.1%} expected goodput and {t['eval_share']:.1%} evaluation")
-    budget.add_row("cost", f"{cost['total']:,.0f} {cost['currency']} "
-                   f"({cost['per_million_tokens']:.3f} per million tokens)")
+    budget.add_row("cost", f"{human_money(cost['total'], cost['currency'])} "
+                   f"({human_money(cost['per_million_tokens'], cost['currency'])} per million tokens)")
     console.print(budget)
 
     mem = data["memory"]
     per = mem["per_gpu"]
     where = f" (pipeline stage {mem['stage']}, the heaviest)" if data["layout"]["pp"] > 1 else ""
-    memory = Table(title=f"memory per GPU{where} — {'fits' if mem['fits'] else 'DOES NOT FIT'}")
-    for col in ("params", "grads", "optimizer", "activations", "buffers", "total", "capacity", "headroom"):
-        memory.add_column(col, justify="right")
-    memory.add_row(*(_gib(per[k]) for k in ("params", "grads", "optimizer", "activations", "buffers", "total")),
-                   _gib(mem["capacity"]), _gib(mem["headroom"]))
+    # The unit in the title, not in every cell: eight columns fit 80 characters without cutting a word.
+    memory = Table(title=f"memory per GPU, GiB{where} — {'fits' if mem['fits'] else 'DOES NOT FIT'}")
+    for col in ("params", "grads", "optim", "activ", "buffers", "total", "capacity", "headroom"):
+        memory.add_column(col, justify="right", no_wrap=True)
+    parts = ("params", "grads", "optimizer", "activations", "buffers", "total")
+    memory.add_row(*(_gib_number(per[k]) for k in parts), _gib_number(mem["capacity"]), _gib_number(mem["headroom"]))
     console.print(memory)
+    console.print("optim: optimizer states, activ: activations", style="dim")
 
     layouts = Table(title=f"layouts on {plan.layout_gpus} GPUs (chosen: {plan.layout_source}); "
                     f"{plan.search.num_evaluated} evaluated")
@@ -116,7 +127,7 @@ def render_what_if(rows: list[dict[str, Any]], *, console: Console, currency: st
     for col in ("GPUs", "days (assumed MFU)", "cost", "fits", "predicted days", "predicted MFU", "layout"):
         table.add_column(col)
     for row in rows:
-        table.add_row(str(row["gpus"]), f"{row['days']:.1f}", f"{row['cost']:,.0f} {currency}",
+        table.add_row(str(row["gpus"]), f"{row['days']:.1f}", human_money(row["cost"], currency),
                       "yes" if row["fits"] else "no",
                       f"{row['predicted_days']:.1f}" if row["fits"] else "-",
                       f"{row['predicted_mfu']:.1%}" if row["fits"] else "-", row["layout"] or "-")

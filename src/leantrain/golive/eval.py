@@ -1,0 +1,193 @@
+"""`leantrain eval RUN_DIR|SPEC [--step N] --tasks FILE...`: held-out loss per source and multiple-choice accuracy.
+
+The model: a run dir's checkpoint (newest committed, or `--step`; a LoRA run's adapters on its hash-checked
+base), or a spec's `model.init_from` weights. Evaluation runs in this one process (the whole model in memory):
+it is for the checkpoints one machine can hold; bigger ones are evaluated after export by an inference stack.
+
+- Held-out loss and perplexity per source: the data dir's `valid` split, the first `training.eval_batches`
+  micro-batches of each source's stream (as the trainer's evaluation, chat sources on assistant tokens only).
+- Multiple choice (a task FILE is JSONL, one `{"question", "choices": [...], "answer"}` per line, the answer
+  an index or the text of the right choice), scored as lm-evaluation-harness scores its multiple-choice tasks:
+  context `Question: {question}\\nAnswer:`, continuation ` {choice}`; `acc` takes the choice with the highest
+  summed log-likelihood of its continuation tokens, `acc_norm` the highest per byte of the continuation.
+Results go to RUN_DIR/eval.json (SPEC: its run.dir) and are printed; `leantrain report` lists them.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from leantrain.ckpt.base_ref import verify_base
+from leantrain.ckpt.export import DcpTensors
+from leantrain.data.sampler import PackedBatchSampler
+from leantrain.errors import UserInputError
+from leantrain.model.hf_load import fill_from_hf
+from leantrain.model.init import init_buffers
+from leantrain.model.lora import is_adapter
+from leantrain.model.transformer import Transformer, model_args_from_spec
+from leantrain.spec import JobSpec, load_spec
+from leantrain.spec.hf_config import read_hf_config
+from leantrain.train.finetune import prepare_model, uses_adapters
+
+EVAL_FILE = "eval.json"
+
+
+@dataclass(frozen=True)
+class Choice:
+    question: str
+    choices: list[str]
+    answer: int
+
+
+def read_task(path: Path) -> list[Choice]:
+    """A multiple-choice JSONL file; a bad line is a UserInputError naming the file, the line and the field."""
+    items = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise UserInputError(f"{where}: not valid JSON ({err})") from None
+        choices, answer = record.get("choices"), record.get("answer")
+        if not isinstance(record.get("question"), str) or not isinstance(choices, list) or len(choices) < 2 or not all(
+                isinstance(c, str) for c in choices):
+            raise UserInputError(f"{where}: needs a string 'question' and a list 'choices' of two or more strings")
+        if isinstance(answer, str) and answer in choices:
+            answer = choices.index(answer)
+        if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < len(choices):
+            raise UserInputError(f"{where}: field 'answer' must be a choice's index or text, got {answer!r}")
+        items.append(Choice(record["question"], choices, answer))
+    if not items:
+        raise UserInputError(f"{path}: no questions")
+    return items
+
+
+def _load_model(spec: JobSpec, run_dir: Path | None, *, step: int | None) -> tuple[nn.Module, int | None]:
+    max_len = spec.data.seq_len  # questions may be longer than training windows: the checkpoint's own limit
+    if spec.model.init_from is not None:
+        max_len = max(max_len, read_hf_config(spec.model.init_from).max_position_embeddings)
+    args = model_args_from_spec(spec.model, max_seq_len=max_len)
+    with torch.device("meta"):
+        model = Transformer(args)
+    prepare_model(model, spec)
+    model.to_empty(device=torch.device("cpu"))
+    init_buffers(model, args=args, device=torch.device("cpu"))
+    if run_dir is None:
+        if spec.model.init_from is None:
+            raise UserInputError("eval SPEC needs model.init_from (or give a run dir with checkpoints)")
+        fill_from_hf(model, Path(spec.model.init_from), args=args, skip=is_adapter)
+        return model.eval(), None
+    checkpoint = DcpTensors(spec, run_dir, step=step)
+    names = [n for n, _ in model.named_parameters() if n in checkpoint.meta]
+    if uses_adapters(spec):
+        fill_from_hf(model, verify_base(run_dir), args=args, skip=is_adapter)
+    elif len(names) != len(list(model.parameters())):
+        raise UserInputError(f"{run_dir}: checkpoint step {checkpoint.entry.step} lacks model weights")
+    loaded = checkpoint.load(names, dtype=torch.float32)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name in loaded:
+                param.copy_(loaded[name])
+    return model.eval(), checkpoint.entry.step
+
+
+@torch.no_grad()
+def held_out_loss(model: nn.Module, spec: JobSpec) -> dict[str, dict[str, float]]:
+    """Mean loss and perplexity per source over the valid split's first `eval_batches` micro-batches."""
+    try:
+        sampler = PackedBatchSampler(spec.data.dir, seq_len=spec.data.seq_len, micro_batch=spec.training.micro_batch,
+                                     dp_rank=0, dp_size=1, seed=spec.training.seed, split="valid")
+    except UserInputError:
+        return {}
+    sums = torch.zeros(len(sampler.source_names), dtype=torch.float64)
+    counts = torch.zeros_like(sums)
+    for _ in range(spec.training.eval_batches):
+        batch = sampler.next_batch()
+        logits = model(batch.tokens[:, :-1])  # (batch, seq, vocab)
+        token_loss = F.cross_entropy(logits.float().flatten(0, 1), batch.tokens[:, 1:].flatten(), reduction="none")
+        mask = batch.loss_mask
+        keep = torch.ones_like(token_loss, dtype=torch.bool) if mask is None else mask[:, 1:].flatten()
+        sources = batch.source_ids[:, 1:].flatten()
+        sums.index_add_(0, sources[keep], token_loss[keep].double())
+        counts.index_add_(0, sources[keep], torch.ones(int(keep.sum()), dtype=torch.float64))
+    return {name: {"loss": float(sums[i] / counts[i]), "perplexity": math.exp(min(float(sums[i] / counts[i]), 50.0)),
+                   "tokens": int(counts[i])}
+            for i, name in enumerate(sampler.source_names) if counts[i] > 0}
+
+
+def _tokenizer(spec: JobSpec) -> Any:
+    from tokenizers import Tokenizer
+
+    candidates = [Path(spec.model.init_from) / "tokenizer.json"] if spec.model.init_from else []
+    candidates.append(Path(spec.data.dir) / "tokenizer.json")
+    for path in candidates:
+        if path.is_file():
+            return Tokenizer.from_file(str(path))
+    raise UserInputError(f"eval: no tokenizer.json in {' or '.join(str(c.parent) for c in candidates)}")
+
+
+@torch.no_grad()
+def continuation_logprob(model: nn.Module, context: list[int], continuation: list[int]) -> float:
+    """Summed log-probability of `continuation` after `context` (one forward over context + continuation)."""
+    limit = model.args.max_seq_len + 1  # type: ignore[union-attr]
+    context = context[-(limit - len(continuation)):] if len(context) + len(continuation) > limit else context
+    tokens = torch.tensor([context + continuation])
+    logprobs = F.log_softmax(model(tokens[:, :-1]).float(), dim=-1)[0]  # (seq, vocab)
+    start = len(context) - 1
+    picked = logprobs[start:].gather(-1, torch.tensor(continuation)[:, None])
+    return float(picked.sum())
+
+
+def multiple_choice(model: nn.Module, items: list[Choice], tokenizer: Any) -> dict[str, float]:
+    """acc and acc_norm (per-byte) over the items, lm-evaluation-harness style."""
+    correct = correct_norm = 0
+    for item in items:
+        context = tokenizer.encode(f"Question: {item.question}\nAnswer:", add_special_tokens=False).ids
+        scores = []
+        for choice in item.choices:
+            continuation = tokenizer.encode(f" {choice}", add_special_tokens=False).ids
+            scores.append(continuation_logprob(model, context, continuation))
+        per_byte = [s / len(f" {c}".encode()) for s, c in zip(scores, item.choices, strict=True)]
+        correct += int(max(range(len(scores)), key=scores.__getitem__) == item.answer)
+        correct_norm += int(max(range(len(per_byte)), key=per_byte.__getitem__) == item.answer)
+    return {"acc": correct / len(items), "acc_norm": correct_norm / len(items), "num_questions": len(items)}
+
+
+def evaluate(target: Path, *, tasks: list[Path], step: int | None = None) -> dict[str, Any]:
+    """Evaluate a run dir (its checkpoint) or a spec (its init_from weights); writes eval.json; returns it."""
+    target = Path(target)
+    run_dir = target if target.is_dir() else None
+    spec = load_spec(target / "spec.yaml" if run_dir else target)
+    items = {Path(t).stem: read_task(Path(t)) for t in tasks}  # bad task files fail before the model loads
+    model, loaded_step = _load_model(spec, run_dir, step=step)
+    result: dict[str, Any] = {"step": loaded_step, "held_out": held_out_loss(model, spec), "tasks": {}}
+    if items:
+        tokenizer = _tokenizer(spec)
+        result["tasks"] = {name: multiple_choice(model, task, tokenizer) for name, task in items.items()}
+    out_dir = run_dir or Path(spec.run.dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / EVAL_FILE).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+    result["path"] = str(out_dir / EVAL_FILE)
+    return result
+
+
+def run(*, console: Any, target: Path, tasks: list[Path], step: int | None) -> None:
+    """The `leantrain eval` command."""
+    result = evaluate(target, tasks=tasks, step=step)
+    for source, values in result["held_out"].items():
+        console.print(f"held-out {source:<16} loss {values['loss']:.4f}  ppl {values['perplexity']:.2f}",
+                      highlight=False)
+    for name, values in result["tasks"].items():
+        console.print(f"task {name:<20} acc {values['acc']:.3f}  acc_norm {values['acc_norm']:.3f}  "
+                      f"({values['num_questions']} questions)", highlight=False)
+    console.print(f"results in {result['path']}", highlight=False)

@@ -1,0 +1,91 @@
+"""leantrain eval: held-out loss per source and multiple-choice accuracy, checked against transformers' own numbers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from tokenizers import Tokenizer
+
+from leantrain.cli import main
+from leantrain.data.layout import write_token_data_dir
+from leantrain.data.sampler import PackedBatchSampler
+from leantrain.golive.eval import evaluate
+from leantrain.model.tiny_hf import save_tiny_hf
+
+transformers = pytest.importorskip("transformers")
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path, Path]:
+    root = tmp_path_factory.mktemp("eval")
+    hf_dir = save_tiny_hf(root / "hf", vocab_size=300)
+    rng = np.random.default_rng(0)
+    docs = {name: [[int(t) for t in rng.integers(1, 250, 50)] for _ in range(10)] for name in ("code", "prose")}
+    write_token_data_dir(root / "data", docs, vocab_size=259, eos_id=256, valid_docs_by_source=docs)
+    spec = root / "spec.yaml"
+    spec.write_text(yaml.safe_dump({
+        "task": "continue_pretrain", "model": {"init_from": "hf"},
+        "data": {"tokens_total": 1e5, "seq_len": SEQ, "dir": "data"},
+        "training": {"global_batch_tokens": 2 * SEQ, "micro_batch": 2, "device": "cpu", "eval_batches": 3},
+        "hardware": {"accelerator": "cpu", "gpus_per_node": 1}, "run": {"dir": "run"},
+    }))
+    task = root / "arith.jsonl"
+    task.write_text("\n".join(json.dumps(r) for r in [
+        {"question": "2+2", "choices": ["4", "5", "22"], "answer": 0},
+        {"question": "capital of France", "choices": ["Rome", "Paris"], "answer": "Paris"},
+        {"question": "color of the sky", "choices": ["green", "blue", "red", "black"], "answer": 1},
+    ]) + "\n")
+    return spec, hf_dir, task
+
+
+def test_held_out_loss_and_choices_match_transformers(setup: tuple[Path, Path, Path]) -> None:
+    spec_path, hf_dir, task = setup
+    result = evaluate(spec_path, tasks=[task])
+    assert json.loads((spec_path.parent / "run" / "eval.json").read_text())["held_out"] == result["held_out"]
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    sampler = PackedBatchSampler(spec_path.parent / "data", seq_len=SEQ, micro_batch=2, dp_rank=0, dp_size=1,
+                                 seed=1234, split="valid")
+    sums, counts = {0: 0.0, 1: 0.0}, {0: 0, 1: 0}
+    with torch.no_grad():
+        for _ in range(3):
+            batch = sampler.next_batch()
+            logits = theirs(batch.tokens[:, :-1]).logits
+            losses = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch.tokens[:, 1:].flatten(),
+                                                       reduction="none")
+            for source, loss in zip(batch.source_ids[:, 1:].flatten().tolist(), losses.tolist(), strict=True):
+                sums[source] += loss
+                counts[source] += 1
+    for index, name in enumerate(sampler.source_names):
+        if counts[index]:
+            assert result["held_out"][name]["loss"] == pytest.approx(sums[index] / counts[index], abs=1e-4)
+    # Multiple choice, scored independently with transformers (context + " choice", summed log-probs).
+    tokenizer = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    items = [json.loads(line) for line in task.read_text().splitlines()]
+    correct = 0
+    for item in items:
+        context = tokenizer.encode(f"Question: {item['question']}\nAnswer:", add_special_tokens=False).ids
+        scores = []
+        for choice in item["choices"]:
+            cont = tokenizer.encode(f" {choice}", add_special_tokens=False).ids
+            with torch.no_grad():
+                logprobs = theirs(torch.tensor([context + cont])).logits.log_softmax(-1)[0]
+            scores.append(sum(float(logprobs[len(context) - 1 + i, t]) for i, t in enumerate(cont)))
+        answer = item["answer"] if isinstance(item["answer"], int) else item["choices"].index(item["answer"])
+        correct += int(int(np.argmax(scores)) == answer)
+    assert result["tasks"]["arith"]["acc"] == pytest.approx(correct / len(items))
+    assert result["tasks"]["arith"]["num_questions"] == 3
+
+
+def test_bad_task_file_exits_2_naming_the_line(setup: tuple[Path, Path, Path], tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    spec_path, _, _ = setup
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q", "choices": ["a", "b"], "answer": 0}\n{"question": "q", "choices": ["a"]}\n')
+    assert main(["eval", str(spec_path), "--tasks", str(bad)]) == 2
+    assert "bad.jsonl:2: needs a string 'question' and a list 'choices'" in capsys.readouterr().err
