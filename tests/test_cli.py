@@ -69,3 +69,37 @@ def test_alert_rules_command_writes_prometheus_rules(tmp_path: Path) -> None:
     assert main(["alert-rules", str(ROOT / "examples/tiny-cpu.yaml"), "--out", str(out)]) == 0
     names = [rule["alert"] for rule in yaml.safe_load(out.read_text())["groups"][0]["rules"]]
     assert "LeantrainNoProgress" in names and "LeantrainLossSpike" in names
+
+
+def test_typo_suggests_the_field_and_set_errors_name_the_override(capsys: pytest.CaptureFixture[str]) -> None:
+    tiny = str(ROOT / "examples/tiny-cpu.yaml")
+    assert main(["check", tiny, "--set", "training.warmup_step=5", "--set", "training.lr=abc"]) == 2
+    err = capsys.readouterr().err
+    assert "training.warmup_step: unknown field; did you mean `warmup_steps`?" in err
+    assert "from --set training.warmup_step=5" in err and "from --set training.lr=abc" in err
+    assert main(["check", tiny, "--set", "fault.zzz=1"]) == 2
+    assert "allowed: auto_restart" in capsys.readouterr().err  # no close name: the section's fields
+
+
+def test_batch_error_proposes_values_that_divide(capsys: pytest.CaptureFixture[str]) -> None:
+    tiny = str(ROOT / "examples/tiny-cpu.yaml")  # micro_batch 4 × seq_len 128 × dp 2 = 1024 tokens a micro-step
+    assert main(["check", tiny, "--set", "training.global_batch_tokens=5000"]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "set training.global_batch_tokens to 4096 or 5120" in err
+    assert main(["check", tiny, "--set", "training.global_batch_tokens=1536"]) == 2
+    assert "or training.micro_batch to 1, 2, 3, 6" in " ".join(capsys.readouterr().err.split())
+
+
+def test_plot_without_what_if_is_an_error(capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    assert main(["plan", str(ROOT / "examples/tiny-cpu.yaml"), "--plot", str(tmp_path / "p.png")]) == 2
+    assert "--what-if" in capsys.readouterr().err
+
+
+def test_human_units() -> None:
+    from leantrain.render import human_count, human_days, human_money, plural
+
+    assert human_count(131_000) == "0.131M" and human_count(9.99e9) == "9.99B" and human_count(12) == "12"
+    assert human_money(0.00031) == "0.00031 USD" and human_money(208_333.3) == "208,333 USD"
+    assert human_money(0) == "0 USD" and human_money(12.5, "EUR") == "12.50 EUR"
+    assert plural(1, "node") == "1 node" and plural(16, "node") == "16 nodes"
+    assert human_days(30.2) == "30.2 days" and human_days(20 / 86400) == "20 s" and human_days(0.02) == "29 min"

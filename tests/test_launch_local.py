@@ -182,3 +182,26 @@ def test_moe_balance_sums_over_the_data_parallel_group_only(monkeypatch: pytest.
         assert counts is not None and counts.shape == (2, 4)
         assert seen and all(g is mesh["dp"].get_group() for g in seen)
         assert mesh["dp"].size() == 2
+
+
+def test_ranks_run_with_a_quiet_profiler_unless_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    from leantrain.launch.torchrun import torchrun_env
+
+    monkeypatch.delenv("KINETO_LOG_LEVEL", raising=False)
+    assert torchrun_env()["KINETO_LOG_LEVEL"] == "6"  # above kineto's USDT level: no profiler_start/stop lines
+    monkeypatch.setenv("KINETO_LOG_LEVEL", "0")
+    assert torchrun_env()["KINETO_LOG_LEVEL"] == "0"
+
+
+def test_more_ranks_than_cores_or_gpus_warns() -> None:
+    from leantrain.launch.torchrun import oversubscription_warnings
+    from leantrain.spec import load_spec
+
+    repo = Path(__file__).resolve().parents[1]
+    tiny = load_spec(repo / "examples" / "tiny-cpu.yaml")
+    (warning,) = oversubscription_warnings(tiny, nproc=8, num_cpus=2)
+    assert "8 ranks on 2 CPU core(s)" in warning
+    assert oversubscription_warnings(tiny, nproc=2, num_cpus=2) == []
+    seed = load_spec(repo / "examples" / "seed-10b.yaml")
+    warnings = oversubscription_warnings(seed, nproc=16, num_gpus=8)
+    assert any("gpus_per_node (8)" in w for w in warnings) and any("8 GPU(s) visible" in w for w in warnings)
