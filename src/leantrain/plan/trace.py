@@ -41,10 +41,11 @@ def planned_single_gpu(spec: JobSpec, *, micro_batch: int, recompute: str) -> di
     layout = Layout(dp=1, tp=1, pp=1, zero=0, micro_batch=micro_batch, recompute=recompute)  # type: ignore[arg-type]
     mem = memory_per_gpu(inputs, layout, num_microbatches=1)
     shape, tokens = inputs.shape, micro_batch * inputs.seq_len
-    saved = head_activation_bytes(shape, tokens=tokens, act_bytes=inputs.act_bytes, tp=1)
+    saved = head_activation_bytes(shape, tokens=tokens, act_bytes=inputs.act_bytes, tp=1, fused=inputs.fused_kernels)
     for layer in range(shape.n_layers):
         terms = activation_terms(shape, seq_len=inputs.seq_len, act_bytes=inputs.act_bytes,
-                                 flash=inputs.flash_attention, moe_layer=layer >= shape.num_dense_layers)
+                                 flash=inputs.flash_attention, moe_layer=layer >= shape.num_dense_layers,
+                                 fused=inputs.fused_kernels, linear_bytes=inputs.linear_input_bytes)
         saved += layer_activation_bytes(terms, tokens=tokens, tp=1, sp=False, recompute=recompute,  # type: ignore[arg-type]
                                         act_bytes=inputs.act_bytes, d_model=shape.d_model)
     return {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer, "activations": saved}
@@ -99,6 +100,46 @@ def trace_single_gpu(spec: JobSpec, *, micro_batch: int, recompute: str) -> dict
             "optimizer": float(sum(t.numel() * t.element_size() for t in states)),
             "activations": activations,
         }
+
+
+COMPILED_TRACE_MAX_PARAMS = 50_000_000
+
+
+def trace_compiled_activations(spec: JobSpec, *, micro_batch: int) -> float:
+    """Bytes autograd saves for one micro-batch when the blocks run under torch.compile, as `training.compile`
+    does: the fused count's check. Compilation needs real tensors, so only small models (CPU, seconds)."""
+    import torch
+    import torch.nn.functional as F
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    from leantrain.model.transformer import Transformer, model_args_from_spec, rope_tables
+
+    seq_len = spec.data.seq_len
+    args = model_args_from_spec(spec.model, max_seq_len=seq_len)
+    if args.shape.total_params() > COMPILED_TRACE_MAX_PARAMS:
+        raise UserInputError(f"the compiled trace builds real weights: at most {COMPILED_TRACE_MAX_PARAMS:,} "
+                             f"parameters, this model has {args.shape.total_params():,}")
+    dtype = getattr(torch, TORCH_DTYPES[spec.precision.compute])
+    previous_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = Transformer(args)
+    finally:
+        torch.set_default_dtype(previous_dtype)
+    model.rope = rope_tables(head_dim=args.shape.head_dim, max_seq_len=seq_len, theta=args.rope_theta)
+    model.compile_blocks()
+    own = {StorageWeakRef(t.untyped_storage()) for t in [*model.parameters(), *model.buffers()]}
+    saved: dict[StorageWeakRef, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved[StorageWeakRef(tensor.untyped_storage())] = tensor.untyped_storage().nbytes()
+        return tensor
+
+    tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        logits = model(tokens)
+        F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
+    return float(sum(n for ref, n in saved.items() if ref not in own))
 
 
 def compare(spec: JobSpec, *, micro_batch: int = 1, recompute: str = "none") -> TraceComparison:
