@@ -128,6 +128,36 @@ def test_yaml_syntax_error_names_line(tmp_path: Path) -> None:
         load_spec(write(tmp_path, "task: pretrain\nmodel: [size_billion: 1\ndata: {}\n"))
 
 
+def test_duplicate_keys_are_refused_with_both_lines(tmp_path: Path) -> None:
+    text = yaml.safe_dump(TINY, sort_keys=False) + "training:\n  lr: 1.0e-3\n"  # a second `training:` section
+    first = 1 + text.splitlines().index("training:")
+    with pytest.raises(SpecError) as raised:
+        load_spec(write(tmp_path, text))
+    assert f"duplicate key 'training' at lines {first} and {len(text.splitlines()) - 1}" in str(raised.value)
+    nested = "model: {n_layers: 2, d_model: 64, n_layers: 4}\n"
+    with pytest.raises(SpecError, match="duplicate key 'n_layers' at lines 1 and 1"):
+        load_spec(write(tmp_path, nested, "nested.yaml"))
+    merged = "base: &b {seq_len: 128}\ndata:\n  <<: *b\n  tokens_total: 1.0e+5\n"  # YAML's own overlay: fine
+    with pytest.raises(SpecError) as raised:
+        load_spec(write(tmp_path, merged, "merge.yaml"))
+    assert "duplicate key" not in str(raised.value)
+
+
+@pytest.mark.parametrize(("path", "value", "needle"), [
+    ("training.max_steps", 10**29, "training.max_steps"),
+    ("training.max_steps", 1e29, "training.max_steps"),
+    ("training.warmup_steps", 10**12, "training.warmup_steps"),
+    ("training.seed", 2**64, "training.seed"),
+    ("checkpoint.keep_last", 10**20, "checkpoint.keep_last"),
+    ("data.seq_len", 2**60, "data.seq_len"),
+    ("monitoring.prometheus_port", 70000, "monitoring.prometheus_port"),
+])
+def test_integers_out_of_range_are_refused_naming_the_field(path: str, value: object, needle: str) -> None:
+    with pytest.raises(SpecError) as raised:
+        spec_from_dict(with_change(path, value))
+    assert needle in str(raised.value)
+
+
 def test_missing_file_is_a_user_error(tmp_path: Path) -> None:
     with pytest.raises(UserInputError, match="does not exist"):
         load_spec(tmp_path / "nope.yaml")

@@ -177,6 +177,7 @@ class AlertEngine:
         plan_mfu: float | None = None,
         hang_timeout_s: float = 600.0,
         disk_path: Path | None = None,
+        disk_paths: Sequence[Path] = (),
         clock: Callable[[], float] = time.time,
         on_close: Sequence[Callable[[], None]] = (),
     ) -> None:
@@ -184,7 +185,8 @@ class AlertEngine:
         self.outputs = list(outputs)
         self.plan_mfu = plan_mfu
         self.hang_timeout_s = self.rules.hang.timeout_s or hang_timeout_s
-        self.disk_path = disk_path
+        # Every folder the run writes to (run dir, checkpoint location, staged data): low_disk watches each.
+        self.disk_paths = list(dict.fromkeys([*([disk_path] if disk_path is not None else []), *disk_paths]))
         self.clock = clock
         self.on_close = list(on_close)  # e.g. the webhook sender's close: deliver what is queued
         self.firing: dict[str, Alert] = {}
@@ -259,23 +261,26 @@ class AlertEngine:
                 message = (f"no step for {idle_s:.0f} s (last step {self._last_step}; "
                            f"timeout {self.hang_timeout_s:.0f} s)")
                 self._update("hang", True, message, now, {"step": self._last_step})
-            if self.disk_path is not None and now - self._last_disk_check_s >= self.rules.low_disk.check_every_s:
+            if self.disk_paths and now - self._last_disk_check_s >= self.rules.low_disk.check_every_s:
                 self._last_disk_check_s = now
                 self._check_disk(now)
 
     def _check_disk(self, now: float) -> None:
+        """One `low_disk` alert naming every watched folder that is short of space (or cannot be read)."""
         rule = self.rules.low_disk
-        try:
-            usage = shutil.disk_usage(self.disk_path)  # type: ignore[arg-type]
-        except OSError as err:
-            self._update("low_disk", True, f"cannot stat {self.disk_path}: {err}", now, {})
-            return
-        low = usage.free < rule.min_free_bytes or usage.free < rule.min_free_fraction * usage.total
-        message = (
-            f"{usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.1f} GiB at {self.disk_path} "
-            f"(limit {rule.min_free_bytes / 2**30:.1f} GiB or {rule.min_free_fraction:.0%})"
-        )
-        self._update("low_disk", low, message, now, {"step": self._last_step})
+        problems, states = [], []
+        for path in self.disk_paths:
+            try:
+                usage = shutil.disk_usage(_existing_parent(path))
+            except OSError as err:
+                problems.append(f"cannot stat {path}: {err}")
+                continue
+            low = usage.free < rule.min_free_bytes or usage.free < rule.min_free_fraction * usage.total
+            state = f"{usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.1f} GiB at {path}"
+            (problems if low else states).append(state)
+        limit = f"(limit {rule.min_free_bytes / 2**30:.1f} GiB or {rule.min_free_fraction:.0%})"
+        message = "; ".join(problems or states) + f" {limit}"
+        self._update("low_disk", bool(problems), message, now, {"step": self._last_step})
 
     # -- rules ---------------------------------------------------------------------------------------------
     def _evaluate(self, record: dict[str, Any]) -> dict[str, Verdict]:
@@ -441,6 +446,25 @@ class ConsoleAlertOutput:
         )
 
 
+def _existing_parent(path: Path) -> Path:
+    """A folder not created yet (a checkpoint location before the first save) is on its parent's disk."""
+    path = Path(path)
+    while not path.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def watched_dirs(spec: Any, *, run_dir: Path) -> list[Path]:
+    """The run dir, a local checkpoint location elsewhere (checkpoint.url) and the staged data dir."""
+    dirs = [Path(run_dir)]
+    ck = spec.checkpoint
+    if ck.storage == "local" and ck.url:
+        dirs.append(Path(ck.url))
+    if getattr(spec.cluster, "data_url", None):
+        dirs.append(Path(spec.data.dir))
+    return list(dict.fromkeys(dirs))
+
+
 def engine_from_spec(
     spec: Any, *, run_dir: Path, console: Any = None, plan: dict[str, Any] | None = None, watchdog: bool = True
 ) -> AlertEngine:
@@ -457,7 +481,7 @@ def engine_from_spec(
     plan_mfu = ((plan or {}).get("throughput") or {}).get("mfu")
     engine = AlertEngine(
         rules=load_rules(monitoring.alert_rules), outputs=outputs, plan_mfu=plan_mfu,
-        hang_timeout_s=monitoring.hang_timeout_s, disk_path=Path(run_dir),
+        hang_timeout_s=monitoring.hang_timeout_s, disk_paths=watched_dirs(spec, run_dir=Path(run_dir)),
         on_close=[sender.close] if sender is not None else [],
     )
     if watchdog:

@@ -3,20 +3,32 @@
 from __future__ import annotations
 
 import re
-from typing import Annotated
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 SECRET_REF_RE = re.compile(r"^\$\{[A-Za-z_][A-Za-z0-9_]*\}$")
 
-PositiveInt = Annotated[int, Field(gt=0)]
+# No count, size or step in a spec is larger (2**53: every integer up to it is exact as a JSON/float number);
+# fields with a tighter meaning (ports, steps) carry their own bound.
+MAX_SPEC_INT = 2**53
+MAX_STEPS = 10**9  # optimizer steps: a billion is beyond any run (Llama 3 405B: on the order of a million)
+PositiveInt = Annotated[int, Field(gt=0, le=MAX_SPEC_INT)]
 Fraction = Annotated[float, Field(gt=0, le=1)]
 
 
 class Section(BaseModel):
-    """Base for every spec section: unknown keys are errors, so a typo never silently does nothing."""
+    """Base for every spec section: unknown keys are errors, so a typo never silently does nothing; integers
+    beyond MAX_SPEC_INT (e.g. `max_steps: 1e29`) are refused, naming the field."""
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True)
+
+    @field_validator("*", mode="after")
+    @classmethod
+    def _bounded_integers(cls, value: Any) -> Any:
+        if isinstance(value, int) and not isinstance(value, bool) and abs(value) > MAX_SPEC_INT:
+            raise ValueError(f"{value:.3g} is out of range (at most 2**53 = {MAX_SPEC_INT:,})")
+        return value
 
 
 SecretRef = Annotated[

@@ -293,15 +293,48 @@ def _resolve_init_from(merged: dict[str, Any], base_dir: Path) -> None:
         model["init_from"] = str(path if path.is_absolute() else base_dir / path)
 
 
+class DuplicateKeyError(yaml.YAMLError):
+    """A mapping names the same key twice: YAML would keep the last silently."""
+
+    def __init__(self, key: Any, first_line: int, second_line: int) -> None:
+        super().__init__(f"duplicate key {key!r} at lines {first_line} and {second_line} (the second would "
+                         "silently replace the first): keep one")
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """yaml.SafeLoader that refuses duplicate keys in any mapping (merge keys `<<` are YAML's own overlay)."""
+
+
+def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
+    seen: dict[Any, int] = {}
+    for key_node, _ in node.value:
+        if key_node.tag == "tag:yaml.org,2002:merge":
+            continue
+        key = loader.construct_object(key_node, deep=deep)
+        line = key_node.start_mark.line + 1
+        try:
+            if key in seen:
+                raise DuplicateKeyError(key, seen[key], line)
+            seen[key] = line
+        except TypeError:  # an unhashable key: the default constructor reports it
+            break
+    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 def load_spec(path: str | Path, *, profile: str | None = None, overrides: list[str] | None = None) -> JobSpec:
     """Load and validate a YAML job spec file."""
     path = Path(path)
     if not path.is_file():
         raise UserInputError(f"spec file {path} does not exist or is not a file")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
     except UnicodeDecodeError as err:
         raise SpecError([f"not UTF-8 text ({err.reason} at byte {err.start})"], source=str(path)) from None
+    except DuplicateKeyError as err:
+        raise SpecError([str(err)], source=str(path)) from None
     except yaml.YAMLError as err:
         mark = getattr(err, "problem_mark", None)
         where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""

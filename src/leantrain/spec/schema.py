@@ -14,7 +14,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from leantrain.hardware import accelerator_names, canonical_name
-from leantrain.spec.base import SECRET_REF_RE, Fraction, PositiveInt, SecretRef, Section
+from leantrain.spec.base import MAX_STEPS, SECRET_REF_RE, Fraction, PositiveInt, SecretRef, Section
 from leantrain.spec.data_schema import (
     CleaningSpec,
     DataSource,
@@ -89,11 +89,11 @@ class TrainingSpec(Section):
     micro_batch: PositiveInt = Field(1, description="Sequences per rank per forward/backward.")
     lr: float = Field(3e-4, gt=0, le=1, description="Peak learning rate.")
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="Final LR as a fraction of the peak.")
-    warmup_steps: int = Field(2000, ge=0, description="Linear warm-up steps.")
+    warmup_steps: int = Field(2000, ge=0, le=MAX_STEPS, description="Linear warm-up steps.")
     schedule: Literal["cosine", "wsd", "constant"] = Field("cosine", description="LR schedule after warm-up.")
     decay_fraction: float = Field(0.2, gt=0, le=1, description="WSD: share of steps spent decaying.")
     max_steps: PositiveInt | None = Field(
-        None, description="Optimizer steps; default tokens_total / global_batch_tokens."
+        None, le=MAX_STEPS, description="Optimizer steps; default tokens_total / global_batch_tokens."
     )
     weight_decay: float = Field(0.1, ge=0, description="AdamW weight decay.")
     beta1: float = Field(0.9, ge=0, lt=1, description="AdamW beta1.")
@@ -162,6 +162,10 @@ class FaultSpec(Section):
     collective_timeout_s: float = Field(
         600.0, gt=0, le=86400,
         description="Process-group timeout: a collective stuck this long aborts the job so it restarts, seconds.",
+    )
+    hang_action: Literal["abort", "alert"] = Field(
+        "abort", description="No step on a rank for monitoring.hang_timeout_s: abort so the elastic agent restarts "
+        "the group (under torchrun with auto_restart), or only alert.",
     )
     preempt_check_every: PositiveInt = Field(
         1, description="Steps between the ranks' agreement on a preemption signal (one tiny all-reduce)."
