@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-import leantrain.observe.alerts as alerts
-from leantrain.observe.alerts import AlertEngine, AlertRules, LowDiskRule, watched_dirs
+import leantrain.observe.disk as disk
+from leantrain.observe.alerts import AlertEngine, AlertRules, LowDiskRule
+from leantrain.observe.disk import watched_dirs
 from leantrain.spec import spec_from_dict
 
 Usage = namedtuple("Usage", "total used free")
@@ -40,7 +41,7 @@ def test_low_disk_fires_for_the_checkpoint_disk_when_the_run_dir_is_fine(
             return Usage(total=100 * 2**30, used=99.5 * 2**30, free=0.5 * 2**30)
         return Usage(*real(path))
 
-    monkeypatch.setattr(alerts.shutil, "disk_usage", usage)
+    monkeypatch.setattr(disk.shutil, "disk_usage", usage)
     rules = AlertRules(low_disk=LowDiskRule(min_free_bytes=2**30, min_free_fraction=0.0, check_every_s=1))
     engine = AlertEngine(rules=rules, disk_paths=[run_dir])
     engine.check_idle(time.time())

@@ -10,7 +10,6 @@ judge a run by exactly the rules that watched it.
 from __future__ import annotations
 
 import math
-import shutil
 import statistics
 import threading
 import time
@@ -24,6 +23,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from leantrain.errors import UserInputError
+from leantrain.observe.disk import disk_report, watched_dirs
 from leantrain.observe.report_data import ALERTS_FILE, append_jsonl, as_float
 
 Severity = Literal["info", "warning", "critical"]
@@ -267,20 +267,8 @@ class AlertEngine:
 
     def _check_disk(self, now: float) -> None:
         """One `low_disk` alert naming every watched folder that is short of space (or cannot be read)."""
-        rule = self.rules.low_disk
-        problems, states = [], []
-        for path in self.disk_paths:
-            try:
-                usage = shutil.disk_usage(_existing_parent(path))
-            except OSError as err:
-                problems.append(f"cannot stat {path}: {err}")
-                continue
-            low = usage.free < rule.min_free_bytes or usage.free < rule.min_free_fraction * usage.total
-            state = f"{usage.free / 2**30:.1f} GiB free of {usage.total / 2**30:.1f} GiB at {path}"
-            (problems if low else states).append(state)
-        limit = f"(limit {rule.min_free_bytes / 2**30:.1f} GiB or {rule.min_free_fraction:.0%})"
-        message = "; ".join(problems or states) + f" {limit}"
-        self._update("low_disk", bool(problems), message, now, {"step": self._last_step})
+        low, message = disk_report(self.disk_paths, self.rules.low_disk)
+        self._update("low_disk", low, message, now, {"step": self._last_step})
 
     # -- rules ---------------------------------------------------------------------------------------------
     def _evaluate(self, record: dict[str, Any]) -> dict[str, Verdict]:
@@ -444,25 +432,6 @@ class ConsoleAlertOutput:
         self.console.print(
             f"[{colour}]alert {record['state']}[/] {record['severity']} {record['rule']}: {escape(record['message'])}"
         )
-
-
-def _existing_parent(path: Path) -> Path:
-    """A folder not created yet (a checkpoint location before the first save) is on its parent's disk."""
-    path = Path(path)
-    while not path.exists() and path.parent != path:
-        path = path.parent
-    return path
-
-
-def watched_dirs(spec: Any, *, run_dir: Path) -> list[Path]:
-    """The run dir, a local checkpoint location elsewhere (checkpoint.url) and the staged data dir."""
-    dirs = [Path(run_dir)]
-    ck = spec.checkpoint
-    if ck.storage == "local" and ck.url:
-        dirs.append(Path(ck.url))
-    if getattr(spec.cluster, "data_url", None):
-        dirs.append(Path(spec.data.dir))
-    return list(dict.fromkeys(dirs))
 
 
 def engine_from_spec(
