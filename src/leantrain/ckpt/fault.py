@@ -8,6 +8,8 @@ Set in the environment of every rank (torchrun passes it on to the workers it re
                                        save and before the commit (a half-written checkpoint)
     LEANTRAIN_FAULT_CORRUPT_LATEST=1   first flip one byte of the newest committed checkpoint, so the resume
                                        has to detect it and fall back to the one before
+    LEANTRAIN_FAULT_FREEZE=1           SIGSTOP instead of SIGKILL: the rank hangs (a stuck GPU or NIC); the
+                                       others' hang watchdog (train/hang.py) must abort so the group restarts
 
 Before dying, rank r writes `run_dir/fault-injected.json` (step, rank, wall time, restart attempt) and fsyncs
 it. The marker makes the fault fire once: workers restarted by torchrun find it and train on, and the restart
@@ -32,6 +34,7 @@ ENV_KILL_AT_STEP = "LEANTRAIN_FAULT_KILL_AT_STEP"
 ENV_KILL_RANK = "LEANTRAIN_FAULT_KILL_RANK"
 ENV_DURING_SAVE = "LEANTRAIN_FAULT_DURING_SAVE"
 ENV_CORRUPT_LATEST = "LEANTRAIN_FAULT_CORRUPT_LATEST"
+ENV_FREEZE = "LEANTRAIN_FAULT_FREEZE"
 MARKER_FILE = "fault-injected.json"
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
 
@@ -44,6 +47,7 @@ class FaultPlan:
     kill_rank: int = 0
     during_save: bool = False
     corrupt_latest: bool = False
+    freeze: bool = False
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | os._Environ[str] | None = None) -> FaultPlan | None:
@@ -57,13 +61,14 @@ class FaultPlan:
             kill_at_step=int(step), kill_rank=int(env.get(ENV_KILL_RANK, "0") or 0),
             during_save=env.get(ENV_DURING_SAVE, "") in ("1", "true", "yes"),
             corrupt_latest=env.get(ENV_CORRUPT_LATEST, "") in ("1", "true", "yes"),
+            freeze=env.get(ENV_FREEZE, "") in ("1", "true", "yes"),
         )
 
     def to_env(self) -> dict[str, str]:
         """The environment variables that arm this plan (for a launcher)."""
         return {ENV_KILL_AT_STEP: str(self.kill_at_step), ENV_KILL_RANK: str(self.kill_rank),
                 ENV_DURING_SAVE: "1" if self.during_save else "0",
-                ENV_CORRUPT_LATEST: "1" if self.corrupt_latest else "0"}
+                ENV_CORRUPT_LATEST: "1" if self.corrupt_latest else "0", ENV_FREEZE: "1" if self.freeze else "0"}
 
 
 def restart_attempt() -> int:
@@ -146,4 +151,4 @@ class FaultInjector:
             out.write(json.dumps(record) + "\n")
             out.flush()
             os.fsync(out.fileno())
-        os.kill(os.getpid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGSTOP if self.plan.freeze else signal.SIGKILL)

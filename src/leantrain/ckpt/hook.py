@@ -32,7 +32,9 @@ in the run registry after the commit, so `leantrain runs RUN_DIR` lists it.
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import math
 import socket
 import time
 from pathlib import Path
@@ -56,6 +58,7 @@ from leantrain.ckpt.resume import (
 )
 from leantrain.ckpt.rng import RankRNGState
 from leantrain.ckpt.storage import LocalStore
+from leantrain.ckpt.watchdog import HangWatchdog, read_hang, under_elastic_agent
 
 log = logging.getLogger("leantrain.ckpt")
 COUNTERS = ("step", "tokens_seen", "skipped_steps")
@@ -117,6 +120,11 @@ class TrainerCheckpointer:
         self.stop_reason: str | None = None  # why the loop should stop: "preempted" or "checkpoint requested"
         plan = FaultPlan.from_env()
         self.fault = None if plan is None else FaultInjector(plan, run_dir=trainer.run_dir, rank=trainer.runtime.rank)
+        fault = trainer.spec.fault
+        self.watchdog = HangWatchdog(
+            timeout_s=trainer.spec.monitoring.hang_timeout_s, run_dir=trainer.run_dir, rank=trainer.runtime.rank,
+            attempt=self.attempt,
+        ).start() if fault.auto_restart and fault.hang_action == "abort" and under_elastic_agent() else None
 
     def app_state(self, trainer: Any) -> dict[str, Any]:
         return {
@@ -220,10 +228,14 @@ class TrainerCheckpointer:
         marker = read_marker(self.manager.run_dir)
         planned = marker is not None and int(marker.get("attempt", -1)) == self.attempt - 1
         failed_at = float(marker["time"]) if planned and marker else self.last_alive_s
+        hang = read_hang(self.manager.run_dir)
+        hung = hang is not None and int(hang.get("attempt", -1)) == self.attempt - 1
+        if hung and hang and hang.get("last_step_time") is not None:  # lost: from the last step, not the abort
+            failed_at = min(float(hang["last_step_time"]), failed_at or math.inf)
         recovery_s = None if failed_at is None else max(0.0, time.time() - failed_at)
         self.manager.events.emit(
             "restart", attempt=self.attempt, resumed_from=resumed_from, recovery_s=recovery_s, planned=planned,
-            cause="drill" if planned else "worker failure", host=socket.gethostname(),
+            cause="hang" if hung else "drill" if planned else "worker failure", host=socket.gethostname(),
             killed_step=marker.get("step") if planned and marker else None,
             startup_s=time.time() - self.started_s,
         )
@@ -244,12 +256,15 @@ class TrainerCheckpointer:
             if self.fault is not None:
                 self.fault.before_save(step, self.manager)
             try:
-                self.manager.save(step, self.app_state(trainer), blocking=True if force or requested else None)
+                with self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext():
+                    self.manager.save(step, self.app_state(trainer), blocking=True if force or requested else None)
             except CheckpointSaveError as err:  # already in events.jsonl; the alert engine hears of it below
                 self._save_failed(err)
         if requested:
             self._serve_request(step)
         self._note_saves()
+        if self.watchdog is not None:
+            self.watchdog.tick(step)
         if self.fault is not None:
             self.fault.after_step(step, self.manager)
 
@@ -318,6 +333,8 @@ class TrainerCheckpointer:
     def close(self) -> None:
         """Finish a pending save. When the run already stopped on `max_consecutive_failures`, that reason is
         kept: the pending save's own failure is logged and counted, not raised over it."""
+        if self.watchdog is not None:
+            self.watchdog.stop()
         try:
             self.manager.close()
         except CheckpointSaveError as err:

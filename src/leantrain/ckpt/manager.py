@@ -25,6 +25,7 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckpointLoadError", "CheckpointManager", "CheckpointSaveError"]
 log = logging.getLogger("leantrain.ckpt")
+SAVE_GROUP_TIMEOUT_S = 1800.0
 
 
 class _AgreedFailure(OSError):
@@ -91,8 +93,11 @@ class CheckpointManager:
         self._save_pg = self._control_pg = None
         if world_size > 1 and dist.is_available() and dist.is_initialized():
             ranks = None if process_group is None else dist.get_process_group_ranks(process_group)
-            self._save_pg = process_group or self._new_group(ranks)
-            self._control_pg = self._new_group(ranks)
+            # Saves wait at their collectives for the slowest writer: at least SAVE_GROUP_TIMEOUT_S, not the
+            # (short) fault.collective_timeout_s that the main thread's agreement group gets.
+            save_timeout_s = max(spec.fault.collective_timeout_s, SAVE_GROUP_TIMEOUT_S)
+            self._save_pg = process_group or self._new_group(ranks, timeout_s=save_timeout_s)
+            self._control_pg = self._new_group(ranks, timeout_s=spec.fault.collective_timeout_s)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ckpt-save")
         self._pending: Future | None = None
         # Called with the step after this rank's files are written and before the commit (the fault drill's
@@ -123,8 +128,8 @@ class CheckpointManager:
         self.preemption = PreemptionHandler(spec.fault.preempt_signals)
         self.preempt_requested = False
 
-    def _new_group(self, ranks: list[int] | None) -> dist.ProcessGroup:
-        group = dist.new_group(ranks=ranks, backend="gloo")
+    def _new_group(self, ranks: list[int] | None, *, timeout_s: float) -> dist.ProcessGroup:
+        group = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
         self._own_groups.append(group)
         return group
 

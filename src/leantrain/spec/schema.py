@@ -252,11 +252,33 @@ class PlanSpec(Section):
     )
 
 
+class WandbSpec(Section):
+    """Weights & Biases tracking (observe/tracking.py)."""
+
+    project: str = Field("leantrain", description="W&B project.")
+    entity: str | None = Field(None, description="W&B entity (team or user); default: the account's.")
+    mode: Literal["offline", "online", "disabled"] = Field(
+        "offline", description="offline writes under the run dir only (`wandb sync` later); online uploads."
+    )
+    dir: Path | None = Field(None, description="Folder W&B writes its `wandb/` dir into; default the run dir.")
+
+
+class MlflowSpec(Section):
+    """MLflow tracking (observe/tracking.py)."""
+
+    tracking_uri: str | None = Field(
+        None, description="MLflow tracking server or store URI; default a local file store in run dir/mlruns."
+    )
+    experiment: str = Field("leantrain", description="MLflow experiment name (created when missing).")
+
+
 class MonitoringSpec(Section):
     """Metrics, sinks and alert delivery."""
 
     log_every: PositiveInt | None = Field(None, description="Overrides training.log_every when set.")
     tensorboard: bool = Field(True, description="Write TensorBoard events under run dir/tb.")
+    wandb: WandbSpec | None = Field(None, description="Log metrics to Weights & Biases (offline by default).")
+    mlflow: MlflowSpec | None = Field(None, description="Log metrics to MLflow (a local store by default).")
     prometheus_port: int | None = Field(
         None, ge=0, le=65535, description="Serve Prometheus metrics on this port (rank 0); 0 picks a free port."
     )

@@ -1,14 +1,15 @@
 """Where this process runs: device, rank, world size, process group, determinism and per-rank RNG.
 
 One process is rank 0 of 1. Under torchrun (RANK/WORLD_SIZE set) the process group is initialised here
-(gloo on CPU, nccl on CUDA); the layout (FSDP2, TP, PP, EP on one device mesh) is `leantrain.parallel`'s,
-which the trainer drives through `ParallelModel`.
+(gloo on CPU, nccl on CUDA) with `fault.collective_timeout_s` as every group's timeout; the layout (FSDP2,
+TP, PP, EP on one device mesh) is `leantrain.parallel`'s, which the trainer drives through `ParallelModel`.
 """
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -56,10 +57,30 @@ def init_runtime(spec: JobSpec) -> Runtime:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if not dist.is_initialized():
-            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
+            timeout = set_collective_timeout(spec.fault.collective_timeout_s, cuda=device.type == "cuda")
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout)
     if spec.training.deterministic:
         set_deterministic(device)
     return Runtime(device=device, rank=rank, world_size=world_size, local_rank=local_rank)
+
+
+def set_collective_timeout(timeout_s: float, *, cuda: bool) -> timedelta:
+    """`fault.collective_timeout_s` for the default group and every group created after it.
+
+    torch gives groups made without an explicit timeout (the device mesh's, the checkpoint manager's) its
+    module default of 30 minutes (10 for NCCL), not the default group's, so that default is set too. On CUDA,
+    NCCL's async error handling (TORCH_NCCL_ASYNC_ERROR_HANDLING=1: the watchdog aborts the communicator and
+    ends the process on a timeout) turns a hung collective into a failed worker the elastic agent restarts.
+    """
+    import torch.distributed.distributed_c10d as c10d
+
+    timeout = timedelta(seconds=timeout_s)
+    c10d.default_pg_timeout = timeout
+    if isinstance(getattr(c10d, "default_pg_nccl_timeout", None), timedelta):
+        c10d.default_pg_nccl_timeout = timeout
+    if cuda:
+        os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1")
+    return timeout
 
 
 def set_deterministic(device: torch.device) -> None:

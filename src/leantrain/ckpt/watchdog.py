@@ -1,0 +1,121 @@
+"""The hang watchdog: a rank that sees no training step for `monitoring.hang_timeout_s` aborts, so the elastic
+agent restarts the whole group from the newest checkpoint instead of idling until a collective timeout.
+
+Every rank runs one (a daemon thread). A frozen rank (a stuck GPU, NIC or a SIGSTOP) cannot act; the healthy
+ones are blocked in a collective waiting for it, so their own steps stop too: their watchdogs fire, write a
+`hang_abort` event and RUN_DIR/hang.json (the last step and its wall time), and end the process with
+HANG_EXIT_CODE. torchrun then tears the group down (SIGKILL for the frozen one) and restarts it; the next
+attempt's `restart` event has cause `hang` and counts the recovery from the last step, i.e. the time lost.
+`fault.collective_timeout_s` (train/runtime.py) is the backstop for a collective that never returns.
+
+It only aborts under an elastic agent with `fault.auto_restart` and `fault.hang_action: abort`; otherwise the
+hang alert (observe/alerts.py) reports it and nothing is killed. Time inside a checkpoint save is not counted
+(`paused`): the save's own group has its own timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger("leantrain.ckpt")
+
+HANG_FILE = "hang.json"
+HANG_EXIT_CODE = 75  # EX_TEMPFAIL: try again (the agent restarts the group)
+ELASTIC_ENV = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
+
+
+def under_elastic_agent(environ: dict[str, str] | os._Environ[str] | None = None) -> bool:
+    env = os.environ if environ is None else environ
+    return any(name in env for name in ELASTIC_ENV)
+
+
+def read_hang(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads((Path(run_dir) / HANG_FILE).read_text(encoding="utf-8"))
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+class HangWatchdog:
+    """Fires once when no `tick` came for `timeout_s` (armed by the first tick, not counted while paused)."""
+
+    def __init__(self, *, timeout_s: float, run_dir: Path, rank: int, attempt: int,
+                 on_hang: Callable[[], None] | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.timeout_s, self.run_dir, self.rank, self.attempt = timeout_s, Path(run_dir), rank, attempt
+        self.on_hang = on_hang or (lambda: os._exit(HANG_EXIT_CODE))
+        self.clock = clock
+        self.step: int | None = None
+        self.fired = False
+        self._last_tick: float | None = None
+        self._last_tick_wall: float | None = None
+        self._paused = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
+        self._poll_s = max(0.05, min(2.0, timeout_s / 40))
+
+    def start(self) -> HangWatchdog:
+        self._thread.start()
+        return self
+
+    def tick(self, step: int) -> None:
+        """A step finished on this rank."""
+        self.step, self._last_tick, self._last_tick_wall = step, self.clock(), time.time()
+
+    @contextlib.contextmanager
+    def paused(self) -> Iterator[None]:
+        self._paused += 1
+        try:
+            yield
+        finally:
+            self._paused -= 1
+            if self._last_tick is not None:
+                self._last_tick = self.clock()  # the save was progress
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive() and threading.current_thread() is not self._thread:
+            self._thread.join(timeout=5)
+
+    def check(self) -> bool:
+        """Fire if the timeout passed (the thread calls this; tests may call it directly)."""
+        if self.fired or self._paused or self._last_tick is None:
+            return False
+        idle_s = self.clock() - self._last_tick
+        if idle_s < self.timeout_s:
+            return False
+        self.fired = True
+        self._record(idle_s)
+        self.on_hang()
+        return True
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._poll_s):
+            if self.check():
+                return
+
+    def _record(self, idle_s: float) -> None:
+        from leantrain.observe.report_data import append_event
+
+        record = {"rank": self.rank, "host": socket.gethostname(), "last_step": self.step, "idle_s": idle_s,
+                  "last_step_time": self._last_tick_wall, "attempt": self.attempt, "timeout_s": self.timeout_s}
+        log.error("rank %d: no training step for %.0f s after step %s (monitoring.hang_timeout_s=%g): aborting so "
+                  "the elastic agent restarts the group from the newest checkpoint", self.rank, idle_s, self.step,
+                  self.timeout_s)
+        try:
+            append_event(self.run_dir, "hang_abort", **record)
+            path = self.run_dir / HANG_FILE
+            path.write_text(json.dumps({**record, "time": time.time()}) + "\n", encoding="utf-8")
+        except OSError as err:  # the abort matters more than its record
+            log.error("could not record the hang: %s", err)
+        for handler in logging.getLogger().handlers + log.handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
