@@ -79,3 +79,23 @@ def test_other_hardware_or_missing_files_are_refused(tmp_path: Path) -> None:
     (run_dir / "metrics.jsonl").unlink()
     with pytest.raises(UserInputError, match="no metrics.jsonl"):
         calibrate(spec_from_dict(job(64)), [run_dir])
+
+
+@pytest.mark.slow
+def test_calibrate_on_a_real_training_run(tmp_path: Path) -> None:
+    """A run dir written by `leantrain train` (tiny CPU job): the calibrated plan predicts its step time."""
+    from leantrain.cli import main
+    from leantrain.spec import load_spec
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    data_dir, run_dir = tmp_path / "data", tmp_path / "run"
+    assert main(["prepare", str(examples / "tiny-cpu.yaml"), "--out", str(data_dir)]) == 0
+    assert main(["train", str(examples / "tiny-cpu.yaml"), "--set", f"data.dir={data_dir}", "--run-dir",
+                 str(run_dir), "--max-steps", "12", "--set", "training.log_every=2"]) == 0
+    spec = load_spec(examples / "tiny-cpu.yaml", overrides=[f"data.dir={data_dir}"])
+    result = calibrate(spec, [run_dir])
+    (measured,) = (r["measured_step_s"] for r in result["runs"])
+    assert 0 < result["compute_efficiency"] < 1
+    out = tmp_path / "plan.json"
+    run(console=Console(file=io.StringIO()), spec=spec, json_out=out, top=1, what_if=None, calibrate=[run_dir])
+    assert json.loads(out.read_text())["throughput"]["step_s"] == pytest.approx(measured, rel=0.01)
