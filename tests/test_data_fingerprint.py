@@ -1,0 +1,43 @@
+"""prepare's input fingerprint: resolved paths and content, so the same inputs named differently or rewritten
+with the same bytes do not look like other inputs; digests are cached by stat."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+import leantrain.data.fingerprint as fp
+
+
+@pytest.fixture(autouse=True)
+def _private_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(fp.CACHE_ENV, str(tmp_path / "cache.db"))
+
+
+def test_same_content_same_version_whatever_the_path_or_mtime(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+                                                              ) -> None:
+    data = tmp_path / "corpus" / "en.jsonl"
+    data.parent.mkdir()
+    data.write_text('{"text": "hello"}\n')
+    absolute = fp.content_version(str(data))
+    monkeypatch.chdir(tmp_path)
+    assert fp.content_version("corpus/en.jsonl") == absolute  # relative or absolute: one file
+    assert fp.content_version("corpus/../corpus/en.jsonl") == absolute
+    os.utime(data, ns=(1, 1))  # rewritten with the same bytes (a builtin corpus materialised again)
+    assert fp.content_version(str(data)) == absolute
+    data.write_text('{"text": "hullo"}\n')  # same size, other bytes
+    assert fp.content_version(str(data)) != absolute
+
+
+def test_digests_are_cached_by_stat(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    data = tmp_path / "big.bin"
+    data.write_bytes(b"x" * 1000)
+    reads: list[Path] = []
+    real = fp._sha256
+    monkeypatch.setattr(fp, "_sha256", lambda path: reads.append(path) or real(path))
+    first = fp.content_version(str(data))
+    assert fp.content_version(str(data)) == first and len(reads) == 1  # not read again
+    os.utime(data, ns=(5, 5))
+    assert fp.content_version(str(data)) == first and len(reads) == 2  # stat changed: read, same content
