@@ -1,4 +1,5 @@
-"""`leantrain train SPEC --max-steps 0` under torchrun: a 2-rank ZeRO-3 build that never holds the whole model.
+"""`leantrain launch SPEC --nproc 2 --max-steps 0` (torchrun, `leantrain train` per rank): a 2-rank ZeRO-3 build
+that never holds the whole model.
 
 The model is ~100M parameters (400 MB in fp32) so that a full copy on a rank would stand out clearly against
 the process's own memory: each rank must grow by its half (200 MB) plus one parameter being generated, well
@@ -29,8 +30,8 @@ def test_two_rank_zero3_build_holds_only_its_shard(tmp_path: Path) -> None:
     spec_file = tmp_path / "spec.yaml"
     spec_file.write_text(yaml.safe_dump(raw), encoding="utf-8")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-               "-m", "leantrain.cli", "train", str(spec_file), "--run-dir", str(tmp_path / "run"), "--max-steps", "0"]
+    command = [sys.executable, "-m", "leantrain.cli", "launch", str(spec_file), "--nproc", "2",
+               "--run-dir", str(tmp_path / "run"), "--max-steps", "0"]
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").read_text().splitlines()]

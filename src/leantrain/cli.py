@@ -147,6 +147,8 @@ def launch(
     resume: ResumeOpt = "auto",
     weights_only: WeightsOnlyOpt = False,
     extend_schedule: ExtendOpt = False,
+    max_steps: Annotated[int | None, typer.Option(help="Stop after this many steps (0: build the model, "
+                                                  "record model_ready, exit).")] = None,
 ) -> None:
     """Launch distributed training with torchrun (or write a Slurm/Kubernetes job file).
 
@@ -159,7 +161,8 @@ def launch(
     _stage(
         "leantrain.launch.command", spec=job, spec_path=spec, overrides=set_ or [], profile=profile,
         nproc=nproc, nnodes=nnodes, max_restarts=max_restarts, run_dir=run_dir, dry_run=dry_run,
-        preflight=preflight, sweep=sweep, emit=emit, out=out, train_args=tuple(request.cli_args()),
+        preflight=preflight, sweep=sweep, emit=emit, out=out,
+        train_args=(*request.cli_args(), *(() if max_steps is None else ("--max-steps", str(max_steps)))),
     )
 
 
