@@ -150,4 +150,5 @@ def test_unbuildable_precision_and_pipeline_combinations_are_refused_by_the_spec
     with pytest.raises(UserInputError, match=r"model.moe.balance: aux_loss with parallelism.pipeline_parallel"):
         spec_from_dict(base | {"model": moe, "parallelism": {"pipeline_parallel": 2}})
     ok = moe | {"moe": {"num_experts": 4, "top_k": 2, "balance": "aux_free"}}
-    assert spec_from_dict(base | {"model": ok, "parallelism": {"pipeline_parallel": 2}}).parallelism.pipeline_parallel == 2
+    spec = spec_from_dict(base | {"model": ok, "parallelism": {"pipeline_parallel": 2}})
+    assert spec.parallelism.pipeline_parallel == 2
