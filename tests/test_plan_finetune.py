@@ -87,3 +87,12 @@ def test_adapter_states_follow_the_zero_level() -> None:
     assert mem[1].grads == pytest.approx(mem[0].grads)
     assert mem[2].grads == pytest.approx(mem[0].grads / 8)
     assert mem[3].params == pytest.approx(mem[0].params / 8)
+
+
+def test_lora_skips_the_frozen_weight_gradients() -> None:
+    full = finetune_inputs(LLAMA3_70B, method="full", gpus=8)
+    lora = finetune_inputs(LLAMA3_70B, method="lora", gpus=8, rank=16)
+    assert lora.adapter_params == adapter_params(lora) > 0
+    expected = full.hardware_flops_per_token("full") - full.flops.matmul / 3 + 6 * lora.adapter_params
+    assert lora.hardware_flops_per_token("full") == pytest.approx(expected)
+    assert lora.hardware_flops_per_token("none") < 0.75 * full.hardware_flops_per_token("none")

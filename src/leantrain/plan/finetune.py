@@ -14,35 +14,16 @@
 
 from __future__ import annotations
 
+from leantrain.plan.adapters import lora_param_count, per_layer_targets
 from leantrain.plan.inputs import PlanInputs
 from leantrain.spec.shapes import ModelShape
 
 NF4_BYTES_PER_PARAM = (4 + 0.127) / 8  # QLoRA §3 (Double Quantization): 4-bit values + 0.127 bits of scales
 
 
-def target_shapes(shape: ModelShape, *, moe_layer: bool) -> dict[str, tuple[int, int]]:
-    """(in, out) of each Linear a LoRA target name can mean in one of our blocks."""
-    d, kv, f = shape.d_model, shape.kv_dim, shape.ffn_hidden
-    shapes = {"wq": (d, d), "wk": (d, kv), "wv": (d, kv), "wo": (d, d)}
-    if not moe_layer:
-        shapes.update({"w1": (d, f), "w3": (d, f), "w2": (f, d)})
-    return shapes
-
-
-def _per_layer(shape: ModelShape, targets: tuple[str, ...], *, moe_layer: bool) -> list[tuple[int, int]]:
-    known = target_shapes(shape, moe_layer=moe_layer)
-    return [known[name] for name in targets if name in known]
-
-
 def adapter_params(inputs: PlanInputs) -> float:
     """Trainable adapter parameters of the whole model (0 without LoRA)."""
-    if not inputs.lora_rank:
-        return 0.0
-    shape, r = inputs.shape, inputs.lora_rank
-    total = 0.0
-    for count, moe in ((shape.num_dense_layers, False), (shape.num_moe_layers, True)):
-        total += count * sum(r * (i + o) for i, o in _per_layer(shape, inputs.lora_targets, moe_layer=moe))
-    return total
+    return lora_param_count(inputs.shape, rank=inputs.lora_rank, targets=inputs.lora_targets)
 
 
 def quantised_params(shape: ModelShape) -> float:
@@ -66,6 +47,6 @@ def adapter_activation_bytes(inputs: PlanInputs, *, tokens: int, tp: int) -> flo
     if not inputs.lora_rank:
         return 0.0
     per_token = 0.0
-    for i, _ in _per_layer(inputs.shape, inputs.lora_targets, moe_layer=False):
+    for i, _ in per_layer_targets(inputs.shape, inputs.lora_targets, moe_layer=False):
         per_token += inputs.act_bytes * (inputs.lora_rank + (i if inputs.lora_dropout > 0 else 0))
     return tokens * per_token / tp

@@ -12,6 +12,7 @@ from functools import cached_property
 from typing import Literal
 
 from leantrain.hardware import GB, get_accelerator, host_cpu_peak_flops
+from leantrain.plan.adapters import lora_param_count
 from leantrain.plan.flops import FlopsPerToken, Recompute, flops_per_token
 from leantrain.spec.schema import JobSpec
 from leantrain.spec.shapes import ModelShape, resolve_shape
@@ -76,6 +77,7 @@ class PlanInputs:
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
     lora_dropout: float = 0.0
+    adapter_params: float = 0.0  # LoRA adapter parameters of the whole model (plan/finetune.py)
     fp8_speedup: float = 1.0  # compute rate over bf16 for fp8 GEMMs (peak_flops stays the bf16 peak)
 
     @cached_property
@@ -96,7 +98,12 @@ class PlanInputs:
         return self.finetune in ("none", "full")
 
     def hardware_flops_per_token(self, recompute: Recompute) -> float:
-        return self.flops.hardware(recompute)
+        """FLOPs executed per token. LoRA/QLoRA skip the frozen base's weight-gradient matmuls (a third of
+        its 6·N) and add the adapters' own 6 FLOPs per adapter parameter."""
+        flops = self.flops.hardware(recompute)
+        if not self.trains_base:
+            flops += -self.flops.matmul / 3 + 6.0 * self.adapter_params
+        return flops
 
     def with_memory(self, memory_bytes: float) -> PlanInputs:
         return replace(self, memory_bytes=memory_bytes)
@@ -132,7 +139,7 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
     kernels = knobs.activation_kernels
     fused = spec.training.compile if kernels == "auto" else kernels == "fused"
     ft = spec.finetune
-    return PlanInputs(
+    return _with_adapters(PlanInputs(
         shape=shape,
         flops=flops_per_token(shape, seq_len=spec.data.seq_len, causal_halving=knobs.causal_halving),
         seq_len=spec.data.seq_len,
@@ -168,7 +175,14 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
         lora_targets=tuple(ft.lora.targets),
         lora_dropout=ft.lora.dropout,
         fp8_speedup=fp8_speedup,
-    )
+    ))
+
+
+def _with_adapters(inputs: PlanInputs) -> PlanInputs:
+    if not inputs.lora_rank:
+        return inputs
+    count = lora_param_count(inputs.shape, rank=inputs.lora_rank, targets=inputs.lora_targets)
+    return replace(inputs, adapter_params=count)
 
 
 def sequences_per_step(inputs: PlanInputs) -> int:
