@@ -409,3 +409,31 @@ def test_trainer_hook_saves_on_interval_and_resumes_counters(run_dir: Path) -> N
     hook2.close()
     assert (again.step, again.tokens_seen, again.sampler.position) == (3, 30, 12)
     assert all(torch.equal(a, b) for a, b in zip(trainer.model.parameters(), again.model.parameters(), strict=True))
+
+
+def test_condemned_folder_stays_until_a_good_save_replaces_it(run_dir: Path) -> None:
+    """A lost commit marker may hide good data: the folder is kept through a failed save of its step and
+    replaced only by that step's committed save."""
+    spec = make_spec()
+    store = FailingStore(run_dir / "checkpoints", budget_bytes=100)
+    ckpt = CheckpointManager(spec, run_dir=run_dir, store=store)
+    app = make_app()
+    for step in (2, 4):
+        train(app, 2)
+        ckpt.save(step, app, blocking=True)
+    ckpt.close()
+    lost = run_dir / "checkpoints" / "step-00000004"
+    (lost / "COMMIT").unlink()
+    kept = {p.name: p.read_bytes() for p in lost.iterdir()}
+    fresh = make_app(seed=1)
+    ckpt = CheckpointManager(spec, run_dir=run_dir, store=store)
+    assert ckpt.load_latest(fresh) == 2
+    train(fresh, 2)
+    store.armed = True
+    with pytest.raises(CheckpointSaveError):
+        ckpt.save(4, fresh, blocking=True)
+    assert {p.name: p.read_bytes() for p in lost.iterdir()} == kept  # untouched by the failed save
+    store.armed = False
+    ckpt.save(4, fresh, blocking=True)
+    ckpt.close()
+    assert (lost / "COMMIT").is_file() and resume(spec, run_dir, make_app(seed=2)) == 4

@@ -302,7 +302,10 @@ class CheckpointManager:
                     integ.remove_checkpoint(self.store, entry.name)
                     self.events.emit("checkpoint_deleted", folder=entry.name,
                                      reason="another timeline's checkpoint of this step, replaced by this save")
-                elif entry.step == step:  # condemned or never committed: nothing good is lost
+                elif entry.step == step and not self.store.supports_rename:
+                    # Condemned or never committed (a lost marker may hide good data): an object store writes
+                    # in place, so it goes now; a filesystem keeps it until publish() replaces it with this
+                    # save's committed folder, so a failed save leaves it as it was.
                     self.store.remove_tree(entry.name)
             self.store.remove_tree(folder)
             self.store.makedirs(folder)
