@@ -91,6 +91,9 @@ def _extra_sinks(
     prometheus = PrometheusSink.from_monitoring(spec.monitoring, rank=rank)
     if prometheus is not None:
         sinks.append(prometheus)
+    from leantrain.observe.tracking import tracking_sinks
+
+    sinks += tracking_sinks(spec, run_dir=run_dir, rank=rank)  # monitoring.wandb / monitoring.mlflow
     return sinks
 
 
