@@ -150,3 +150,66 @@ def test_lora_on_a_small_chat_set_learns_the_answers(tokenizer_dir: Path, tmp_pa
         trainer.close()
     assert records[0]["trainable_params"] < 0.05 * records[0]["params"]
     assert records[-1]["loss"] < 0.8 * records[0]["loss"]
+
+
+def _chat_spec(tmp_path: Path, hf_dir: Path, chat_file: Path) -> Path:
+    import yaml
+
+    spec = tmp_path / "spec.yaml"
+    spec.write_text(yaml.safe_dump({
+        "task": "finetune", "finetune": {"method": "lora"}, "model": {"init_from": str(hf_dir)},
+        "data": {"tokens_total": 1e4, "seq_len": SEQ, "dir": str(tmp_path / "data"), "valid_fraction": 0.0,
+                 "workers": 1, "sources": [{"name": "chat", "path": str(chat_file), "format": "chat"}]},
+        "training": {"global_batch_tokens": 4 * SEQ, "micro_batch": 4, "device": "cpu"},
+        "hardware": {"accelerator": "cpu", "gpus_per_node": 1},
+    }))
+    return spec
+
+
+def test_prepare_reads_chat_with_the_models_tokenizer_redacts_dedups_and_writes_masks(tmp_path: Path) -> None:
+    import json
+
+    pytest.importorskip("transformers")
+    from leantrain.cli import main
+    from leantrain.data.layout import load_manifest
+    from leantrain.data.shards import ShardReader
+    from leantrain.model.tiny_hf import save_tiny_hf
+
+    hf_dir = save_tiny_hf(tmp_path / "hf", vocab_size=320)
+    records = [{"messages": [{"role": "user", "content": f"Question number {i}: what do you think?"},
+                             {"role": "assistant", "content": f"Answer {i}: mail me at bob{i}@example.com"}]}
+               for i in range(6)]
+    records.append(records[0])  # an exact duplicate
+    records.append({"prompt": "Say hi", "response": "hi there"})
+    chat_file = tmp_path / "chat.jsonl"
+    chat_file.write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert main(["prepare", str(_chat_spec(tmp_path, hf_dir, chat_file))]) == 0
+    manifest = load_manifest(tmp_path / "data")
+    entry = manifest.sources[0]
+    assert entry["loss_mask"] and entry["pad_multiple"] == SEQ and entry["docs"]["train"] == 7
+    tokenizer = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    assert manifest.tokenizer["kind"] == "file"  # the model's tokenizer, not one trained on the chat text
+    assert Tokenizer.from_file(str(tmp_path / "data" / "tokenizer.json")).get_vocab() == tokenizer.get_vocab()
+    learned = []
+    for shard in manifest.shards:
+        reader = ShardReader(tmp_path / "data" / shard.path)
+        mask = np.fromfile((tmp_path / "data" / shard.path).with_suffix(".mask"), dtype=np.uint8)
+        assert len(mask) == len(reader.tokens) and all(length % SEQ == 0 for length in reader.doc_lengths)
+        learned.append(tokenizer.decode(np.asarray(reader.tokens)[mask == 1].tolist(), skip_special_tokens=False))
+    text = "".join(learned)
+    assert "Answer 3: mail me at <EMAIL><|im_end|>" in text and "example.com" not in text
+    assert "Question number" not in text and "hi there<|im_end|>" in text
+
+
+def test_prepare_refuses_a_chat_record_without_an_assistant_turn(tmp_path: Path,
+                                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("transformers")
+    from leantrain.cli import main
+    from leantrain.model.tiny_hf import save_tiny_hf
+
+    hf_dir = save_tiny_hf(tmp_path / "hf", vocab_size=320)
+    chat_file = tmp_path / "chat.jsonl"
+    chat_file.write_text('{"prompt": "a", "response": "b"}\n{"messages": [{"role": "user", "content": "hi"}]}\n')
+    assert main(["prepare", str(_chat_spec(tmp_path, hf_dir, chat_file))]) == 2
+    assert f"{chat_file}:2: field 'messages' has no assistant turn" in capsys.readouterr().err
+    assert not (tmp_path / "data" / "manifest.json").exists()

@@ -9,6 +9,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from leantrain.data.chat_prepare import with_model_tokenizer
 from leantrain.data.pipeline import PrepareResult, prepare_data
 from leantrain.data.probe import ProbeResult
 from leantrain.data.probe import probe as trial_read
@@ -35,6 +36,7 @@ def build(spec: JobSpec, *, data_dir: Path, console: Console, force: bool = Fals
     """Run the pipeline for a spec, show the report, and check the vocabulary against the model."""
     if not spec.data.sources:
         raise UserInputError("data.sources is empty: list at least one corpus (name, path, format)")
+    spec = with_model_tokenizer(spec)  # model.init_from: the checkpoint's tokenizer unless the spec names one
     _check_vocab(spec, tokenizer_vocab=None)
     result = prepare_data(spec.data, data_dir=data_dir, console=console, force=force)
     render_report(result.report, console=console)

@@ -32,6 +32,8 @@ import numpy as np
 from rich.console import Console
 
 from leantrain.data import demo_corpus
+from leantrain.data.chat import template_for
+from leantrain.data.chat_prepare import task_masked_docs, write_masked_split_shards
 from leantrain.data.clusters import merge_step, plan_merges, resolve
 from leantrain.data.dedup import s_curve
 from leantrain.data.executor import Executor, make_executor
@@ -89,6 +91,8 @@ def fingerprint(spec: DataSpec, sources: list[DataSource], files: dict[str, list
     if spec.tokenizer.kind == "file" and spec.tokenizer.path is not None and Path(spec.tokenizer.path).is_file():
         versions.append(file_version(str(spec.tokenizer.path)))  # a changed tokenizer file means new shards
     settings["files"] = versions
+    if any(s.format == "chat" for s in sources):  # chat shards are padded to seq_len and rendered by the template
+        settings["chat"] = [spec.seq_len, template_for(spec.tokenizer.path)]
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
 
@@ -238,8 +242,13 @@ def _shard_stage(spec: DataSpec, sources: list[DataSource], tasks: list[InputTas
                 all_shards += done
                 task = progress.start(f"shards {split}/{source.name}")
                 mine = [t for t in tasks if t.source.name == source.name]
-                docs = islice(_task_docs(work, mine, split=split, dtype=dtype), sum(s.num_docs for s in done), None)
-                all_shards += write_split_shards(
+                write, all_docs = write_split_shards, _task_docs(work, mine, split=split, dtype=dtype)
+                if source.format == "chat":  # tokens and their loss mask (data/chat_prepare.py)
+                    write = write_masked_split_shards  # type: ignore[assignment]
+                    all_docs = (d for t in mine for d in task_masked_docs(task_dir(work, t), split=split,
+                                                                          dtype=dtype))  # type: ignore[misc]
+                docs = islice(all_docs, sum(s.num_docs for s in done), None)
+                all_shards += write(
                     data_dir, split=split, source=source.name, docs=docs, dtype=dtype,
                     shard_size_tokens=spec.shard_size_tokens, first_number=len(done), on_shard=logged,
                 )
@@ -309,8 +318,9 @@ def prepare_data(
         timings["tokenizer_s"] = time.perf_counter() - start
         start = time.perf_counter()
         dtype = token_dtype(info.vocab_size)
+        chat = (template_for(spec.tokenizer.path), spec.seq_len) if any(s.format == "chat" for s in sources) else None
         encoded = _run_stage(executor, progress, "encode", encode_task, tasks,
-                             (work, data_dir / TOKENIZER, info.eos_id, np.dtype(dtype).name),
+                             (work, data_dir / TOKENIZER, info.eos_id, np.dtype(dtype).name, chat),
                              sizes=sizes, docs=lambda r: sum(r["docs"].values()))
         shards, reused = _shard_stage(spec, sources, tasks, data_dir=data_dir, work=work, dtype=dtype,
                                       progress=progress, on_shard=on_shard)
@@ -400,6 +410,9 @@ def _finish(spec: DataSpec, *, data_dir: Path, work: Path, stats: list[SourceSta
         extra={"inputs_sha256": inputs, "dedup": report["dedup"], "pii": report["pii"],
                "valid_fraction": spec.valid_fraction},
     )
+    for entry in manifest.sources:  # chat sources: the sampler reads the masks and checks the padding
+        if next(s for s in spec.sources if s.name == entry["name"]).format == "chat":
+            entry.update(loss_mask=True, pad_multiple=spec.seq_len)
     _apply_mixture(spec, manifest)
     atomic_write_bytes(data_dir / REPORT, (json.dumps(report, indent=2, ensure_ascii=False) + "\n").encode())
     manifest.write(data_dir)

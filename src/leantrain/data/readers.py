@@ -21,6 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from leantrain.data.chat_prepare import read_chat
 from leantrain.data.inputs import BadInputError, file_size, list_files, open_binary, open_raw
 from leantrain.errors import UserInputError
 from leantrain.spec.schema import DataSource
@@ -194,8 +195,14 @@ class Reader:
     read: Any  # (path, source, stats) -> Iterator[RawDoc]
 
 
+def _read_chat(path: str, source: DataSource, stats: ReadStats) -> Iterator[RawDoc]:
+    for doc_id, text in read_chat(path, source, stats, _lines(path, stats)):
+        yield RawDoc(source.name, doc_id, text)
+
+
 READERS: dict[str, Reader] = {
     "jsonl": Reader((".jsonl", ".json", ".ndjson"), _read_jsonl),
+    "chat": Reader((".jsonl", ".json", ".ndjson"), _read_chat),
     "text": Reader((".txt", ".md", ".text", ".rst"), _read_text),
     "parquet": Reader((".parquet",), _read_parquet),
     "arrow": Reader((".arrow",), _read_arrow),

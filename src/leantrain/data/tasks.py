@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from leantrain.data.chat import ChatRenderer
+from leantrain.data.chat_prepare import chat_candidate, encode_rows
 from leantrain.data.clean import normalize, quality_problem, text_stats
 from leantrain.data.clusters import KEEP, write_hashes
 from leantrain.data.dedup import MinHasher, exact_key
@@ -100,8 +102,9 @@ def clean_task(task: InputTask, spec: DataSpec, work: Path, salt: bytes) -> dict
             for raw in read_file(task.source, task.path, read):
                 counts["docs_in"] += 1
                 counts["chars_in"] += len(raw.text)
-                row = _candidate(raw.text, spec=spec, counts=counts, hasher=hasher, keys=keys,
-                                 signatures=signatures, redactor=redactor, valid_cut=valid_cut)
+                candidate = chat_candidate if task.source.format == "chat" else _candidate
+                row = candidate(raw.text, spec=spec, counts=counts, hasher=hasher, keys=keys,
+                                signatures=signatures, redactor=redactor, valid_cut=valid_cut)
                 if row is not None:
                     row = {"id": raw.doc_id, **row}
                     docs.write(json.dumps(row, ensure_ascii=False) + "\n")
@@ -148,8 +151,12 @@ def _candidate(text: str, *, spec: DataSpec, counts: dict[str, Any], hasher: Min
     return {"split": split, "text": cleaned, "pii": pii, "audit": audit}
 
 
-def encode_task(task: InputTask, work: Path, tokenizer_path: Path, eos_id: int, dtype: str) -> dict[str, Any]:
-    """Tokenize the kept documents of one clean task (decision in `keep.npy`); returns kept counts."""
+def encode_task(task: InputTask, work: Path, tokenizer_path: Path, eos_id: int, dtype: str,
+                chat: tuple[str, int] | None = None) -> dict[str, Any]:
+    """Tokenize the kept documents of one clean task (decision in `keep.npy`); returns kept counts.
+
+    `chat` (template, pad multiple): a chat source's rows are rendered, masked and padded (data/chat_prepare.py),
+    and `<split>.mask` is written beside `<split>.bin`."""
     out = task_dir(work, task)
     done = read_json(out / ENCODE_DONE)
     if done is not None:
@@ -157,6 +164,9 @@ def encode_task(task: InputTask, work: Path, tokenizer_path: Path, eos_id: int, 
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    renderer = ChatRenderer(tokenizer, template=chat[0], eos_id=eos_id) if task.source.format == "chat" and chat \
+        else None
+    masks = {split: open(out / f"{split}.mask.tmp", "wb") for split in SPLITS} if renderer else {}  # noqa: SIM115
     decision = np.load(out / "keep.npy")
     counts: dict[str, Any] = {"docs": Counter(), "tokens": Counter(), "chars_out": 0, "pii": Counter()}
     files = {split: open(out / f"{split}.bin.tmp", "wb") for split in SPLITS}  # noqa: SIM115 - closed below
@@ -166,29 +176,47 @@ def encode_task(task: InputTask, work: Path, tokenizer_path: Path, eos_id: int, 
                                                                     encoding="utf-8") as audit:
             kept = (json.loads(line) for line, verdict in zip(docs, decision, strict=True) if verdict == KEEP)
             while batch := list(islice(kept, ENCODE_BATCH_DOCS)):
-                for row, encoding in zip(batch, tokenizer.encode_batch([r["text"] for r in batch]), strict=True):
-                    ids = np.empty(len(encoding.ids) + 1, dtype=dtype)
-                    ids[:-1] = encoding.ids
-                    ids[-1] = eos_id
+                for row, ids in zip(batch, _encoded(batch, tokenizer, renderer, masks, chat, eos_id=eos_id,
+                                                     dtype=dtype), strict=True):
                     files[row["split"]].write(ids.tobytes())
                     lengths[row["split"]].append(ids.size)
                     counts["docs"][row["split"]] += 1
                     counts["tokens"][row["split"]] += ids.size
-                    counts["chars_out"] += len(row["text"])
+                    counts["chars_out"] += row.get("chars", len(row["text"]))
                     counts["pii"].update(row["pii"])
                     audit.writelines(json.dumps({"source": task.source.name, "doc_id": row["id"], "type": a[0],
                                                  "start": a[1], "end": a[2], "value_sha256": a[3]}) + "\n"
                                      for a in row["audit"])
     finally:
-        for file in files.values():
+        for file in [*files.values(), *masks.values()]:
             file.close()
     for split in SPLITS:
         np.save(out / f"{split}.len.npy", np.asarray(lengths[split], dtype=np.int64))
+        if masks:
+            os.replace(out / f"{split}.mask.tmp", out / f"{split}.mask")
         os.replace(out / f"{split}.bin.tmp", out / f"{split}.bin")
     os.replace(out / "audit.jsonl.tmp", out / "audit.jsonl")
     result = {k: dict(v) if isinstance(v, Counter) else v for k, v in counts.items()}
     atomic_write_bytes(out / ENCODE_DONE, json.dumps(result).encode())
     return result
+
+
+def _encoded(batch: list[dict[str, Any]], tokenizer: Any, renderer: ChatRenderer | None, masks: dict[str, Any],
+             chat: tuple[str, int] | None, *, eos_id: int, dtype: str) -> list[np.ndarray]:
+    """Token ids (EOS appended) per row; chat rows are rendered and padded, their masks written to `masks`."""
+    if renderer is not None and chat is not None:
+        out = []
+        for row, (ids, mask) in zip(batch, encode_rows(batch, renderer=renderer, pad_multiple=chat[1]), strict=True):
+            masks[row["split"]].write(mask.tobytes())
+            out.append(ids.astype(dtype))
+        return out
+    out = []
+    for encoding in tokenizer.encode_batch([r["text"] for r in batch]):
+        ids = np.empty(len(encoding.ids) + 1, dtype=dtype)
+        ids[:-1] = encoding.ids
+        ids[-1] = eos_id
+        out.append(ids)
+    return out
 
 
 def kept_texts(work: Path, task: InputTask, *, split: str) -> Any:
@@ -199,5 +227,5 @@ def kept_texts(work: Path, task: InputTask, *, split: str) -> Any:
             if verdict == KEEP:
                 row = json.loads(line)
                 if row["split"] == split:
-                    yield row["text"]
+                    yield row["text"] or "\n".join(m["content"] for m in row.get("messages", []))
 

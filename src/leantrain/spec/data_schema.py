@@ -23,9 +23,10 @@ class DataSource(Section):
         "(then written under data.dir/raw/).",
     )
     weight: float = Field(1.0, gt=0, description="Mixing weight (normalised over sources).")
-    format: Literal["jsonl", "text", "parquet", "arrow"] = Field(
+    format: Literal["jsonl", "text", "parquet", "arrow", "chat"] = Field(
         "jsonl", description="Reader to use; arrow reads Arrow IPC files, e.g. a Hugging Face datasets "
-        "save_to_disk folder.",
+        "save_to_disk folder; chat reads JSONL conversations ({messages: [{role, content}]} or {prompt, "
+        "response}), trained on the assistant tokens only (docs/data.md).",
     )
     text_field: str = Field("text", description="Field holding the text (jsonl, parquet).")
     id_field: str | None = Field("id", description="Field holding a document id (jsonl, parquet); else file:line.")

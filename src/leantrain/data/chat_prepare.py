@@ -1,0 +1,160 @@
+"""`prepare` for chat sources (`format: chat`): reading, cleaning, encoding with the loss mask, shards with masks.
+
+The parallel pipeline (data/pipeline.py, data/tasks.py) calls these where a chat source differs from text:
+- `read_chat`: each JSONL line through `chat.parse_record` (a record without an assistant turn is an error
+  naming file:line and the field); the document's text is the messages as JSON.
+- `chat_candidate`: each message normalised and PII-redacted on its own; exact and near dedup over the
+  conversation's joined text, like any document. The quality filters are not applied: they are calibrated
+  for web text, and short answers or code replies are what chat data is made of.
+- `encode_rows`: rendered with the chat template, masked, padded to a multiple of data.seq_len (chat.py).
+- `task_masked_docs` / `write_masked_split_shards`: like the text path, with the `.mask` beside each shard.
+- `with_model_tokenizer`: with `model.init_from` and no `data.tokenizer` in the spec, prepare uses the
+  checkpoint's tokenizer.json (its EOS from tokenizer_config.json), after checking it fits the embedding.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from leantrain.data.chat import ChatRenderer, MaskedShardWriter, pad_to_multiple, parse_record
+from leantrain.data.clean import normalize, text_stats
+from leantrain.data.dedup import MinHasher, exact_key
+from leantrain.data.layout import shard_prefix
+from leantrain.data.pii import PIIRedactor
+from leantrain.data.shards import ShardInfo, ShardWriter
+from leantrain.errors import UserInputError
+from leantrain.spec.schema import DataSource, DataSpec, JobSpec
+
+
+def read_chat(
+    path: str, source: DataSource, stats: Any, lines: Iterable[tuple[int, str]]
+) -> Iterator[tuple[str, str]]:
+    """(doc id, the messages as JSON) per conversation; broken JSON is counted, bad records are errors."""
+    for number, line in lines:
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            stats.problem("broken_json", f"{path}:{number}")
+            continue
+        messages = parse_record(row, where=f"{path}:{number}")
+        doc_id = row.get(source.id_field) if source.id_field else None
+        name = path.rstrip("/").rsplit("/", 1)[-1]
+        yield (str(doc_id) if doc_id is not None else f"{name}:{number}"), json.dumps(messages)
+
+
+def chat_candidate(
+    text: str, *, spec: DataSpec, counts: dict[str, Any], hasher: MinHasher, keys: list[bytes],
+    signatures: list[np.ndarray], redactor: PIIRedactor | None, valid_cut: int,
+) -> dict[str, Any] | None:
+    """The row of one conversation: normalised, redacted messages; its hashes appended to keys/signatures."""
+    messages = [{"role": m["role"], "content": normalize(m["content"], form=spec.cleaning.normalization)}
+                for m in json.loads(text)]
+    if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
+        counts["drops"]["empty"] += 1
+        return None
+    stats = text_stats("\n".join(m["content"] for m in messages))
+    key = exact_key(stats)
+    keys.append(key)
+    if spec.dedup.near:
+        signatures.append(hasher.signature(hasher.shingles(stats.words, cjk=stats.cjk_share >= 0.5)))
+    split = "valid" if int.from_bytes(key[:8], "little") < valid_cut else "train"
+    pii: dict[str, int] = {}
+    audit: list[list[Any]] = []
+    if redactor is not None:
+        before = redactor.counts.copy()
+        for index, message in enumerate(messages):
+            message["content"], rows = redactor(message["content"], doc_id="", source="")
+            audit += [[r["type"], r["start"], r["end"], r["value_sha256"], index] for r in rows]
+        pii = dict(redactor.counts - before)
+    chars = sum(len(m["content"]) for m in messages)
+    return {"split": split, "messages": messages, "text": "", "chars": chars, "pii": pii, "audit": audit}
+
+
+def encode_rows(rows: list[dict[str, Any]], *, renderer: ChatRenderer, pad_multiple: int
+                ) -> list[tuple[np.ndarray, np.ndarray]]:
+    """(ids, mask) per chat row, padded to a multiple of `pad_multiple` (EOS included, mask 0 on padding)."""
+    return [pad_to_multiple(*renderer.encode(r["messages"]), multiple=pad_multiple, pad_id=renderer.eos_id)
+            for r in rows]
+
+
+def task_masked_docs(folder: Path, *, split: str, dtype: type[np.number]) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """One encode task's (tokens, mask) documents in order, read by memory map."""
+    lengths = np.load(folder / f"{split}.len.npy")
+    if not len(lengths):
+        return
+    tokens = np.memmap(folder / f"{split}.bin", dtype=dtype, mode="r")
+    masks = np.memmap(folder / f"{split}.mask", dtype=np.uint8, mode="r")
+    ends = np.cumsum(lengths)
+    for end, length in zip(ends.tolist(), lengths.tolist(), strict=True):
+        yield tokens[end - length : end], masks[end - length : end]
+
+
+def write_masked_split_shards(
+    data_dir: Path, *, split: str, source: str, docs: Iterable[tuple[np.ndarray, np.ndarray]],
+    dtype: type[np.number], shard_size_tokens: int, first_number: int = 0,
+    on_shard: Callable[[ShardInfo], None] | None = None,
+) -> list[ShardInfo]:
+    """As layout.write_split_shards, writing each shard's `.mask` beside it."""
+    infos: list[ShardInfo] = []
+    writer: MaskedShardWriter | None = None
+    try:
+        for ids, mask in docs:
+            if writer is None:
+                prefix = data_dir / shard_prefix(split, source, first_number + len(infos))
+                writer = MaskedShardWriter(ShardWriter(prefix, dtype=dtype))
+            writer.add(np.asarray(ids), np.asarray(mask))
+            if writer.writer.num_tokens >= shard_size_tokens:
+                infos.append(_close(writer, data_dir=data_dir, split=split, source=source, on_shard=on_shard))
+                writer = None
+        if writer is not None:
+            infos.append(_close(writer, data_dir=data_dir, split=split, source=source, on_shard=on_shard))
+            writer = None
+    finally:
+        if writer is not None:
+            writer.abort()
+    return infos
+
+
+def _close(writer: MaskedShardWriter, *, data_dir: Path, split: str, source: str,
+           on_shard: Callable[[ShardInfo], None] | None) -> ShardInfo:
+    bin_sha, idx_sha, num_bytes = writer.finish()
+    inner = writer.writer
+    info = ShardInfo(path=inner.bin_path.relative_to(data_dir).as_posix(), split=split, source=source,
+                     sha256=bin_sha, idx_sha256=idx_sha, num_tokens=inner.num_tokens, num_docs=inner.num_docs,
+                     num_bytes=num_bytes)
+    if on_shard is not None:
+        on_shard(info)
+    return info
+
+
+def _eos_token(config_path: Path) -> str | None:
+    if not config_path.is_file():
+        return None
+    eos = json.loads(config_path.read_text(encoding="utf-8")).get("eos_token")
+    return eos.get("content") if isinstance(eos, dict) else eos if isinstance(eos, str) else None
+
+
+def with_model_tokenizer(spec: JobSpec) -> JobSpec:
+    """The spec with data.tokenizer = init_from's tokenizer.json when the spec names none (else unchanged)."""
+    init_from = spec.model.init_from
+    if init_from is None or "tokenizer" in spec.data.model_fields_set:
+        return spec
+    path = Path(init_from) / "tokenizer.json"
+    if not path.is_file():
+        raise UserInputError(f"{path}: not found; model.init_from has no tokenizer, so name one in data.tokenizer")
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(path)).get_vocab_size()
+    if vocab > spec.model.vocab_size:  # type: ignore[operator] # filled from config.json
+        raise UserInputError(f"{path}: vocabulary of {vocab} tokens exceeds the embedding (vocab_size "
+                             f"{spec.model.vocab_size} in {Path(init_from) / 'config.json'})")
+    eos = _eos_token(Path(init_from) / "tokenizer_config.json") or spec.data.tokenizer.eos_token
+    tokenizer = spec.data.tokenizer.model_copy(update={"kind": "file", "path": path, "eos_token": eos})
+    return spec.model_copy(update={"data": spec.data.model_copy(update={"tokenizer": tokenizer})})
