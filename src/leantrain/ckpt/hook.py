@@ -185,7 +185,9 @@ class TrainerCheckpointer:
             where = (source or self.manager.store).describe(entry.name)
             return changed_schedule_message(trainer.run_dir, step=entry.step, where=where, changes=changes)
 
-        loaded = self.manager.load_latest(self.app_state(trainer), step=step, source=source, check=check)
+        trains = self.schedule["max_steps"] > 0  # `--max-steps 0` only builds and loads: no schedule to keep
+        loaded = self.manager.load_latest(self.app_state(trainer), step=step, source=source,
+                                          check=check if trains else None)
         if loaded is None and request.mode in ("latest", "path"):
             where = (source or self.manager.store).url
             raise CheckpointLoadError(f"--resume {request.path or request.mode}: no checkpoint in {where}",
