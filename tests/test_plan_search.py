@@ -59,3 +59,16 @@ def test_deepseek_v3_published_ep64_layout_ranks_in_the_top_sixth() -> None:
     result = search_layouts(plan_inputs(spec), 2048)
     rank = result.rank_of(layout_from_spec(spec.parallelism, spec.training))
     assert rank is not None and rank <= result.num_fitting / 6, (rank, result.num_fitting)
+
+
+def test_a_padded_tp_layout_says_how_to_train_it() -> None:
+    from leantrain.plan.layout import Layout
+    from leantrain.plan.planner import _padding_notes
+
+    spec = spec_from_dict({"model": {"n_layers": 40, "d_model": 6144, "n_heads": 48, "ffn_hidden": 16383,
+                                     "vocab_size": 51200}, "data": {"tokens_total": 1e11, "seq_len": 2048},
+                           "training": {"global_batch_tokens": 1024 * 2048}})
+    inputs = plan_inputs(spec)
+    (note,) = _padding_notes(inputs, evaluate(inputs, Layout(dp=4, tp=8, pp=1, zero=2)))
+    assert "model.ffn_hidden: 16384" in note
+    assert not _padding_notes(inputs, evaluate(inputs, Layout(dp=32, tp=1, pp=1, zero=2)))

@@ -113,6 +113,17 @@ def layout_gpu_count(spec: JobSpec, budget: Budget) -> int:
     return budget.num_gpus if budget.num_gpus < node else math.ceil(budget.num_gpus / node) * node
 
 
+def _padding_notes(inputs: PlanInputs, chosen: Candidate) -> list[str]:
+    """A searched tp that does not divide the FFN was planned with the FFN padded (Megatron sizes FFNs to a
+    multiple of tp); the trainer needs the padded size in the spec."""
+    tp, ffn = chosen.layout.tp, inputs.shape.ffn_hidden
+    if ffn % tp == 0:
+        return []
+    padded = -(-ffn // tp) * tp
+    return [f"tp{tp} splits an FFN of {ffn} only when padded: the plan counts it as {padded}; set "
+            f"model.ffn_hidden: {padded} (or a multiple of 128) to train this layout"]
+
+
 def build_plan(spec: JobSpec) -> Plan:
     """The whole plan for a spec."""
     inputs = plan_inputs(spec)
@@ -135,6 +146,7 @@ def build_plan(spec: JobSpec) -> Plan:
         chosen = search.best or search.smallest
         source = "search" if search.best is not None else "none fits (leanest shown)"
     assert chosen is not None
+    notes.extend(_padding_notes(inputs, chosen))
     ckpt = checkpoint_interval(spec, inputs, num_gpus=gpus, step_s=chosen.time.step_s)
     run = whole_run(spec, inputs, num_gpus=gpus, step_s=chosen.time.step_s, tokens_per_s=chosen.time.tokens_per_s,
                     num_microbatches=chosen.layout.num_microbatches(sequences_per_step(inputs)), checkpoint=ckpt)
