@@ -41,3 +41,18 @@ def test_digests_are_cached_by_stat(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     assert fp.content_version(str(data)) == first and len(reads) == 1  # not read again
     os.utime(data, ns=(5, 5))
     assert fp.content_version(str(data)) == first and len(reads) == 2  # stat changed: read, same content
+
+
+def test_prepare_twice_with_absolute_then_relative_paths_is_up_to_date(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The README's order: the demo prepares with an absolute path, the user then with a relative one."""
+    from leantrain.cli import main
+
+    spec = Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml"
+    assert main(["prepare", str(spec), "--out", str(tmp_path / "data")]) == 0
+    manifest = (tmp_path / "data" / "manifest.json").read_bytes()
+    monkeypatch.chdir(tmp_path)
+    capsys.readouterr()
+    assert main(["prepare", str(spec), "--out", "data"]) == 0, capsys.readouterr().err
+    assert (tmp_path / "data" / "manifest.json").read_bytes() == manifest

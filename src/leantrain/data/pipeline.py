@@ -37,7 +37,7 @@ from leantrain.data.chat_prepare import task_masked_docs, write_masked_split_sha
 from leantrain.data.clusters import merge_step, plan_merges, resolve
 from leantrain.data.dedup import s_curve
 from leantrain.data.executor import Executor, make_executor
-from leantrain.data.inputs import file_version
+from leantrain.data.fingerprint import content_version
 from leantrain.data.layout import (
     MANIFEST,
     PII_AUDIT,
@@ -87,9 +87,9 @@ def fingerprint(spec: DataSpec, sources: list[DataSource], files: dict[str, list
     settings = spec.model_dump(mode="json", include={"cleaning", "dedup", "pii", "tokenizer", "shard_size_tokens",
                                                      "valid_fraction", "on_bad_input"})
     settings["sources"] = [s.model_dump(mode="json", exclude={"weight", "path"}) for s in sources]
-    versions = [file_version(path) for s in sources for path in files[s.name]]
+    versions = [content_version(path) for s in sources for path in files[s.name]]  # resolved path + content
     if spec.tokenizer.kind == "file" and spec.tokenizer.path is not None and Path(spec.tokenizer.path).is_file():
-        versions.append(file_version(str(spec.tokenizer.path)))  # a changed tokenizer file means new shards
+        versions.append(content_version(str(spec.tokenizer.path)))  # a changed tokenizer file means new shards
     settings["files"] = versions
     if any(s.format == "chat" for s in sources):  # chat shards are padded to seq_len and rendered by the template
         settings["chat"] = [spec.seq_len, template_for(spec.tokenizer.path)]
