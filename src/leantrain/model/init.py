@@ -80,11 +80,12 @@ def fill_parameter(param: torch.Tensor, fill: Fill, *, seed: int) -> None:
     the same values as an fp32 one rounded, and every layout holds the same numbers.
     """
     local = param.to_local() if isinstance(param, DTensor) else param
-    generator = torch.Generator(device=local.device).manual_seed(seed)
+    device = _generation_device(param, local)
+    generator = torch.Generator(device=device).manual_seed(seed)
     if not isinstance(param, DTensor) and param.dtype == torch.float32:
         fill(param, generator)
         return
-    full = torch.empty(param.shape, dtype=torch.float32, device=local.device)
+    full = torch.empty(param.shape, dtype=torch.float32, device=device)
     fill(full, generator)
     if isinstance(param, DTensor):
         mesh = param.device_mesh
@@ -92,6 +93,16 @@ def fill_parameter(param: torch.Tensor, fill: Fill, *, seed: int) -> None:
         local.copy_(replicated.redistribute(mesh, param.placements).to_local())
     else:
         param.copy_(full)
+
+
+def _generation_device(param: torch.Tensor, local: torch.Tensor) -> torch.device:
+    """Where the values are generated: the mesh's device (so a CPU-offloaded shard of a GPU run gets the GPU
+    run's values, and the slice is cut where DTensor expects it), else the tensor's own."""
+    if not isinstance(param, DTensor) or param.device_mesh.device_type == local.device.type:
+        return local.device
+    mesh_type = param.device_mesh.device_type
+    index = torch.cuda.current_device() if mesh_type == "cuda" else None
+    return torch.device(mesh_type, index)
 
 
 @torch.no_grad()
