@@ -88,12 +88,39 @@ def test_registry_and_runs_command_show_what_produced_each_checkpoint(
 
     assert main(["runs", "--registry", str(registry)]) == 0
     listing = capsys.readouterr().out
-    assert run_id in listing and "tiny-lineage" in listing and "finished" in listing
+    assert run_id[:6] in listing and "tiny-lineage" in listing and "finished" in listing
     assert main(["runs", str(run_dir)]) == 0
     shown = capsys.readouterr().out
     assert "audit.log: 1 entries, chain intact" in shown
     assert all(f" {step} " in shown for step in (20, 40)) and lineage["spec"]["sha256"][:8] in shown
     assert main(["runs", str(tmp_path / "missing")]) == 2
+
+
+def test_registry_is_per_project_and_readable_at_80_columns(
+    tmp_path: Path, data_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from leantrain.provenance.registry import default_registry_path
+
+    monkeypatch.delenv("LEANTRAIN_REGISTRY")
+    monkeypatch.delenv("LEANTRAIN_HOME", raising=False)
+    monkeypatch.setattr(cli.console, "width", 80)
+    run_ids = {}
+    for project in ("alpha", "beta"):  # two projects' run dirs: each registry lists its own runs only
+        run_dir = tmp_path / project / "runs" / "first-try"
+        spec = load_spec(TINY, overrides=[f"run.name={project}-run"])
+        run_ids[project] = register_run(write_lineage(run_dir, spec, data_dir=data_dir))
+        set_run_status(run_ids[project], "finished", run_dir=run_dir)
+        assert default_registry_path(run_dir=run_dir) == (tmp_path / project / "runs" / "runs.db").resolve()
+    (alpha,) = list_runs(registry=tmp_path / "alpha" / "runs" / "runs.db")
+    assert (alpha["run_id"], alpha["status"]) == (run_ids["alpha"], "finished")
+    monkeypatch.chdir(tmp_path / "beta")  # `leantrain runs` reads ./runs/runs.db
+    assert main(["runs"]) == 0
+    listing = capsys.readouterr().out
+    assert "beta-run" in listing and "alpha-run" not in listing and "first-try" in listing
+    assert max(len(line) for line in listing.splitlines()) <= 80
+    assert "beta-run" in next(line for line in listing.splitlines() if "finished" in line)  # not folded away
+    monkeypatch.setenv("LEANTRAIN_HOME", str(tmp_path / "home"))
+    assert default_registry_path(run_dir=tmp_path / "x" / "run") == tmp_path / "home" / "runs.db"
 
 
 def test_empty_registry_is_not_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

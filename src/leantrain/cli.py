@@ -240,7 +240,8 @@ def alert_rules(
 @app.command()
 def runs(
     run_dir: Annotated[Path | None, typer.Argument(help="Show one run's checkpoints and lineage.")] = None,
-    registry: Annotated[Path | None, typer.Option(help="Registry database (default: ~/.leantrain/runs.db).")] = None,
+    registry: Annotated[Path | None, typer.Option(
+        help="Registry database (default: $LEANTRAIN_REGISTRY, $LEANTRAIN_HOME/runs.db, or runs/runs.db).")] = None,
 ) -> None:
     """List runs from the run registry, or show what produced each checkpoint of one run.
 

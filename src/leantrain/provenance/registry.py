@@ -3,7 +3,9 @@
 The run dir's lineage.json files are the source of truth; the registry indexes them so `leantrain runs` can
 list every run on a machine or shared file system without walking folders. Rank 0 calls `register_run` when
 training starts (after `write_lineage`), `register_checkpoint` after each commit, and `set_run_status` at the
-end. The database lives at `run.registry`, else $LEANTRAIN_REGISTRY, else ~/.leantrain/runs.db (owner-only).
+end. The database is per project, not per user: `run.registry`, else $LEANTRAIN_REGISTRY, else
+$LEANTRAIN_HOME/runs.db, else `runs.db` next to the run dirs (the run dir's parent: runs/run → runs/runs.db;
+owner-only). `leantrain runs` without a run dir reads ./runs/runs.db (the default run.dir's parent).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from rich import box
 from rich.console import Console
 from rich.table import Table
 
@@ -58,17 +61,26 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 """
 
 
-def default_registry_path(configured: Path | None = None) -> Path:
+REGISTRY_NAME = "runs.db"
+DEFAULT_RUNS_ROOT = Path("runs")  # the parent of the spec's default run.dir (runs/run)
+
+
+def default_registry_path(configured: Path | None = None, *, run_dir: Path | str | None = None) -> Path:
+    """Where the registry is: configured, $LEANTRAIN_REGISTRY, $LEANTRAIN_HOME/runs.db, or next to the run dir."""
     if configured is not None:
         return Path(configured).expanduser()
-    env = os.environ.get("LEANTRAIN_REGISTRY")
-    return Path(env).expanduser() if env else Path.home() / ".leantrain" / "runs.db"
+    if env := os.environ.get("LEANTRAIN_REGISTRY"):
+        return Path(env).expanduser()
+    if home := os.environ.get("LEANTRAIN_HOME"):
+        return Path(home).expanduser() / REGISTRY_NAME
+    root = Path(run_dir).expanduser().resolve().parent if run_dir is not None else DEFAULT_RUNS_ROOT
+    return root / REGISTRY_NAME
 
 
 @contextlib.contextmanager
-def connect(path: Path | None = None) -> Iterator[sqlite3.Connection]:
+def connect(path: Path | None = None, *, run_dir: Path | str | None = None) -> Iterator[sqlite3.Connection]:
     """Open (creating, owner-only) the registry; commits on success."""
-    db_path = default_registry_path(path)
+    db_path = default_registry_path(path, run_dir=run_dir)
     if not db_path.parent.exists():
         make_private_dir(db_path.parent)
     created = not db_path.exists()
@@ -110,7 +122,7 @@ def register_run(lineage: dict[str, Any], *, registry: Path | None = None, statu
         "hostname": lineage.get("hardware", {}).get("hostname"),
         **_summary(lineage),
     }
-    with connect(registry) as conn:
+    with connect(registry, run_dir=row["run_dir"]) as conn:
         existing = conn.execute("SELECT created_at FROM runs WHERE run_id = ?", (row["run_id"],)).fetchone()
         if existing:
             row["created_at"] = existing["created_at"]
@@ -140,15 +152,18 @@ def register_checkpoint(
         "attempt": lineage.get("attempt", 0),
         **_summary(lineage),
     }
-    with connect(registry) as conn:
+    run_dir = lineage.get("run", {}).get("dir") or Path(checkpoint_dir).resolve().parent.parent
+    with connect(registry, run_dir=run_dir) as conn:
         conn.execute(f"INSERT OR REPLACE INTO checkpoints ({', '.join(row)}) VALUES ({', '.join('?' * len(row))})",
                      tuple(row.values()))
     return step
 
 
-def set_run_status(run_id: str, status: str, *, registry: Path | None = None) -> None:
+def set_run_status(
+    run_id: str, status: str, *, registry: Path | None = None, run_dir: Path | str | None = None
+) -> None:
     """Mark a run finished / failed / preempted."""
-    with connect(registry) as conn:
+    with connect(registry, run_dir=run_dir) as conn:
         conn.execute("UPDATE runs SET status = ?, updated_at = ? WHERE run_id = ?", (status, time.time(), run_id))
 
 
@@ -164,7 +179,7 @@ def list_runs(*, registry: Path | None = None) -> list[dict[str, Any]]:
 
 def _registered_lineage(path: Path, registry: Path | None) -> dict[str, Any]:
     """A checkpoint's registry row shaped like its lineage (for an encrypted lineage.json); {} when absent."""
-    db_path = default_registry_path(registry)
+    db_path = default_registry_path(registry, run_dir=path.parent.parent.parent)  # RUN/checkpoints/step-N/file
     if not db_path.exists():
         return {}
     with connect(db_path) as conn:
@@ -207,8 +222,10 @@ def _when(ts: float | None) -> str:
     return "-" if ts is None else time.strftime("%m-%d %H:%M", time.localtime(ts))
 
 
-def _git_cell(commit: str | None, dirty: int | None) -> str:
-    return "-" if commit is None else _short(commit, 8) + ("+dirty" if dirty else "")
+def _git_cell(commit: str | None, dirty: int | None, *, short: bool = False) -> str:
+    if commit is None:
+        return "-"
+    return _short(commit, 7) + ("*" if dirty else "") if short else _short(commit, 8) + ("+dirty" if dirty else "")
 
 
 def _show_runs(console: Console, registry: Path | None) -> None:
@@ -217,15 +234,28 @@ def _show_runs(console: Console, registry: Path | None) -> None:
         console.print(f"no runs registered yet ({db_path} does not exist)")
         return
     runs = list_runs(registry=db_path)
-    table = Table(title=f"runs in {db_path}")
-    table.add_column("run id", no_wrap=True)
-    for column in ("name", "status", "created", "tries", "ckpts", "last step", "git", "run dir"):
-        table.add_column(column, overflow="fold")
+    # Fits 80 columns: a short id, the dir relative to the registry's folder, attempts beside the status.
+    table = Table(title=f"runs in {db_path} (* uncommitted changes, ×N attempts)", title_justify="left",
+                  box=box.SIMPLE_HEAD, pad_edge=False)
+    for column, wrap in (("run", False), ("status", False), ("created", False), ("step", False), ("ckpts", False),
+                         ("git", False), ("dir", True)):
+        table.add_column(column, no_wrap=not wrap, overflow="fold")
     for r in runs:
-        table.add_row(r["run_id"], r["name"] or "-", r["status"], _when(r["created_at"]), str(r["attempt"] + 1),
-                      str(r["num_checkpoints"]), _short(r["latest_step"]), _git_cell(r["git_commit"], r["git_dirty"]),
-                      r["run_dir"])
+        label = f"{r['name']} {_short(r['run_id'], 6)}" if r["name"] else _short(r["run_id"], 12)
+        tries = f" ×{r['attempt'] + 1}" if r["attempt"] else ""
+        table.add_row(label, r["status"] + tries, _when(r["created_at"]), _short(r["latest_step"]),
+                      str(r["num_checkpoints"]), _git_cell(r["git_commit"], r["git_dirty"], short=True),
+                      _relative(r["run_dir"], db_path.parent))
     console.print(table)
+
+
+def _relative(run_dir: str | None, root: Path) -> str:
+    if not run_dir:
+        return "-"
+    try:
+        return str(Path(run_dir).resolve().relative_to(root.resolve()))
+    except ValueError:
+        return run_dir
 
 
 def _show_run(console: Console, run_dir: Path, *, registry: Path | None = None) -> None:

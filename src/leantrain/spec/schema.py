@@ -315,7 +315,8 @@ class RunSpec(Section):
     dir: Path = Field(Path("runs/run"), description="Run dir (metrics, checkpoints, lineage).")
     name: str | None = Field(None, description="Run name for registries and job files.")
     registry: Path | None = Field(
-        None, description="SQLite run registry; default $LEANTRAIN_REGISTRY or ~/.leantrain/runs.db."
+        None, description="SQLite run registry; default $LEANTRAIN_REGISTRY, $LEANTRAIN_HOME/runs.db, or runs.db "
+        "next to the run dir (its parent folder)."
     )
 
 

@@ -104,7 +104,7 @@ def finish_run(context: RunContext, *, status: str) -> None:
     from leantrain.provenance.registry import set_run_status
     from leantrain.security import AuditLog
 
-    set_run_status(context.run_id, status, registry=context.spec.run.registry)
+    set_run_status(context.run_id, status, registry=context.spec.run.registry, run_dir=context.run_dir)
     if context.spec.security.audit_log:
         AuditLog(context.run_dir / "audit.log", spec=context.spec).append(
             "command.end", command="train", run_id=context.run_id, status=status
