@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -54,3 +55,68 @@ def test_moe_export_is_refused(tmp_path: Path) -> None:
     model = build_model(model_args_from_spec(spec, max_seq_len=8), device=torch.device("cpu"))
     with pytest.raises(UserInputError, match="mixture-of-experts"):
         export_hf(model, tmp_path / "hf")
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 32}
+
+
+@pytest.mark.parametrize(("model_type", "extra"), [
+    ("llama", {"rope_scaling": LLAMA3_ROPE, "tie_embeddings": True}),
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
+    ("mistral", {}),
+    ("qwen2", {}),
+], ids=["llama-rope3-tied", "llama-linear", "mistral", "qwen2-biases"])
+def test_hf_checkpoints_load_with_transformers_logits_and_export_back(
+    tmp_path: Path, model_type: str, extra: dict
+) -> None:
+    from leantrain.model.tiny_hf import save_tiny_hf
+    from leantrain.spec.hf_config import read_hf_config
+
+    hf_dir = save_tiny_hf(tmp_path / "hf", model_type=model_type, vocab_size=101, max_positions=128, **{
+        "tie_embeddings": extra.get("tie_embeddings", False), "rope_scaling": extra.get("rope_scaling")})
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+    ours = import_hf(hf_dir, max_seq_len=96).eval()
+    assert ours.args.shape.qkv_bias == (model_type == "qwen2")
+    tokens = torch.randint(0, 101, (2, 96), generator=torch.Generator().manual_seed(0))  # past the 32-token context
+    with torch.no_grad():
+        torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=0, atol=1e-5)
+    base = json.loads((hf_dir / "config.json").read_text())
+    export_hf(ours, tmp_path / "out", base=base)
+    assert read_hf_config(tmp_path / "out").model_type == model_type
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens).logits, theirs(tokens).logits, rtol=0, atol=1e-5)
+
+
+def test_rope_scaling_changes_the_frequencies_as_transformers_does() -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from leantrain.model.rope import inv_frequencies
+
+    config = transformers.LlamaConfig(hidden_size=256, num_attention_heads=2, rope_scaling=LLAMA3_ROPE,
+                                      max_position_embeddings=256)
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    got = inv_frequencies(head_dim=128, theta=config.rope_parameters["rope_theta"],
+                          scaling=tuple(sorted(LLAMA3_ROPE.items())))
+    torch.testing.assert_close(got, expected.float())
+    assert not torch.allclose(got, inv_frequencies(head_dim=128, theta=config.rope_parameters["rope_theta"]))
+
+
+def test_sharded_checkpoint_with_an_index_is_written_and_read(tmp_path: Path) -> None:
+    from leantrain.model.hf import plan_shards
+
+    ours = tiny_model(tie=False).eval()
+    sizes = {name: t.numel() * 4 for name, t in ours.state_dict().items()}
+    shards = plan_shards(sizes, max_shard_bytes=20_000)
+    assert len(shards) > 2 and sorted(sum(shards, [])) == sorted(sizes)
+    from leantrain.model.hf import hf_config, write_hf_shards
+
+    state = ours.state_dict()
+    write_hf_shards(tmp_path / "hf", shards=shards, load=lambda names: {n: state[n] for n in names},
+                    config=hf_config(ours.args))
+    assert (tmp_path / "hf" / "model.safetensors.index.json").is_file()
+    again = import_hf(tmp_path / "hf", max_seq_len=32).eval()
+    tokens = torch.randint(0, 101, (1, 32), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        torch.testing.assert_close(again(tokens), ours(tokens), rtol=0, atol=0)
