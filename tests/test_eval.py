@@ -80,6 +80,11 @@ def test_held_out_loss_and_choices_match_transformers(setup: tuple[Path, Path, P
         correct += int(int(np.argmax(scores)) == answer)
     assert result["tasks"]["arith"]["acc"] == pytest.approx(correct / len(items))
     assert result["tasks"]["arith"]["num_questions"] == 3
+    from leantrain.observe.report import render_html
+    from leantrain.observe.report_data import load_run
+
+    page = render_html(load_run(spec_path.parent / "run"))
+    assert "Evaluation (step None)" in page and f"acc {correct / len(items):.3f}" in page
 
 
 def test_bad_task_file_exits_2_naming_the_line(setup: tuple[Path, Path, Path], tmp_path: Path,

@@ -1,8 +1,10 @@
-"""`leantrain report RUN_DIR`: one self-contained HTML file about a run.
+"""`leantrain report RUN_DIR [RUN_B ...]`: one self-contained HTML file about a run (or several, compared).
 
-Plots of loss, grad norm, LR, tokens/s, MFU, memory, data wait and communication (PNG, base64-embedded);
-plan vs actual; cost and idle time; alerts; checkpoints and restarts on a timeline. It reads only the run
-dir's files (docs/observe.md), so it works on a copied run dir, on another machine, after the fact.
+Plots of loss, grad norm, LR, tokens/s, MFU, step time, memory, data wait and communication (observe/
+report_plots.py: PNG, or interactive plotly with `--interactive`; x axis step, time or tokens); plan vs
+actual; cost and idle time; alerts; events in words; checkpoints and restarts on a timeline. With more run
+dirs, their curves are overlaid and a table compares them. It reads only the run dirs' files
+(docs/observe.md), so it works on a copied run dir, on another machine, after the fact.
 """
 
 from __future__ import annotations
@@ -19,14 +21,15 @@ import numpy as np
 from leantrain.errors import UserInputError
 from leantrain.observe.report_cost import CostSummary, cost_and_idle
 from leantrain.observe.report_data import METRICS_FILE, RunData, as_float, load_run, steady
-from leantrain.observe.report_plots import metric_plots, timeline_plot
+from leantrain.observe.report_plots import XAxis, metric_plots, plotly_available, timeline_plot
 
 CSS = """
-body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#1b1f24;max-width:1150px}
+body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#1b1f24;max-width:1600px}
 h1{font-size:22px;margin-bottom:4px} h2{font-size:17px;margin-top:28px;border-bottom:1px solid #d0d7de}
 .muted{color:#57606a;font-size:13px} table{border-collapse:collapse;font-size:13px;margin:8px 0}
 th,td{border:1px solid #d0d7de;padding:4px 8px;text-align:left;vertical-align:top} th{background:#f6f8fa}
-.grid{display:grid;grid-template-columns:repeat(2,1fr);gap:12px} .grid img{width:100%;border:1px solid #eee}
+.grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(560px,1fr));gap:14px}
+.grid img{width:100%;border:1px solid #eee}
 .cards{display:flex;gap:12px;flex-wrap:wrap} .card{border:1px solid #d0d7de;border-radius:6px;padding:8px 14px}
 .card b{display:block;font-size:18px} .critical{color:#cf222e;font-weight:600} .warning{color:#9a6700}
 .resolved{color:#1a7f37} td.num{text-align:right;font-variant-numeric:tabular-nums}
@@ -126,20 +129,71 @@ def _alerts_section(run: RunData) -> str:
     return _table(["severity", "state", "rule", "step", "first seen (UTC)", "lasted", "message"], rows, raw=True)
 
 
+def describe_event(event: dict[str, Any]) -> str:
+    """An event in words: `saved in 2.0 s (0.5 s stall, async)`, `restart after a planned drill kill, recovered
+    in 3.1 s`; other kinds list their fields."""
+    kind = str(event.get("kind", "?"))
+    f = {k: v for k, v in event.items() if k not in ("time", "kind", "step")}
+    seconds = {k: _fmt(f.get(k), "s") for k in ("duration_s", "stall_s", "recovery_s")}
+    if kind == "checkpoint_saved":
+        extra = ", ".join(x for x in (f"{seconds['stall_s']} stall" if "stall_s" in f else "",
+                                      "async" if f.get("async") else "") if x)
+        return f"checkpoint saved in {seconds['duration_s']}" + (f" ({extra})" if extra else "")
+    if kind == "restart":
+        why = "a planned drill kill" if f.get("planned") or f.get("cause") == "drill" else str(f.get("cause")
+                                                                                                 or "a failure")
+        where = f" on {f['host']}" if f.get("host") else ""
+        return f"restart after {why}{where}" + (f", recovered in {seconds['recovery_s']}" if "recovery_s" in f else "")
+    if kind == "resume":
+        return f"resumed from step {f.get('from_step', event.get('step'))}" + (
+            f" ({f['checkpoint']})" if f.get("checkpoint") else "")
+    if kind == "rank_joined":
+        return f"rank {f.get('rank')} joined" + (f" on {f['host']}" if f.get("host") else "")
+    if kind == "checkpoint_failed":
+        return f"checkpoint FAILED: {f.get('error', 'unknown error')}"
+    return ", ".join(f"{k}={v}" for k, v in f.items())
+
+
 def _events_table(run: RunData) -> str:
     rows = []
     for event in run.events:
-        details = {k: v for k, v in event.items() if k not in ("time", "kind", "step")}
         stamp = as_float(event.get("time"))
         when = dt.datetime.fromtimestamp(stamp, tz=dt.UTC).strftime("%H:%M:%S") if math.isfinite(stamp) else "—"
-        rows.append([when, str(event.get("kind", "?")), str(event.get("step", "—")),
-                     ", ".join(f"{k}={v}" for k, v in details.items())])
+        rows.append([when, str(event.get("kind", "?")), str(event.get("step", "—")), describe_event(event)])
     checkpoints = [[f"step-{c.step:08d}", "committed" if c.committed else "NOT committed",
                     "yes" if c.has_manifest else "no"] for c in run.checkpoints]
-    out = _table(["time (UTC)", "event", "step", "details"], rows) if rows else "<p>No events.jsonl.</p>"
+    out = _table(["time (UTC)", "event", "step", "what happened"], rows) if rows else "<p>No events.jsonl.</p>"
     if checkpoints:
         out += _table(["checkpoint", "state", "manifest"], checkpoints)
     return out
+
+
+def _eval_section(run: RunData) -> str:
+    """The results of `leantrain eval` (eval.json): held-out loss per source and multiple-choice accuracy."""
+    result = run.eval_results
+    if not result:
+        return ""
+    rows = [[f"held-out {name}", f"loss {v['loss']:.4f}, perplexity {v['perplexity']:.2f}"]
+            for name, v in result.get("held_out", {}).items()]
+    rows += [[f"task {name}", f"acc {v['acc']:.3f}, acc_norm {v['acc_norm']:.3f} ({v['num_questions']} questions)"]
+             for name, v in result.get("tasks", {}).items()]
+    return f"<h2>Evaluation (step {result.get('step')})</h2>" + _table(["what", "result"], rows)
+
+
+def compare_rows(runs: list[RunData]) -> list[list[str]]:
+    """One row per run: steps, final loss, median tokens/s and MFU, peak memory, restarts, alerts."""
+    rows = []
+    for run in runs:
+        steps, losses = run.series("loss")
+        finite = losses[np.isfinite(losses)]
+        _, mem = run.series("mem_bytes")
+        rows.append([run.run_dir.name, f"{int(np.nanmax(steps))}" if steps.size else "—",
+                     f"{finite[-1]:.4g}" if finite.size else "—", _fmt(_median(run, "tokens_per_s")),
+                     _fmt(_median(run, "mfu"), "%"), _fmt(float(np.nanmax(mem)) if np.any(np.isfinite(mem))
+                                                          else None, "GiB"),
+                     str(len(run.events_of("restart"))),
+                     str(sum(1 for a in run.alerts if a.get("state", "firing") == "firing"))])
+    return rows
 
 
 def _cards(run: RunData) -> str:
@@ -159,30 +213,44 @@ def _cards(run: RunData) -> str:
     ) + "</div>"
 
 
-def render_html(run: RunData) -> str:
-    """The whole report as one HTML string (images inline)."""
-    plots = metric_plots(run)
+def _figure(plot: Any) -> str:
+    if plot.html:
+        return f"<figure>{plot.html}</figure>"
+    return (f"<figure><img id='plot-{plot.key}' class='plot' alt='{html.escape(plot.title)}' "
+            f"src='data:image/png;base64,{plot.png_base64}'></figure>")
+
+
+def render_html(run: RunData | list[RunData], *, x: XAxis = "step", interactive: bool = False) -> str:
+    """The whole report as one HTML string (images or plotly's JavaScript inline). With several runs the first
+    is the subject (plan, cost, alerts, events) and the others are overlaid on its curves."""
+    runs = [run] if isinstance(run, RunData) else run
+    run = runs[0]
+    plots = metric_plots(runs, x=x, interactive=interactive)
     timeline = timeline_plot(run)
-    images = "".join(
-        f"<figure><img id='plot-{p.key}' class='plot' alt='{html.escape(p.title)}' "
-        f"src='data:image/png;base64,{p.png_base64}'></figure>" for p in plots
-    )
+    images = "".join(_figure(p) for p in plots)
     timeline_img = "" if timeline is None else (
         f"<img id='plot-timeline' class='plot' alt='Run timeline' style='width:100%' "
         f"src='data:image/png;base64,{timeline.png_base64}'>")
     problems = "" if not run.bad_lines else (
         "<h2>Unreadable lines</h2><ul>" + "".join(f"<li>{html.escape(b)}</li>" for b in run.bad_lines[:50]) + "</ul>")
     name = (run.lineage or {}).get("run_name") or run.run_dir.name
+    title = name if len(runs) == 1 else f"{name} vs " + ", ".join(r.run_dir.name for r in runs[1:])
     generated = dt.datetime.now(tz=dt.UTC).strftime("%Y-%m-%d %H:%M UTC")
     plan_note = "" if run.plan else "<p class='muted'>No plan.json in the run dir: plan columns are empty.</p>"
+    compare = "" if len(runs) == 1 else "<h2>Runs compared</h2>" + _table(
+        ["run", "last step", "final loss", "tokens/s", "MFU", "peak memory", "restarts", "alerts"], compare_rows(runs))
+    legend = ("Colours: one per run; dashed: a later attempt." if len(runs) > 1 else
+              "Colours: one per attempt (a restart starts a new one); dashed red: resume from a checkpoint; "
+              "grey: committed checkpoints; dotted: the plan.")
     return f"""<!DOCTYPE html>
-<html lang="en"><head><meta charset="utf-8"><title>leantrain report: {html.escape(str(name))}</title>
+<html lang="en"><head><meta charset="utf-8"><title>leantrain report: {html.escape(str(title))}</title>
 <style>{CSS}</style></head><body>
-<h1>leantrain run report: {html.escape(str(name))}</h1>
+<h1>leantrain run report: {html.escape(str(title))}</h1>
 <p class="muted">{html.escape(str(run.run_dir))} · {len(run.metrics)} metric records · generated {generated}</p>
 {_cards(run)}
+{compare}
 <h2>Training curves</h2>
-<p class="muted">Dashed red: resume from a checkpoint. Grey: committed checkpoints.</p>
+<p class="muted">{legend}</p>
 <div class="grid">{images}</div>
 <h2>Plan vs actual</h2>{plan_note}
 {_table(["quantity", "plan", "actual", "actual / plan"], plan_vs_actual(run))}
@@ -193,13 +261,13 @@ def render_html(run: RunData) -> str:
 <h2>Checkpoints and restarts</h2>
 {timeline_img}
 {_events_table(run)}
+{_eval_section(run)}
 {problems}
 </body></html>
 """
 
 
-def write_report(run_dir: Path, out: Path | None = None) -> Path:
-    """Read the run dir and write the HTML report; returns its path. A run dir without metrics is an error."""
+def _load_for_report(run_dir: Path) -> RunData:
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise UserInputError(f"run dir {run_dir} does not exist (no {run_dir / METRICS_FILE} to report on)")
@@ -208,15 +276,30 @@ def write_report(run_dir: Path, out: Path | None = None) -> Path:
     run = load_run(run_dir)
     if not run.metrics:
         raise UserInputError(f"{run_dir / METRICS_FILE} holds no metric records (train logs every log_every steps)")
-    out = Path(out) if out is not None else run_dir / "report.html"
+    return run
+
+
+def write_report(
+    run_dir: Path | list[Path], out: Path | None = None, *, x: XAxis = "step", interactive: bool = False
+) -> Path:
+    """Read the run dir(s) and write the HTML report; returns its path. A run dir without metrics is an error."""
+    dirs = [Path(d) for d in run_dir] if isinstance(run_dir, list) else [Path(run_dir)]
+    if x not in ("step", "time", "tokens"):
+        raise UserInputError(f"--x {x!r}: allowed: step, time, tokens")
+    if interactive and not plotly_available():
+        raise UserInputError('--interactive needs plotly: pip install -e ".[report]"')
+    runs = [_load_for_report(d) for d in dirs]
+    out = Path(out) if out is not None else dirs[0] / ("report.html" if len(dirs) == 1 else "compare.html")
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render_html(run), encoding="utf-8")
+    out.write_text(render_html(runs, x=x, interactive=interactive), encoding="utf-8")
     return out
 
 
-def run(*, console: Any, run_dir: Path, out: Path | None = None) -> Path:
+def run(
+    *, console: Any, run_dir: Path | list[Path], out: Path | None = None, x: XAxis = "step", interactive: bool = False
+) -> Path:
     """CLI entry: write the report and print its path."""
-    path = write_report(run_dir, out)
+    path = write_report(run_dir, out, x=x, interactive=interactive)
     console.print(f"report written: {path} ({path.stat().st_size / 1024:.0f} KiB)")
     return path
 

@@ -161,6 +161,7 @@ class RunData:
     bad_lines: list[str] = field(default_factory=list)
     evals: list[dict[str, Any]] = field(default_factory=list)
     train_info: dict[str, Any] | None = None
+    eval_results: dict[str, Any] | None = None  # eval.json written by `leantrain eval`
 
     def series(self, key: str, records: list[dict[str, Any]] | None = None) -> tuple[np.ndarray, np.ndarray]:
         """(steps, values) for one metric in file order (not sorted: a resume jump must stay visible)."""
@@ -289,6 +290,7 @@ def load_run(run_dir: Path) -> RunData:
         bad_lines=bad,
         evals=evals,
         train_info=_read_json(run_dir / TRAIN_INFO_FILE, bad),
+        eval_results=_read_json(run_dir / "eval.json", bad),
     )
 
 
