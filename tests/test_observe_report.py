@@ -45,7 +45,8 @@ def test_report_is_self_contained_with_every_section(tmp_path: Path) -> None:
     text = out.read_text()
     assert not re.search(r"(src|href)=['\"](?!data:)", text), "report must not reference external files"
     ids = set(re.findall(r"id='plot-(\w+)'", text))
-    assert ids == {"loss", "grad_norm", "lr", "tokens_per_s", "mfu", "mem_bytes", "data_wait_s", "comm_s", "timeline"}
+    assert ids == {"loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s", "mem_bytes", "data_wait_s",
+                   "comm_s", "timeline"}
     for heading in ("Plan vs actual", "Cost and idle time", "Alerts", "Checkpoints and restarts"):
         assert f"<h2>{heading}</h2>" in text
     assert "loss 9 vs 3" in text and "20 s" in text  # alert message and how long it lasted
@@ -131,3 +132,45 @@ def test_report_without_plan_shows_dashes_not_nan(tmp_path: Path) -> None:
     text = write_report(run_dir).read_text()
     table = text.split("<h2>Plan vs actual</h2>")[1].split("<h2>")[0]
     assert "No plan.json" in table and ">nan<" not in table and "<td>tokens/s (job)</td><td>—</td>" in table
+
+
+def test_plot_lines_attempts_plan_reference_units_and_x_axes(tmp_path: Path) -> None:
+    from leantrain.observe.report_plots import PLOTS, metric_lines, plan_reference
+
+    run = load_run(make_run(tmp_path, "resume_jump"))
+    lines = metric_lines([run], "loss", 1.0, x="step")
+    # The resume starts a second attempt: its own colour and label.
+    assert [line.label for line in lines] == ["attempt 1", "attempt 2"] and lines[0].colour != lines[1].colour
+    assert plan_reference(run, "tokens_per_s") == pytest.approx(run.plan["throughput"]["tokens_per_s"])  # 2 of 2 GPUs
+    assert plan_reference(run, "mfu") == pytest.approx(40.0)
+    assert dict((k, u) for k, _, u, _, _ in PLOTS)["loss"] == "nats"
+    (ms,) = [line for line in metric_lines([load_run(make_run(tmp_path / "h", "healthy"))], "step_time_s", 1000.0,
+                                          x="time")]
+    assert np.nanmedian(ms.y) == pytest.approx(STEP_S * 1000, rel=0.05)  # shown in ms
+    assert ms.x[0] == 0 and ms.x[-1] == pytest.approx(49 * 2 * STEP_S / 60, rel=0.05)  # minutes since start
+    (tokens,) = metric_lines([load_run(make_run(tmp_path / "h2", "healthy"))], "loss", 1.0, x="tokens")
+    assert np.all(np.diff(tokens.x) > 0)
+
+
+def test_report_compares_runs_and_writes_interactive_plots(tmp_path: Path) -> None:
+    pytest.importorskip("plotly")
+    run_a, run_b = make_run(tmp_path / "a", "healthy"), make_run(tmp_path / "b", "data_bound")
+    assert main(["report", str(run_a), str(run_b), "--x", "tokens"]) == 0
+    text = (run_a / "compare.html").read_text()
+    assert "<h2>Runs compared</h2>" in text and "run-data_bound" in text
+    out = write_report([run_a, run_b], tmp_path / "i.html", interactive=True)
+    html_text = out.read_text()
+    assert html_text.count("plotly.js v") == 1 and "Plotly.newPlot" in html_text  # JS inlined once, no CDN
+    assert not re.search(r"<script[^>]+src=", html_text)
+    assert 'id="plot-tokens_per_s"' in html_text
+    assert main(["report", str(run_a), "--x", "epochs"]) == 2
+
+
+def test_events_are_described_in_words(tmp_path: Path) -> None:
+    from leantrain.observe.report import describe_event
+
+    assert describe_event({"kind": "checkpoint_saved", "step": 20, "duration_s": 2.0, "stall_s": 0.5,
+                           "async": True}) == "checkpoint saved in 2 s (0.5 s stall, async)"
+    assert describe_event({"kind": "restart", "planned": True, "recovery_s": 3.1}) == \
+        "restart after a planned drill kill, recovered in 3.1 s"
+    assert describe_event({"kind": "rank_joined", "rank": 1, "host": "node1"}) == "rank 1 joined on node1"

@@ -168,11 +168,16 @@ def launch(
 
 @app.command()
 def report(
-    run_dir: RunDirArg,
-    out: Annotated[Path | None, typer.Option(help="HTML file (default: RUN_DIR/report.html).")] = None,
+    run_dirs: Annotated[list[Path], typer.Argument(help="Run dir; more run dirs are overlaid and compared.")],
+    out: Annotated[Path | None, typer.Option(
+        help="HTML file (default: RUN_DIR/report.html, or RUN_DIR/compare.html for several).")] = None,
+    x: Annotated[str, typer.Option("--x", help="x axis: step, time (minutes) or tokens.")] = "step",
+    interactive: Annotated[bool, typer.Option(
+        "--interactive", help="Zoomable plotly charts (plotly's JavaScript inlined: still one file).")] = False,
 ) -> None:
-    """Write a self-contained HTML report with plots. Reads RUN_DIR; writes report.html."""
-    _stage("leantrain.observe.report", run_dir=run_dir, out=out)
+    """Write a self-contained HTML report with plots. Reads RUN_DIR(s); writes report.html."""
+    _stage("leantrain.observe.report", run_dir=run_dirs if len(run_dirs) > 1 else run_dirs[0], out=out, x=x,
+           interactive=interactive)
 
 
 @app.command()
