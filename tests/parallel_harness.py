@@ -36,7 +36,8 @@ SEED = 7
 
 
 def make_spec(
-    *, moe: bool = False, tie: bool = False, n_layers: int = 2, compute: str = "fp32", **parallelism: Any
+    *, moe: bool = False, tie: bool = False, n_layers: int = 2, compute: str = "fp32", aux_loss_coef: float = 0.01,
+    **parallelism: Any
 ) -> JobSpec:
     """A tiny fp32 job; `parallelism` sets spec.parallelism fields."""
     model: dict[str, Any] = {
@@ -44,7 +45,8 @@ def make_spec(
         "ffn_hidden": 64, "vocab_size": 64, "tie_embeddings": tie,
     }
     if moe:
-        model["moe"] = {"num_experts": 4, "top_k": 2, "expert_hidden": 32, "num_shared_experts": 1}
+        model["moe"] = {"num_experts": 4, "top_k": 2, "expert_hidden": 32, "num_shared_experts": 1,
+                        "aux_loss_coef": aux_loss_coef}
     return JobSpec.model_validate({
         "model": model,
         "parallelism": {"zero_stage": 3, **parallelism},

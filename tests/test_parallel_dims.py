@@ -129,16 +129,10 @@ def test_comm_seconds_reads_profiler_events() -> None:
 
 
 def test_parallelize_refuses_what_an_auto_layout_cannot_build_before_allocating() -> None:
-    """`layout: auto` picks degrees at run time: parallelize repeats the spec rules' refusals, still on meta."""
+    """`layout: auto` picks degrees at run time: parallelize repeats the spec rules' refusal, still on meta."""
     from leantrain.model.transformer import Transformer, model_args_from_spec
     from leantrain.parallel import parallelize
 
-    spec = make_spec(moe=True, n_layers=2)  # balance: aux_loss (the default)
-    dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=2, ep=1, world_size=2)
-    with torch.device("meta"):
-        model = Transformer(model_args_from_spec(spec.model, max_seq_len=16))
-    with pytest.raises(UserInputError, match="aux_free"):
-        parallelize(model, dims, spec, mesh=None, device=torch.device("cpu"))
     fp8 = make_spec(compute="fp8")
     with torch.device("meta"):
         dense = Transformer(model_args_from_spec(fp8.model, max_seq_len=16))

@@ -28,6 +28,8 @@ TWO_RANK: dict[str, dict[str, Any]] = {
     "pp_interleaved": {"pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2,
                        "n_layers": 4},
     "ep_moe": {"moe": True, "data_parallel": 2, "expert_parallel": 2},
+    # The MoE aux loss carried by each pipeline stage (a large coefficient, so a dropped term would show).
+    "pp_moe_aux_loss": {"moe": True, "pipeline_parallel": 2, "pipeline_schedule": "1f1b", "aux_loss_coef": 1.0},
 }
 # bf16 compute through FSDP's MixedPrecisionPolicy: masters stay fp32, the loss tracks fp32 to bf16 accuracy.
 BF16 = {"fsdp_bf16": {"data_parallel": 2, "compute": "bf16"}}

@@ -138,7 +138,7 @@ def test_fp8_under_fsdp_gathers_float8_weights_and_precomputes_scales() -> None:
     assert float8_post_step([model], bf16, fsdp=True)() is None
 
 
-def test_unbuildable_precision_and_pipeline_combinations_are_refused_by_the_spec() -> None:
+def test_fp8_with_tensor_parallel_is_refused_by_the_spec_and_moe_aux_loss_runs_under_pp() -> None:
     from leantrain.spec import spec_from_dict
 
     base = {"model": {"n_layers": 4, "d_model": 64, "n_heads": 4, "ffn_hidden": 128, "vocab_size": 96,
@@ -146,9 +146,6 @@ def test_unbuildable_precision_and_pipeline_combinations_are_refused_by_the_spec
             "data": {"tokens_total": 1e6, "seq_len": 16}, "training": {"global_batch_tokens": 64, "micro_batch": 1}}
     with pytest.raises(UserInputError, match=r"precision.compute: fp8 with parallelism.tensor_parallel"):
         spec_from_dict(base | {"precision": {"compute": "fp8"}, "parallelism": {"tensor_parallel": 2}})
-    moe = base["model"] | {"architecture": "moe", "moe": {"num_experts": 4, "top_k": 2}}
-    with pytest.raises(UserInputError, match=r"model.moe.balance: aux_loss with parallelism.pipeline_parallel"):
-        spec_from_dict(base | {"model": moe, "parallelism": {"pipeline_parallel": 2}})
-    ok = moe | {"moe": {"num_experts": 4, "top_k": 2, "balance": "aux_free"}}
-    spec = spec_from_dict(base | {"model": ok, "parallelism": {"pipeline_parallel": 2}})
+    moe = base["model"] | {"architecture": "moe", "moe": {"num_experts": 4, "top_k": 2}}  # balance: aux_loss
+    spec = spec_from_dict(base | {"model": moe, "parallelism": {"pipeline_parallel": 2}})  # carried per stage
     assert spec.parallelism.pipeline_parallel == 2

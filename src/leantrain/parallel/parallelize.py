@@ -35,6 +35,7 @@ from leantrain.parallel.pipeline import (
     broadcast_loss,
     build_schedule,
     build_stage_modules,
+    pipeline_aux_loss,
     run_schedule,
     token_loss_fn,
 )
@@ -74,7 +75,7 @@ class ParallelModel:
     grad_sync: str = "every_micro_batch"
     # The loss the pipeline schedule calls (set by forward_backward/evaluate; the schedule is built once).
     active_loss_fn: LossFn = token_loss_fn
-    # Mean MoE auxiliary loss of the last forward_backward (None for a dense model or under PP).
+    # Mean MoE auxiliary loss of the last forward_backward (None for a dense model or without aux_loss balance).
     last_aux_loss: torch.Tensor | None = None
 
     @property
@@ -149,18 +150,24 @@ class ParallelModel:
         """Forward and backward over the step's micro-batches (inputs, targets); returns the mean loss on every rank.
 
         Gradients end up as the gradient of the mean micro-batch loss (plus the MoE auxiliary loss when the
-        model has one and there is no pipeline; its mean is kept in `last_aux_loss`). `loss_fn(logits,
-        targets)` returns a micro-batch's mean loss; `autocast` is entered around each forward (around the
-        whole schedule under PP). Call `finish_gradients` afterwards.
+        model has one, also under PP where each stage adds its own; its mean is kept in `last_aux_loss`).
+        `loss_fn(logits, targets)` returns a micro-batch's mean loss; `autocast` is entered around each forward
+        (around the whole schedule under PP). Call `finish_gradients` afterwards.
         """
         self.last_aux_loss = None
         if self.schedule is not None:
             inputs, targets = self._whole_batch(micro_batches)
             self.active_loss_fn = loss_fn
+            stages = [p for p in self.parts if isinstance(p, StageModule)]
+            for stage in stages:
+                stage.aux_loss_sum = None
             with autocast():
                 loss = run_schedule(self.schedule, inputs=inputs, targets=targets,
                                     is_first=self.is_first_stage, is_last=self.is_last_stage)
             assert self.mesh is not None
+            if self.args.moe is not None and self.args.balance == "aux_loss":
+                self.last_aux_loss = pipeline_aux_loss(stages, pp_mesh=self.mesh["pp"], device=self.device,
+                                                       num_microbatches=len(micro_batches))
             return broadcast_loss(loss, pp_mesh=self.mesh["pp"], device=self.device)
         model = self.model
         total = torch.zeros((), device=self.device)
@@ -295,11 +302,6 @@ def _refuse_unbuildable(dims: ParallelDims, spec: JobSpec, args: ModelArgs) -> N
         raise UserInputError(
             f"precision.compute: fp8 with tensor parallelism ({dims.describe()}) is not supported; use compute: bf16 "
             "or a layout with tensor_parallel: 1"
-        )
-    if args.moe is not None and args.balance == "aux_loss" and dims.pp > 1:
-        raise UserInputError(
-            f"model.moe.balance: aux_loss under pipeline parallelism ({dims.describe()}) is not supported (the "
-            "auxiliary loss is not carried between stages); use model.moe.balance: aux_free"
         )
 
 

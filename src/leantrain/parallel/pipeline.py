@@ -9,13 +9,17 @@ checkpoints are the same whatever the split.
 Micro-batches are the gradient-accumulation micro-batches: the schedule takes the step's whole batch and
 cuts it into `num_microbatches` pieces; gradients are averaged over them (the schedule scales them). The
 loss exists only on the last stage: `broadcast_loss` sends it to every rank for logging.
-The MoE auxiliary loss is not carried between stages, so `moe.balance: aux_loss` with pipeline parallelism is
-refused (spec rules and `parallelize`); `aux_free` balances without a loss term.
+The MoE auxiliary loss never travels between stages: each stage attaches its own layers' weighted aux loss to
+its output with an identity whose backward gives the aux loss the gradient 1 (`_AttachAuxLoss`, the idea of
+Megatron's MoEAuxLossAutoScaler), so backward through the stage adds d(aux)/dθ to its layers exactly as
+one process does with `(loss + aux) / n`: the schedule divides every gradient by the micro-batch count. The
+stages' detached aux sums are added over the pipeline group for logging (`aux_loss_sum`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,11 +35,28 @@ from leantrain.model.transformer import Transformer
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
 
+class _AttachAuxLoss(torch.autograd.Function):
+    """Identity on `output`; backward hands `aux_loss` the gradient 1, so it joins the stage's backward."""
+
+    @staticmethod
+    def forward(ctx: Any, output: torch.Tensor, aux_loss: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(aux_loss)
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx: Any, grad_output: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # type: ignore[override]
+        (aux_loss,) = ctx.saved_tensors
+        return grad_output, torch.ones_like(aux_loss)
+
+
 class StageModule(nn.Module):
     """A run of consecutive layers (+ the embedding on the first stage, norm and head on the last)."""
 
     def __init__(self, model: Transformer, *, layer_ids: list[str], first: bool, last: bool) -> None:
         super().__init__()
+        self.aux_loss_coef = model.args.aux_loss_coef
+        # Sum of this stage's weighted MoE aux losses over the step's micro-batches (detached, for logging).
+        self.aux_loss_sum: torch.Tensor | None = None
         self.tok_embeddings = model.tok_embeddings if first else None
         self.layers = nn.ModuleDict({i: model.layers[i] for i in layer_ids})
         self.norm = model.norm if last else None
@@ -47,21 +68,29 @@ class StageModule(nn.Module):
         h = self.tok_embeddings(x) if self.tok_embeddings is not None else x
         for layer in self.layers.values():
             h = layer(h, self.rope)
-        self._collect_moe_stats()
-        if self.norm is None:
-            return h
-        assert self.output is not None  # tied embeddings are refused under pipeline parallelism
-        return self.output(self.norm(h))  # (batch, seq, vocab)
+        aux = self._collect_moe_stats()
+        if self.norm is not None:
+            assert self.output is not None  # tied embeddings are refused under pipeline parallelism
+            h = self.output(self.norm(h))  # (batch, seq, vocab)
+        if aux is not None and torch.is_grad_enabled():
+            self.aux_loss_sum = aux.detach() if self.aux_loss_sum is None else self.aux_loss_sum + aux.detach()
+            h = _AttachAuxLoss.apply(h, aux)
+        return h
 
-    def _collect_moe_stats(self) -> None:
-        """As `Transformer._collect_moe_stats`, for this stage's MoE layers (counts only: no aux loss under PP)."""
+    def _collect_moe_stats(self) -> torch.Tensor | None:
+        """As `Transformer._collect_moe_stats`, for this stage's MoE layers: counts added, the weighted aux loss
+        of this stage's layers returned (None without MoE aux losses)."""
+        aux_losses = []
         for layer in self.layers.values():
             if not getattr(layer, "is_moe", False):
                 continue
             moe = layer.feed_forward
             if self.training and moe.last_counts is not None:
                 moe.tokens_per_expert += moe.last_counts
+            if moe.last_aux_loss is not None:
+                aux_losses.append(moe.last_aux_loss)
             moe.last_counts, moe.last_aux_loss = None, None
+        return torch.stack(aux_losses).sum() * self.aux_loss_coef if aux_losses else None
 
 
 class StageGroup(nn.Module):
@@ -166,3 +195,15 @@ def broadcast_loss(loss: torch.Tensor | None, *, pp_mesh: DeviceMesh, device: to
     group = pp_mesh.get_group()
     dist.broadcast(value, src=dist.get_global_rank(group, pp_mesh.size() - 1), group=group)
     return value
+
+
+def pipeline_aux_loss(
+    stages: list[StageModule], *, pp_mesh: DeviceMesh, device: torch.device, num_microbatches: int
+) -> torch.Tensor:
+    """The step's mean weighted MoE aux loss over all stages (every stage's layers), on every pipeline rank."""
+    total = torch.zeros((), device=device)
+    for stage in stages:
+        if stage.aux_loss_sum is not None:
+            total += stage.aux_loss_sum.to(device)
+    dist.all_reduce(total, group=pp_mesh.get_group())
+    return total / num_microbatches

@@ -21,7 +21,7 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
         *_layout_problems(spec),
         *_shape_problems(spec.parallelism, shape),
         *_moe_problems(spec.parallelism, shape),
-        *_unbuildable_layout_problems(spec, shape),
+        *_unbuildable_layout_problems(spec),
         *_batch_and_node_problems(spec),
         *_finetune_problems(spec),
     ]
@@ -45,19 +45,13 @@ def _finetune_problems(spec: JobSpec) -> list[str]:
     return problems
 
 
-def _unbuildable_layout_problems(spec: JobSpec, shape: ModelShape) -> list[str]:
+def _unbuildable_layout_problems(spec: JobSpec) -> list[str]:
     """Combinations the trainer cannot build, refused before any rank allocates memory."""
     par, problems = spec.parallelism, []
     if spec.precision.compute == "fp8" and par.tensor_parallel > 1:
         problems.append(
             "precision.compute: fp8 with parallelism.tensor_parallel > 1 is not supported (the float8 tensor-parallel "
             "styles are not wired in); use compute: bf16 with tensor parallelism, or fp8 with tensor_parallel: 1"
-        )
-    if shape.moe is not None and par.pipeline_parallel > 1 and (spec.model.moe is None or
-                                                                   spec.model.moe.balance == "aux_loss"):
-        problems.append(
-            "model.moe.balance: aux_loss with parallelism.pipeline_parallel > 1 is not supported (the auxiliary "
-            "loss is not carried between pipeline stages); use model.moe.balance: aux_free (DeepSeek-V3's bias)"
         )
     return problems
 
