@@ -97,3 +97,19 @@ def test_export_refuses_a_dir_that_is_not_a_run_and_writes_nothing(
     assert main(["export", str(tmp_path), "--out", str(tmp_path / "out")]) == 2
     assert "no spec.yaml" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_a_tokenizer_larger_than_the_embedding_is_refused_before_prepare_writes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    small = save_tiny_hf(tmp_path / "small", vocab_size=200)  # the byte tokenizer has 259 tokens
+    chat = tmp_path / "chat.jsonl"
+    chat.write_text('{"prompt": "a", "response": "b"}\n')
+    spec = spec_file(tmp_path, small)
+    raw = yaml.safe_load(spec.read_text())
+    raw["data"]["sources"] = [{"name": "chat", "path": str(chat), "format": "chat"}]
+    spec.write_text(yaml.safe_dump(raw))
+    assert main(["prepare", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert "tokenizer.json: vocabulary of 259 tokens exceeds the embedding (vocab_size 200" in err
+    assert not (tmp_path / "data").exists()

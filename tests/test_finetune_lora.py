@@ -152,3 +152,28 @@ def test_qlora_runs_on_cpu_with_an_nf4_base(hf_dir: Path, data_dir: Path, tmp_pa
     records = [r for r in trainer.train() if "loss" in r]
     assert len(records) == 3 and all(np.isfinite(r["loss"]) for r in records)
     trainer.close()
+
+
+def test_a_lora_run_resumes_its_adapters_on_the_same_base(hf_dir: Path, data_dir: Path, tmp_path: Path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    from leantrain.ckpt.hook import TrainerCheckpointer
+
+    run_dir = tmp_path / "run"
+    spec = ft_spec(hf_dir, data_dir, run_dir, max_steps=4)
+    train(spec, run_dir=run_dir, max_steps=None, console=None)
+    resumed = Trainer(spec, run_dir=run_dir, checkpointer_factory=TrainerCheckpointer)
+    try:
+        assert resumed.step == 4
+        folder = run_dir / "checkpoints" / "step-00000004"
+        meta = dcp.FileSystemReader(str(folder)).read_metadata().state_dict_metadata
+        keys = [k.removeprefix("model.") for k in meta if k.startswith("model.")]
+        saved = {"model": {k: torch.empty(meta[f"model.{k}"].size) for k in keys}}
+        dcp.load(saved, checkpoint_id=str(folder), no_dist=True)
+        params = dict(resumed.model.named_parameters())
+        original = load_file(str(hf_dir / "model.safetensors"))
+        for name, value in saved["model"].items():
+            assert torch.equal(params[name].detach(), value), name
+        assert all(torch.equal(p.detach(), original[to_hf_name(n)]) for n, p in params.items() if not is_adapter(n))
+    finally:
+        resumed.close()
