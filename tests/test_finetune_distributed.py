@@ -85,3 +85,56 @@ def test_sharded_load_and_lora_match_one_process(tmp_path: Path) -> None:
         single = json.loads((tmp_path / kind / "train_info.json").read_text())
         if "pp" not in name:  # a pipeline rank counts its own stages only
             assert info["trainable_params"] == single["trainable_params"], name
+
+
+def _load_worker(rank: int, hf_dir: str, port: int, out: str) -> None:
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from leantrain.model.hf import to_hf_name
+    from leantrain.model.hf_load import args_from_hf_config, fill_from_hf
+    from leantrain.model.init import init_buffers
+    from leantrain.model.transformer import Transformer
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    try:
+        torch.set_num_threads(1)
+        args = args_from_hf_config(Path(hf_dir), max_seq_len=16)
+        with torch.device("meta"):
+            model = Transformer(args)
+        mesh = init_device_mesh("cpu", (2,))
+        for block in model.layers.values():
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        model.to_empty(device="cpu")
+        init_buffers(model, args=args, device=torch.device("cpu"))
+        read_bytes = fill_from_hf(model, Path(hf_dir), args=args)
+        original = load_file(str(Path(hf_dir) / "model.safetensors"))
+        equal = all(torch.equal(p.full_tensor(), original[to_hf_name(n)]) for n, p in model.named_parameters())
+        total = sum(t.numel() * t.element_size() for t in original.values())
+        Path(out, f"rank{rank}.json").write_text(json.dumps({"read": read_bytes, "total": total, "equal": equal}))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.slow
+def test_each_rank_reads_only_its_shards_of_the_safetensors(tmp_path: Path) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    hf_dir = save_tiny_hf(tmp_path / "hf", vocab_size=VOCAB)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    mp.spawn(_load_worker, args=(str(hf_dir), port, str(tmp_path)), nprocs=2, join=True)
+    results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert all(r["equal"] for r in results)  # the shards put together are the checkpoint, bit for bit
+    assert sum(r["read"] for r in results) == results[0]["total"]  # every byte read once, by one rank
+    assert all(r["read"] <= 0.55 * r["total"] for r in results)  # each rank about half
