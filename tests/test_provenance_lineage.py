@@ -119,6 +119,8 @@ def test_registry_is_per_project_and_readable_at_80_columns(
     assert "beta-run" in listing and "alpha-run" not in listing and "first-try" in listing
     assert max(len(line) for line in listing.splitlines()) <= 80
     assert "beta-run" in next(line for line in listing.splitlines() if "finished" in line)  # not folded away
+    assert main(["runs", str(tmp_path / "alpha" / "runs")]) == 0  # a folder of run dirs: its registry
+    assert "alpha-run" in capsys.readouterr().out
     monkeypatch.setenv("LEANTRAIN_HOME", str(tmp_path / "home"))
     assert default_registry_path(run_dir=tmp_path / "x" / "run") == tmp_path / "home" / "runs.db"
 

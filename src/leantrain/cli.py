@@ -244,7 +244,8 @@ def alert_rules(
 
 @app.command()
 def runs(
-    run_dir: Annotated[Path | None, typer.Argument(help="Show one run's checkpoints and lineage.")] = None,
+    run_dir: Annotated[Path | None, typer.Argument(
+        help="A run dir: its checkpoints and lineage; a folder of run dirs: the runs in its runs.db.")] = None,
     registry: Annotated[Path | None, typer.Option(
         help="Registry database (default: $LEANTRAIN_REGISTRY, $LEANTRAIN_HOME/runs.db, or runs/runs.db).")] = None,
 ) -> None:

@@ -5,7 +5,8 @@ list every run on a machine or shared file system without walking folders. Rank 
 training starts (after `write_lineage`), `register_checkpoint` after each commit, and `set_run_status` at the
 end. The database is per project, not per user: `run.registry`, else $LEANTRAIN_REGISTRY, else
 $LEANTRAIN_HOME/runs.db, else `runs.db` next to the run dirs (the run dir's parent: runs/run → runs/runs.db;
-owner-only). `leantrain runs` without a run dir reads ./runs/runs.db (the default run.dir's parent).
+owner-only). `leantrain runs DIR` lists DIR/runs.db (`leantrain runs` alone: ./runs/runs.db, the default
+run.dir's parent); `leantrain runs RUN_DIR` shows one run.
 """
 
 from __future__ import annotations
@@ -285,10 +286,12 @@ def _show_run(console: Console, run_dir: Path, *, registry: Path | None = None) 
 
 
 def run(*, console: Console, run_dir: Path | None, registry: Path | None) -> None:
-    """`leantrain runs [RUN_DIR]`: list registered runs, or show one run's checkpoints and their lineage."""
-    if run_dir is None:
-        _show_runs(console, registry)
+    """`leantrain runs [DIR]`: list the runs registered in DIR/runs.db (a folder of run dirs; default ./runs),
+    or, for a run dir, show its checkpoints and their lineage."""
+    if run_dir is not None and not Path(run_dir).is_dir():
+        raise UserInputError(f"run dir {run_dir} does not exist")
+    if run_dir is None or (registry is None and read_lineage(Path(run_dir)) is None
+                           and (Path(run_dir) / REGISTRY_NAME).is_file()):
+        _show_runs(console, registry if run_dir is None else Path(run_dir) / REGISTRY_NAME)
     else:
-        if not Path(run_dir).is_dir():
-            raise UserInputError(f"run dir {run_dir} does not exist")
         _show_run(console, Path(run_dir), registry=registry)
