@@ -85,6 +85,12 @@ def test_sharded_load_and_lora_match_one_process(tmp_path: Path) -> None:
         single = json.loads((tmp_path / kind / "train_info.json").read_text())
         if "pp" not in name:  # a pipeline rank counts its own stages only
             assert info["trainable_params"] == single["trainable_params"], name
+        if kind == "lora":  # the last step's checkpoint, written by both ranks through DCP: adapters only
+            import torch.distributed.checkpoint as dcp
+
+            meta = dcp.FileSystemReader(str(tmp_path / name / "checkpoints" / f"step-{STEPS:08d}")).read_metadata()
+            model_keys = [k for k in meta.state_dict_metadata if k.startswith("model.")]
+            assert model_keys and all(k.endswith((".lora_a", ".lora_b")) for k in model_keys), name
 
 
 def _load_worker(rank: int, hf_dir: str, port: int, out: str) -> None:
