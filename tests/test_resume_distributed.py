@@ -193,3 +193,32 @@ def test_frozen_rank_aborts_the_group_restarts_it_and_loses_nothing(drilled: dic
     assert restart[0]["recovery_s"] < 120, restart[0]
     reference = reference_losses(drilled["reference"])
     assert {step: values[-1] for step, values in logged_losses(run_dir).items()} == reference
+
+
+@pytest.mark.slow
+def test_memory_tier_resumes_a_lost_node_from_its_peer_copy(drilled: dict[str, Any], tmp_path: Path) -> None:
+    """Fast tier every step, copy on the other rank: rank 1 is SIGKILLed after step 3 and its node's memory
+    is lost with it; the restart resumes from step 3 (the durable tier has step 2) with rank 1's shard sent
+    back by its peer, and the losses equal the uninterrupted reference run's."""
+    run_dir = drilled["root"] / "memory-tier"
+    plan = FaultPlan(kill_at_step=KILL_AT, kill_rank=1, lose_node=True)
+    train = TrainCommand(spec_path=drilled["spec_file"], overrides=(
+        "checkpoint.memory_interval_steps=1", "checkpoint.memory_peer_offset=1",
+        f"checkpoint.memory_dir={tmp_path / 'shm'}"))
+    saved = {k: os.environ.get(k) for k in plan.to_env()}
+    os.environ.update(plan.to_env())
+    try:
+        code = launch_local(drilled["spec"], train=train, run_dir=run_dir, nproc=2, nnodes=None, max_restarts=1,
+                            console=Console(file=io.StringIO()), timeout_s=600)
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+    assert code == 0
+    kinds = events(run_dir)
+    loaded = [e for e in kinds if e["kind"] == "checkpoint_loaded"]
+    restart = [e for e in kinds if e["kind"] == "restart"]
+    assert loaded[-1]["tier"] == "memory" and loaded[-1]["step"] == KILL_AT and loaded[-1]["durable_step"] == 2
+    assert restart[0]["resumed_from"] == KILL_AT
+    assert {step: values[-1] for step, values in logged_losses(run_dir).items()} == reference_losses(
+        drilled["reference"])
+    assert not any((tmp_path / "shm").rglob("*.pt"))  # the finished run gave the memory back

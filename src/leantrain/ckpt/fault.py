@@ -9,7 +9,9 @@ Set in the environment of every rank (torchrun passes it on to the workers it re
     LEANTRAIN_FAULT_CORRUPT_LATEST=1   first flip one byte of the newest committed checkpoint, so the resume
                                        has to detect it and fall back to the one before
     LEANTRAIN_FAULT_FREEZE=1           SIGSTOP instead of SIGKILL: the rank hangs (a stuck GPU or NIC); the
-                                       others' hang watchdog (train/hang.py) must abort so the group restarts
+                                       others' hang watchdog (ckpt/watchdog.py) must abort so the group restarts
+    LEANTRAIN_FAULT_LOSE_NODE=1        the rank's node is lost with it: its fast-tier files (its own shard and
+                                       the peer copy it held, ckpt/memory_tier.py) are deleted before the kill
 
 Before dying, rank r writes `run_dir/fault-injected.json` (step, rank, wall time, restart attempt) and fsyncs
 it. The marker makes the fault fire once: workers restarted by torchrun find it and train on, and the restart
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import time
 from dataclasses import asdict, dataclass
@@ -35,6 +38,7 @@ ENV_KILL_RANK = "LEANTRAIN_FAULT_KILL_RANK"
 ENV_DURING_SAVE = "LEANTRAIN_FAULT_DURING_SAVE"
 ENV_CORRUPT_LATEST = "LEANTRAIN_FAULT_CORRUPT_LATEST"
 ENV_FREEZE = "LEANTRAIN_FAULT_FREEZE"
+ENV_LOSE_NODE = "LEANTRAIN_FAULT_LOSE_NODE"
 MARKER_FILE = "fault-injected.json"
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
 
@@ -48,6 +52,7 @@ class FaultPlan:
     during_save: bool = False
     corrupt_latest: bool = False
     freeze: bool = False
+    lose_node: bool = False
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | os._Environ[str] | None = None) -> FaultPlan | None:
@@ -62,13 +67,15 @@ class FaultPlan:
             during_save=env.get(ENV_DURING_SAVE, "") in ("1", "true", "yes"),
             corrupt_latest=env.get(ENV_CORRUPT_LATEST, "") in ("1", "true", "yes"),
             freeze=env.get(ENV_FREEZE, "") in ("1", "true", "yes"),
+            lose_node=env.get(ENV_LOSE_NODE, "") in ("1", "true", "yes"),
         )
 
     def to_env(self) -> dict[str, str]:
         """The environment variables that arm this plan (for a launcher)."""
         return {ENV_KILL_AT_STEP: str(self.kill_at_step), ENV_KILL_RANK: str(self.kill_rank),
                 ENV_DURING_SAVE: "1" if self.during_save else "0",
-                ENV_CORRUPT_LATEST: "1" if self.corrupt_latest else "0", ENV_FREEZE: "1" if self.freeze else "0"}
+                ENV_CORRUPT_LATEST: "1" if self.corrupt_latest else "0", ENV_FREEZE: "1" if self.freeze else "0",
+                ENV_LOSE_NODE: "1" if self.lose_node else "0"}
 
 
 def restart_attempt() -> int:
@@ -103,6 +110,7 @@ class FaultInjector:
 
     def __init__(self, plan: FaultPlan, *, run_dir: Path, rank: int) -> None:
         self.plan, self.run_dir, self.rank = plan, Path(run_dir), rank
+        self.node_files: list[Path] = []  # what a lost node takes with it (the fast tier's folders)
         # Read once at start-up by every rank, so all ranks agree whether the forced save at step k happens.
         self.fired = read_marker(self.run_dir) is not None
 
@@ -151,4 +159,7 @@ class FaultInjector:
             out.write(json.dumps(record) + "\n")
             out.flush()
             os.fsync(out.fileno())
+        if self.plan.lose_node:
+            for folder in self.node_files:
+                shutil.rmtree(folder, ignore_errors=True)
         os.kill(os.getpid(), signal.SIGSTOP if self.plan.freeze else signal.SIGKILL)

@@ -42,9 +42,11 @@ from typing import Any
 
 import leantrain.ckpt.integrity as integ
 from leantrain.ckpt.control import checkpoint_requested, clear_checkpoint_request
+from leantrain.ckpt.dcp_io import apply_state_dict, build_state_dict
 from leantrain.ckpt.errors import CheckpointLoadError
 from leantrain.ckpt.fault import FaultInjector, FaultPlan, read_marker, restart_attempt
 from leantrain.ckpt.manager import CheckpointManager, CheckpointSaveError
+from leantrain.ckpt.memory_tier import MemoryTier, memory_root
 from leantrain.ckpt.provenance import CheckpointProvenance
 from leantrain.ckpt.resume import (
     SCHEDULE_KEY,
@@ -120,6 +122,9 @@ class TrainerCheckpointer:
         self.stop_reason: str | None = None  # why the loop should stop: "preempted" or "checkpoint requested"
         plan = FaultPlan.from_env()
         self.fault = None if plan is None else FaultInjector(plan, run_dir=trainer.run_dir, rank=trainer.runtime.rank)
+        self.memory = _memory_tier(trainer, self.manager)
+        if self.fault is not None and self.memory is not None:
+            self.fault.node_files = self.memory.node_folders()
         fault = trainer.spec.fault
         self.watchdog = HangWatchdog(
             timeout_s=trainer.spec.monitoring.hang_timeout_s, run_dir=trainer.run_dir, rank=trainer.runtime.rank,
@@ -186,6 +191,10 @@ class TrainerCheckpointer:
             return changed_schedule_message(trainer.run_dir, step=entry.step, where=where, changes=changes)
 
         trains = self.schedule["max_steps"] > 0  # `--max-steps 0` only builds and loads: no schedule to keep
+        if self.memory is not None and request.mode in ("auto", "latest") and source is None:
+            fast = self._load_memory(trainer, check=check if trains else None)
+            if fast is not None:
+                return fast
         loaded = self.manager.load_latest(self.app_state(trainer), step=step, source=source,
                                           check=check if trains else None)
         if loaded is None and request.mode in ("latest", "path"):
@@ -212,6 +221,43 @@ class TrainerCheckpointer:
         self._say(trainer, f"starting a new run from the weights of step {loaded}, checkpoint "
                            f"{self.manager.loaded_from}")
         return None
+
+    def _maybe_save_memory(self, trainer: Any, step: int) -> None:
+        """The fast tier every memory_interval_steps (not on a step the durable tier just saved)."""
+        interval = trainer.spec.checkpoint.memory_interval_steps
+        if self.memory is None or step % interval or step == self.manager.last_saved_step or self.stop_reason:
+            return
+        start = time.perf_counter()
+        with self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext():
+            num_bytes = self.memory.save(step, build_state_dict(self.app_state(trainer)),
+                                         meta={SCHEDULE_KEY: self.schedule})
+        self.manager.events.emit("memory_checkpoint_saved", step=step, bytes=num_bytes,
+                                 duration_s=time.perf_counter() - start, peer=self.memory.peer)
+
+    def _load_memory(self, trainer: Any, *, check: Any) -> int | None:
+        """Resume from the fast tier when its newest complete step is newer than the durable tier's newest."""
+        assert self.memory is not None
+        fast = self.memory.best_step()
+        durable = [e.step for e in integ.list_steps(self.manager.store) if e.good_candidate] \
+            if self.manager.rank == 0 else None
+        durable = self.manager._agree(durable, self.manager._control_pg)
+        if fast is None or (durable and fast <= durable[-1]):
+            return None
+        start = time.perf_counter()
+        app_state = self.app_state(trainer)
+        entry = integ.StepEntry(step=fast, name=f"memory step {fast}", committed=True, corrupt=False)
+        filled = self.memory.load(fast, build_state_dict(app_state),
+                                  check=None if check is None else lambda meta: check(entry, meta))
+        if filled is None:
+            self.manager.events.emit("checkpoint_invalid", step=fast, reason="fast tier incomplete", tier="memory")
+            return None
+        if "refusal" in filled:
+            raise CheckpointLoadError(filled["refusal"], user_input=True)
+        apply_state_dict(app_state, filled)
+        self.manager.loaded_from = f"memory tier {self.memory.root} (step {fast})"
+        self.manager.events.emit("checkpoint_loaded", step=fast, tier="memory", duration_s=time.perf_counter() - start,
+                                 durable_step=durable[-1] if durable else None, folder=self.manager.loaded_from)
+        return fast
 
     def _own_steps(self) -> list[int]:
         steps = [e.step for e in integ.list_steps(self.manager.store)] if self.manager.rank == 0 else None
@@ -264,6 +310,9 @@ class TrainerCheckpointer:
                 self._save_failed(err)
         if requested:
             self._serve_request(step)
+        self._maybe_save_memory(trainer, step)
+        if force and self.memory is not None and self.manager.last_saved_step == step:
+            self.memory.clear()  # the run's end is durable: give the node's memory back
         self._note_saves()
         if self.watchdog is not None:
             self.watchdog.tick(step)
@@ -356,3 +405,22 @@ def _apply_new_lr(trainer: Any) -> None:
         return
     ratio = new_lr / max(max(saved), 1e-30)
     scheduler.base_lrs = [lr * ratio for lr in saved]
+
+
+def _memory_tier(trainer: Any, manager: CheckpointManager) -> MemoryTier | None:
+    """The fast tier when checkpoint.memory_interval_steps is set (its own gloo group: saves may overlap an
+    async durable save on the manager's groups)."""
+    import os
+
+    import torch.distributed as dist
+
+    ck = trainer.spec.checkpoint
+    if ck.memory_interval_steps is None:
+        return None
+    world = int(trainer.runtime.world_size)
+    group = dist.new_group(backend="gloo") if world > 1 and dist.is_initialized() else None
+    if group is not None:
+        manager._own_groups.append(group)
+    offset = ck.memory_peer_offset or int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    return MemoryTier(root=memory_root(ck.memory_dir, trainer.run_dir), rank=int(trainer.runtime.rank),
+                      world_size=world, peer_offset=offset, process_group=group)

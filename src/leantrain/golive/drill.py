@@ -25,6 +25,7 @@ When the data dir has no manifest yet the drill runs the prepare pipeline first 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import math
@@ -53,6 +54,8 @@ if TYPE_CHECKING:
 DRILL_FILE = "drill.json"
 DRILL_DIR = "drill"
 RUNS = ("reference", "faulted")
+MEMORY_RUN = "faulted-memory"  # with checkpoint.memory_interval_steps: the same kill, the node's memory lost too
+TIER_KEYS = ("recovery_s", "steps_lost", "goodput", "resumed_from", "max_loss_diff")
 NUM_RANKS = 2
 KILL_RANK = 1  # not rank 0: the survivor that writes metrics must be torn down and restarted too
 LOSS_TOLERANCE_NONDETERMINISTIC = 1e-2  # relative, for specs without training.deterministic
@@ -168,6 +171,30 @@ def isolated_checkpoints(spec: JobSpec, *, drill_dir: Path, name: str) -> list[s
     return [f"checkpoint.url={url}"]
 
 
+def _tier_overrides(spec: JobSpec, *, drill_dir: Path, name: str) -> list[str]:
+    """The durable-tier runs train without the fast tier; the memory run starts with an empty one."""
+    if spec.checkpoint.memory_interval_steps is None:
+        return []
+    if name != MEMORY_RUN:
+        return ["checkpoint.memory_interval_steps=null"]
+    from leantrain.ckpt.memory_tier import memory_root
+
+    shutil.rmtree(memory_root(spec.checkpoint.memory_dir, drill_dir / name), ignore_errors=True)
+    return []
+
+
+def _add_memory_tier(result: dict[str, Any], **analysis: Any) -> None:
+    """Both tiers' recovery numbers side by side; the drill passes only when both runs pass."""
+    runs = analysis.pop("runs")
+    memory = analyse(runs={"reference": runs["reference"], "faulted": runs[MEMORY_RUN]}, **analysis)
+    result["tiers"] = {"durable": {k: result.get(k) for k in TIER_KEYS},
+                       "memory": {**{k: memory.get(k) for k in TIER_KEYS}, "passed": memory["passed"],
+                                  "reason": memory["reason"], "faulted_wall_s": memory["faulted_wall_s"]}}
+    if not memory["passed"]:
+        result["passed"] = False
+        result["reason"] = "; ".join(r for r in (result["reason"], f"memory tier: {memory['reason']}") if r)
+
+
 # ---- the drill ------------------------------------------------------------------------------------------------
 def run_drill(
     spec: JobSpec, *, spec_path: Path, overrides: list[str], profile: str | None, run_dir: Path,
@@ -188,8 +215,11 @@ def run_drill(
     run_dir = Path(run_dir).resolve()
     drill_dir = run_dir / DRILL_DIR
     shutil.rmtree(drill_dir, ignore_errors=True)  # old checkpoints here would be resumed from
+    names = (*RUNS, MEMORY_RUN) if spec.checkpoint.memory_interval_steps is not None else RUNS
     trains = {name: TrainCommand(spec_path=Path(spec_path), profile=profile, overrides=(
-        *overrides, *extra_sets, *isolated_checkpoints(spec, drill_dir=drill_dir, name=name))) for name in RUNS}
+        *overrides, *extra_sets, *isolated_checkpoints(spec, drill_dir=drill_dir, name=name),
+        *_tier_overrides(spec, drill_dir=drill_dir, name=name))) for name in names}
+    faults = {"reference": None, "faulted": plan, MEMORY_RUN: dataclasses.replace(plan, lose_node=True)}
     max_restarts = max(1, spec.fault.max_restarts)
     console.print(f"drill: {nproc} ranks, {max_steps} steps, checkpoint every {interval}; kill rank "
                   f"{plan.kill_rank} at step {step}{' mid-save' if during_save else ''}"
@@ -197,8 +227,9 @@ def run_drill(
                   f"restart(s)")
     logs = Console(file=io.StringIO(), width=160)
     runs: dict[str, dict[str, Any]] = {}
-    for name, fault, restarts in zip(RUNS, (None, plan), (0, max_restarts), strict=True):
-        start = time.monotonic()
+    for name in names:
+        start, fault = time.monotonic(), faults[name]
+        restarts = 0 if fault is None else max_restarts
         with _environment({} if fault is None else fault.to_env()):
             code = launch_local(spec, train=trains[name], run_dir=drill_dir / name, nproc=nproc, nnodes=None,
                                 max_restarts=restarts, console=logs, timeout_s=LAUNCH_TIMEOUT_S)
@@ -207,6 +238,10 @@ def run_drill(
     result = analyse(reference_dir=drill_dir / "reference", faulted_dir=drill_dir / "faulted", plan=plan,
                      max_steps=max_steps, deterministic=spec.training.deterministic, runs=runs,
                      corrupt_latest=corrupt_latest)
+    if MEMORY_RUN in runs:
+        _add_memory_tier(result, reference_dir=drill_dir / "reference", faulted_dir=drill_dir / MEMORY_RUN,
+                         plan=plan, max_steps=max_steps, deterministic=spec.training.deterministic, runs=runs,
+                         corrupt_latest=corrupt_latest)
     result.update({"kill_at": step, "kill_rank": plan.kill_rank, "during_save": during_save,
                    "corrupt_latest": corrupt_latest, "num_ranks": nproc, "max_steps": max_steps,
                    "interval_steps": interval, "max_restarts": max_restarts, "drill_dir": str(drill_dir),
@@ -332,6 +367,10 @@ def render(result: dict[str, Any], *, console: Console) -> None:
         ("wall time", f"reference {result['reference_wall_s']:.1f} s, faulted {result['faulted_wall_s']:.1f} s"),
         ("result file", result["drill_file"]),
     ]
+    for tier, numbers in (result.get("tiers") or {}).items():
+        rows.insert(-1, (f"{tier} tier", f"resumed from step {numbers['resumed_from']}, {numbers['steps_lost']} "
+                                         f"step(s) lost, recovery {_fmt(numbers['recovery_s'], 's')}, goodput "
+                                         f"{_fmt(numbers['goodput'], '')}"))
     for row in rows:
         table.add_row(*row)
     console.print(table)

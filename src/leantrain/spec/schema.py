@@ -132,6 +132,14 @@ class CheckpointSpec(Section):
         3, description="Failed saves in a row after which the run stops (exit 1) instead of training unprotected."
     )
     save_retries: int = Field(2, ge=0, le=10, description="Retries of a failed save before it counts as failed.")
+    memory_interval_steps: PositiveInt | None = Field(
+        None, description="Fast tier: every this many steps each rank keeps its shard in node-local memory_dir "
+        "with a copy on a peer rank; a restart resumes from it when newer than the durable tier. None: off.",
+    )
+    memory_dir: Path = Field(Path("/dev/shm/leantrain"), description="Node-local folder of the fast tier (tmpfs).")
+    memory_peer_offset: PositiveInt | None = Field(
+        None, description="The fast tier's copy goes to rank + this (default: ranks per node, i.e. the next node).",
+    )
     retry_backoff_s: float = Field(
         1.0, ge=0, le=600, description="Wait before the first retry of a failed save, doubling each retry, seconds."
     )
@@ -235,6 +243,11 @@ class PlanSpec(Section):
     ep_overlap: float = Field(
         0.8, ge=0, le=1, description="Share of expert-parallel all-to-all hidden under compute (DeepSeek-V3's "
         "DualPipe hides nearly all; docs/plan.md)."
+    )
+    moe_node_limit: PositiveInt | None = Field(
+        None, description="Price the expert all-to-all as DeepSeek-V3's node-limited routing (each token reaches "
+        "at most this many nodes, sent once per node over the inter-node link, forwarded inside it); null: a plain "
+        "all-to-all of every top-k copy. Planning only: the router does not limit nodes."
     )
     activation_kernels: Literal["auto", "eager", "fused"] = Field(
         "auto", description="Which saved-tensor count the memory model uses: eager (our block as traced), fused "
