@@ -89,6 +89,9 @@ def test_trainer_layouts_match_one_process(tmp_path: Path) -> None:
         assert [r["grad_norm"] for r in steps] == pytest.approx([r["grad_norm"] for r in ref_steps], rel=1e-4), name
         assert evals[-1]["eval_loss"] == pytest.approx(ref_eval[-1]["eval_loss"], rel=1e-4), name
         assert all(0 < r["comm_s"] < r["step_time_s"] * 2 for r in steps), name  # measured, not a constant
+        # Memory: every rank's peak, and the heaviest one as mem_bytes.
+        assert all(len(r["rank_mem_bytes"]) == 2 and r["mem_bytes"] == max(r["rank_mem_bytes"]) > 0
+                   for r in steps), name
         for source, value in ref_steps[-1]["loss_by_source"].items():
             assert steps[-1]["loss_by_source"][source] == pytest.approx(value, rel=1e-4), (name, source)
         info = json.loads((tmp_path / name / "train_info.json").read_text())

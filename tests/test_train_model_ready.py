@@ -42,6 +42,7 @@ def test_two_rank_zero3_build_holds_only_its_shard(tmp_path: Path) -> None:
     for rank in ready["ranks"]:
         assert rank["param_bytes_local"] == pytest.approx(total / 2, rel=0.02)
         grown = rank["host_rss_peak_bytes"] - rank["host_rss_base_bytes"]
-        assert grown < 0.75 * total, f"rank {rank['rank']} grew {grown / 1e6:.0f} MB for {total / 1e6:.0f} MB"
+        # Its shard (half) plus one parameter being generated plus allocator slack; a full copy would be ≥ 1.5.
+        assert 0.9 * rank["param_bytes_local"] < grown < 0.8 * total, f"rank {rank['rank']} grew {grown / 1e6:.0f} MB"
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or '"loss"' not in (
         tmp_path / "run" / "metrics.jsonl").read_text()
