@@ -113,3 +113,11 @@ def test_a_tokenizer_larger_than_the_embedding_is_refused_before_prepare_writes(
     err = capsys.readouterr().err
     assert "tokenizer.json: vocabulary of 259 tokens exceeds the embedding (vocab_size 200" in err
     assert not (tmp_path / "data").exists()
+
+
+def test_a_sliding_window_shorter_than_seq_len_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    mistral = save_tiny_hf(tmp_path / "mistral", model_type="mistral", vocab_size=300)
+    windowed = copy_with_config(mistral, tmp_path / "windowed", sliding_window=8)
+    assert main(["check", str(spec_file(tmp_path, windowed))]) == 2
+    assert "data.seq_len (16) exceeds the sliding_window (8)" in capsys.readouterr().err
+    assert main(["check", str(spec_file(tmp_path, mistral))]) == 0  # no window: full attention, as ours

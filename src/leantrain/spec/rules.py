@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from leantrain.spec.hf_config import read_hf_config
 from leantrain.spec.shapes import ModelShape, resolve_shape
 
 if TYPE_CHECKING:
@@ -30,6 +31,12 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
 def _finetune_problems(spec: JobSpec) -> list[str]:
     """LoRA/QLoRA combinations the trainer does not build (train/finetune.py says why)."""
     method, par, problems = spec.finetune.method, spec.parallelism, []
+    if spec.model.init_from is not None:
+        window = read_hf_config(spec.model.init_from).sliding_window
+        if window is not None and window < spec.data.seq_len:
+            problems.append(f"data.seq_len ({spec.data.seq_len}) exceeds the sliding_window ({window}) of "
+                            f"{spec.model.init_from}/config.json: this model attends over the full sequence, so "
+                            f"train with seq_len ≤ {window}")
     if method == "full":
         return problems
     if spec.task != "finetune":
