@@ -149,6 +149,9 @@ def test_qlora_runs_on_cpu_with_an_nf4_base(hf_dir: Path, data_dir: Path, tmp_pa
     loras = [m for m in trainer.model.modules() if isinstance(m, LoRALinear)]
     assert loras and all(type(m.weight).__name__ == "NF4Tensor" for m in loras)
     assert all(m.lora_a.dtype == torch.float32 for m in loras)
+    base_numel = sum(m.weight.numel() for m in loras)
+    nf4_bytes = sum(m.weight.quantized_data.numel() * m.weight.quantized_data.element_size() for m in loras)
+    assert nf4_bytes == base_numel // 2  # 4 bits per base weight (plus block scales), not 32
     records = [r for r in trainer.train() if "loss" in r]
     assert len(records) == 3 and all(np.isfinite(r["loss"]) for r in records)
     trainer.close()
