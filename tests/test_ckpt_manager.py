@@ -245,9 +245,12 @@ def test_failing_store_loses_nothing_and_run_continues(run_dir: Path, blocking: 
     expected = snapshot(app)
     store.armed = True
     train(app, 2)
-    with pytest.raises(CheckpointSaveError, match="No space left"):
+    with pytest.raises(CheckpointSaveError, match="No space left") as raised:
         ckpt.save(4, app, blocking=blocking)
         ckpt.wait()
+    message = str(raised.value)  # one line: the errno and the file, not DCP's per-rank traceback
+    assert "\n" not in message and "Traceback" not in message and "[ENOSPC, file " in message
+    assert "checkpoints/.tmp-step-00000004/" in message and "(write)" in message
     assert alerts == ["checkpoint_failed"]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000002"]
     fresh = make_app(seed=2)

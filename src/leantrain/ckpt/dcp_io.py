@@ -104,7 +104,7 @@ class SealedFileSystem(FileSystemBase):
         final_name = name.removesuffix(".tmp")
         writer = SealedWriter(
             self.store, raw, logical_name=f"{step_name(folder)}/{final_name}", cipher=self.cipher, on_commit=record,
-            is_aborted=self._is_aborted,
+            is_aborted=self._is_aborted, location=self.store.describe(rel),
         )
         try:
             yield writer  # type: ignore[misc]

@@ -105,9 +105,11 @@ class SealedWriter(io.RawIOBase):
         cipher: ChunkCipher | None,
         on_commit: Callable[[FileRecord], None],
         is_aborted: Callable[[], bool] = lambda: False,
+        location: str | None = None,
     ) -> None:
         super().__init__()
         self._store, self._raw, self._on_commit, self._is_aborted = store, raw, on_commit, is_aborted
+        self._location = location or store.describe(logical_name)  # for write errors (ENOSPC names no file)
         self._sink = _HashingSink(raw)
         self._encrypt = EncryptingWriter(self._sink, cipher, name=logical_name) if cipher else None  # type: ignore[arg-type]
         self._plain_bytes = 0
@@ -119,10 +121,13 @@ class SealedWriter(io.RawIOBase):
         if self._is_aborted():  # another writer thread of this save failed: stop early
             raise OSError("checkpoint save aborted")
         size = memoryview(data).nbytes
-        if self._encrypt is not None:
-            self._encrypt.write(bytes(data))
-        else:
-            self._sink.write(data)
+        try:
+            if self._encrypt is not None:
+                self._encrypt.write(bytes(data))
+            else:
+                self._sink.write(data)
+        except OSError as err:
+            raise _named(err, self._location) from err
         self._plain_bytes += size
         return size
 
@@ -135,10 +140,13 @@ class SealedWriter(io.RawIOBase):
     def close(self) -> None:
         if self.closed:
             return
-        if self._encrypt is not None:
-            self._encrypt.finish()
-        self._store.sync_file(self._raw)
-        self._raw.close()
+        try:
+            if self._encrypt is not None:
+                self._encrypt.finish()
+            self._store.sync_file(self._raw)
+            self._raw.close()
+        except OSError as err:
+            raise _named(err, self._location) from err
         super().close()
         self._on_commit(FileRecord(sha256=self._sink.digest.hexdigest(), num_bytes=self._sink.num_bytes))
 
@@ -152,6 +160,13 @@ class SealedWriter(io.RawIOBase):
             pass
         finally:
             super().close()
+
+
+def _named(err: OSError, location: str) -> OSError:
+    """The same error with the file it happened to (a disk-full write error names none)."""
+    if err.filename is not None or err.errno is None:
+        return err
+    return type(err)(err.errno, err.strerror or str(err), location)
 
 
 def build_manifest(
