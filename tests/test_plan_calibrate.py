@@ -21,7 +21,7 @@ MODEL = {"n_layers": 16, "d_model": 2048, "n_heads": 16, "n_kv_heads": 8, "ffn_h
 
 def job(gpus: int, **plan) -> dict:
     return {"model": MODEL, "data": {"tokens_total": 1e10, "seq_len": 2048},
-            "training": {"global_batch_tokens": 256 * 2048, "micro_batch": 1},
+            "training": {"global_batch_tokens": 256 * 2048, "micro_batch": 4},
             "parallelism": {"data_parallel": gpus, "zero_stage": 2, "layout": "spec"},
             "hardware": {"accelerator": "A100-80GB", "gpus_per_node": 8, "num_nodes": max(1, gpus // 8),
                          },

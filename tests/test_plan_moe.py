@@ -59,6 +59,9 @@ def test_ep_overlap_hides_the_all_to_all() -> None:
     hidden = load_spec(EXAMPLES / "deepseek-v3.yaml", overrides=["plan.ep_overlap=1"])
     exposed, overlapped = make_plan(spec)["throughput"], make_plan(hidden)["throughput"]
     raw, left = exposed["breakdown_s"]["ep"], overlapped["breakdown_s"]["ep"]
-    # Full overlap hides at most the compute: what is left is the all-to-all time beyond it.
-    assert left == pytest.approx(max(0.0, raw - exposed["breakdown_s"]["compute"]), rel=1e-6)
+    # Full overlap hides at most the compute; what it hides still costs the SMs the dispatch kernels take
+    # (DeepSeek-V3 §3.5.1: 20 of 132).
+    hidden_s = min(raw, exposed["breakdown_s"]["compute"])
+    assert left == pytest.approx(raw - hidden_s + hidden_s * 20 / 132, rel=1e-6)
+    assert 0 < left < raw
     assert overlapped["step_s"] < exposed["step_s"]

@@ -45,20 +45,33 @@ def test_the_first_recompute_policy_that_fits_is_the_only_one_ranked() -> None:
 
 
 def test_llama3_405b_search_finds_over_35_percent_and_ranks_metas_layout_near_the_top() -> None:
+    """Measured: 21st of 583 (top 4 %). It was 6th of 480 while ZeRO-2 was priced as one reduction per step; it
+    now reduce-scatters its gradient shards after each of its 16 micro-batches (plan/timing.py)."""
     spec = load_spec(EXAMPLES / "llama3-405b.yaml")
     result = search_layouts(plan_inputs(spec), 16384)
     assert result.best is not None and result.best.time.mfu >= 0.35
     rank = result.rank_of(layout_from_spec(spec.parallelism, spec.training))
-    assert rank is not None and rank <= 10, rank
+    assert rank is not None and rank <= result.num_fitting / 20, (rank, result.num_fitting)
 
 
-def test_deepseek_v3_published_ep64_layout_ranks_in_the_top_sixth() -> None:
-    """Measured: 641st of 5,221 fitting layouts (12 %); before planner v2 it ranked ~2,300th. In-node EP8 ranks
-    higher in this model because it does not model DeepSeek's node-limited routing."""
+def test_deepseek_v3_published_ep64_layout_ranks_near_the_top() -> None:
+    """Measured: 111th of 7,123 fitting layouts (top 1.6 %; 641st of 5,221 before node-limited routing and
+    ZeRO-2's per-micro-batch reduction were modelled, ~2,300th before planner v2); its degrees (dp128, pp16,
+    ep64, ZeRO-1) with their best chunking (v3) rank 45th. Without node-limited routing the same model ranks it
+    lower. What still ranks above it: in-node EP with TP2 (its all-to-all on NVLink) and interleaved schedules
+    (DualPipe's smaller bubble is not modelled; the layout is planned as 1F1B)."""
     spec = load_spec(EXAMPLES / "deepseek-v3.yaml")
-    result = search_layouts(plan_inputs(spec), 2048)
-    rank = result.rank_of(layout_from_spec(spec.parallelism, spec.training))
-    assert rank is not None and rank <= result.num_fitting / 6, (rank, result.num_fitting)
+    inputs = plan_inputs(spec)
+    result = search_layouts(inputs, 2048)
+    published = layout_from_spec(spec.parallelism, spec.training)
+    rank = result.rank_of(published)
+    assert rank is not None and rank <= result.num_fitting / 50, (rank, result.num_fitting)
+    degrees = (published.dp, published.tp, published.pp, published.ep, published.zero)
+    best_chunking = next(i for i, c in enumerate(result.all_fitting, start=1)
+                         if (c.layout.dp, c.layout.tp, c.layout.pp, c.layout.ep, c.layout.zero) == degrees)
+    assert best_chunking <= result.num_fitting / 100, best_chunking
+    plain = search_layouts(dataclasses.replace(inputs, moe_node_limit=None), 2048)
+    assert plain.rank_of(published) > rank
 
 
 def test_a_padded_tp_layout_says_how_to_train_it() -> None:

@@ -27,7 +27,7 @@ MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "8bit": 1.0 + 4.0 / 256}
 # runs of plan/published_runs.yaml (bench/plan_accuracy.py: median |error| 8 % in sample; fitted on one half
 # the other half is predicted to 12.5-14 %, docs/plan.md). B200, MI300X and L40S have no published runs in
 # the file: H100's value scaled by judgement, not fitted.
-DEFAULT_COMPUTE_EFFICIENCY = {"A100": 0.595, "H100": 0.525, "H800": 0.525, "H200": 0.525, "B200": 0.5,
+DEFAULT_COMPUTE_EFFICIENCY = {"A100": 0.595, "H100": 0.56, "H800": 0.56, "H200": 0.56, "B200": 0.5,
                               "MI300X": 0.45, "L40S": 0.6, "cpu": 0.5}
 FALLBACK_COMPUTE_EFFICIENCY = 0.55
 # FP8 GEMMs: the step speed-up torchao's Float8 linears give over bf16 in torchtitan's H100 benchmarks
@@ -79,6 +79,7 @@ class PlanInputs:
     lora_dropout: float = 0.0
     adapter_params: float = 0.0  # LoRA adapter parameters of the whole model (plan/finetune.py)
     fp8_speedup: float = 1.0  # compute rate over bf16 for fp8 GEMMs (peak_flops stays the bf16 peak)
+    moe_node_limit: int | None = None  # nodes a token's experts may span (node-limited routing, plan/dispatch.py)
 
     @cached_property
     def _hash(self) -> int:
@@ -175,6 +176,7 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
         lora_targets=tuple(ft.lora.targets),
         lora_dropout=ft.lora.dropout,
         fp8_speedup=fp8_speedup,
+        moe_node_limit=knobs.moe_node_limit,
     ))
 
 

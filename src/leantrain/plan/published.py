@@ -52,13 +52,14 @@ class PublishedRun:
     gpu_hours: float = 0.0
     compute: str = "bf16"
     kernels: str = "auto"
+    plan: tuple[tuple[str, Any], ...] = ()  # planner knobs the source states (plan section of the spec)
 
     @property
     def family(self) -> str:
         return family(self.accelerator)
 
     def spec_dict(self) -> dict[str, Any]:
-        plan: dict[str, Any] = {"activation_kernels": self.kernels}
+        plan: dict[str, Any] = {"activation_kernels": self.kernels, **dict(self.plan)}
         return {"model": self.model, "data": {"tokens_total": self.tokens or 1e12, "seq_len": self.seq_len},
                 "training": {"global_batch_tokens": self.global_batch_seqs * self.seq_len},
                 "precision": {"compute": self.compute},
@@ -79,7 +80,8 @@ def _run(entry: dict[str, Any]) -> PublishedRun:
                                     "model")}
     return PublishedRun(**fields, layout=entry.get("layout"), measured=entry.get("measured", {}),
                         tokens=float(entry.get("tokens", 0.0)), gpu_hours=float(entry.get("gpu_hours", 0.0)),
-                        compute=entry.get("compute", "bf16"), kernels=entry.get("kernels", "auto"))
+                        compute=entry.get("compute", "bf16"), kernels=entry.get("kernels", "auto"),
+                        plan=tuple(sorted(entry.get("plan", {}).items())))
 
 
 @cache

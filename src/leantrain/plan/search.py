@@ -6,8 +6,8 @@ Candidates: tp divides the GPUs per node and the query heads (KV heads split or 
 to a multiple of tp; Megatron's rule: TP stays on NVLink); pp divides GPUs / tp and is at most the layer
 count (uneven stages allowed); interleaving v ∈ {1, 2, 4, ...} and the most the layers allow (pp·v ≤ layers);
 ep divides dp and the expert count; micro-batch 1, 2, 4, ... up to `plan.max_micro_batch` and the sequences
-one replica gets; ZeRO-2 and -3, HSDP (shards inside a node, replicas across nodes) for ZeRO-3 when dp spans
-nodes; recompute none → selective → full, stopping at the first that fits.
+one replica gets; ZeRO-1 (where it differs from ZeRO-2), -2 and -3, HSDP (shards inside a node, replicas
+across nodes) for ZeRO-3 when dp spans nodes; recompute none → selective → full, stopping at the first that fits.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from leantrain.plan.timing import StepTime, step_time
 
 RECOMPUTE: tuple[Recompute, ...] = ("none", "selective", "full")
 SMALLER_MB_FAILED = "does not fit: a smaller micro-batch of the same layout did not fit"
+ZERO2_FAILED = "does not fit: the same layout did not fit at ZeRO-2, which holds less"
 STATES_FAILED = "does not fit: params+grads+optimizer largest (other chunkings of the same layout)"
 
 
@@ -57,10 +58,13 @@ class SearchResult:
 
     def rank_of(self, layout: Layout) -> int | None:
         """1-based rank of a layout among the fitting ones, whatever recompute policy its group settled on
-        (None when it was not a candidate or does not fit). ZeRO-0/1 are ranked as ZeRO-2 (same time)."""
-        zero = 2 if layout.zero in (0, 1) and layout.dp > 1 else layout.zero
+        (None when it was not a candidate or does not fit). ZeRO-0 is ranked as ZeRO-1, and ZeRO-1 as ZeRO-2
+        where they move the same bytes (see `candidate_layouts`)."""
         for i, cand in enumerate(self.all_fitting, start=1):
-            if replace(layout, zero=zero, recompute=cand.layout.recompute) == cand.layout:
+            if layout.zero in (0, 1) and cand.layout.zero in (1, 2) and layout.dp > 1:
+                if replace(layout, zero=cand.layout.zero, recompute=cand.layout.recompute) == cand.layout:
+                    return i
+            elif replace(layout, recompute=cand.layout.recompute) == cand.layout:
                 return i
         return None
 
@@ -101,8 +105,10 @@ def candidate_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int
     """Every layout the search evaluates for `num_gpus`, each with recompute none (the search tries heavier
     policies only while it does not fit); (tp, pp) pairs dropped before evaluation are counted in `skipped`.
 
-    ZeRO-0 and -1 are not listed where ZeRO-2 is possible: in this model they move the same bytes as ZeRO-2
-    (one gradient all-reduce) and hold more, so they can never rank above it."""
+    ZeRO-0 is never listed: it moves the bytes ZeRO-1 moves and holds more. ZeRO-1 is listed only where it
+    differs from ZeRO-2: with accumulation (m > 1) and `grad_sync: every_micro_batch`, ZeRO-2 reduce-scatters
+    after every micro-batch and ZeRO-1 once per step, holding every gradient; otherwise they move the same
+    bytes and ZeRO-1 holds more."""
     shape = inputs.shape
     seqs = sequences_per_step(inputs)
     groups: list[Layout] = []
@@ -121,10 +127,11 @@ def candidate_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int
             eps = [1]
             if shape.moe is not None:
                 eps = [e for e in _divisors(dp) if shape.moe.num_experts % e == 0]
-            zeros = [0] if dp == 1 else [2, 3]
             for ep in eps:
                 for v in _virtual_stages(shape.n_layers, pp):
                     for mb in micro_batches:
+                        accumulates = math.ceil(per_replica / mb) > 1 and inputs.grad_sync == "every_micro_batch"
+                        zeros = [0] if dp == 1 else [2, 1, 3] if accumulates else [2, 3]
                         for zero in zeros:
                             base = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, micro_batch=mb, virtual_stages=v,
                                           schedule="interleaved_1f1b" if v > 1 else "1f1b")
@@ -168,9 +175,15 @@ def search_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int = 
     groups = candidate_layouts(inputs, num_gpus, max_micro_batch=max_micro_batch, skipped=rejected)
     too_big: set[tuple] = set()  # layouts (without micro-batch) that did not fit at a smaller micro-batch
     states_too_big: set[tuple] = set()  # weights + grads + optimizer alone exceed memory, whatever v and mb
+    zero2_failed: set[tuple] = set()  # ZeRO-2 layouts that did not fit with full recompute
     for base in groups:
         states_key = (base.dp, base.tp, base.pp, base.ep, base.dp_replicate, base.zero)
         key = (*states_key, base.virtual_stages)
+        if base.zero == 1:  # ZeRO-1 holds everything ZeRO-2 holds and the full gradients on top
+            key2 = (base.dp, base.tp, base.pp, base.ep, base.dp_replicate, 2, base.virtual_stages, base.micro_batch)
+            if key2 in zero2_failed:
+                rejected[ZERO2_FAILED] = rejected.get(ZERO2_FAILED, 0) + 1
+                continue
         if key in too_big:  # a larger micro-batch holds more of everything: it cannot fit either
             rejected[SMALLER_MB_FAILED] = rejected.get(SMALLER_MB_FAILED, 0) + 1
             continue
@@ -193,6 +206,7 @@ def search_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int = 
         else:  # (with grad_sync: last_micro_batch a larger micro-batch can drop the unsharded gradients)
             if inputs.grad_sync == "every_micro_batch":
                 too_big.add(key)
+                zero2_failed.add((*key, base.micro_batch))
                 if mem.params + mem.grads + mem.optimizer > mem.capacity:
                     states_too_big.add(states_key)
     smallest = evaluate(inputs, leanest[0]) if leanest is not None else None

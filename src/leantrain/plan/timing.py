@@ -12,12 +12,16 @@ Model (constants documented in docs/plan.md and plan/inputs.py):
   same bytes) of s·b·h in the forward and 2 in the backward per layer; full recompute repeats the forward's.
 - PP: one activation send forward and one gradient send backward of s·b·h (÷tp with sequence parallelism)
   per micro-batch and chunk, on the critical path.
-- DP: ZeRO-0/1/2 reduce gradients once per step (all-reduce); ZeRO-3 (FSDP) all-gathers weights in the
-  forward and the backward and reduce-scatters gradients for every micro-batch; HSDP adds an all-reduce
-  of the shard across replicas. A share `dp_overlap` of it hides under compute.
-- EP: an all-to-all dispatch and combine of each token's top-k copies per MoE layer, forward and backward;
-  a share `ep_overlap` (default 0.8: DeepSeek-V3 §3.2.1 hides nearly all of it with DualPipe's paired
-  forward/backward chunks) hides under the micro-batch's compute, never more than that compute.
+- DP: ZeRO-0 all-reduces gradients once per step; ZeRO-1 reduce-scatters them once and all-gathers the
+  updated weights; ZeRO-2 the same, but reduce-scatters after every micro-batch (it holds only its gradient
+  shard; once per step with `grad_sync: last_micro_batch`); ZeRO-3 (FSDP) all-gathers weights in the forward
+  and the backward of every micro-batch and reduce-scatters like ZeRO-2; HSDP adds an all-reduce of the shard
+  across replicas. A share `dp_overlap` of it hides under compute.
+- EP: an all-to-all dispatch and combine of each token's routed copies per MoE layer, forward and backward,
+  priced in plan/dispatch.py (plain or node-limited routing, inter-node vs NVLink copies, fp8 dispatch); a
+  share `ep_overlap` (default 0.8: DeepSeek-V3 §3.2.1 hides nearly all of it with DualPipe's paired
+  forward/backward chunks) hides under the micro-batch's compute, never more than that compute, and the
+  hidden part costs the SMs the communication kernels take from compute.
 - Pipeline bubble: (p−1)/v micro-batch times, i.e. a fraction (p−1)/(v·m) of the compute.
 - Optimizer: a memory-bound pass over the local shard (weights, gradients, master, moments; read + write).
 """
@@ -27,6 +31,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from leantrain.plan.dispatch import all_to_all_s, exposed_all_to_all_s
 from leantrain.plan.inputs import COLLECTIVE_LATENCY_S, PlanInputs
 from leantrain.plan.layout import Layout
 
@@ -105,13 +110,8 @@ def step_time(inputs: PlanInputs, layout: Layout, *, sequences_per_step: int) ->
 
     ep_mb = 0.0
     if shape.moe is not None and layout.ep > 1:
-        moe_layers = min(layers, shape.num_moe_layers)
-        a2a_bytes = activation_bytes * shape.moe.top_k / (layout.tp if layout.sp else 1)
-        calls = 4 + (2 if layout.recompute == "full" else 0)
-        ep_mb = moe_layers * calls * ring_time_s(num_bytes=a2a_bytes, ranks=layout.ep,
-                                                 bandwidth_bytes_s=_link(inputs, layout.ep * layout.tp),
-                                                 kind="all_to_all")
-        ep_mb -= min(ep_mb * inputs.ep_overlap, compute_mb)  # overlap hides it under compute, never more
+        raw = all_to_all_s(inputs, layout, tokens=tokens_mb, moe_layers=min(layers, shape.num_moe_layers))
+        ep_mb = exposed_all_to_all_s(raw, compute_s=compute_mb, overlap=inputs.ep_overlap)
 
     per_mb = compute_mb + tp_mb + ep_mb
     compute_s = m * compute_mb
@@ -146,19 +146,29 @@ def step_time(inputs: PlanInputs, layout: Layout, *, sequences_per_step: int) ->
 
 
 def _dp_comm_s(inputs: PlanInputs, layout: Layout, *, local_params: float, num_microbatches: int) -> float:
-    """Data-parallel communication per step before overlap."""
+    """Data-parallel communication per step before overlap.
+
+    Gradients are reduced once per step where every parameter's gradient is held between micro-batches
+    (ZeRO-0/1, or `grad_sync: last_micro_batch`), else after every micro-batch: a ZeRO-2 or -3 rank holds only
+    its shard (memory.py), so with accumulation it must reduce-scatter each micro-batch's gradients."""
     if layout.dp <= 1:
         return 0.0
     grad_bytes = local_params * inputs.grad_bytes
+    weight_bytes = local_params * inputs.weight_bytes
     shard = layout.dp_shard
-    if layout.zero <= 2 or shard == 1:  # one gradient all-reduce (ZeRO-1/2: reduce-scatter + all-gather)
+    if layout.zero == 0 or shard == 1:  # DDP: one gradient all-reduce
         return ring_time_s(num_bytes=grad_bytes, ranks=layout.dp,
                            bandwidth_bytes_s=_link(inputs, layout.dp * layout.tp), kind="all_reduce")
+    reductions = num_microbatches if layout.zero >= 2 and inputs.grad_sync == "every_micro_batch" else 1
     shard_link = _link(inputs, shard * layout.tp)
-    weight_bytes = local_params * inputs.weight_bytes
-    per_mb = 2 * ring_time_s(num_bytes=weight_bytes, ranks=shard, bandwidth_bytes_s=shard_link, kind="all_gather")
-    per_mb += ring_time_s(num_bytes=grad_bytes, ranks=shard, bandwidth_bytes_s=shard_link, kind="reduce_scatter")
-    total = num_microbatches * per_mb
+    scatter = reductions * ring_time_s(num_bytes=grad_bytes, ranks=shard, bandwidth_bytes_s=shard_link,
+                                       kind="reduce_scatter")
+    if layout.zero <= 2:  # ZeRO-1/2: then the updated weight shards are all-gathered once
+        return scatter + ring_time_s(num_bytes=weight_bytes, ranks=shard, bandwidth_bytes_s=shard_link,
+                                     kind="all_gather")
+    gathers = 2 * num_microbatches * ring_time_s(num_bytes=weight_bytes, ranks=shard, bandwidth_bytes_s=shard_link,
+                                                 kind="all_gather")
+    total = scatter + gathers
     if layout.dp_replicate > 1:  # HSDP: the reduced shard is all-reduced across replicas once per step
         total += ring_time_s(num_bytes=grad_bytes / shard, ranks=layout.dp_replicate,
                              bandwidth_bytes_s=inputs.inter_node_bytes_s, kind="all_reduce")
