@@ -30,6 +30,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from leantrain.data.sampler import Batch, PackedBatchSampler
+from leantrain.dtypes import DTYPES
 from leantrain.errors import LeantrainError, UserInputError
 from leantrain.model.transformer import num_params
 from leantrain.observe.metrics import (
@@ -127,6 +128,11 @@ class Trainer:
                                      load=weights_loader or finetune.weights_loader(spec))
         self.parallel, self.model_args = built.parallel, built.model_args
         self.param_bytes_total = built.param_bytes_total
+        if self.console is not None and self.parallel.fsdp and self.accum_steps > 1 and (
+                self.parallel.grad_sync == "last_micro_batch"):
+            full_grads_gib = self.param_bytes_total / DTYPES[spec.precision.master_weights].itemsize * 4 / 2**30
+            self.console.print(f"[yellow]note: parallelism.grad_sync: last_micro_batch holds every parameter's "
+                               f"unsharded gradient between micro-batches (~{full_grads_gib:.1f} GiB per rank)")
         self.comm_timer = CommTimer(device_type=self.device.type)
         # Under FSDP mixed precision the weights are gathered in bf16 already: autocast would only add casts.
         self.autocast = contextlib.nullcontext if self.parallel.fsdp_mixed_precision else self.precision.autocast
