@@ -25,7 +25,7 @@ MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "8bit": 1.0 + 4.0 / 256}
 # Default share of peak FLOP/s a large bf16 matmul sustains inside a training step (kernels, norms,
 # elementwise and launch gaps included). A100 and Hopper (H100/H800/H200) are fitted on all 27 throughput
 # runs of plan/published_runs.yaml (bench/plan_accuracy.py: median |error| 8 % in sample; fitted on one half
-# the other half is predicted to 12.5-14 %, docs/plan.md). B200, MI300X and L40S have no published runs in
+# the other half is predicted to 13.9-16.8 %, docs/plan.md). B200, MI300X and L40S have no published runs in
 # the file: H100's value scaled by judgement, not fitted.
 DEFAULT_COMPUTE_EFFICIENCY = {"A100": 0.595, "H100": 0.56, "H800": 0.56, "H200": 0.56, "B200": 0.5,
                               "MI300X": 0.45, "L40S": 0.6, "cpu": 0.5}
