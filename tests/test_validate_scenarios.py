@@ -155,3 +155,17 @@ def test_throughput_tolerance_follows_the_runs_own_spread(tmp_path: Path) -> Non
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     status, evidence = _by_name(run_dir)["tokens/s vs plan"]
     assert status == "PASS" and "for this run's own spread" in evidence, evidence
+
+
+def test_communication_share_is_of_the_profiled_step_it_was_measured_in(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "healthy")
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for record in lines:  # comm_s is timed in the window's one profiled (slower) step, here 1.0 s
+        record["comm_s"], record["profile_step_s"] = 0.1, 1.0
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    status, evidence = _by_name(run_dir)["communication share"]
+    assert status == "PASS" and "collectives take 10% of the step" in evidence  # not 0.1 / 0.4 s = 25 %
+    for record in lines:
+        del record["profile_step_s"]  # older runs: the window's step time
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    assert "take 25%" in _by_name(run_dir)["communication share"][1]

@@ -334,10 +334,19 @@ def steady(values: np.ndarray, *, skip_fraction: float = 0.1, min_skip: int = 1)
 DATA_BOUND_SHARE, COMM_BOUND_SHARE = 0.15, 0.3
 
 
+# Measured in the one profiled step of each log window, so a share of that step (`profile_step_s`), not of the
+# window's other steps (`step_time_s`): they can differ by several times on a noisy host.
+PROFILED_KEYS = ("comm_s",)
+
+
 def step_share(run: RunData, key: str) -> float:
-    """Median over the steady part of the run of `key` (e.g. data_wait_s, comm_s) / step_time_s."""
+    """Median over the steady part of the run of `key` (e.g. data_wait_s, comm_s) / the step it was measured in:
+    `profile_step_s` for comm_s (when recorded), else step_time_s."""
     _, part = run.series(key)
     _, whole = run.series("step_time_s")
+    if key in PROFILED_KEYS:
+        _, profiled = run.series("profile_step_s")
+        whole = np.where(np.isfinite(profiled) & (profiled > 0), profiled, whole)
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = steady(part / np.where(whole > 0, whole, np.nan))
     return float(np.median(ratio)) if ratio.size else math.nan
