@@ -8,7 +8,7 @@ from pathlib import Path
 
 from leantrain.plan.inputs import plan_inputs
 from leantrain.plan.layout import layout_from_spec
-from leantrain.plan.search import _tp_degrees, _virtual_stages, evaluate, search_layouts
+from leantrain.plan.search import _tp_degrees, _virtual_stages, candidate_layouts, evaluate, search_layouts
 from leantrain.spec import load_spec, spec_from_dict
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -85,3 +85,22 @@ def test_a_padded_tp_layout_says_how_to_train_it() -> None:
     (note,) = _padding_notes(inputs, evaluate(inputs, Layout(dp=4, tp=8, pp=1, zero=2)))
     assert "model.ffn_hidden: 16384" in note
     assert not _padding_notes(inputs, evaluate(inputs, Layout(dp=32, tp=1, pp=1, zero=2)))
+
+
+def test_zero1_is_a_candidate_only_where_it_differs_from_zero2() -> None:
+    """With accumulation (m > 1) ZeRO-2 reduce-scatters every micro-batch and ZeRO-1 once a step: both are
+    ranked, and rank_of finds ZeRO-1 itself (ZeRO-0 as ZeRO-1). With one micro-batch they move the same bytes:
+    only ZeRO-2 is listed and ZeRO-1 ranks as it."""
+    from leantrain.plan.inputs import sequences_per_step
+
+    inputs = plan_inputs(load_spec(EXAMPLES / "llama3-8b-h100.yaml"))
+    seqs = sequences_per_step(inputs)
+    result = search_layouts(inputs, 64, top_k=1000)
+    assert all(c.layout.num_microbatches(seqs) > 1 for c in result.all_fitting if c.layout.zero == 1)
+    one = next(c.layout for c in result.all_fitting if c.layout.zero == 1)
+    rank = result.rank_of(one)
+    assert rank is not None and result.all_fitting[rank - 1].layout == one
+    assert result.rank_of(dataclasses.replace(one, zero=0)) == rank
+    listed = candidate_layouts(inputs, 64, max_micro_batch=8)
+    assert not [lay for lay in listed if lay.zero == 1 and lay.num_microbatches(seqs) == 1]
+    assert [lay for lay in listed if lay.zero == 2 and lay.num_microbatches(seqs) == 1]

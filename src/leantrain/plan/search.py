@@ -60,12 +60,11 @@ class SearchResult:
         """1-based rank of a layout among the fitting ones, whatever recompute policy its group settled on
         (None when it was not a candidate or does not fit). ZeRO-0 is ranked as ZeRO-1, and ZeRO-1 as ZeRO-2
         where they move the same bytes (see `candidate_layouts`)."""
-        for i, cand in enumerate(self.all_fitting, start=1):
-            if layout.zero in (0, 1) and cand.layout.zero in (1, 2) and layout.dp > 1:
-                if replace(layout, zero=cand.layout.zero, recompute=cand.layout.recompute) == cand.layout:
+        zeros = [1, 2] if layout.zero in (0, 1) and layout.dp > 1 else [layout.zero]
+        for zero in zeros:  # ZeRO-1 itself where it was a candidate, else as ZeRO-2
+            for i, cand in enumerate(self.all_fitting, start=1):
+                if replace(layout, zero=zero, recompute=cand.layout.recompute) == cand.layout:
                     return i
-            elif replace(layout, recompute=cand.layout.recompute) == cand.layout:
-                return i
         return None
 
     @property
