@@ -100,10 +100,11 @@ def test_engine_from_spec_delivers_alerts_to_file_and_webhook(
 ) -> None:
     monkeypatch.setenv("ALERT_URL", receiver.url)
 
-    class Spec:
-        monitoring = MonitoringSpec(webhook_url_env="ALERT_URL")
+    from leantrain.spec import load_spec
 
-    engine = engine_from_spec(Spec(), run_dir=tmp_path, watchdog=False)
+    spec = load_spec(Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml",
+                     overrides=["monitoring.webhook_url_env=ALERT_URL"])
+    engine = engine_from_spec(spec, run_dir=tmp_path, watchdog=False)
     for step in range(1, 7):
         engine.write({"step": step, "loss": 3.0 - 0.01 * step, "grad_norm": 1.0})
     engine.write({"step": 7, "loss": float("inf"), "grad_norm": 1.0})
