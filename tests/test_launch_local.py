@@ -205,3 +205,13 @@ def test_more_ranks_than_cores_or_gpus_warns() -> None:
     seed = load_spec(repo / "examples" / "seed-10b.yaml")
     warnings = oversubscription_warnings(seed, nproc=16, num_gpus=8)
     assert any("gpus_per_node (8)" in w for w in warnings) and any("8 GPU(s) visible" in w for w in warnings)
+
+
+def test_a_batch_that_does_not_divide_at_this_world_size_proposes_one(capsys: pytest.CaptureFixture[str],
+                                                                     tmp_path: Path) -> None:
+    tiny = Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml"
+    # 4 × 128 × 3 ranks = 1536 tokens per micro-step: 1024 does not divide; nothing starts.
+    assert main(["launch", str(tiny), "--nproc", "3", "--run-dir", str(tmp_path / "run")]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "at 3 ranks: set training.global_batch_tokens to 1536" in err
+    assert not (tmp_path / "run" / "logs").exists()

@@ -29,6 +29,7 @@ from rich.console import Console
 from leantrain.errors import UserInputError
 from leantrain.launch.resources import TORCHRUN_ENV, TrainCommand, parse_nnodes
 from leantrain.parallel.dims import ParallelDims, resolve_parallelism
+from leantrain.spec.rules import batch_fix_hint
 from leantrain.spec.schema import JobSpec
 from leantrain.spec.shapes import resolve_shape
 
@@ -55,7 +56,9 @@ def check_layout(spec: JobSpec, *, nproc: int, min_nodes: int = 1, max_nodes: in
             raise UserInputError(
                 f"training.global_batch_tokens ({spec.training.global_batch_tokens}) is not a multiple of "
                 f"micro_batch × seq_len × data-parallel ranks ({spec.training.micro_batch} × {spec.data.seq_len} × "
-                f"{dims[-1].dp} = {tokens_per_micro_step}) at {world} ranks"
+                f"{dims[-1].dp} = {tokens_per_micro_step}) at {world} ranks: " + batch_fix_hint(
+                    global_batch_tokens=spec.training.global_batch_tokens, micro_batch=spec.training.micro_batch,
+                    seq_len=spec.data.seq_len, data_parallel=dims[-1].dp)
             )
     return dims
 
