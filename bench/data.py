@@ -76,14 +76,14 @@ def bench_dedup(num_docs: int = 3000) -> None:
 
     docs, planted = _dedup_corpus(num_docs)
     with tempfile.TemporaryDirectory() as tmp:
-        start = time.perf_counter()
+        start = time.process_time()  # CPU time: both run in this process, and the VM is shared
         decisions, _ = deduplicate(docs, spec=DedupSpec(), work=Path(tmp), shard_docs=1000)
-        ours_s = time.perf_counter() - start
+        ours_s = time.process_time() - start
     ours = set(np.flatnonzero(decisions != KEEP).tolist())
 
     spec = DedupSpec()
     num_perm = spec.num_bands * spec.rows_per_band
-    start = time.perf_counter()
+    start = time.process_time()
     lsh = MinHashLSH(num_perm=num_perm, params=(spec.num_bands, spec.rows_per_band))
     theirs: set[int] = set()
     for i, text in enumerate(docs):
@@ -95,11 +95,11 @@ def bench_dedup(num_docs: int = 3000) -> None:
             theirs.add(i)
         else:
             lsh.insert(str(i), signature)
-    theirs_s = time.perf_counter() - start
+    theirs_s = time.process_time() - start
     # recall on the planted copies that are at Jaccard >= 0.85 with their original (by construction most are)
     hard = {i for i in planted if max(_shingle_jaccard(docs[i], docs[j]) for j in range(i) if
                                       abs(len(docs[j]) - len(docs[i])) < 40) >= 0.85}
-    print(f"near_dedup_docs_per_s: {num_docs / ours_s:,.0f} docs/s ({theirs_s / ours_s:.2f}x vs datasketch "
+    print(f"near_dedup_docs_per_cpu_s: {num_docs / ours_s:,.0f} docs/s ({theirs_s / ours_s:.2f}x vs datasketch "
           f"{num_docs / theirs_s:,.0f} docs/s)")
     print(f"near_dedup_recall_at_0.85: {len(ours & hard) / len(hard):.3f} ({len(theirs & hard) / len(hard):.3f} by "
           f"datasketch; {len(hard)} planted pairs at Jaccard >= 0.85, flagged {len(ours)} vs {len(theirs)})")
@@ -172,17 +172,19 @@ def bench_pipeline(num_docs: int) -> None:
     logger.remove()
     with tempfile.TemporaryDirectory() as tmp:
         raw = _write_corpus(Path(tmp), num_docs, files=4)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         result = prepare_data(_ours_spec(raw, workers=1), data_dir=Path(tmp) / "ours")
-        ours_s = time.perf_counter() - start
-        start = time.perf_counter()
+        ours_s, ours_cpu_s = time.perf_counter() - start, time.process_time() - cpu
+        start, cpu = time.perf_counter(), time.process_time()
         dedup = DedupSpec()
         _datatrove(raw, Path(tmp) / "datatrove", Path(tmp) / "ours" / "tokenizer.json", bands=dedup.num_bands,
                    rows=dedup.rows_per_band)
-        theirs_s = time.perf_counter() - start
+        theirs_s, theirs_cpu_s = time.perf_counter() - start, time.process_time() - cpu
         kept = sum(s.num_docs for s in result.manifest.shards)
+    print(f"pipeline_docs_per_cpu_s: {num_docs / ours_cpu_s:,.0f} docs/s ({theirs_cpu_s / ours_cpu_s:.2f}x vs "
+          f"datatrove {num_docs / theirs_cpu_s:,.0f} docs/s; process CPU time, both in this one process)")
     print(f"pipeline_docs_per_s_per_core: {num_docs / ours_s:,.0f} docs/s ({theirs_s / ours_s:.2f}x vs datatrove "
-          f"{num_docs / theirs_s:,.0f} docs/s; {num_docs:,} docs in, {kept:,} kept by us)")
+          f"{num_docs / theirs_s:,.0f} docs/s; wall time; {num_docs:,} docs in, {kept:,} kept by us)")
 
 
 _SCALING_CHILD = """
@@ -223,26 +225,29 @@ def bench_scaling(num_docs: int) -> None:
           f"{num_docs / one['wall_s']:,.0f} docs/s; wall time on the shared VM)")
 
 
+# VmHWM (the peak RSS of this process image), not getrusage's ru_maxrss: Linux carries ru_maxrss over
+# fork + exec, so a child of this (torch-importing) bench would report the bench's own size.
 _RSS_CHILD = """
-import resource, sys
+import sys
 from pathlib import Path
-sys.path.insert(0, sys.argv[3])
-from data import _ours_spec, _write_corpus
 from leantrain.data.pipeline import prepare_data
-root = Path(sys.argv[1])
-raw = _write_corpus(root, int(sys.argv[2]), files=max(1, int(sys.argv[2]) // 5000))
-prepare_data(_ours_spec(raw, workers=1), data_dir=root / "data")
-print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+from leantrain.spec.schema import DataSpec
+spec = DataSpec.model_validate_json(Path(sys.argv[1]).read_text())
+prepare_data(spec, data_dir=Path(sys.argv[2]))
+print(next(line.split()[1] for line in open("/proc/self/status") if line.startswith("VmHWM:")))
 """
 
 
 def bench_rss(sizes: tuple[int, ...] = (20_000, 100_000)) -> None:
-    """Peak RSS of one prepare process, corpus files of 5k documents each (the task size)."""
+    """Peak RSS of one prepare process (one worker; it imports only what prepare imports, no torch) on
+    corpora written beforehand in files of 5k documents each (the task size)."""
     peaks = {}
     for num_docs in sizes:
         with tempfile.TemporaryDirectory() as tmp:
-            out = subprocess.run([sys.executable, "-c", _RSS_CHILD, tmp, str(num_docs), str(Path(__file__).parent)],
-                                 capture_output=True, text=True, check=True)
+            raw = _write_corpus(Path(tmp), num_docs, files=max(1, num_docs // 5000))
+            (Path(tmp) / "spec.json").write_text(_ours_spec(raw, workers=1).model_dump_json())
+            out = subprocess.run([sys.executable, "-c", _RSS_CHILD, str(Path(tmp) / "spec.json"),
+                                  str(Path(tmp) / "data")], capture_output=True, text=True, check=True)
             peaks[num_docs] = int(out.stdout.split()[-1]) / 1024  # KiB -> MiB
     small, large = sizes[0], sizes[-1]
     print(f"prepare_peak_rss_mib_{large // 1000}k_docs: {peaks[large]:,.0f} MiB ({peaks[large] / peaks[small]:.2f}x vs "

@@ -21,6 +21,7 @@ audit rows of kept documents (`audit.jsonl`) and `encode.json` (counts).
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 from collections import Counter
@@ -151,6 +152,15 @@ def _candidate(text: str, *, spec: DataSpec, counts: dict[str, Any], hasher: Min
     return {"split": split, "text": cleaned, "pii": pii, "audit": audit}
 
 
+@functools.lru_cache(maxsize=1)
+def _tokenizer(path: str, size: int, mtime_ns: int) -> Any:
+    """One tokenizer per worker process, reused by its encode tasks (keyed by the file's size and mtime):
+    every fresh `Tokenizer` kept ~2.5 MB after its first batches, so RSS grew with the number of tasks."""
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(path)
+
+
 def encode_task(task: InputTask, work: Path, tokenizer_path: Path, eos_id: int, dtype: str,
                 chat: tuple[str, int] | None = None) -> dict[str, Any]:
     """Tokenize the kept documents of one clean task (decision in `keep.npy`); returns kept counts.
@@ -161,9 +171,8 @@ def encode_task(task: InputTask, work: Path, tokenizer_path: Path, eos_id: int, 
     done = read_json(out / ENCODE_DONE)
     if done is not None:
         return done
-    from tokenizers import Tokenizer
-
-    tokenizer = Tokenizer.from_file(str(tokenizer_path))
+    stat = tokenizer_path.stat()
+    tokenizer = _tokenizer(str(tokenizer_path), stat.st_size, stat.st_mtime_ns)
     renderer = ChatRenderer(tokenizer, template=chat[0], eos_id=eos_id) if task.source.format == "chat" and chat \
         else None
     masks = {split: open(out / f"{split}.mask.tmp", "wb") for split in SPLITS} if renderer else {}  # noqa: SIM115
