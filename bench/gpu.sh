@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # One-GPU benchmark (issues #5, #13), under 8 minutes: a ~1B dense Llama-style model in bf16 (eager) and
 # bf16 + per-block torch.compile; fp8 (torchao float8 + compile) where the GPU has it (capability >= 8.9);
-# a small MoE (grouped GEMM dispatch) in bf16; and `--max-steps 0` of an 8B-shaped model (build on meta,
-# initialise on the GPU, `model_ready`). Each run prints tokens/s, MFU and peak memory with the ratio to the
-# plan's prediction (plan.json in its run dir). Every command has a timeout and prints as it goes.
+# a small MoE (grouped GEMM dispatch) in bf16; FSDP2 on one device (`leantrain launch --nproc 1` with
+# parallelism.fsdp_single_rank, ZeRO-3: the 1B bf16 run wrapped in FSDP2 over a 1-rank mesh, against the
+# plain bf16 run); and `--max-steps 0` of an 8B-shaped model (build on meta, initialise on the GPU, `model_ready`). Each run prints
+# tokens/s, MFU and peak memory with the ratio to the plan's prediction (plan.json in its run dir). Every command
+# has a timeout and prints as it goes.
 # Usage: bash bench/gpu.sh  (after `make install TORCH=cuda`); OUT=dir to change where it writes, STEPS=N.
-# Not covered: FSDP2 on one device (one process runs the plain model; FSDP needs >= 2 ranks, i.e. 2 GPUs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 LT=${LT:-.venv/bin/leantrain}
@@ -25,11 +26,11 @@ PY
 echo "== prepare (byte tokenizer, bundled corpus)"
 timeout 120 "$LT" prepare "$SPEC" --out "$OUT/data"
 
-run() {  # name, steps, timeout_s, extra --set arguments...
+run() {  # name, steps, timeout_s, extra arguments (--set ...); CMD=launch for `leantrain launch`
   local name=$1 steps=$2 limit=$3; shift 3
-  echo "== train $name ($steps steps)"
+  echo "== ${CMD:-train} $name ($steps steps)"
   rm -rf "$OUT/run-$name"
-  timeout "$limit" "$LT" train "$SPEC" --set "data.dir=$OUT/data" --set training.eval_every=0 \
+  timeout "$limit" "$LT" "${CMD:-train}" "$SPEC" --set "data.dir=$OUT/data" --set training.eval_every=0 \
     --set training.log_every=5 "$@" --run-dir "$OUT/run-$name" --max-steps "$steps"
 }
 run bf16 "$STEPS" 120 --set training.compile=false
@@ -41,6 +42,8 @@ run moe-small "$STEPS" 120 --set training.compile=false --set model.size_billion
   --set model.n_layers=8 --set model.d_model=1024 --set model.n_heads=16 --set model.n_kv_heads=8 \
   --set model.ffn_hidden=2816 --set model.moe.num_experts=8 --set model.moe.top_k=2 \
   --set model.moe.expert_hidden=1024 --set model.moe.balance=aux_free
+CMD=launch run bf16-fsdp1 "$STEPS" 150 --nproc 1 --set training.compile=false \
+  --set parallelism.fsdp_single_rank=true --set parallelism.zero_stage=3
 run 8b-ready 0 180 --set model.size_billion=8 --set model.vocab_size=128256
 
 "$PY" - "$OUT" <<'PY'
@@ -56,7 +59,7 @@ def ratio(value: float, planned: float | None) -> str:
     return f"({value / planned:.2f}x vs plan)" if planned else "(no plan)"
 
 results = {}
-for name in ("bf16", "bf16-compile", "fp8-compile", "moe-small"):
+for name in ("bf16", "bf16-compile", "fp8-compile", "moe-small", "bf16-fsdp1"):
     run = out / f"run-{name}"
     path = run / "metrics.jsonl"
     if not path.is_file():
@@ -79,6 +82,12 @@ if "bf16-compile" in results:
 if "fp8-compile" in results:
     print(f"gpu_1b_fp8_vs_bf16: {results['fp8-compile']['tokens_per_s'] / results['bf16-compile']['tokens_per_s']:.2f}x "
           "tokens/s (ratio vs bf16+compile baseline)")
+if "bf16-fsdp1" in results and "bf16" in results:
+    fsdp, plain = results["bf16-fsdp1"], results["bf16"]
+    print(f"gpu_1b_fsdp1_vs_plain: {fsdp['tokens_per_s'] / plain['tokens_per_s']:.2f}x tokens/s "
+          "(ratio vs plain bf16 eager baseline)")
+    print(f"gpu_1b_fsdp1_peak_mem_vs_plain: {fsdp['mem_gib'] / plain['mem_gib']:.2f}x peak memory "
+          "(ratio vs plain bf16 eager baseline)")
 events = out / "run-8b-ready" / "events.jsonl"
 if events.is_file():
     ready = [e for e in map(json.loads, events.read_text().splitlines()) if e["kind"] == "model_ready"][-1]

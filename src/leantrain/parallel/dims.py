@@ -16,6 +16,7 @@ import math
 import warnings
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from leantrain.errors import UserInputError
@@ -36,6 +37,8 @@ class ParallelDims:
     ep: int
     world_size: int
     notes: tuple[str, ...] = field(default=(), compare=False)
+    # One rank wrapped in FSDP2 anyway (parallelism.fsdp_single_rank): a 1-rank mesh, FSDP2's own cost measured.
+    fsdp_single_rank: bool = False
 
     @property
     def dp(self) -> int:
@@ -49,7 +52,8 @@ class ParallelDims:
 
     @property
     def fsdp_enabled(self) -> bool:
-        return self.dp > 1
+        """FSDP2 wraps the model: several data-parallel ranks, or one rank by request (`fsdp_single_rank`)."""
+        return self.dp > 1 or self.fsdp_single_rank
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:
@@ -58,7 +62,7 @@ class ParallelDims:
     def describe(self) -> str:
         return (
             f"pp {self.pp} × dp_replicate {self.dp_replicate} × dp_shard {self.dp_shard} (ep {self.ep}) "
-            f"× tp {self.tp} = {self.world_size}"
+            f"× tp {self.tp} = {self.world_size}{' (FSDP2 on one rank)' if self.fsdp_single_rank else ''}"
         )
 
     @classmethod
@@ -179,8 +183,9 @@ def resolve_parallelism(spec: JobSpec, *, world_size: int) -> ParallelismSpec:
 def layout_for_run(spec: JobSpec, *, world_size: int) -> tuple[ParallelismSpec, ParallelDims]:
     """The parallelism and checked degrees this process group runs (what the trainer calls).
 
-    One process runs every axis at 1 (the spec's tp/pp/ep apply under torchrun; a note says so); several
-    resolve `layout: auto` and check the spec's degrees against the world size, naming a bad axis.
+    One process runs every axis at 1 (the spec's tp/pp/ep apply under torchrun; a note says so), as the plain
+    model or, with `parallelism.fsdp_single_rank` and a process group, wrapped in FSDP2 over a 1-rank mesh;
+    several resolve `layout: auto` and check the spec's degrees against the world size, naming a bad axis.
     """
     par = spec.parallelism
     if world_size == 1:
@@ -191,16 +196,21 @@ def layout_for_run(spec: JobSpec, *, world_size: int) -> tuple[ParallelismSpec, 
             f"one process: parallelism {', '.join(f'{k} {v}' for k, v in collapsed.items())} run at 1 "
             "(they apply under `leantrain launch --nproc N` / torchrun)",
         ) if collapsed else ()
-        return par, single_process_dims(notes)
+        single_rank = par.fsdp_single_rank and dist.is_available() and dist.is_initialized()
+        if par.fsdp_single_rank and not single_rank:
+            notes += ("parallelism.fsdp_single_rank: no process group here, so the plain model runs "
+                      "(`leantrain train|launch --nproc 1` start one)",)
+        return par, single_process_dims(notes, fsdp_single_rank=single_rank)
     par = resolve_parallelism(spec, world_size=world_size)
     dims = ParallelDims.from_spec(par, world_size=world_size, shape=resolve_shape(spec.model),
                                   gpus_per_node=spec.hardware.gpus_per_node)
     return par, dims
 
 
-def single_process_dims(notes: tuple[str, ...] = ()) -> ParallelDims:
-    """The one-process layout: every degree 1."""
-    return ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, ep=1, world_size=1, notes=notes)
+def single_process_dims(notes: tuple[str, ...] = (), *, fsdp_single_rank: bool = False) -> ParallelDims:
+    """The one-process layout: every degree 1 (`fsdp_single_rank`: still wrapped in FSDP2, over a 1-rank mesh)."""
+    return ParallelDims(dp_replicate=1, dp_shard=1, tp=1, pp=1, ep=1, world_size=1, notes=notes,
+                        fsdp_single_rank=fsdp_single_rank)
 
 
 def _check_shape(par: ParallelismSpec, *, shape: ModelShape) -> None:

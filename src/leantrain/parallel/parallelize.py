@@ -323,8 +323,8 @@ def parallelize(
         if param.dtype != param_dtype:
             param.data = param.data.to(param_dtype)
     if mesh is None:
-        if dims.world_size != 1:
-            raise ValueError(f"parallelize: a layout of {dims.world_size} ranks needs a mesh")
+        if dims.world_size != 1 or dims.fsdp_single_rank:
+            raise ValueError(f"parallelize: the layout {dims.describe()} needs a mesh")
         return ParallelModel(dims=dims, mesh=None, parts=[model], device=device, args=model.args,
                              param_dtype=param_dtype, grad_sync=par.grad_sync)
     if dims.pp > 1:
@@ -336,7 +336,8 @@ def parallelize(
     loss_parallel = par.loss_parallel and dims.tp > 1 and dims.pp == 1
     # Tensor parallelism leaves the embedding (and, with tied embeddings, the head) plain tensors. Without
     # data parallelism FSDP2 still wraps the parts, over a 1-rank mesh (no sharding, no resharding), so that
-    # every parameter is a DTensor: foreach/fused optimizers cannot mix DTensors and plain tensors.
+    # every parameter is a DTensor: foreach/fused optimizers cannot mix DTensors and plain tensors. One rank
+    # with `fsdp_single_rank` is wrapped the same way, at the spec's zero_stage (fsdp_enabled is true for it).
     use_fsdp = dims.fsdp_enabled or dims.tp > 1
     zero_stage = par.zero_stage if dims.fsdp_enabled else 2
     for part in parts:

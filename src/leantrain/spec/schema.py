@@ -62,6 +62,11 @@ class ParallelismSpec(Section):
         "unsharded gradient between micro-batches).",
     )
     cpu_offload: bool = Field(False, description="FSDP CPU offload of parameters and optimizer states.")
+    fsdp_single_rank: bool = Field(
+        False,
+        description="Wrap the model in FSDP2 even on one rank, to measure FSDP2's own cost on one GPU; needs a "
+        "process group (one is started for the one rank; under `leantrain launch --nproc 1`, torchrun's).",
+    )
     layout: Literal["spec", "auto"] = Field(
         "spec", description="spec: use these degrees when they match the GPU count; auto: the planner's best."
     )

@@ -69,11 +69,13 @@ def build_parallel_model(
     load: WeightsLoader | None = None,
 ) -> BuiltModel:
     """Build on meta, parallelize, allocate this rank's shards and initialise them (or `load` them)."""
-    fsdp = runtime.distributed and (dims.fsdp_enabled or dims.tp > 1)  # as parallelize decides
+    # A mesh for several ranks, or for one rank wrapped in FSDP2 (parallelism.fsdp_single_rank, a 1-rank group).
+    meshed = runtime.distributed or dims.fsdp_single_rank
+    fsdp = meshed and (dims.fsdp_enabled or dims.tp > 1)  # as parallelize decides
     model = meta_model(spec, precision=precision, fsdp=fsdp)
     itemsize = DTYPES[spec.precision.master_weights].itemsize
     param_bytes_total = sum(p.numel() for p in model.parameters()) * itemsize
-    mesh = dims.build_mesh(runtime.device.type) if runtime.distributed else None
+    mesh = dims.build_mesh(runtime.device.type) if meshed else None
     parallel = parallelize(model, dims, spec, mesh=mesh, device=runtime.device, num_microbatches=num_microbatches)
     parallel.initialize(seed=spec.training.seed, load=load)
     return BuiltModel(parallel=parallel, model_args=model.args, param_bytes_total=param_bytes_total)

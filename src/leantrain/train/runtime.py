@@ -1,7 +1,8 @@
 """Where this process runs: device, rank, world size, process group, determinism and per-rank RNG.
 
 One process is rank 0 of 1. Under torchrun (RANK/WORLD_SIZE set) the process group is initialised here
-(gloo on CPU, nccl on CUDA) with `fault.collective_timeout_s` as every group's timeout; the layout (FSDP2,
+(gloo on CPU, nccl on CUDA; also for one rank with `parallelism.fsdp_single_rank`, from torchrun's rendezvous
+or, without one, an in-process store) with `fault.collective_timeout_s` as every group's timeout; the layout (FSDP2,
 TP, PP, EP on one device mesh) is `leantrain.parallel`'s, which the trainer drives through `ParallelModel`.
 """
 
@@ -27,6 +28,7 @@ class Runtime:
     rank: int
     world_size: int
     local_rank: int
+    single_rank_group: bool = False  # one rank that started a 1-rank process group (parallelism.fsdp_single_rank)
 
     @property
     def is_main(self) -> bool:
@@ -53,15 +55,19 @@ def init_runtime(spec: JobSpec) -> Runtime:
     rank, world_size = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     device = resolve_device(spec.training.device, local_rank=local_rank)
-    if world_size > 1:
+    single_rank_group = world_size == 1 and spec.parallelism.fsdp_single_rank and not dist.is_initialized()
+    if world_size > 1 or single_rank_group:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         if not dist.is_initialized():
             timeout = set_collective_timeout(spec.fault.collective_timeout_s, cuda=device.type == "cuda")
-            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout)
+            # One rank outside torchrun (no MASTER_ADDR): an in-process store is its whole rendezvous.
+            alone = {} if "MASTER_ADDR" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout, **alone)
     if spec.training.deterministic:
         set_deterministic(device)
-    return Runtime(device=device, rank=rank, world_size=world_size, local_rank=local_rank)
+    return Runtime(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
+                   single_rank_group=single_rank_group)
 
 
 def set_collective_timeout(timeout_s: float, *, cuda: bool) -> timedelta:
@@ -110,5 +116,5 @@ def load_rng_state(state: dict[str, Any], device: torch.device) -> None:
 
 def close_runtime(runtime: Runtime) -> None:
     """End the process group this process started (a no-op with one process)."""
-    if runtime.distributed and dist.is_initialized():
+    if (runtime.distributed or runtime.single_rank_group) and dist.is_initialized():
         dist.destroy_process_group()
