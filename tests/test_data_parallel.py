@@ -117,3 +117,18 @@ def test_ray_executor_gives_the_same_data_dir(tmp_path: Path, monkeypatch: pytes
 
     assert not ray.is_initialized()
     assert _contents(tmp_path / "ray") == _contents(tmp_path / "local")
+
+
+def test_progress_shows_each_stage_with_rates(tmp_path: Path) -> None:
+    import io
+
+    from rich.console import Console
+
+    spec = _write_corpus(tmp_path / "raw", files=2, docs_per_file=30)
+    out = io.StringIO()
+    prepare_data(spec.model_copy(update={"workers": 2}), data_dir=tmp_path / "d",
+                 console=Console(file=out, width=160, force_terminal=False))
+    text = out.getvalue()
+    for stage in ("clean", "dedup merge", "train tokenizer", "encode", "shards train/en"):
+        assert stage in text, stage
+    assert "docs/s" in text and "MB/s" in text
