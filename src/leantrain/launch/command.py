@@ -13,6 +13,7 @@ record the crash (and the ranks torchrun names) against this host and exit 1.
 from __future__ import annotations
 
 import dataclasses
+import signal
 import socket
 import sys
 from pathlib import Path
@@ -151,14 +152,24 @@ def launch(
     make_private_dir(run_dir, owner_only=spec.security.owner_only)
     _stage_data(spec, console=console)
     failed_ranks: list[int] = []
+    received: list[str] = []
+
+    def terminate(signum: int, _frame: object) -> None:  # SIGTERM to launch: stop torchrun the same way
+        received.append(signal.Signals(signum).name)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, terminate)
     try:
         code = torchrun.launch_local(spec, train=train, run_dir=run_dir, nproc=nproc, nnodes=nnodes,
                                      max_restarts=max_restarts, console=console, failed_ranks=failed_ranks)
-    except KeyboardInterrupt:  # the ranks got SIGTERM: each saved its current step (train's 143)
+    except KeyboardInterrupt:  # torchrun got SIGTERM and passed it on: each rank saved its current step
+        name = received[0] if received else "SIGINT"
         _audit(spec, run_dir, "launch.local", nproc=nproc, nnodes=nnodes or "1", exit_code=130, failed_ranks=[])
-        raise Interrupted(f"interrupted: the ranks were asked to save a checkpoint at their current step and "
-                          f"stop; rerun the same command to resume (per-rank logs under "
-                          f"{Path(run_dir) / torchrun.LOGS_DIR})", signal_name="SIGINT") from None
+        raise Interrupted(f"stopped by {name}: the ranks were asked to save a checkpoint at their current step "
+                          f"and stop; rerun the same command to resume (per-rank logs under "
+                          f"{Path(run_dir) / torchrun.LOGS_DIR})", signal_name=name) from None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     _audit(spec, run_dir, "launch.local", nproc=nproc, nnodes=nnodes or "1", exit_code=code,
            failed_ranks=failed_ranks)
     if code != 0:
