@@ -6,7 +6,8 @@
   count that MFU is measured against (`detailed`).
 - Storage: tokenized data at 2 bytes per token when the vocabulary fits uint16 (< 65,536 ids, as
   Megatron's IndexedDataset), else 4; times `data.replicas`; plus the raw text (`bytes_per_token_raw`).
-  A checkpoint holds the weights at master precision and both Adam moments.
+  A checkpoint holds the trained weights at master precision and both Adam moments: every parameter, or for
+  LoRA/QLoRA only the adapters (the frozen base is referenced by hash, not saved: ckpt/base_ref.py).
 - Checkpoint interval: Daly (2006) higher-order optimum (Young's √(2·δ·M) when δ ≪ M), δ the time a save
   blocks training (the full write, or only the device-to-host copy when saving asynchronously), M the job's
   mean time between failures. Default failure rate from Llama 3 (Dubey et al. 2024, §3.3.4): 419 unexpected
@@ -21,6 +22,7 @@ import math
 from dataclasses import dataclass
 
 from leantrain.hardware import GB
+from leantrain.plan.finetune import adapter_params
 from leantrain.plan.inputs import HOST_COPY_BYTES_S, PlanInputs
 from leantrain.spec.schema import JobSpec
 
@@ -95,9 +97,11 @@ def token_bytes(vocab_size: int) -> int:
 
 
 def checkpoint_bytes(inputs: PlanInputs) -> float:
-    """One full training checkpoint: weights at master precision + two Adam moments (all experts)."""
+    """One training checkpoint: the trained weights at master precision + two Adam moments — every parameter
+    (all experts), or under LoRA/QLoRA the adapters alone (the frozen base is not saved)."""
     weights = max(inputs.master_bytes, inputs.weight_bytes)
-    return inputs.shape.total_params() * (weights + 2 * inputs.moment_bytes)
+    trained = inputs.shape.total_params() if inputs.trains_base else adapter_params(inputs)
+    return trained * (weights + 2 * inputs.moment_bytes)
 
 
 def storage(spec: JobSpec, inputs: PlanInputs) -> dict[str, float]:
