@@ -108,7 +108,7 @@ def test_shipped_prepull_daemonset_is_what_the_code_emits() -> None:
 
 
 def test_every_referenced_env_var_metrics_port_fabric_and_rdma(tmp_path: Path) -> None:
-    from leantrain.launch.k8s import raw_env_references
+    from leantrain.launch.job_spec import raw_env_references
 
     overrides = ["monitoring.webhook_url_env=ALERT_WEBHOOK_URL", "cluster.nccl_preset=roce",
                  "checkpoint.endpoint_url=${S3_ENDPOINT_URL:-https://s3.amazonaws.com}",

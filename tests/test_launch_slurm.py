@@ -289,3 +289,18 @@ def test_demo_stage_writes_both_job_files(tmp_path: Path) -> None:
     assert str(sbatch) in summary and str(manifests) in summary
     subprocess.run(["bash", "-n", str(sbatch)], check=True)
     assert "kind: PyTorchJob" in manifests.read_text()
+
+
+def test_emitted_job_runs_the_spec_frozen_in_the_run_dir(tmp_path: Path) -> None:
+    out, run_dir = tmp_path / "job.sbatch", tmp_path / "run"
+    assert main(["launch", str(SEED), "--profile", "rehearsal", "--set", "training.lr=2e-4", "--emit", "slurm",
+                 "--out", str(out), "--run-dir", str(run_dir)]) == 0
+    text = out.read_text()
+    (_, train) = srun_torchrun_lines(text)
+    frozen = run_dir / "job-spec.yaml"
+    assert torchrun_parsed(train).training_script_args[:2] == ["train", str(frozen.resolve())]
+    assert "--profile" not in train and "--set" not in train and str(SEED) not in text
+    assert frozen.stat().st_mode & 0o077 == 0
+    spec = load_spec(frozen)  # the same job: profile and override applied, secrets still references
+    assert spec.hardware.num_nodes == 4 and spec.training.lr == 2e-4
+    assert "${AWS_SECRET_ACCESS_KEY}" in frozen.read_text()

@@ -25,6 +25,7 @@ from rich.table import Table
 from leantrain.errors import CheckFailed, Interrupted, UserInputError
 from leantrain.launch import torchrun
 from leantrain.launch.health import excluded_hosts, health_path, record_failure
+from leantrain.launch.job_spec import raw_env_references, write_job_spec
 from leantrain.launch.resources import TrainCommand, describe, job_resources, parse_nnodes, write_job_file
 from leantrain.launch.slurm import slurm_script
 from leantrain.launch.staging import ensure_local_data
@@ -53,14 +54,15 @@ def emit_job_file(
     run_dir: Path, nproc: int | None, nnodes: str | None, max_restarts: int | None,
 ) -> Path:
     """Write the Slurm batch script or the Kubernetes manifests; returns the path written."""
+    refs = raw_env_references(spec_path, profile=profile, overrides=list(overrides))
     if kind == "slurm":
-        command = TrainCommand(spec_path=Path(spec_path).resolve(), overrides=tuple(overrides), profile=profile)
+        # The job runs the spec frozen in the run dir, not the submit host's file (which may change or be absent).
+        command = TrainCommand(spec_path=write_job_spec(spec, run_dir=run_dir, env_refs=refs))
         text = slurm_script(spec, command=command, run_dir=run_dir, nnodes=nnodes, nproc=nproc,
                             max_restarts=max_restarts)
     elif kind == "k8s":
-        from leantrain.launch.k8s import k8s_documents, k8s_yaml, raw_env_references, setup_documents
+        from leantrain.launch.k8s import k8s_documents, k8s_yaml, setup_documents
 
-        refs = raw_env_references(spec_path, profile=profile, overrides=list(overrides))
         text = k8s_yaml(k8s_documents(spec, run_dir=run_dir, nnodes=nnodes, nproc=nproc, max_restarts=max_restarts,
                                       env_refs=refs))
         write_job_file(k8s_yaml(setup_documents(spec, env_refs=refs)), setup_path(out))

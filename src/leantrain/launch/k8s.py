@@ -23,7 +23,6 @@ One multi-document YAML file:
 from __future__ import annotations
 
 import json
-import re
 import secrets
 import shlex
 from pathlib import Path
@@ -33,6 +32,7 @@ import yaml
 
 from leantrain.launch.fabric import nccl_env
 from leantrain.launch.health import excluded_hosts
+from leantrain.launch.job_spec import ENV_REF_RE, frozen_spec_document
 from leantrain.launch.resources import TORCHRUN_ENV, JobResources, TrainCommand, job_name, job_resources, torchrun_args
 from leantrain.launch.staging import is_remote
 from leantrain.security import spec_secret_env_names
@@ -47,41 +47,10 @@ PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 RUN_AS_UID = 1000  # the image's non-root `leantrain` user (docker/Dockerfile)
 METRICS_PORT = 9464  # rank 0's Prometheus endpoint in the pod when the spec sets none (or 0: any free port)
-ENV_REF_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-[^}]*)?\}")
 
 
 def metrics_port(spec: JobSpec) -> int:
     return spec.monitoring.prometheus_port or METRICS_PORT
-
-
-def raw_env_references(spec_path: Path, *, profile: str | None, overrides: list[str]) -> dict[str, str]:
-    """Dotted path → the spec file's text for every value that references `${VAR}` (profile and overrides
-    applied), so the pods resolve them from their own environment instead of the submit host's."""
-    from leantrain.spec.load import _leaf_paths, _set_path, apply_profile, parse_override
-
-    raw = yaml.safe_load(Path(spec_path).read_text(encoding="utf-8")) or {}
-    merged = apply_profile(raw, profile)
-    for text in overrides:
-        key, value = parse_override(text)
-        _set_path(merged, key, value)
-    found = {}
-    for dotted in _leaf_paths(merged):
-        node: Any = merged
-        for part in dotted.split("."):
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, str) and ENV_REF_RE.search(node):
-            found[dotted] = node
-    return found
-
-
-def _restore_references(doc: dict[str, Any], refs: dict[str, str]) -> None:
-    for dotted, text in refs.items():
-        *parents, leaf = dotted.split(".")
-        node: Any = doc
-        for part in parents:
-            node = node.get(part) if isinstance(node, dict) else None
-        if isinstance(node, dict) and leaf in node:
-            node[leaf] = text
 
 
 def pod_spec_document(
@@ -89,8 +58,7 @@ def pod_spec_document(
 ) -> dict[str, Any]:
     """The spec as the pods load it: explicitly set fields only (defaults stay defaults), pod paths, and the
     spec file's `${VAR}` references kept as references."""
-    doc = spec.model_dump(mode="json", exclude_unset=True, exclude={"profiles"})
-    _restore_references(doc, env_refs or {})
+    doc = frozen_spec_document(spec, env_refs=env_refs)
     doc.setdefault("data", {})["dir"] = data_dir
     doc.setdefault("run", {})["dir"] = run_dir
     if spec.run.registry is not None:
