@@ -1,6 +1,7 @@
 """`leantrain validate RUN_DIR`: the deployment seed's go-live checklist (§7) as checks with evidence.
 
-Categories: health (every rank reported, no unexpected restarts, no errors), convergence (loss falling, no
+Categories: health (every rank reported, no unexpected restarts, no errors in events or in any process log:
+torchrun's per-rank files, Slurm's and the pod's output, observe/logs.py), convergence (loss falling, no
 spikes or non-finite values, grad norm bounded, within tolerance of a baseline run), throughput (tokens/s
 and MFU vs the plan; when low, whether data- or communication-bound), memory (peak under the device limit
 with headroom), communication share, fault drill. Spikes and grad-norm explosions are judged by replaying
