@@ -48,12 +48,12 @@ def test_changed_schedule_refused_then_extended_then_finished(
 ) -> None:
     run = tmp_path / "run"
     assert main(argv(data_dir, run, 8)) == 0
-    before = digests(run / "checkpoints")
+    before = digests(run)  # checkpoints, and the run dir's spec.yaml, plan.json, lineage.json too
     capsys.readouterr()
     assert main(argv(data_dir, run, 12)) == 2  # max steps changed: not resumed silently
     err = capsys.readouterr().err
     assert "training.max_steps 8 → 12" in err and "--extend-schedule" in err and "--resume none" in err
-    assert digests(run / "checkpoints") == before
+    assert digests(run) == before
     assert main(argv(data_dir, run, 12, "--set", "training.lr=1e-3")) == 2  # the LR too
     assert "training.lr 0.003 → 0.001" in capsys.readouterr().err
 

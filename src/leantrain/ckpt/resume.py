@@ -132,3 +132,41 @@ def same_store(a: Store, b: Store) -> bool:
     if isinstance(a, LocalStore) and isinstance(b, LocalStore):
         return a.root.resolve() == b.root.resolve()
     return a.url.rstrip("/") == b.url.rstrip("/")
+
+
+def run_length(spec: JobSpec, max_steps: int | None) -> int:
+    """The trainer's max_steps: --max-steps, else training.max_steps, else tokens_total / global batch."""
+    if max_steps is not None:
+        return max_steps
+    t = spec.training
+    return t.max_steps or max(1, round(spec.data.tokens_total / t.global_batch_tokens))
+
+
+def precheck(spec: JobSpec, *, run_dir: Path, request: ResumeRequest, max_steps: int | None) -> None:
+    """The refusals that need no model, before anything is written to the run dir (its spec.yaml, plan.json and
+    lineage.json would otherwise describe a run that was refused): `--resume none` over checkpoints, and a
+    changed schedule against the newest committed checkpoint. The trainer's resume makes the full decision;
+    a store that cannot be read here is left to it."""
+    from leantrain.ckpt.errors import CheckpointLoadError
+    from leantrain.ckpt.storage import open_store
+
+    length = run_length(spec, max_steps)
+    if request.mode not in ("auto", "latest", "none") or request.weights_only or length == 0:
+        return
+    try:
+        store = open_store(spec, run_dir=run_dir)
+        entries = integ.list_steps(store)
+        good = [e for e in entries if e.good_candidate]
+        manifest = integ.read_manifest(store, good[-1].name) if good and request.mode != "none" else {}
+    except Exception:  # noqa: BLE001 - decided by the trainer's resume, which reports storage errors
+        return
+    if request.mode == "none" and entries:
+        raise CheckpointLoadError(
+            f"--resume none starts over, but {store.url} already holds this run's checkpoints (steps "
+            f"{', '.join(str(e.step) for e in entries)}), which its saves would overwrite: use a new --run-dir (and "
+            "a new checkpoint.url when it is set), or move them away", user_input=True)
+    changes = schedule_changes(manifest.get(SCHEDULE_KEY), schedule_settings(spec, max_steps=length))
+    if changes and not request.extend_schedule:
+        raise CheckpointLoadError(changed_schedule_message(run_dir, step=good[-1].step,
+                                                           where=store.describe(good[-1].name), changes=changes),
+                                  user_input=True)

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.markup import escape
 
+from leantrain.ckpt.fault import restart_attempt
 from leantrain.ckpt.integrity import step_dir
-from leantrain.ckpt.resume import ResumeRequest
+from leantrain.ckpt.resume import ResumeRequest, precheck
 from leantrain.errors import Interrupted, LeantrainError, UserInputError
 from leantrain.spec.schema import JobSpec
 from leantrain.train.run_setup import finish_run, prepare_run
@@ -70,6 +71,8 @@ def train(
         raise UserInputError(f"--max-steps must be 0 (build the model, record model_ready, stop) or more: {max_steps}")
     _check_data_dir(spec)
     target = Path(run_dir or spec.run.dir)
+    if restart_attempt() == 0:  # refusals that need no model come before anything is written
+        precheck(spec, run_dir=target, request=resume or ResumeRequest(), max_steps=max_steps)
     context = prepare_run(spec, run_dir=target, rank=int(os.environ.get("RANK", "0")), console=console)
     status = "failed"
     try:
