@@ -132,3 +132,24 @@ def test_progress_shows_each_stage_with_rates(tmp_path: Path) -> None:
     for stage in ("clean", "dedup merge", "train tokenizer", "encode", "shards train/en"):
         assert stage in text, stage
     assert "docs/s" in text and "MB/s" in text
+
+
+def test_byte_range_tasks_give_the_same_data_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from leantrain.data.readers import line_spans
+    from leantrain.data.tasks import plan_tasks
+
+    monkeypatch.setenv("LEANTRAIN_PII_SALT", "salt")
+    spec = _write_corpus(tmp_path / "raw", files=2, docs_per_file=80)  # jsonl without ids: ids are file:line
+    lines = (tmp_path / "raw" / "en" / "part-000.jsonl").read_bytes().splitlines(keepends=True)
+    (tmp_path / "raw" / "en" / "part-000.jsonl").write_bytes(b"".join(lines[:40]) + b"{broken\n" + b"".join(lines[40:]))
+    path = str(tmp_path / "raw" / "en" / "part-000.jsonl")
+    spans = line_spans(path, task_bytes=4000)
+    assert len(spans) > 5 and [s[0] for s in spans[1:]] == [s[1] for s in spans[:-1]]
+    split = spec.model_copy(update={"task_bytes": 4000})
+    assert len(plan_tasks(split.sources, {"en": [path], "zh": []}, task_bytes=4000)) == len(spans)
+    whole = prepare_data(spec, data_dir=tmp_path / "whole")
+    ranged = prepare_data(split.model_copy(update={"workers": 2}), data_dir=tmp_path / "ranged")
+    assert _contents(tmp_path / "whole") == _contents(tmp_path / "ranged")
+    problems = ranged.report["sources"][0]["read_problem_examples"]
+    assert problems == whole.report["sources"][0]["read_problem_examples"] == {"broken_json": [f"{path}:41"]}
+    assert ranged.report["sources"][0]["files"] == 2

@@ -295,7 +295,7 @@ def prepare_data(
         up_to_date.manifest.write(data_dir)
         return up_to_date
     _start(spec, data_dir=data_dir, inputs=inputs, force=force)
-    tasks = plan_tasks(sources, files)
+    tasks = plan_tasks(sources, files, task_bytes=spec.task_bytes)
     timings: dict[str, float] = {}
     with make_executor(spec, num_tasks=len(tasks)) as executor, StageProgress(console) as progress:
         start = time.perf_counter()

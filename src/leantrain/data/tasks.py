@@ -40,7 +40,7 @@ from leantrain.data.dedup import MinHasher, exact_key
 from leantrain.data.inputs import BadInputError, file_size
 from leantrain.data.layout import SPLITS
 from leantrain.data.pii import PIIRedactor
-from leantrain.data.readers import ReadStats, read_file
+from leantrain.data.readers import ReadStats, line_spans, read_file, splittable
 from leantrain.data.shards import atomic_write_bytes
 from leantrain.spec.schema import DataSource, DataSpec
 
@@ -51,23 +51,32 @@ ENCODE_BATCH_DOCS = 512
 
 @dataclass(frozen=True)
 class InputTask:
-    """One input file of one source; `index` is its place in the global document order."""
+    """One input file (or the lines starting in bytes [start, end) of one) of one source; `index` is its
+    place in the global document order; `first_line` the number of the range's first line."""
 
     index: int
     source: DataSource
     path: str
     num_bytes: int
+    start: int = 0
+    end: int | None = None
+    first_line: int = 1
 
     @property
     def name(self) -> str:
         return f"t{self.index:06d}"
 
 
-def plan_tasks(sources: list[DataSource], files: dict[str, list[str]]) -> list[InputTask]:
+def plan_tasks(sources: list[DataSource], files: dict[str, list[str]], *, task_bytes: int) -> list[InputTask]:
     tasks: list[InputTask] = []
     for source in sources:
         for path in files[source.name]:
-            tasks.append(InputTask(index=len(tasks), source=source, path=path, num_bytes=file_size(path)))
+            size = file_size(path)
+            spans = line_spans(path, task_bytes=task_bytes) if size > task_bytes and splittable(source, path) \
+                else [(0, None, 1)]
+            for start, end, first_line in spans:
+                tasks.append(InputTask(index=len(tasks), source=source, path=path, start=start, end=end,
+                                       first_line=first_line, num_bytes=(end if end is not None else size) - start))
     return tasks
 
 
@@ -100,7 +109,8 @@ def clean_task(task: InputTask, spec: DataSpec, work: Path, salt: bytes) -> dict
     valid_cut = int(spec.valid_fraction * 2**64)
     with open(out / "docs.jsonl.tmp", "w", encoding="utf-8") as docs:
         try:
-            for raw in read_file(task.source, task.path, read):
+            for raw in read_file(task.source, task.path, read, start=task.start, end=task.end,
+                                 first_line=task.first_line):
                 counts["docs_in"] += 1
                 counts["chars_in"] += len(raw.text)
                 candidate = chat_candidate if task.source.format == "chat" else _candidate

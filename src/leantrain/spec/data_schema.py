@@ -177,6 +177,11 @@ class DataSpec(Section):
         None, description="Ray cluster to join with executor ray (e.g. ray://head:10001 or auto); None starts "
         "an embedded local Ray for the run and stops it after.",
     )
+    task_bytes: PositiveInt = Field(
+        1 << 28, description="An uncompressed line-based input file (jsonl, chat, text with text_unit line) "
+        "larger than this is split into byte-range tasks of about this size (cut at line ends); the output is "
+        "the same as for one task per file.",
+    )
     on_bad_input: Literal["error", "skip"] = Field(
         "error", description="A truncated or corrupt input file (.gz/.zst, parquet, arrow): error names the file "
         "and offset and stops; skip leaves the whole file out and counts it in report.json.",
