@@ -71,6 +71,9 @@ class LocalExecutor(Executor):
         self.num_workers = num_workers
         self._pool = ProcessPoolExecutor(max_workers=num_workers, mp_context=multiprocessing.get_context(method),
                                          initializer=_single_threaded_worker)
+        # Fork the workers now, before the caller starts threads (rich's progress refresher): a fork while
+        # another thread holds a lock would leave the child with that lock held.
+        self._pool.submit(os.getpid).result()
 
     def map(self, fn: Callable[..., Any], items: Sequence[Any], args: tuple[Any, ...], on_done: OnDone | None = None
             ) -> list[Any]:
