@@ -112,6 +112,7 @@ def test_every_checkpoint_bad_refuses_and_leaves_files_bitwise_unchanged(
             data[100] ^= 1
             (folder / "__0_0.distcp").write_bytes(bytes(data))
     before = digests(run / "checkpoints")
+    described = {name: (run / name).read_bytes() for name in ("spec.yaml", "plan.json", "lineage.json")}
     capsys.readouterr()
     for _ in range(2):  # and again: nothing was marked the first time either
         assert main(argv(data_dir, run, 8)) == 2
@@ -120,6 +121,7 @@ def test_every_checkpoint_bad_refuses_and_leaves_files_bitwise_unchanged(
         assert "step 4 (" in err and "step 8 (" in err
         assert ("sha256 mismatch" if damage == "bit_flip" else "no commit marker") in err
         assert digests(run / "checkpoints") == before
+        assert {name: (run / name).read_bytes() for name in described} == described  # nor the run's description
 
 
 def test_resume_step_loads_that_step_and_marks_newer_abandoned(

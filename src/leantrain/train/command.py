@@ -27,7 +27,7 @@ from leantrain.ckpt.integrity import step_dir
 from leantrain.ckpt.resume import ResumeRequest, precheck
 from leantrain.errors import Interrupted, LeantrainError, UserInputError
 from leantrain.spec.schema import JobSpec
-from leantrain.train.run_setup import finish_run, prepare_run
+from leantrain.train.run_setup import description_snapshot, finish_run, prepare_run, restore_description
 
 if TYPE_CHECKING:
     from leantrain.demo_context import DemoContext
@@ -73,17 +73,21 @@ def train(
     target = Path(run_dir or spec.run.dir)
     if restart_attempt() == 0:  # refusals that need no model come before anything is written
         precheck(spec, run_dir=target, request=resume or ResumeRequest(), max_steps=max_steps)
-    context = prepare_run(spec, run_dir=target, rank=int(os.environ.get("RANK", "0")), console=console)
+    rank = int(os.environ.get("RANK", "0"))
+    before = description_snapshot(target) if rank == 0 else {}
+    context = prepare_run(spec, run_dir=target, rank=rank, console=console)
     status = "failed"
     try:
         trainer = Trainer(
             spec, run_dir=target, max_steps=max_steps, console=console, extra_sinks=context.sinks,
             checkpointer_factory=_checkpointer_factory(resume),
         )
-    except BaseException:
+    except BaseException as err:
         for sink in context.sinks:  # the trainer never took them over: stop the alert watchdog here
             sink.close()
         finish_run(context, status=status)
+        if isinstance(err, LeantrainError) and err.exit_code == 2:  # refused (e.g. every checkpoint invalid):
+            restore_description(target, before)  # the run dir describes the run that was, not the refused one
         raise
     outcome = TrainOutcome()
     try:

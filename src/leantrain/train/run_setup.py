@@ -50,6 +50,25 @@ def _plan_or_none(spec: JobSpec) -> dict[str, Any] | None:
         return None
 
 
+def description_snapshot(run_dir: Path) -> dict[str, bytes | None]:
+    """The bytes of the run dir's description files (spec.yaml, plan.json, lineage.json) before a start, so a
+    start that is refused after the model was built (every checkpoint invalid) can put them back."""
+    from leantrain.provenance.lineage import LINEAGE_FILE_NAME
+
+    names = (SPEC_FILE, PLAN_FILE, LINEAGE_FILE_NAME)
+    return {name: (Path(run_dir) / name).read_bytes() if (Path(run_dir) / name).is_file() else None for name in names}
+
+
+def restore_description(run_dir: Path, snapshot: dict[str, bytes | None]) -> None:
+    """Put the description files back as `description_snapshot` found them (absent ones are removed)."""
+    for name, data in snapshot.items():
+        path = Path(run_dir) / name
+        if data is None:
+            path.unlink(missing_ok=True)
+        else:
+            path.write_bytes(data)
+
+
 def prepare_run(
     spec: JobSpec, *, run_dir: Path, rank: int, console: Console | None, spec_path: Path | None = None
 ) -> RunContext:
