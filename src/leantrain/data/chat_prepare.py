@@ -23,7 +23,7 @@ import numpy as np
 
 from leantrain.data.chat import ChatRenderer, MaskedShardWriter, pad_to_multiple, parse_record
 from leantrain.data.clean import normalize, text_stats
-from leantrain.data.dedup import MinHasher, exact_key
+from leantrain.data.dedup import MinHasher, add_candidate_hashes
 from leantrain.data.layout import shard_prefix
 from leantrain.data.pii import PIIRedactor
 from leantrain.data.shards import ShardInfo, ShardWriter
@@ -60,11 +60,8 @@ def chat_candidate(
         counts["drops"]["empty"] += 1
         return None
     stats = text_stats("\n".join(m["content"] for m in messages))
-    key = exact_key(stats)
-    keys.append(key)
-    if spec.dedup.near:
-        signatures.append(hasher.signature(hasher.shingles(stats.words, cjk=stats.cjk_share >= 0.5)))
-    split = "valid" if int.from_bytes(key[:8], "little") < valid_cut else "train"
+    split = add_candidate_hashes(stats, near=spec.dedup.near, hasher=hasher, keys=keys, signatures=signatures,
+                                 valid_cut=valid_cut)
     pii: dict[str, int] = {}
     audit: list[list[Any]] = []
     if redactor is not None:

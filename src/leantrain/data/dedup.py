@@ -30,6 +30,17 @@ def exact_key(stats: TextStats) -> bytes:
     return hashlib.blake2b(" ".join(stats.words).lower().encode("utf-8"), digest_size=16).digest()
 
 
+def add_candidate_hashes(stats: TextStats, *, near: bool, hasher: MinHasher, keys: list[bytes],
+                         signatures: list[np.ndarray], valid_cut: int) -> str:
+    """Append a dedup candidate's exact key (and its MinHash signature when near-dedup is on) and return its
+    split: the held-out share is chosen by the key, so a duplicate never lands on the other side."""
+    key = exact_key(stats)
+    keys.append(key)
+    if near:
+        signatures.append(hasher.signature(hasher.shingles(stats.words, cjk=stats.cjk_share >= 0.5)))
+    return "valid" if int.from_bytes(key[:8], "little") < valid_cut else "train"
+
+
 def detection_probability(similarity: float, *, bands: int, rows: int) -> float:
     """LSH S-curve: probability that a pair with this Jaccard similarity shares at least one band."""
     return 1.0 - (1.0 - similarity**rows) ** bands

@@ -36,7 +36,7 @@ from leantrain.data.chat import ChatRenderer
 from leantrain.data.chat_prepare import chat_candidate, encode_rows
 from leantrain.data.clean import normalize, quality_problem, text_stats
 from leantrain.data.clusters import KEEP, write_hashes
-from leantrain.data.dedup import MinHasher, exact_key
+from leantrain.data.dedup import MinHasher, add_candidate_hashes
 from leantrain.data.inputs import BadInputError, file_size
 from leantrain.data.layout import SPLITS
 from leantrain.data.pii import PIIRedactor
@@ -147,11 +147,8 @@ def _candidate(text: str, *, spec: DataSpec, counts: dict[str, Any], hasher: Min
     if reason is not None:
         counts["drops"][reason] += 1
         return None
-    key = exact_key(stats)
-    keys.append(key)
-    if spec.dedup.near:
-        signatures.append(hasher.signature(hasher.shingles(stats.words, cjk=stats.cjk_share >= 0.5)))
-    split = "valid" if int.from_bytes(key[:8], "little") < valid_cut else "train"
+    split = add_candidate_hashes(stats, near=spec.dedup.near, hasher=hasher, keys=keys, signatures=signatures,
+                                 valid_cut=valid_cut)
     pii: dict[str, int] = {}
     audit: list[list[Any]] = []
     if redactor is not None:
