@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 from leantrain.cli import main as leantrain
-from leantrain.model.tiny_hf import save_tiny_hf
+from leantrain.model.tiny_hf import save_example_model
 
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "demo-out"
@@ -27,9 +27,7 @@ SPECS = {"continue-pretrain": ("continue-pretrain-cpu.yaml", "cp-run", "cp-hf"),
 
 
 def tiny_model(path: Path) -> None:
-    if not (path / "config.json").is_file():
-        save_tiny_hf(path, vocab_size=512, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
-                     num_kv_heads=2, max_positions=512)
+    if save_example_model(path):
         print(f"built a tiny random Llama checkpoint in {path}")
 
 

@@ -72,3 +72,16 @@ def save_tiny_hf(
     if tokenizer:
         save_tokenizer(out)
     return out
+
+
+# The tiny model the CPU examples start from (examples/*-cpu.yaml with model.init_from: ../demo-out/tiny-llama).
+EXAMPLE_MODEL_SHAPE: dict[str, int] = {"vocab_size": 512, "hidden_size": 128, "intermediate_size": 256,
+                                       "num_layers": 2, "num_heads": 4, "num_kv_heads": 2, "max_positions": 512}
+
+
+def save_example_model(out_dir: Path | str) -> bool:
+    """Build the examples' tiny random Llama in `out_dir` unless it is there; True when it was built."""
+    if (Path(out_dir) / "config.json").is_file():
+        return False
+    save_tiny_hf(out_dir, **EXAMPLE_MODEL_SHAPE)
+    return True
