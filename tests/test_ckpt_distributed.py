@@ -92,6 +92,7 @@ def _worker(rank: int, world_size: int, phase: str, root: str) -> None:
         torch.save(torch.get_rng_state(), out / f"rng-loaded-{world_size}-{rank}.pt")
         ckpt.close()
     dist.destroy_process_group()
+    os._exit(0)  # skip interpreter teardown: a gloo process sometimes aborts there (docs/parallel.md)
 
 
 def _spawn(world_size: int, phase: str, root: Path) -> None:
