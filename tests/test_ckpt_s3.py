@@ -13,6 +13,7 @@ from leantrain.ckpt import CheckpointManager, CheckpointSaveError
 from leantrain.ckpt.storage import FsspecStore, open_store
 from leantrain.errors import UserInputError
 from leantrain.spec.schema import SecuritySpec
+from s3_server import moto_s3
 from test_ckpt_manager import assert_same, events, make_app, make_spec, resume, snapshot, train
 
 moto_server = pytest.importorskip("moto.moto_server.threaded_moto_server")
@@ -22,21 +23,13 @@ pytest.importorskip("s3fs")
 @pytest.fixture
 def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """An S3 HTTP server on 127.0.0.1 (any free port) with credentials only in the environment."""
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
     monkeypatch.setenv("LT_TEST_S3_KEY", "testing-key")
     monkeypatch.setenv("LT_TEST_S3_SECRET", "testing-secret")
     monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
     for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
         monkeypatch.delenv(name, raising=False)
-    endpoint = f"http://{host}:{port}"
-    # Moto keeps its buckets in process-wide state, shared by every server started here: start empty.
-    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=10).close()
-    try:
+    with moto_s3() as endpoint:
         yield endpoint
-    finally:
-        server.stop()
 
 
 def s3_spec(endpoint: str) -> object:

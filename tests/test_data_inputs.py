@@ -7,7 +7,6 @@ import gzip
 import json
 import random
 import string
-import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,6 +19,7 @@ from leantrain.data.inputs import BadInputError
 from leantrain.data.pipeline import prepare_data
 from leantrain.data.readers import ReadStats, read_source
 from leantrain.spec.schema import CleaningSpec, DataSource, DataSpec, TokenizerSpec
+from s3_server import moto_s3
 
 _RNG = random.Random(4)
 _VOCAB = ["".join(_RNG.choice(string.ascii_lowercase) for _ in range(_RNG.randint(3, 8))) for _ in range(2000)]
@@ -62,25 +62,18 @@ def test_hf_datasets_folder_and_arrow_file_format(tmp_path: Path) -> None:
     assert _docs(path=tmp_path / "file.arrow", format="arrow") == TEXTS[:3]
 
 
-moto_server = pytest.importorskip("moto.moto_server.threaded_moto_server")
+pytest.importorskip("moto.moto_server.threaded_moto_server")
 pytest.importorskip("s3fs")
 
 
 @pytest.fixture
 def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    server = moto_server.ThreadedMotoServer(ip_address="127.0.0.1", port=0, verbose=False)
-    server.start()
-    host, port = server.get_host_and_port()
-    endpoint = f"http://{host}:{port}"
-    for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
-                        ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_ENDPOINT_URL", endpoint)):
-        monkeypatch.setenv(name, value)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    urllib.request.urlopen(urllib.request.Request(f"{endpoint}/moto-api/reset", method="POST"), timeout=10).close()
-    try:
+    with moto_s3() as endpoint:
+        for name, value in (("AWS_ACCESS_KEY_ID", "testing"), ("AWS_SECRET_ACCESS_KEY", "testing"),
+                            ("AWS_DEFAULT_REGION", "us-east-1"), ("AWS_ENDPOINT_URL", endpoint)):
+            monkeypatch.setenv(name, value)
+        monkeypatch.delenv("AWS_PROFILE", raising=False)
         yield endpoint
-    finally:
-        server.stop()
 
 
 def test_s3_sources_prepare_like_local_files(tmp_path: Path, s3_endpoint: str,
