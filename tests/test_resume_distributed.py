@@ -165,6 +165,18 @@ def test_elastic_resume_two_ranks_to_four(drilled: dict[str, Any]) -> None:
     assert np.isfinite(list(resumed.values())).all()
 
 
+def _launch_with_fault(drilled: dict[str, Any], *, plan: FaultPlan, train: TrainCommand, run_dir: Path) -> int:
+    """Two ranks under torchrun (one restart allowed) with the fault plan in their environment, restored after."""
+    saved = {k: os.environ.get(k) for k in plan.to_env()}
+    os.environ.update(plan.to_env())
+    try:
+        return launch_local(drilled["spec"], train=train, run_dir=run_dir, nproc=2, nnodes=None, max_restarts=1,
+                            console=Console(file=io.StringIO()), timeout_s=600)
+    finally:
+        for key, value in saved.items():
+            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+
+
 @pytest.mark.slow
 def test_frozen_rank_aborts_the_group_restarts_it_and_loses_nothing(drilled: dict[str, Any]) -> None:
     """Rank 1 is SIGSTOPped after step 3 (a stuck GPU): rank 0's hang watchdog aborts after
@@ -174,14 +186,7 @@ def test_frozen_rank_aborts_the_group_restarts_it_and_loses_nothing(drilled: dic
     plan = FaultPlan(kill_at_step=KILL_AT, kill_rank=1, freeze=True)
     train = TrainCommand(spec_path=drilled["spec_file"], overrides=(
         "monitoring.hang_timeout_s=20", "fault.collective_timeout_s=25"))
-    saved = {k: os.environ.get(k) for k in plan.to_env()}
-    os.environ.update(plan.to_env())
-    try:
-        code = launch_local(drilled["spec"], train=train, run_dir=run_dir, nproc=2, nnodes=None, max_restarts=1,
-                            console=Console(file=io.StringIO()), timeout_s=600)
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+    code = _launch_with_fault(drilled, plan=plan, train=train, run_dir=run_dir)
     assert code == 0
     kinds = events(run_dir)
     hang = [e for e in kinds if e["kind"] == "hang_abort"]
@@ -205,14 +210,7 @@ def test_memory_tier_resumes_a_lost_node_from_its_peer_copy(drilled: dict[str, A
     train = TrainCommand(spec_path=drilled["spec_file"], overrides=(
         "checkpoint.memory_interval_steps=1", "checkpoint.memory_peer_offset=1",
         f"checkpoint.memory_dir={tmp_path / 'shm'}"))
-    saved = {k: os.environ.get(k) for k in plan.to_env()}
-    os.environ.update(plan.to_env())
-    try:
-        code = launch_local(drilled["spec"], train=train, run_dir=run_dir, nproc=2, nnodes=None, max_restarts=1,
-                            console=Console(file=io.StringIO()), timeout_s=600)
-    finally:
-        for key, value in saved.items():
-            os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
+    code = _launch_with_fault(drilled, plan=plan, train=train, run_dir=run_dir)
     assert code == 0
     kinds = events(run_dir)
     loaded = [e for e in kinds if e["kind"] == "checkpoint_loaded"]
