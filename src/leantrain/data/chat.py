@@ -159,6 +159,18 @@ class MaskedShardWriter:
 
     writer: ShardWriter
 
+    @property
+    def bin_path(self) -> Path:
+        return self.writer.bin_path
+
+    @property
+    def num_tokens(self) -> int:
+        return self.writer.num_tokens
+
+    @property
+    def num_docs(self) -> int:
+        return self.writer.num_docs
+
     def __post_init__(self) -> None:
         self._mask_tmp = mask_path(self.writer.bin_path).with_suffix(".mask.tmp")
         self._mask = open(self._mask_tmp, "wb")  # noqa: SIM115 - closed in finish/abort

@@ -24,7 +24,7 @@ import numpy as np
 from leantrain.data.chat import ChatRenderer, MaskedShardWriter, pad_to_multiple, parse_record
 from leantrain.data.clean import normalize, text_stats
 from leantrain.data.dedup import MinHasher, add_candidate_hashes
-from leantrain.data.layout import shard_prefix
+from leantrain.data.layout import write_split_shards
 from leantrain.data.pii import PIIRedactor
 from leantrain.data.shards import ShardInfo, ShardWriter
 from leantrain.errors import UserInputError
@@ -99,36 +99,11 @@ def write_masked_split_shards(
     on_shard: Callable[[ShardInfo], None] | None = None,
 ) -> list[ShardInfo]:
     """As layout.write_split_shards, writing each shard's `.mask` beside it."""
-    infos: list[ShardInfo] = []
-    writer: MaskedShardWriter | None = None
-    try:
-        for ids, mask in docs:
-            if writer is None:
-                prefix = data_dir / shard_prefix(split, source, first_number + len(infos))
-                writer = MaskedShardWriter(ShardWriter(prefix, dtype=dtype))
-            writer.add(np.asarray(ids), np.asarray(mask))
-            if writer.writer.num_tokens >= shard_size_tokens:
-                infos.append(_close(writer, data_dir=data_dir, split=split, source=source, on_shard=on_shard))
-                writer = None
-        if writer is not None:
-            infos.append(_close(writer, data_dir=data_dir, split=split, source=source, on_shard=on_shard))
-            writer = None
-    finally:
-        if writer is not None:
-            writer.abort()
-    return infos
-
-
-def _close(writer: MaskedShardWriter, *, data_dir: Path, split: str, source: str,
-           on_shard: Callable[[ShardInfo], None] | None) -> ShardInfo:
-    bin_sha, idx_sha, num_bytes = writer.finish()
-    inner = writer.writer
-    info = ShardInfo(path=inner.bin_path.relative_to(data_dir).as_posix(), split=split, source=source,
-                     sha256=bin_sha, idx_sha256=idx_sha, num_tokens=inner.num_tokens, num_docs=inner.num_docs,
-                     num_bytes=num_bytes)
-    if on_shard is not None:
-        on_shard(info)
-    return info
+    return write_split_shards(
+        data_dir, split=split, source=source, docs=docs, dtype=dtype, shard_size_tokens=shard_size_tokens,
+        first_number=first_number, on_shard=on_shard,
+        open_writer=lambda prefix: MaskedShardWriter(ShardWriter(prefix, dtype=dtype)),
+    )
 
 
 def _eos_token(config_path: Path) -> str | None:

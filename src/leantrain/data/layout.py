@@ -113,26 +113,32 @@ def write_split_shards(
     *,
     split: str,
     source: str,
-    docs: Iterable[Sequence[int] | np.ndarray],
+    docs: Iterable[Sequence[int] | np.ndarray | tuple[np.ndarray, ...]],
     dtype: type[np.number],
     shard_size_tokens: int,
     first_number: int = 0,
     on_shard: Callable[[ShardInfo], None] | None = None,
+    open_writer: Callable[[Path], Any] | None = None,
 ) -> list[ShardInfo]:
     """Write documents (EOS already appended) into shards of about `shard_size_tokens` each.
 
     A shard is closed after the document that reaches the size, so a document never spans shards and the
     cut points depend only on the documents (a resumed run cuts the same shards). `on_shard` is called after
     each shard is published (the pipeline logs it for crash-resume). Numbering starts at `first_number`.
+    `open_writer(prefix)` makes the writer of one shard (default: a ShardWriter of `dtype`); a tuple document
+    is passed to its `add` as separate arrays (the chat path's (ids, mask) pairs and its MaskedShardWriter).
     """
     infos: list[ShardInfo] = []
-    writer: ShardWriter | None = None
+    writer: Any = None
+    opener = open_writer or (lambda prefix: ShardWriter(prefix, dtype=dtype))
     try:
         for doc in docs:
             if writer is None:
-                prefix = shard_prefix(split, source, first_number + len(infos))
-                writer = ShardWriter(data_dir / prefix, dtype=dtype)
-            writer.add(np.asarray(doc))
+                writer = opener(data_dir / shard_prefix(split, source, first_number + len(infos)))
+            if isinstance(doc, tuple):
+                writer.add(*(np.asarray(part) for part in doc))
+            else:
+                writer.add(np.asarray(doc))
             if writer.num_tokens >= shard_size_tokens:
                 infos.append(_close(writer, data_dir=data_dir, split=split, source=source, on_shard=on_shard))
                 writer = None
@@ -146,7 +152,7 @@ def write_split_shards(
 
 
 def _close(
-    writer: ShardWriter, *, data_dir: Path, split: str, source: str, on_shard: Callable[[ShardInfo], None] | None
+    writer: Any, *, data_dir: Path, split: str, source: str, on_shard: Callable[[ShardInfo], None] | None
 ) -> ShardInfo:
     bin_sha, idx_sha, num_bytes = writer.finish()
     info = ShardInfo(
