@@ -145,6 +145,7 @@ def _worker(rank: int, world_size: int, jobs: list[tuple[str, dict[str, Any]]], 
                 Path(out_dir, f"{name}.json").write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
+    os._exit(0)  # skip interpreter teardown: a gloo process sometimes aborts there (docs/parallel.md)
 
 
 def spawn_layouts(
