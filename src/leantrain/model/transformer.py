@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from leantrain.errors import UserInputError
 from leantrain.model.init import init_buffers, init_parameters
 from leantrain.model.layers import FeedForward, ModelArgs, RMSNorm, rope_tables  # noqa: F401 (re-exported)
 from leantrain.model.moe import MoE
@@ -160,6 +161,9 @@ class Transformer(nn.Module):
 
 def model_args_from_spec(model: ModelSpec, *, max_seq_len: int) -> ModelArgs:
     """ModelArgs from the spec's model section, with the planner's resolved shape (one source of truth)."""
+    if model.mla is not None:
+        raise UserInputError("model.mla (multi-head latent attention) is planning only: the trainer's attention is "
+                             "multi-head/grouped-query; drop model.mla to train (n_heads/n_kv_heads set its shape)")
     moe = model.moe
     if model.init_from is not None:  # the checkpoint's config.json decides RoPE and the norm epsilon
         config = read_hf_config(model.init_from)

@@ -39,6 +39,17 @@ class MoESpec(Section):
     first_dense_layers: int = Field(0, ge=0, description="Leading layers that stay dense (DeepSeek style).")
 
 
+class MLASpec(Section):
+    """DeepSeek multi-head latent attention (field names as DeepSeek's Hugging Face configs). Planning only:
+    the planner counts its parameters, FLOPs and activations; the trainer's attention is MHA/GQA."""
+
+    q_lora_rank: int = Field(1536, ge=0, description="Query compression rank (0: a full-rank query projection).")
+    kv_lora_rank: PositiveInt = Field(512, description="Joint key/value compression rank.")
+    qk_nope_head_dim: PositiveInt = Field(128, description="Per-head query/key dimensions without RoPE.")
+    qk_rope_head_dim: PositiveInt = Field(64, description="Per-head query/key dimensions with RoPE (the key's shared).")
+    v_head_dim: PositiveInt = Field(128, description="Per-head value dimensions.")
+
+
 class ModelSpec(Section):
     """The model: a nominal size (mapped to a documented Llama-like shape) or an explicit shape."""
 
@@ -56,6 +67,9 @@ class ModelSpec(Section):
     rope_theta: float = Field(500000.0, gt=0, description="RoPE base frequency.")
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     moe: MoESpec | None = Field(None, description="Expert settings; required (defaults filled) for moe.")
+    mla: MLASpec | None = Field(
+        None, description="Multi-head latent attention (DeepSeek-V2/V3) instead of MHA/GQA; planning only."
+    )
     init_from: Path | None = Field(
         None,
         description="Start from a Hugging Face checkpoint dir (config.json + *.safetensors); the shape is read "

@@ -51,8 +51,9 @@ class ParallelismSpec(Section):
     loss_parallel: bool = Field(
         False, description="With TP: keep the logits split over the vocabulary and compute the loss sharded."
     )
-    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b"] = Field(
-        "1f1b", description="Pipeline schedule."
+    pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "dualpipe"] = Field(
+        "1f1b", description="Pipeline schedule. dualpipe (DeepSeek-V3's bidirectional schedule) is planning only: "
+        "`plan` prices it, the trainer refuses it."
     )
     virtual_stages: PositiveInt = Field(1, description="Model chunks per pipeline rank (interleaved 1F1B).")
     grad_sync: Literal["every_micro_batch", "last_micro_batch"] = Field(
@@ -242,6 +243,18 @@ class PlanSpec(Section):
 
     compute_efficiency: Fraction | None = Field(
         None, description="Fraction of peak FLOP/s a large matmul reaches; default per accelerator (plan.timing)."
+    )
+    elementwise_passes: float | None = Field(
+        None, ge=0, description="Passes memory-bound ops make over a layer's saved activations per forward + "
+        "backward, at HBM bandwidth; default fitted on published runs (plan.inputs, docs/plan.md)."
+    )
+    whole_run_efficiency: Fraction | None = Field(
+        None, description="Share of a whole run's GPU time spent in steady steps beyond failures and checkpoints "
+        "(ramps, rollbacks, stragglers, stalls); default fitted on published whole runs (docs/plan.md)."
+    )
+    fp8_speedup: float | None = Field(
+        None, ge=1, description="Step speed-up of fp8 GEMMs over bf16; default torchao's measured 1.28 (the "
+        "trainer's fp8); Transformer Engine stacks fit about 1.56 (docs/plan.md)."
     )
     dp_overlap: float = Field(0.8, ge=0, le=1, description="Share of data-parallel communication hidden by compute.")
     tp_overlap: float = Field(0.0, ge=0, le=1, description="Share of tensor-parallel communication hidden.")

@@ -21,7 +21,7 @@ from functools import lru_cache
 from pathlib import Path
 
 from leantrain.spec.hf_config import SHAPE_FIELDS, HFConfigError, read_hf_config, shape_conflicts
-from leantrain.spec.model_schema import ModelSpec, MoESpec
+from leantrain.spec.model_schema import MLASpec, ModelSpec, MoESpec
 
 HEAD_DIM = 128
 DEFAULT_VOCAB = 128256
@@ -44,6 +44,19 @@ class ResolvedMoE:
 
 
 @dataclass(frozen=True)
+class ResolvedMLA:
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+
+@dataclass(frozen=True)
 class ModelShape:
     """A fully explicit model shape with its parameter counts."""
 
@@ -57,6 +70,7 @@ class ModelShape:
     moe: ResolvedMoE | None
     nominal_params: float  # size_billion × 1e9 when given, else the exact total
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
+    mla: ResolvedMLA | None = None  # DeepSeek's latent attention (planning only)
 
     @property
     def head_dim(self) -> int:
@@ -74,9 +88,35 @@ class ModelShape:
     def num_dense_layers(self) -> int:
         return self.n_layers - self.num_moe_layers
 
+    @property
+    def attention_widths(self) -> tuple[int, int, int]:
+        """Widths of the per-token q, k and v tensors attention works on (all heads): d, kv, kv for MHA/GQA;
+        heads × (nope + rope), heads × (nope + rope), heads × v_head_dim for MLA."""
+        if self.mla is None:
+            return self.d_model, self.kv_dim, self.kv_dim
+        qk = self.n_heads * self.mla.qk_head_dim
+        return qk, qk, self.n_heads * self.mla.v_head_dim
+
+    @property
+    def attention_core_widths(self) -> tuple[int, int]:
+        """(QKᵀ width, A·V width) over all query heads: n_heads × head_dim twice for MHA/GQA (each query head
+        works with its group's key and value); n_heads × (nope + rope) and n_heads × v_head_dim for MLA."""
+        if self.mla is None:
+            return self.n_heads * self.head_dim, self.n_heads * self.head_dim
+        return self.n_heads * self.mla.qk_head_dim, self.n_heads * self.mla.v_head_dim
+
     def attention_params(self) -> int:
-        """q, k, v, o projections of one layer (with q/k/v biases where the shape has them)."""
+        """q, k, v, o projections of one layer (with q/k/v biases where the shape has them). MLA: the query
+        down/up projections (or a full-rank one), the joint KV down projection with the shared RoPE key, the
+        K/V up projections, their two norms and the output projection (DeepSeek-V2 §2.1)."""
         d = self.d_model
+        if self.mla is not None:
+            m, heads = self.mla, self.n_heads
+            q = d * m.q_lora_rank + m.q_lora_rank + m.q_lora_rank * heads * m.qk_head_dim if m.q_lora_rank \
+                else d * heads * m.qk_head_dim
+            kv = d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank \
+                + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
+            return q + kv + heads * m.v_head_dim * d
         biases = d + 2 * self.kv_dim if self.qkv_bias else 0
         return 2 * d * d + 2 * d * self.kv_dim + biases
 
@@ -128,6 +168,12 @@ def _resolve_moe(moe: MoESpec | None, *, ffn_hidden: int) -> ResolvedMoE | None:
     return ResolvedMoE(moe.num_experts, moe.top_k, moe.num_shared_experts, hidden, moe.first_dense_layers)
 
 
+def _resolve_mla(mla: MLASpec | None) -> ResolvedMLA | None:
+    if mla is None:
+        return None
+    return ResolvedMLA(mla.q_lora_rank, mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim)
+
+
 def _shape_from(model: ModelSpec, *, n_layers: int, d_model: int, nominal: float | None) -> ModelShape:
     n_heads = model.n_heads or max(1, d_model // HEAD_DIM)
     ffn = model.ffn_hidden or llama_ffn_hidden(d_model)
@@ -141,6 +187,7 @@ def _shape_from(model: ModelSpec, *, n_layers: int, d_model: int, nominal: float
         tie_embeddings=model.tie_embeddings,
         moe=_resolve_moe(model.moe, ffn_hidden=ffn),
         nominal_params=0.0,
+        mla=_resolve_mla(model.mla),
     )
     total = float(shape.total_params())
     return _with_nominal(shape, nominal if nominal is not None else total)

@@ -37,6 +37,14 @@ if TYPE_CHECKING:
 INTERRUPT_SIGNALS = ("SIGINT", "SIGTERM")
 
 
+def _check_trainable(spec: JobSpec) -> None:
+    if spec.parallelism.pipeline_parallel > 1 and spec.parallelism.pipeline_schedule == "dualpipe":
+        raise UserInputError(
+            "parallelism.pipeline_schedule: dualpipe is planning only (`leantrain plan` prices DeepSeek-V3's "
+            "schedule); to train, use 1f1b or interleaved_1f1b"
+        )
+
+
 def _check_data_dir(spec: JobSpec) -> None:
     if not (Path(spec.data.dir) / "manifest.json").is_file():
         raise UserInputError(
@@ -69,6 +77,7 @@ def train(
 
     if max_steps is not None and max_steps < 0:
         raise UserInputError(f"--max-steps must be 0 (build the model, record model_ready, stop) or more: {max_steps}")
+    _check_trainable(spec)
     _check_data_dir(spec)
     target = Path(run_dir or spec.run.dir)
     if restart_attempt() == 0:  # refusals that need no model come before anything is written
