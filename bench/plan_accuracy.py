@@ -1,12 +1,15 @@
 """Planner accuracy against published runs (src/leantrain/plan/published_runs.yaml), out of sample.
 
-1. Step time: the compute efficiency (one per accelerator family) is fitted on one half of the throughput
-   runs and the other half is predicted, and the reverse; the median |predicted / measured − 1| of tokens per
-   second per GPU is printed per half. Baseline, side by side: the seed's rule of thumb, a constant 40 % MFU
-   (tokens/s = 0.4 × peak / FLOPs per token), which needs no fit.
+1. Step time: the step-time constants (a compute efficiency per accelerator family, one memory-bound pass
+   count, the fp8 speed-up of the fp8 runs) are fitted on one half of the throughput runs and the other half
+   is predicted, and the reverse; the median |predicted / measured − 1| of tokens per second per GPU is printed
+   per half. Baseline, side by side: the seed's rule of thumb, a constant 40 % MFU (tokens/s = 0.4 × peak /
+   FLOPs per token), which needs no fit.
 2. Whole run: the planner's whole-run GPU-hours (step-time model on the published layout, or its own search
-   when none is published, divided by the expected goodput) against the published GPU-hours of runs that are
-   never used for fitting. Baseline: 6·N·D at a constant 40 % MFU.
+   when none is published, divided by the expected goodput and the whole-run efficiency) against the
+   published GPU-hours. The step-time constants never see these runs; the whole-run efficiency is fitted on
+   alternate runs and the median |error| is printed for the others, both ways. Baseline: 6·N·D at a
+   constant 40 % MFU.
 
 Prints `name: value unit (ratio vs baseline)` lines.
 """
@@ -17,13 +20,14 @@ import math
 import statistics
 
 from leantrain.plan.published import (
-    fit_efficiency,
+    fit_constants,
     load_runs,
     measured_tokens_per_gpu_s,
-    predicted_tokens_per_gpu_s,
+    predicted_with,
     run_inputs,
     split_half_errors,
     whole_run_gpu_hours,
+    whole_run_split_errors,
 )
 
 BASELINE_MFU = 0.40
@@ -36,13 +40,13 @@ def baseline_tokens_per_gpu_s(run) -> float:
 
 def main() -> None:
     throughput, whole = load_runs()
-    fitted = fit_efficiency(list(throughput))
+    fitted = fit_constants(list(throughput))
     print(f"plan_accuracy_runs: {len(throughput)} throughput + {len(whole)} whole-run entries")
-    print(f"plan_fit_all_efficiency: A100 {fitted['A100']}, H100-class {fitted['H100']}")
+    print(f"plan_fit_all: {fitted!r}")
     base_errors = []
     for run in throughput:
         measured = measured_tokens_per_gpu_s(run)
-        ratio = predicted_tokens_per_gpu_s(run, efficiency=fitted[run.family]) / measured
+        ratio = predicted_with(run, fitted) / measured
         base = baseline_tokens_per_gpu_s(run) / measured
         base_errors.append(abs(base - 1))
         print(f"plan_step_{run.name}: {ratio:.3f} predicted/measured ({base:.3f} with 40% MFU)")
@@ -52,7 +56,7 @@ def main() -> None:
         print(f"plan_step_out_of_sample_{label}: {split[key]:.1%} median |error| "
               f"({split[key] / base_median:.2f}x of the 40%-MFU rule's {base_median:.1%})")
     print(f"plan_step_in_sample: {split['error_a_in_sample']:.1%} (half a), {split['error_b_in_sample']:.1%} (half b)")
-    print(f"plan_fit_on_a: {split['fit_on_a']}; fit_on_b: {split['fit_on_b']}")
+    print(f"plan_fit_on_a: {split['fit_on_a']!r}; fit_on_b: {split['fit_on_b']!r}")
     errors, published, base_whole = [], [], []
     for run in whole:
         result = whole_run_gpu_hours(run)
@@ -66,10 +70,17 @@ def main() -> None:
               f"published ({1 + result['error']:.3f}x; goodput {result['goodput']:.1%}, layout {result['layout']}, "
               f"MFU {result['mfu']:.1%}; 40% MFU rule {base_hours / run.gpu_hours:.3f}x)")
     print(f"plan_whole_median_error_published_layouts: {statistics.median(published):.1%} "
-          f"({len(published)} runs)")
+          f"({len(published)} runs, default whole-run efficiency)")
     print(f"plan_whole_median_error_all: {statistics.median(errors):.1%} "
           f"({statistics.median(errors) / statistics.median(base_whole):.2f}x of the 40%-MFU rule's "
-          f"{statistics.median(base_whole):.1%})")
+          f"{statistics.median(base_whole):.1%}; in sample: the default is fitted on all of them)")
+    ws = whole_run_split_errors(whole)
+    print(f"plan_whole_efficiency_fit: {ws['fit_on_all']} on all, {ws['fit_on_a']} on half a, {ws['fit_on_b']} "
+          f"on half b; without it (efficiency 1) {ws['error_all_unfitted']:.1%} median |error|")
+    rule = statistics.median(base_whole)
+    for key, label in (("error_b_with_fit_a", "half_b_fit_on_a"), ("error_a_with_fit_b", "half_a_fit_on_b")):
+        print(f"plan_whole_out_of_sample_{label}: {ws[key]:.1%} median |error| "
+              f"({ws[key] / rule:.2f}x of the 40%-MFU rule's {rule:.1%})")
     assert all(math.isfinite(e) for e in errors)
 
 

@@ -58,7 +58,8 @@ def main() -> None:
         print(f"plan_best_layout_{name}: {best.layout.describe()}")
         print(f"plan_best_predicted_mfu_{name}: {best.time.mfu:.3f} ({best.time.mfu / own.time.mfu:.2f}x of the "
               f"published layout's {own.time.mfu:.3f})")
-        print(f"plan_published_layout_rank_{name}: {result.rank_of(published)} of {result.num_fitting}")
+        print(f"plan_published_layout_rank_{name}: {result.rank_by_throughput(own)} of {result.num_fitting} "
+              f"({published.schedule})")
         print(f"plan_whole_run_days_{name}: {plan['time']['whole_run_days']:.1f} days "
               f"(step-time only {plan['time']['predicted_days']:.1f})")
 

@@ -13,7 +13,7 @@ from leantrain.plan.dispatch import COMM_SM_SHARE, all_to_all_s, copies_per_toke
 from leantrain.plan.inputs import plan_inputs, sequences_per_step
 from leantrain.plan.layout import Layout
 from leantrain.plan.search import evaluate
-from leantrain.plan.timing import _dp_comm_s, _local_params, ring_time_s
+from leantrain.plan.timing import _dp_comm_s, _local_params, ring_bandwidth, ring_time_s
 from leantrain.spec import load_spec
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -76,10 +76,11 @@ def test_zero2_reduce_scatters_every_micro_batch(dsv3) -> None:
     m = zero2.num_microbatches(sequences_per_step(dsv3))
     assert m == 60
     local = _local_params(dsv3, zero2)
-    scatter = ring_time_s(num_bytes=local * dsv3.grad_bytes, ranks=256, bandwidth_bytes_s=dsv3.inter_node_bytes_s,
-                          kind="reduce_scatter")
-    gather = ring_time_s(num_bytes=local * dsv3.weight_bytes, ranks=256, bandwidth_bytes_s=dsv3.inter_node_bytes_s,
-                         kind="all_gather")
+    link = ring_bandwidth(dsv3, ranks=256, stride=1)  # 8 members per node: 8 NICs' worth, up to NVLink
+    assert link == min(dsv3.intra_node_bytes_s, 8 * dsv3.inter_node_bytes_s)
+    kw = {"ranks": 256, "bandwidth_bytes_s": link, "across_nodes": True}
+    scatter = ring_time_s(num_bytes=local * dsv3.grad_bytes, kind="reduce_scatter", **kw)
+    gather = ring_time_s(num_bytes=local * dsv3.weight_bytes, kind="all_gather", **kw)
     assert _dp_comm_s(dsv3, zero2, local_params=local, num_microbatches=m) == pytest.approx(m * scatter + gather)
     once = scatter + gather
     assert _dp_comm_s(dsv3, replace(zero2, zero=1), local_params=local, num_microbatches=m) == pytest.approx(once)
@@ -90,10 +91,13 @@ def test_zero2_reduce_scatters_every_micro_batch(dsv3) -> None:
 def test_in_node_expert_parallelism_does_not_fit_or_pays_for_it(dsv3) -> None:
     """Why in-node EP8 does not beat EP64 for DeepSeek-V3: all 671B over 8 GPUs (no pipeline) cannot fit; with
     a pipeline, ZeRO-1's fp32 gradients (kept for accumulation, §3.3) of 32 experts × 8 layers do not fit, and
-    ZeRO-2, which holds only their shard, reduce-scatters 60 times a step over IB."""
+    ZeRO-2, which holds only their shard, reduce-scatters 60 times a step over IB. Measured: its exposed
+    data-parallel time is 3.3 s of a 13.3 s compute (the published layout's 0.02 s); the published degrees
+    are 1.18× faster."""
     assert not evaluate(dsv3, Layout(dp=256, tp=1, pp=1, ep=8, zero=1, recompute="full")).memory.fits
     assert not evaluate(dsv3, Layout(dp=256, tp=1, pp=8, ep=8, zero=1, recompute="full")).memory.fits
     zero2 = evaluate(dsv3, Layout(dp=256, tp=1, pp=8, ep=8, zero=2, recompute="selective"))
     published = evaluate(dsv3, replace(PUBLISHED, recompute="none"))
-    assert zero2.memory.fits and zero2.time.dp_comm_s > zero2.time.compute_s / 2
-    assert published.time.tokens_per_s > 2 * zero2.time.tokens_per_s
+    assert zero2.memory.fits and zero2.time.dp_comm_s > zero2.time.compute_s / 5
+    assert zero2.time.dp_comm_s > 100 * published.time.dp_comm_s
+    assert published.time.tokens_per_s > 1.1 * zero2.time.tokens_per_s

@@ -6,10 +6,15 @@ import pytest
 
 from leantrain.plan.activations import activation_terms, in_flight_microbatches, layer_activation_bytes
 from leantrain.plan.flops import flops_per_token
-from leantrain.plan.inputs import plan_inputs
+from leantrain.plan.inputs import (
+    RING_BASE_LATENCY_S,
+    RING_STEP_LATENCY_S,
+    TREE_LEVEL_LATENCY_S,
+    plan_inputs,
+)
 from leantrain.plan.layout import Layout
 from leantrain.plan.memory import memory_per_gpu
-from leantrain.plan.timing import pipeline_bubble_fraction, ring_time_s, step_time
+from leantrain.plan.timing import pipeline_bubble_fraction, ring_latency_s, ring_time_s, step_time
 from leantrain.spec import resolve_shape, spec_from_dict
 from leantrain.spec.schema import ModelSpec
 
@@ -116,6 +121,9 @@ def test_eight_bit_states_shrink_the_optimizer() -> None:
 def test_pipeline_bubble_and_in_flight_microbatches() -> None:
     assert pipeline_bubble_fraction(pp=4, num_microbatches=12) == pytest.approx(3 / 12)
     assert pipeline_bubble_fraction(pp=4, num_microbatches=12, virtual_stages=2) == pytest.approx(3 / 24)
+    # DualPipe: (p/2 − 1)(F&B + B − 3W) with B = 2F, W = F, F&B = 3F → (p/2 − 1)·2F of a 3F micro-batch
+    assert pipeline_bubble_fraction(pp=16, num_microbatches=120, schedule="dualpipe") == pytest.approx(7 * 2 / 3 / 120)
+    assert pipeline_bubble_fraction(pp=2, num_microbatches=8, schedule="dualpipe") == 0.0
     assert in_flight_microbatches(Layout(dp=1, tp=1, pp=4), 16) == 4  # 1F1B: p on the first stage
     assert in_flight_microbatches(Layout(dp=1, tp=1, pp=4), 2) == 2
     assert in_flight_microbatches(Layout(dp=1, tp=1, pp=4, schedule="gpipe"), 16) == 16
@@ -132,5 +140,14 @@ def test_pipeline_bubble_and_in_flight_microbatches() -> None:
 def test_ring_costs() -> None:
     ar = ring_time_s(num_bytes=1e9, ranks=8, bandwidth_bytes_s=1e11, kind="all_reduce")
     ag = ring_time_s(num_bytes=1e9, ranks=8, bandwidth_bytes_s=1e11, kind="all_gather")
-    assert ar - ag == pytest.approx(7 / 8 * 1e9 / 1e11)
+    # bandwidth: all-reduce moves twice all-gather's bytes; latency: 2(n − 1) ring steps against n − 1
+    assert ar - ag == pytest.approx(7 / 8 * 1e9 / 1e11 + 7 * RING_STEP_LATENCY_S["intra"])
+    assert ag == pytest.approx(RING_BASE_LATENCY_S + 7 * RING_STEP_LATENCY_S["intra"] + 7 / 8 * 1e9 / 1e11)
+    # a ring over 2,048 ranks pays ~13.5 ms per call; an all-reduce takes the tree (22 levels) instead
+    big = ring_latency_s(ranks=2048, kind="all_gather", across_nodes=True)
+    assert big == pytest.approx(RING_BASE_LATENCY_S + 2047 * RING_STEP_LATENCY_S["inter"])
+    assert ring_latency_s(ranks=2048, kind="all_reduce", across_nodes=True) == pytest.approx(
+        RING_BASE_LATENCY_S + 22 * TREE_LEVEL_LATENCY_S)
+    assert ring_time_s(num_bytes=1e9, ranks=8, bandwidth_bytes_s=1e11, kind="all_gather", calls=3) == pytest.approx(
+        ag + 2 * (RING_BASE_LATENCY_S + 7 * RING_STEP_LATENCY_S["intra"]))
     assert ring_time_s(num_bytes=1e9, ranks=1, bandwidth_bytes_s=1e11, kind="all_reduce") == 0.0

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from leantrain.plan.budget import daly_interval_s, expected_goodput
+from leantrain.plan.inputs import DEFAULT_WHOLE_RUN_EFFICIENCY
 from leantrain.plan.planner import make_plan
 from leantrain.spec import load_spec
 
@@ -36,7 +37,11 @@ def test_whole_run_divides_the_step_time_prediction_by_goodput() -> None:
     plan = make_plan(load_spec(EXAMPLES / "llama3-405b.yaml"))
     t = plan["time"]
     pure_gpu_hours = t["predicted_gpu_hours"]
-    assert t["whole_run_gpu_hours"] == pytest.approx(pure_gpu_hours * (1 + t["eval_share"]) / t["expected_goodput"])
+    assert t["whole_run_gpu_hours"] == pytest.approx(
+        pure_gpu_hours * (1 + t["eval_share"]) / t["expected_goodput"] / t["whole_run_efficiency"])
+    assert t["whole_run_efficiency"] == DEFAULT_WHOLE_RUN_EFFICIENCY
+    own = make_plan(load_spec(EXAMPLES / "llama3-405b.yaml", overrides=["plan.whole_run_efficiency=0.9"]))["time"]
+    assert own["whole_run_gpu_hours"] == pytest.approx(t["whole_run_gpu_hours"] * DEFAULT_WHOLE_RUN_EFFICIENCY / 0.9)
     assert t["whole_run_gpu_hours"] > pure_gpu_hours
 
 

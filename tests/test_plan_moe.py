@@ -25,12 +25,14 @@ def dsv3():
 def test_deepseek_v3_shape_and_flops_use_active_params(dsv3) -> None:
     model, compute = dsv3["model"], dsv3["compute"]
     assert model["total_params"] == pytest.approx(671e9, rel=0.01)
-    assert model["active_params"] == pytest.approx(37e9, rel=0.05)  # MLA approximated by MHA of the same width
+    assert model["active_params"] == pytest.approx(37e9, rel=0.02)  # MLA counted with its ranks (model.mla)
     # The sizing count is 6 × active (not 6 × 671B, which gave 42M GPU-hours); the detailed count adds attention.
     assert compute["flops_per_token"] == pytest.approx(6 * model["active_params"], rel=1e-9)
     attention = compute["attention_flops_per_token"]
     assert compute["model_flops_per_token"] - attention == pytest.approx(6 * 37e9, rel=0.06)
-    assert 0.05 < attention / compute["model_flops_per_token"] < 0.15
+    # MLA's attention core: 128 heads × (192 q/k + 128 v) / 2 at seq 4096, over 61 layers
+    assert attention == pytest.approx(12 * 61 * 128 * (192 + 128) / 2 * 4096)
+    assert 0.15 < attention / compute["model_flops_per_token"] < 0.25
 
 
 def test_deepseek_v3_gpu_hours_at_reported_mfu(dsv3) -> None:

@@ -17,7 +17,8 @@ Three kernel sets:
   report §3.3.3): `linear_bytes` = 1.
 Recompute modes: none; selective (Korthikanti: the attention core is recomputed; with fused kernels also
 the norm outputs and SwiGLU outputs, Megatron-core's recompute modules core_attn, layernorm and moe_act, the
-set DeepSeek-V3 §3.3.3 recomputes: RMSNorm, the up-projections and SwiGLU); op (torchtitan's
+set DeepSeek-V3 §3.3.3 recomputes: RMSNorm, the up-projections and SwiGLU; with MLA also its q/k/v
+up-projection outputs, only the latents are kept); op (torchtitan's
 selective-op policy: every matmul output except every second one is kept, plus the attention output and the
 block input; elementwise ops are recomputed); full (only the block input survives the forward, and one
 block's activations are rebuilt at a time during its backward).
@@ -98,14 +99,19 @@ def activation_terms(shape: ModelShape, *, seq_len: int, act_bytes: float, flash
         rope = 0.0 if e >= 4 else 2 * 2 * e * shape.head_dim
     if moe_layer and shape.moe is not None:
         mlp = _moe_mlp_bytes(shape, e=e, lin=lin, fused=fused or gpt_style)
-    qkv = e * (h + 2 * shape.kv_dim)
-    out_proj_input = lin * h
+    q_width, k_width, v_width = shape.attention_widths
+    qkv = e * (q_width + k_width + v_width)
+    if shape.mla is not None:  # the latents the up-projections read are kept too
+        qkv += lin * (shape.mla.q_lora_rank + shape.mla.kv_lora_rank + shape.mla.qk_rope_head_dim)
+    out_proj_input = lin * shape.attention_core_widths[1]
     sel_replicated = sel_sharded = 0.0
     if fused and not gpt_style:  # Megatron's recompute modules core_attn + layernorm + moe_act / SwiGLU
         sel_replicated = 2 * lin * h
         sel_sharded = lin * f
         if moe_layer and shape.moe is not None:
             sel_sharded = lin * shape.moe.expert_hidden * (shape.moe.top_k + shape.moe.num_shared_experts)
+        if shape.mla is not None:  # DeepSeek-V3 §3.3.3 also recomputes the MLA up-projections
+            sel_sharded += e * (q_width + k_width + v_width)
     # torchtitan's op policy over wq, wk, wv, wo, w1, w3, w2 keeps the 1st, 3rd, 5th and 7th outputs (q, v,
     # w1, w2) plus the attention output and the block input; MoE layers keep their routed tensors as above.
     op_mlp = mlp if moe_layer and shape.moe is not None else e * (f + h)
@@ -165,12 +171,15 @@ def in_flight_microbatches(layout: Layout, num_microbatches: int, *, stage: int 
 
     1F1B: p − stage (warm-up forwards + the one in its backward), at most m. GPipe: all m. Interleaved 1F1B
     with v chunks (Megatron's schedule): 2(p − stage − 1) + (v − 1)·p + 1 chunk forwards of 1/v of the stage
-    each, i.e. p + (p − 1)/v on the first stage (Narayanan et al. 2021; Korthikanti et al. 2022 §4.2.3)."""
+    each, i.e. p + (p − 1)/v on the first stage (Narayanan et al. 2021; Korthikanti et al. 2022 §4.2.3).
+    DualPipe: p + 1 (each rank runs a stage of both directions)."""
     p, m, v = layout.pp, num_microbatches, layout.virtual_stages
     if p == 1:
         return 1.0
     if layout.schedule == "gpipe":
         return float(m)
+    if layout.schedule == "dualpipe":  # p + 1 on every rank (deepseek-ai/DualPipe's table)
+        return float(min(m, p + 1))
     if layout.schedule == "interleaved_1f1b" and v > 1:
         chunks = 2 * (p - stage - 1) + (v - 1) * p + 1
         return float(min(m, chunks / v))

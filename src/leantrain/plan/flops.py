@@ -58,7 +58,8 @@ def matmul_params(shape: ModelShape) -> int:
 
 def flops_per_token(shape: ModelShape, *, seq_len: int, causal_halving: bool = False) -> FlopsPerToken:
     """Training FLOPs per token for a model shape at a sequence length."""
-    attention_dim = shape.n_heads * shape.head_dim
+    qk, av = shape.attention_core_widths  # QKᵀ and A·V widths (MLA: they differ)
+    attention_dim = (qk + av) / 2
     attention = 12.0 * shape.n_layers * attention_dim * seq_len
     if causal_halving:
         attention /= 2

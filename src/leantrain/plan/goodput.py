@@ -4,8 +4,11 @@ warning with what would help when checkpointing and failures eat more than 10 % 
 - goodput (plan/budget.py): Daly's model of save stalls, lost work and restarts at the job's MTBF.
 - evaluation share: `training.eval_batches` forward-only micro-batches (a third of a training micro-batch's
   compute each) every `training.eval_every` steps.
-- whole run = steps × step time × (1 + eval share) / goodput. The pure step-time prediction is reported
-  beside it (`time.predicted_days`), never mixed.
+- whole-run efficiency (`plan.whole_run_efficiency`, default plan/inputs.py): the share of the remaining
+  GPU time that is steady steps (ramps, rollbacks, stragglers and stalls take the rest), fitted on
+  published whole runs.
+- whole run = steps × step time × (1 + eval share) / goodput / whole-run efficiency. The pure step-time
+  prediction is reported beside it (`time.predicted_days`), never mixed.
 - below `LOW_GOODPUT` the plan says which change raises it and by how much, each recomputed with the same
   model: asynchronous saves (only the device-to-host copy blocks), a 4× faster store, in-memory
   checkpoints (δ = the host copy; a failure restores from a peer's memory, so the restart is shorter).
@@ -16,7 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from leantrain.plan.budget import SECONDS_PER_DAY, checkpoint_interval
-from leantrain.plan.inputs import PlanInputs
+from leantrain.plan.inputs import DEFAULT_WHOLE_RUN_EFFICIENCY, PlanInputs
 from leantrain.spec.schema import JobSpec
 
 LOW_GOODPUT = 0.90
@@ -38,11 +41,12 @@ def whole_run(spec: JobSpec, inputs: PlanInputs, *, num_gpus: int, step_s: float
     """Whole-run days and GPU-hours, the goodput and eval share, and warnings with remedies."""
     goodput = checkpoint["expected_goodput"]
     share = eval_share(spec, step_s=step_s, num_microbatches=num_microbatches)
+    efficiency = spec.plan.whole_run_efficiency or DEFAULT_WHOLE_RUN_EFFICIENCY
     pure_s = inputs.tokens_total / tokens_per_s
-    wall_s = pure_s * (1 + share) / goodput if goodput > 0 else float("inf")
+    wall_s = pure_s * (1 + share) / goodput / efficiency if goodput > 0 else float("inf")
     out: dict[str, Any] = {"whole_run_days": wall_s / SECONDS_PER_DAY,
                            "whole_run_gpu_hours": wall_s / 3600 * num_gpus, "expected_goodput": goodput,
-                           "eval_share": share, "warnings": []}
+                           "eval_share": share, "whole_run_efficiency": efficiency, "warnings": []}
     if goodput < LOW_GOODPUT:
         out["warnings"].append(_low_goodput_warning(spec, inputs, num_gpus=num_gpus, step_s=step_s,
                                                     checkpoint=checkpoint))

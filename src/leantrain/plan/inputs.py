@@ -22,21 +22,44 @@ DTYPE_BYTES = {"fp32": 4.0, "tf32": 4.0, "bf16": 2.0, "fp16": 2.0, "fp8": 1.0}
 # Adam keeps two moments. torchao's AdamW8bit stores 1 byte per value plus one fp32 scale per block of 256.
 MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "8bit": 1.0 + 4.0 / 256}
 
-# Default share of peak FLOP/s a large bf16 matmul sustains inside a training step (kernels, norms,
-# elementwise and launch gaps included). A100 and Hopper (H100/H800/H200) are fitted on all 27 throughput
-# runs of plan/published_runs.yaml (bench/plan_accuracy.py: median |error| 8 % in sample; fitted on one half
-# the other half is predicted to 13.9-16.8 %, docs/plan.md). B200, MI300X and L40S have no published runs in
-# the file: H100's value scaled by judgement, not fitted.
-DEFAULT_COMPUTE_EFFICIENCY = {"A100": 0.595, "H100": 0.56, "H800": 0.56, "H200": 0.56, "B200": 0.5,
+# Default share of peak FLOP/s a large bf16 matmul sustains inside a training step (kernels and launch gaps
+# included; the memory-bound ops are priced apart, ELEMENTWISE_PASSES). A100 and Hopper (H100/H800/H200) are
+# fitted, with ELEMENTWISE_PASSES, on all throughput runs of plan/published_runs.yaml (bench/plan_accuracy.py;
+# fitted on one half, the other half is predicted within the out-of-sample error docs/plan.md records).
+# B200, MI300X and L40S have no published runs in the file: H100's value scaled by judgement, not fitted.
+DEFAULT_COMPUTE_EFFICIENCY = {"A100": 0.64, "H100": 0.645, "H800": 0.645, "H200": 0.645, "B200": 0.5,
                               "MI300X": 0.45, "L40S": 0.6, "cpu": 0.5}
 FALLBACK_COMPUTE_EFFICIENCY = 0.55
-# FP8 GEMMs: the step speed-up torchao's Float8 linears give over bf16 in torchtitan's H100 benchmarks
-# (benchmarks/llama3_h100_202412_torchtitan.md, Tables 1 and 3: 6,667 → 8,532 and 6,514 → 8,380 TPS/GPU,
-# 1.28-1.29×), so an fp8 job runs at bf16 peak × efficiency × this, not at the fp8 datasheet peak, and its
-# MFU is measured against the bf16 peak, as the trainer does.
+# FP8 GEMMs: the step speed-up torchao's Float8 linears (what the trainer uses) give over bf16 in torchtitan's
+# H100 benchmarks (benchmarks/llama3_h100_202412_torchtitan.md in pytorch/torchtitan, Tables 1 and 3: 6,667 →
+# 8,532 and 6,514 → 8,380 TPS/GPU, 1.28-1.29×), so an fp8 job runs at bf16 peak × efficiency × this, not at
+# the fp8 datasheet peak, and its MFU is measured against the bf16 peak, as the trainer does. Transformer
+# Engine stacks get more (NVIDIA's fp8 reference runs fit 1.56, bench/plan_accuracy.py): `plan.fp8_speedup`.
 FP8_STEP_SPEEDUP = 1.28
-# Latency of one collective call (ring start-up, kernel launch): NCCL tests show ~10-30 µs on NVLink/IB.
+# Memory-bound work (norms, activations, residual adds, softmax, RoPE, dropout): passes over the bytes a
+# layer saves for backward (plan/activations.py, no recompute) at HBM bandwidth per forward + backward, scaled
+# like the FLOPs when recompute repeats a forward (each saved tensor is written by its op, read by the next,
+# read again in the backward, and its gradient written and read). Fitted with the efficiencies above; it
+# trades off against them (fits on one half land between 4 and 12, docs/plan.md). It is what makes small
+# hidden sizes and unfused attention slower per FLOP than large GEMMs.
+ELEMENTWISE_PASSES = 7.0
+# Whole runs spend GPU time the step-time and failure models do not see: batch-size and sequence-length
+# ramps at the start (Llama 3 report §3.4.1), loss-spike rollbacks, stragglers and slow nodes, evaluation
+# and data stalls, power-capped fleets (Llama 2 §2.2.1: 350-400 W A100s). The planner's whole-run time
+# divides by this share (after the expected goodput). Fitted on the whole-run entries of
+# plan/published_runs.yaml (bench/plan_accuracy.py fits it on half of them and reports the error on the rest,
+# docs/plan.md); `plan.whole_run_efficiency` overrides it with a fleet's own figure.
+DEFAULT_WHOLE_RUN_EFFICIENCY = 0.76
+# Latency of one point-to-point send or all-to-all call (start-up, kernel launch): ~10-30 µs on NVLink/IB.
 COLLECTIVE_LATENCY_S = 20e-6
+# Ring collectives pay a latency per ring step, as NCCL's own tuning model prices them (NVIDIA/nccl
+# src/graph/tuning.cc, Simple protocol): a base of 8.4 µs plus 5.7 µs per step over NVLink and 6.6 µs per step
+# over the network; an all-reduce may use the tree instead, 50 µs per level over the network. A ring over n
+# ranks takes n − 1 steps (2(n − 1) for an all-reduce), a tree 2·log2(n) levels: this is what makes one
+# FSDP group over thousands of GPUs slow, and HSDP exist.
+RING_BASE_LATENCY_S = 8.4e-6
+RING_STEP_LATENCY_S = {"intra": 5.7e-6, "inter": 6.6e-6}
+TREE_LEVEL_LATENCY_S = 50e-6
 # Device-to-host copy bandwidth per GPU for staging an async checkpoint (PCIe Gen4/5 x16 practical).
 HOST_COPY_BYTES_S = 20 * GB
 
@@ -80,6 +103,7 @@ class PlanInputs:
     adapter_params: float = 0.0  # LoRA adapter parameters of the whole model (plan/finetune.py)
     fp8_speedup: float = 1.0  # compute rate over bf16 for fp8 GEMMs (peak_flops stays the bf16 peak)
     moe_node_limit: int | None = None  # nodes a token's experts may span (node-limited routing, plan/dispatch.py)
+    elementwise_passes: float = ELEMENTWISE_PASSES  # memory-bound passes over a layer's activations (timing.py)
 
     @cached_property
     def _hash(self) -> int:
@@ -136,7 +160,7 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
         peak = host_cpu_peak_flops(compute) / hw.gpus_per_node
     else:  # fp8 runs: MFU against the bf16 peak (the trainer's and torchtitan's convention), run faster
         peak = acc.peak_for("bf16" if compute == "fp8" else compute)
-        fp8_speedup = FP8_STEP_SPEEDUP if compute == "fp8" else 1.0
+        fp8_speedup = (knobs.fp8_speedup or FP8_STEP_SPEEDUP) if compute == "fp8" else 1.0
     kernels = knobs.activation_kernels
     fused = spec.training.compile if kernels == "auto" else kernels == "fused"
     ft = spec.finetune
@@ -177,6 +201,7 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
         lora_dropout=ft.lora.dropout,
         fp8_speedup=fp8_speedup,
         moe_node_limit=knobs.moe_node_limit,
+        elementwise_passes=ELEMENTWISE_PASSES if knobs.elementwise_passes is None else knobs.elementwise_passes,
     ))
 
 

@@ -12,6 +12,8 @@ Conventions (docs/plan.md has the derivations; activation terms in plan/activati
   unsharded gradient). Under a pipeline, FSDP does not reshard after the forward (each micro-batch would
   gather again; torchtitan and Llama 3 §3.3.2 keep the stage's weights gathered): the stage's unsharded
   compute-dtype weights stay resident.
+- DualPipe (planning only) holds a stage of each direction: two copies of the stage's weights and gradients
+  (deepseek-ai/DualPipe: "Parameter 2×"; one optimizer state serves both copies) and p + 1 micro-batches.
 - `parallelism.grad_sync: last_micro_batch` with accumulation keeps every parameter's unsharded gradient
   between micro-batches; `every_micro_batch` holds only the shard.
 - Fine-tuning (plan/finetune.py): LoRA/QLoRA freeze the base (no gradients or optimizer states for it; QLoRA
@@ -138,6 +140,8 @@ def _states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, num_microbat
     grads = (unsharded if keeps_full_grads else sharded(z >= 2)) * inputs.grad_bytes
     opt_per_param = (0.0 if fsdp_master_is_param else inputs.master_bytes) + 2 * inputs.moment_bytes
     optimizer = sharded(z >= 1) * opt_per_param
+    if layout.schedule == "dualpipe" and layout.pp > 1:  # a stage of each direction: two copies of the weights
+        params, grads = 2 * params, 2 * grads
     if inputs.cpu_offload:
         params, optimizer = 0.0, 0.0
     return params, grads, optimizer, gather

@@ -4,12 +4,15 @@ step-time constants on one half of them and reports the error on the other half.
 - `load_runs()` → throughput entries (`runs`) and whole-run entries (`whole_runs`), each a `PublishedRun`.
 - `measured_tokens_per_gpu_s(run)` turns the source's figure (tokens/s, step time, Megatron TFLOP/s or MFU)
   into tokens per second per GPU.
-- `predicted_tokens_per_gpu_s(run, efficiency=...)` runs the step-time model on the run's layout.
-- `fit_efficiency(runs)` picks, per accelerator family, the compute efficiency that minimises the median
-  |log(predicted / measured)|: the only fitted constants. `split_halves(runs)` alternates runs within each
+- `predicted_tokens_per_gpu_s(run, efficiency=..., elementwise_passes=...)` runs the step-time model on the
+  run's layout.
+- `fit_constants(runs)` picks, per accelerator family, the compute efficiency, one memory-bound pass count
+  for all, and the fp8 step speed-up of the fp8 runs, that minimise the median |log(predicted / measured)|:
+  the only fitted step-time constants. `split_halves(runs)` alternates runs within each
   family (sorted by name), so both halves cover every accelerator, style and size range.
 - `whole_run_gpu_hours(run)`: the planner's whole-run prediction in model mode (the published layout, or the
-  searched best when none is published, divided by the expected goodput).
+  searched best when none is published, divided by the expected goodput and the whole-run efficiency);
+  `whole_run_split_errors(runs)` fits the whole-run efficiency on half the whole runs, reports the other half.
 """
 
 from __future__ import annotations
@@ -23,13 +26,15 @@ from typing import Any
 
 import yaml
 
-from leantrain.plan.inputs import PlanInputs, plan_inputs
+from leantrain.plan.inputs import FP8_STEP_SPEEDUP, PlanInputs, plan_inputs
 from leantrain.plan.layout import Layout
 from leantrain.plan.timing import step_time
 from leantrain.spec import spec_from_dict
 
 RUNS_FILE = Path(__file__).with_name("published_runs.yaml")
 EFFICIENCY_GRID = [round(0.30 + 0.005 * i, 3) for i in range(101)]  # 0.30 ... 0.80
+FP8_GRID = [round(1.0 + 0.02 * i, 2) for i in range(51)]  # fp8 step speed-up over bf16, 1.00 ... 2.00
+PASSES_GRID = [float(i) for i in range(17)]  # memory-bound passes over a layer's activations, 0 ... 16
 
 
 def family(accelerator: str) -> str:
@@ -70,9 +75,9 @@ class PublishedRun:
         assert self.layout is not None
         lay = dict(self.layout)
         v = int(lay.pop("v", 1))
+        schedule = str(lay.pop("schedule", "interleaved_1f1b" if v > 1 else "1f1b"))
         tp, pp = int(lay.get("tp", 1)), int(lay.get("pp", 1))
-        return Layout(dp=self.gpus // (tp * pp), virtual_stages=v,
-                      schedule="interleaved_1f1b" if v > 1 else "1f1b", **lay)
+        return Layout(dp=self.gpus // (tp * pp), virtual_stages=v, schedule=schedule, **lay)
 
 
 def _run(entry: dict[str, Any]) -> PublishedRun:
@@ -119,32 +124,79 @@ def measured_tokens_per_gpu_s(run: PublishedRun) -> float:
     return float(m["mfu"]) * inputs.peak_flops / inputs.flops.model
 
 
-def predicted_tokens_per_gpu_s(run: PublishedRun, *, efficiency: float | None = None) -> float:
+@dataclass(frozen=True)
+class Fit:
+    """The fitted step-time constants: compute efficiency per accelerator family, memory-bound passes, and the
+    fp8 step speed-up of the fp8 runs' stack (all of them Transformer Engine)."""
+
+    efficiency: dict[str, float]
+    elementwise_passes: float
+    fp8_speedup: float = FP8_STEP_SPEEDUP
+
+    def __repr__(self) -> str:
+        eff = ", ".join(f"{k} {v}" for k, v in sorted(self.efficiency.items()))
+        return f"efficiency {eff}; elementwise passes {self.elementwise_passes:g}; fp8 speed-up {self.fp8_speedup:g}"
+
+
+def predicted_tokens_per_gpu_s(run: PublishedRun, *, efficiency: float | None = None,
+                               elementwise_passes: float | None = None, fp8_speedup: float | None = None) -> float:
     inputs = run_inputs(run)
     if efficiency is not None:
         inputs = replace(inputs, compute_efficiency=efficiency)
+    if elementwise_passes is not None:
+        inputs = replace(inputs, elementwise_passes=elementwise_passes)
+    if fp8_speedup is not None and inputs.fp8_speedup != 1.0:
+        inputs = replace(inputs, fp8_speedup=fp8_speedup)
     t = step_time(inputs, run.run_layout(), sequences_per_step=run.global_batch_seqs)
     return t.tokens_per_s / run.gpus
 
 
-def log_errors(runs: list[PublishedRun], efficiency: dict[str, float]) -> list[float]:
-    return [math.log(predicted_tokens_per_gpu_s(r, efficiency=efficiency[r.family]) / measured_tokens_per_gpu_s(r))
-            for r in runs]
+def predicted_with(run: PublishedRun, fit: Fit) -> float:
+    return predicted_tokens_per_gpu_s(run, efficiency=fit.efficiency[run.family],
+                                      elementwise_passes=fit.elementwise_passes, fp8_speedup=fit.fp8_speedup)
 
 
-def median_abs_error(runs: list[PublishedRun], efficiency: dict[str, float]) -> float:
+def log_errors(runs: list[PublishedRun], fit: Fit) -> list[float]:
+    return [math.log(predicted_with(r, fit) / measured_tokens_per_gpu_s(r)) for r in runs]
+
+
+def median_abs_error(runs: list[PublishedRun], fit: Fit) -> float:
     """Median |predicted / measured − 1| of tokens per second per GPU."""
-    return statistics.median(abs(math.exp(e) - 1) for e in log_errors(runs, efficiency))
+    return statistics.median(abs(math.exp(e) - 1) for e in log_errors(runs, fit))
 
 
-def fit_efficiency(runs: list[PublishedRun]) -> dict[str, float]:
-    """Per accelerator family, the grid efficiency with the smallest median |log error| on `runs`."""
-    fitted: dict[str, float] = {}
-    for fam in sorted({r.family for r in runs}):
-        members = [r for r in runs if r.family == fam]
-        fitted[fam] = min(EFFICIENCY_GRID, key=lambda e, ms=members, f=fam: statistics.median(
-            abs(x) for x in log_errors(ms, {f: e})))
-    return fitted
+def _grid_min(grid: list[float], score: Any) -> float:
+    """The grid point with the smallest score: a coarse pass, then a fine one around its best point (each
+    run's error is monotonic in the constant, so the median error has one valley)."""
+    coarse = min(grid[::4], key=score)
+    i = grid.index(coarse)
+    return min(grid[max(0, i - 4):i + 5], key=score)
+
+
+def _median_abs_log(runs: list[PublishedRun], fit: Fit) -> float:
+    return statistics.median(abs(x) for x in log_errors(runs, fit))
+
+
+def fit_constants(runs: list[PublishedRun]) -> Fit:
+    """Per accelerator family the efficiency (on the bf16 runs), one memory-bound pass count shared by all, and
+    the fp8 speed-up (on the fp8 runs) with the smallest median |log error| over `runs`."""
+    best: tuple[float, Fit] | None = None
+    bf16 = [r for r in runs if r.compute != "fp8"]
+    fp8 = [r for r in runs if r.compute == "fp8"]
+    for passes in PASSES_GRID:
+        eff = {}
+        for fam in sorted({r.family for r in runs}):
+            members = [r for r in bf16 if r.family == fam] or [r for r in runs if r.family == fam]
+            eff[fam] = _grid_min(EFFICIENCY_GRID, lambda e, ms=members, f=fam, p=passes: _median_abs_log(
+                ms, Fit({f: e}, p)))
+        fit = Fit(eff, passes)
+        if fp8:
+            fit = Fit(eff, passes, _grid_min(FP8_GRID, lambda x, f=eff, p=passes: _median_abs_log(fp8, Fit(f, p, x))))
+        score = _median_abs_log(runs, fit)
+        if best is None or score < best[0] - 1e-12:
+            best = (score, fit)
+    assert best is not None
+    return best[1]
 
 
 def split_halves(runs: tuple[PublishedRun, ...]) -> tuple[list[PublishedRun], list[PublishedRun]]:
@@ -160,14 +212,14 @@ def split_halves(runs: tuple[PublishedRun, ...]) -> tuple[list[PublishedRun], li
 def split_half_errors(runs: tuple[PublishedRun, ...]) -> dict[str, Any]:
     """Fit on each half, report the median error on the other (and the in-sample error, for contrast)."""
     a, b = split_halves(runs)
-    fit_a, fit_b = fit_efficiency(a), fit_efficiency(b)
+    fit_a, fit_b = fit_constants(a), fit_constants(b)
     return {"fit_on_a": fit_a, "fit_on_b": fit_b,
             "error_b_with_fit_a": median_abs_error(b, fit_a), "error_a_with_fit_b": median_abs_error(a, fit_b),
             "error_a_in_sample": median_abs_error(a, fit_a), "error_b_in_sample": median_abs_error(b, fit_b),
             "half_a": [r.name for r in a], "half_b": [r.name for r in b]}
 
 
-def whole_run_gpu_hours(run: PublishedRun) -> dict[str, Any]:
+def whole_run_gpu_hours(run: PublishedRun, *, whole_run_efficiency: float | None = None) -> dict[str, Any]:
     """The planner's whole-run GPU-hours for a whole-run entry (published layout when given)."""
     from leantrain.plan.planner import make_plan
 
@@ -179,9 +231,34 @@ def whole_run_gpu_hours(run: PublishedRun) -> dict[str, Any]:
                                "pipeline_schedule": lay.schedule, "virtual_stages": lay.virtual_stages}
         spec["training"] = {**spec["training"], "micro_batch": lay.micro_batch,
                             "activation_checkpointing": lay.recompute}
+    if whole_run_efficiency is not None:
+        spec["plan"] = {**spec["plan"], "whole_run_efficiency": whole_run_efficiency}
     spec["checkpoint"] = {"interval_steps": "auto", "async_save": True}
     plan = make_plan(spec_from_dict(spec))
     t = plan["time"]
     return {"predicted_gpu_hours": t["whole_run_gpu_hours"], "step_only_gpu_hours": t["predicted_gpu_hours"],
             "goodput": t["expected_goodput"], "layout": plan["layout"]["source"], "mfu": plan["throughput"]["mfu"],
-            "error": t["whole_run_gpu_hours"] / run.gpu_hours - 1}
+            "whole_run_efficiency": t["whole_run_efficiency"], "error": t["whole_run_gpu_hours"] / run.gpu_hours - 1}
+
+
+def fit_whole_run_efficiency(ratios: list[float]) -> float:
+    """The median of the runs' predicted / published GPU-hours at efficiency 1 (the prediction scales as
+    1 / efficiency), to two decimals: the robust estimate of one multiplicative constant."""
+    return round(statistics.median(ratios), 2)
+
+
+def whole_run_split_errors(runs: tuple[PublishedRun, ...]) -> dict[str, Any]:
+    """Whole-run efficiency fitted on alternate runs (name order) and the median |error| on the others, both
+    ways; the runs' step-time constants are the defaults (fitted on throughput runs only)."""
+    ratios = {r.name: whole_run_gpu_hours(r, whole_run_efficiency=1.0)["predicted_gpu_hours"] / r.gpu_hours
+              for r in runs}
+    names = sorted(ratios)
+    a, b = names[0::2], names[1::2]
+    fit_a = fit_whole_run_efficiency([ratios[n] for n in a])
+    fit_b = fit_whole_run_efficiency([ratios[n] for n in b])
+
+    def error(group: list[str], f: float) -> float:
+        return statistics.median(abs(ratios[n] / f - 1) for n in group)
+    return {"fit_on_a": fit_a, "fit_on_b": fit_b, "fit_on_all": fit_whole_run_efficiency(list(ratios.values())),
+            "error_b_with_fit_a": error(b, fit_a), "error_a_with_fit_b": error(a, fit_b),
+            "error_all_unfitted": error(names, 1.0), "half_a": a, "half_b": b, "ratios_at_1": ratios}

@@ -53,7 +53,8 @@ def render_plan(plan: Plan, *, console: Console, top: int) -> None:
     budget.add_row("time", f"{human_days(t['days'])}, {t['gpu_hours']:,.3g} GPU-hours at the assumed MFU; "
                    f"{human_days(t['predicted_days'])} predicted by the step-time model")
     budget.add_row("whole run", f"{human_days(t['whole_run_days'])}, {t['whole_run_gpu_hours']:,.3g} GPU-hours with "
-                   f"{t['expected_goodput']:.1%} expected goodput and {t['eval_share']:.1%} evaluation")
+                   f"{t['expected_goodput']:.1%} expected goodput, {t['eval_share']:.1%} evaluation and "
+                   f"{t['whole_run_efficiency']:.0%} whole-run efficiency")
     budget.add_row("cost", f"{human_money(cost['total'], cost['currency'])} "
                    f"({human_money(cost['per_million_tokens'], cost['currency'])} per million tokens)")
     console.print(budget)

@@ -67,6 +67,11 @@ class SearchResult:
                     return i
         return None
 
+    def rank_by_throughput(self, candidate: Candidate) -> int:
+        """1-based rank an evaluated layout would take among the fitting ones by tokens/s (for layouts the
+        search does not generate, such as a planning-only DualPipe schedule)."""
+        return 1 + sum(c.time.tokens_per_s > candidate.time.tokens_per_s for c in self.all_fitting)
+
     @property
     def best(self) -> Candidate | None:
         return self.ranked[0] if self.ranked else None

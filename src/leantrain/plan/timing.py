@@ -3,11 +3,16 @@ overlap, and the pipeline bubble.
 
 Model (constants documented in docs/plan.md and plan/inputs.py):
 - Compute per micro-batch on the heaviest stage = hardware FLOPs (recompute included) of its tokens,
-  divided over tp × pp (× ceil(L/p)·p/L for uneven stages), at `compute_efficiency` × peak.
+  divided over tp × pp (× ceil(L/p)·p/L for uneven stages), at `compute_efficiency` × peak, plus the
+  memory-bound ops: `elementwise_passes` passes over the activation bytes its layers produce, at HBM
+  bandwidth (`elementwise_s`), and for MoE the routed experts' roofline: an expert GEMM with few tokens
+  is bound by reading its weights (`expert_weight_s`).
 - Ring collectives over n ranks moving a tensor of B bytes at link bandwidth W (per direction):
   all-reduce 2·(n−1)/n·B/W, reduce-scatter and all-gather (n−1)/n·B/W, all-to-all (n−1)/n·B/W, each
-  plus a fixed latency per call. Links: tp and an ep/dp group inside a node use the intra-node link,
-  anything spanning nodes the per-GPU inter-node share.
+  plus a start-up latency per call that grows with the ring (NCCL's model: a latency per ring step, a tree
+  for large all-reduces; `ring_latency_s`). Links: a group inside a node uses the intra-node link; a ring spanning
+  nodes gets the per-GPU inter-node share times the group's members per node (one NCCL ring per NIC,
+  `ring_bandwidth`); pipeline sends between nodes get one GPU's share.
 - TP (Megatron): 2 all-reduces (or 2 all-gathers + 2 reduce-scatters with sequence parallelism, the
   same bytes) of s·b·h in the forward and 2 in the backward per layer; full recompute repeats the forward's.
 - PP: one activation send forward and one gradient send backward of s·b·h (÷tp with sequence parallelism)
@@ -22,7 +27,8 @@ Model (constants documented in docs/plan.md and plan/inputs.py):
   share `ep_overlap` (default 0.8: DeepSeek-V3 §3.2.1 hides nearly all of it with DualPipe's paired
   forward/backward chunks) hides under the micro-batch's compute, never more than that compute, and the
   hidden part costs the SMs the communication kernels take from compute.
-- Pipeline bubble: (p−1)/v micro-batch times, i.e. a fraction (p−1)/(v·m) of the compute.
+- Pipeline bubble: (p−1)/v micro-batch times, i.e. a fraction (p−1)/(v·m) of the compute; DualPipe's
+  (p/2−1)·2/3 (`pipeline_bubble_fraction`).
 - Optimizer: a memory-bound pass over the local shard (weights, gradients, master, moments; read + write).
 """
 
@@ -30,10 +36,19 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from functools import lru_cache
 
+from leantrain.plan.activations import ActivationTerms, activation_terms, layer_activation_bytes
 from leantrain.plan.dispatch import all_to_all_s, exposed_all_to_all_s
-from leantrain.plan.inputs import COLLECTIVE_LATENCY_S, PlanInputs
+from leantrain.plan.inputs import (
+    COLLECTIVE_LATENCY_S,
+    RING_BASE_LATENCY_S,
+    RING_STEP_LATENCY_S,
+    TREE_LEVEL_LATENCY_S,
+    PlanInputs,
+)
 from leantrain.plan.layout import Layout
+from leantrain.spec.shapes import ModelShape
 
 
 @dataclass(frozen=True)
@@ -62,34 +77,135 @@ class StepTime:
         return (self.tp_comm_s + self.pp_comm_s + self.dp_comm_s + self.ep_comm_s) / self.step_s
 
 
-def ring_time_s(*, num_bytes: float, ranks: int, bandwidth_bytes_s: float, kind: str) -> float:
-    """Time of one ring collective (kind: all_reduce, all_gather, reduce_scatter, all_to_all)."""
+def ring_latency_s(*, ranks: int, kind: str, across_nodes: bool) -> float:
+    """Start-up time of one ring collective over `ranks` ranks (NCCL's model, plan/inputs.py)."""
+    step = RING_STEP_LATENCY_S["inter" if across_nodes else "intra"]
+    if kind == "all_reduce":
+        ring = 2 * (ranks - 1) * step
+        tree = 2 * math.ceil(math.log2(ranks)) * TREE_LEVEL_LATENCY_S if across_nodes else ring
+        return RING_BASE_LATENCY_S + min(ring, tree)
+    return RING_BASE_LATENCY_S + (ranks - 1) * step
+
+
+def ring_time_s(*, num_bytes: float, ranks: int, bandwidth_bytes_s: float, kind: str, calls: int = 1,
+                across_nodes: bool = False) -> float:
+    """Time of `calls` ring collectives moving `num_bytes` in all (kind: all_reduce, all_gather,
+    reduce_scatter): a start-up latency per call plus the bandwidth term of the bytes."""
     if ranks <= 1 or num_bytes <= 0:
         return 0.0
     factor = 2.0 if kind == "all_reduce" else 1.0
-    return COLLECTIVE_LATENCY_S + factor * (ranks - 1) / ranks * num_bytes / bandwidth_bytes_s
+    latency = calls * ring_latency_s(ranks=ranks, kind=kind, across_nodes=across_nodes)
+    return latency + factor * (ranks - 1) / ranks * num_bytes / bandwidth_bytes_s
 
 
-def pipeline_bubble_fraction(*, pp: int, num_microbatches: int, virtual_stages: int = 1) -> float:
-    """Idle time over useful time for 1F1B: (p − 1) / (v · m) (Narayanan et al. 2021)."""
+def pipeline_bubble_fraction(*, pp: int, num_microbatches: int, virtual_stages: int = 1,
+                             schedule: str = "1f1b") -> float:
+    """Idle time over useful time. 1F1B (and GPipe): (p − 1) / (v · m) (Narayanan et al. 2021, v chunks).
+    DualPipe (DeepSeek-V3 §3.2.1; deepseek-ai/DualPipe's table): (p/2 − 1)(F&B + B − 3W) against 1F1B's
+    (p − 1)(F + B); with B = 2F, W = F and an overlapped F&B = F + B that is (p/2 − 1) · 2F, i.e.
+    (p/2 − 1) · 2/3 of a micro-batch's forward and backward, over m."""
+    if pp <= 1:
+        return 0.0
+    if schedule == "dualpipe":
+        return max(0.0, pp / 2 - 1) * 2 / 3 / num_microbatches
     return (pp - 1) / (virtual_stages * num_microbatches)
 
 
 def _link(inputs: PlanInputs, group_span_gpus: int) -> float:
-    """Bandwidth of a group whose ranks lie within `group_span_gpus` consecutive GPUs."""
+    """Bandwidth of a point-to-point path between ranks within `group_span_gpus` consecutive GPUs."""
     return inputs.intra_node_bytes_s if group_span_gpus <= inputs.gpus_per_node else inputs.inter_node_bytes_s
+
+
+def ring_bandwidth(inputs: PlanInputs, *, ranks: int, stride: int) -> float:
+    """Per-rank bandwidth of a ring collective over `ranks` ranks `stride` GPUs apart.
+
+    Inside a node: the intra-node link. Across nodes, NCCL builds one ring per NIC, each entering and leaving
+    every node once, so a group with c members in each node moves its bytes over c NICs at once: c × the
+    per-GPU inter-node share (capped by the intra-node link). An FSDP group spanning whole nodes (c = 8) runs
+    near the node's aggregate NIC bandwidth, as nccl-tests' multi-node bus bandwidth shows; a data-parallel
+    group of TP8 replicas (c = 1) gets one NIC."""
+    if ranks * stride <= inputs.gpus_per_node:
+        return inputs.intra_node_bytes_s
+    per_node = max(1, min(ranks, inputs.gpus_per_node // max(stride, 1)))
+    return min(inputs.intra_node_bytes_s, per_node * inputs.inter_node_bytes_s)
 
 
 def _local_params(inputs: PlanInputs, layout: Layout) -> float:
     """Parameters one GPU holds before ZeRO sharding (its tp/pp/ep slice), for DP and optimizer volumes."""
     shape = inputs.shape
     layers = math.ceil(shape.n_layers / layout.pp)
-    per_layer = shape.non_embedding_params() / shape.n_layers
+    per_layer = _non_embedding_params(shape) / shape.n_layers
     if shape.moe is not None:  # the routed experts are split over ep
         routed = shape.num_moe_layers * shape.moe.num_experts * 3 * shape.d_model * shape.moe.expert_hidden
         per_layer -= routed / shape.n_layers * (1 - 1 / layout.ep)
     table = shape.vocab_size * shape.d_model
     return (layers * per_layer + table * (1 if layout.pp > 1 or shape.tie_embeddings else 2)) / layout.tp
+
+
+@lru_cache(maxsize=512)
+def _non_embedding_params(shape: ModelShape) -> int:
+    return shape.non_embedding_params()
+
+
+@lru_cache(maxsize=512)
+def _recompute_ratio(inputs: PlanInputs, recompute: str) -> float:
+    """Hardware FLOPs under a recompute policy over those without: how often the forward's work repeats."""
+    return inputs.hardware_flops_per_token(recompute) / inputs.hardware_flops_per_token("none")  # type: ignore[arg-type]
+
+
+@lru_cache(maxsize=512)
+def _saved_terms(inputs: PlanInputs) -> tuple[ActivationTerms, ActivationTerms | None]:
+    """Per-token saved bytes of a dense layer and (MoE models) of an MoE layer."""
+    kw = {"seq_len": inputs.seq_len, "act_bytes": inputs.act_bytes, "flash": inputs.flash_attention,
+          "fused": inputs.fused_kernels, "linear_bytes": inputs.linear_input_bytes}
+    moe = activation_terms(inputs.shape, moe_layer=True, **kw) if inputs.shape.moe is not None else None
+    return activation_terms(inputs.shape, moe_layer=False, **kw), moe
+
+
+def elementwise_s(inputs: PlanInputs, layout: Layout) -> float:
+    """Memory-bound time of one micro-batch on the heaviest stage: `elementwise_passes` passes over the bytes
+    its layers produce for backward (recompute none; sharded over tp, boundary tensors too with sequence
+    parallelism) at HBM bandwidth, scaled by hardware / model FLOPs for the forwards recompute repeats."""
+    if inputs.elementwise_passes <= 0:
+        return 0.0
+    saved = _stage_saved_bytes(inputs, math.ceil(inputs.shape.n_layers / layout.pp), layout.micro_batch,
+                               layout.tp, layout.sp)
+    repeat = _recompute_ratio(inputs, layout.recompute)
+    return inputs.elementwise_passes * repeat * saved / inputs.memory_bandwidth_bytes_s
+
+
+@lru_cache(maxsize=4096)
+def _stage_saved_bytes(inputs: PlanInputs, layers: int, micro_batch: int, tp: int, sp: bool) -> float:
+    """Bytes `layers` layers produce for backward in one micro-batch (no recompute), tp-sharded."""
+    shape = inputs.shape
+    dense, moe = _saved_terms(inputs)
+    moe_layers = min(layers, shape.num_moe_layers) if moe is not None else 0
+    kw = {"tokens": micro_batch * inputs.seq_len, "tp": tp, "sp": sp, "recompute": "none",
+          "act_bytes": inputs.act_bytes, "d_model": shape.d_model}
+    saved = (layers - moe_layers) * layer_activation_bytes(dense, **kw)  # type: ignore[arg-type]
+    if moe_layers:
+        saved += moe_layers * layer_activation_bytes(moe, **kw)  # type: ignore[arg-type]
+    return saved
+
+
+def expert_weight_s(inputs: PlanInputs, layout: Layout) -> float:
+    """Extra time of one micro-batch when the routed experts' GEMMs are bound by reading their weights.
+
+    Each GPU holds E/ep experts of every MoE layer on its stage; per micro-batch it reads each expert's weights
+    in the forward and for the input gradient and updates its gradient accumulator (read + write). An expert
+    GEMM takes the longer of that traffic and its FLOPs (the roofline): with few tokens per expert (small
+    ep, small micro-batch) the weights, not the FLOPs, set the time, which is why expert parallelism pays."""
+    shape, moe = inputs.shape, inputs.shape.moe
+    if moe is None:
+        return 0.0
+    layers = min(math.ceil(shape.n_layers / layout.pp), shape.num_moe_layers)
+    per_expert = 3 * shape.d_model * moe.expert_hidden / layout.tp
+    repeat = _recompute_ratio(inputs, layout.recompute)
+    weight_reads = (2 + (repeat > 1)) * inputs.weight_bytes + 2 * inputs.grad_bytes
+    traffic_s = layers * moe.num_experts / layout.ep * per_expert * weight_reads / inputs.memory_bandwidth_bytes_s
+    tokens = layout.micro_batch * inputs.seq_len
+    flops_s = layers * tokens * moe.top_k * 6 * per_expert * repeat / inputs.compute_flops_s
+    return max(0.0, traffic_s - flops_s)
 
 
 def step_time(inputs: PlanInputs, layout: Layout, *, sequences_per_step: int) -> StepTime:
@@ -99,13 +215,15 @@ def step_time(inputs: PlanInputs, layout: Layout, *, sequences_per_step: int) ->
     tokens_mb = layout.micro_batch * inputs.seq_len
     stage_imbalance = math.ceil(shape.n_layers / layout.pp) * layout.pp / shape.n_layers
     hw_flops_mb = inputs.hardware_flops_per_token(layout.recompute) * tokens_mb * stage_imbalance
-    compute_mb = hw_flops_mb / (layout.tp * layout.pp) / inputs.compute_flops_s
+    compute_mb = (hw_flops_mb / (layout.tp * layout.pp) / inputs.compute_flops_s + elementwise_s(inputs, layout)
+                  + expert_weight_s(inputs, layout))
 
     layers = math.ceil(shape.n_layers / layout.pp)
     activation_bytes = tokens_mb * shape.d_model * inputs.act_bytes
     tp_calls = 4 + (2 if layout.recompute == "full" else 0)
     tp_mb = layers * tp_calls * ring_time_s(num_bytes=activation_bytes, ranks=layout.tp,
-                                            bandwidth_bytes_s=_link(inputs, layout.tp), kind="all_reduce")
+                                            bandwidth_bytes_s=ring_bandwidth(inputs, ranks=layout.tp, stride=1),
+                                            kind="all_reduce", across_nodes=layout.tp > inputs.gpus_per_node)
     tp_mb *= 1 - inputs.tp_overlap
 
     ep_mb = 0.0
@@ -115,7 +233,8 @@ def step_time(inputs: PlanInputs, layout: Layout, *, sequences_per_step: int) ->
 
     per_mb = compute_mb + tp_mb + ep_mb
     compute_s = m * compute_mb
-    bubble_s = (layout.pp - 1) / layout.virtual_stages * per_mb if layout.pp > 1 else 0.0
+    bubble_s = pipeline_bubble_fraction(pp=layout.pp, num_microbatches=1, virtual_stages=layout.virtual_stages,
+                                        schedule=layout.schedule) * per_mb
 
     pp_s = 0.0
     if layout.pp > 1:
@@ -156,20 +275,27 @@ def _dp_comm_s(inputs: PlanInputs, layout: Layout, *, local_params: float, num_m
     grad_bytes = local_params * inputs.grad_bytes
     weight_bytes = local_params * inputs.weight_bytes
     shard = layout.dp_shard
+    layers = math.ceil(inputs.shape.n_layers / layout.pp)
     if layout.zero == 0 or shard == 1:  # DDP: one gradient all-reduce
         return ring_time_s(num_bytes=grad_bytes, ranks=layout.dp,
-                           bandwidth_bytes_s=_link(inputs, layout.dp * layout.tp), kind="all_reduce")
+                           bandwidth_bytes_s=ring_bandwidth(inputs, ranks=layout.dp, stride=layout.tp),
+                           kind="all_reduce", across_nodes=layout.dp * layout.tp > inputs.gpus_per_node)
     reductions = num_microbatches if layout.zero >= 2 and inputs.grad_sync == "every_micro_batch" else 1
-    shard_link = _link(inputs, shard * layout.tp)
+    shard_link = ring_bandwidth(inputs, ranks=shard, stride=layout.tp)
+    across = shard * layout.tp > inputs.gpus_per_node
+    # ZeRO-3 (FSDP) gathers and reduces each block apart (one unit per layer); ZeRO-1/2 in large buckets.
+    calls = layers if layout.zero >= 3 else 1
     scatter = reductions * ring_time_s(num_bytes=grad_bytes, ranks=shard, bandwidth_bytes_s=shard_link,
-                                       kind="reduce_scatter")
+                                       kind="reduce_scatter", calls=calls, across_nodes=across)
     if layout.zero <= 2:  # ZeRO-1/2: then the updated weight shards are all-gathered once
         return scatter + ring_time_s(num_bytes=weight_bytes, ranks=shard, bandwidth_bytes_s=shard_link,
-                                     kind="all_gather")
+                                     kind="all_gather", across_nodes=across)
     gathers = 2 * num_microbatches * ring_time_s(num_bytes=weight_bytes, ranks=shard, bandwidth_bytes_s=shard_link,
-                                                 kind="all_gather")
+                                                 kind="all_gather", calls=calls, across_nodes=across)
     total = scatter + gathers
     if layout.dp_replicate > 1:  # HSDP: the reduced shard is all-reduced across replicas once per step
         total += ring_time_s(num_bytes=grad_bytes / shard, ranks=layout.dp_replicate,
-                             bandwidth_bytes_s=inputs.inter_node_bytes_s, kind="all_reduce")
+                             bandwidth_bytes_s=ring_bandwidth(inputs, ranks=layout.dp_replicate,
+                                                              stride=shard * layout.tp), kind="all_reduce",
+                             across_nodes=True)
     return total
