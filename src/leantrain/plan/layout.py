@@ -55,6 +55,8 @@ class Layout:
             parts.append(f"hsdp{self.dp_replicate}x{self.dp_shard}")
         if self.virtual_stages > 1:
             parts.append(f"v{self.virtual_stages}")
+        if self.schedule == "dualpipe" and self.pp > 1:
+            parts.append("dualpipe")
         return " × ".join(parts[:3]) + (" " + " ".join(parts[3:]) if parts[3:] else "") + (
             f", mb {self.micro_batch}, ZeRO-{self.zero}, recompute {self.recompute}"
         )
