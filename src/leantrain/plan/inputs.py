@@ -34,13 +34,13 @@ FALLBACK_COMPUTE_EFFICIENCY = 0.55
 # H100 benchmarks (benchmarks/llama3_h100_202412_torchtitan.md in pytorch/torchtitan, Tables 1 and 3: 6,667 →
 # 8,532 and 6,514 → 8,380 TPS/GPU, 1.28-1.29×), so an fp8 job runs at bf16 peak × efficiency × this, not at
 # the fp8 datasheet peak, and its MFU is measured against the bf16 peak, as the trainer does. Transformer
-# Engine stacks get more (NVIDIA's fp8 reference runs fit 1.56, bench/plan_accuracy.py): `plan.fp8_speedup`.
+# Engine stacks get more (NVIDIA's fp8 reference runs fit 1.58, bench/plan_accuracy.py): `plan.fp8_speedup`.
 FP8_STEP_SPEEDUP = 1.28
 # Memory-bound work (norms, activations, residual adds, softmax, RoPE, dropout): passes over the bytes a
 # layer saves for backward (plan/activations.py, no recompute) at HBM bandwidth per forward + backward, scaled
 # like the FLOPs when recompute repeats a forward (each saved tensor is written by its op, read by the next,
 # read again in the backward, and its gradient written and read). Fitted with the efficiencies above; it
-# trades off against them (fits on one half land between 4 and 12, docs/plan.md). It is what makes small
+# trades off against them (7 and 0 fitted on the two halves, docs/plan.md). It is what makes small
 # hidden sizes and unfused attention slower per FLOP than large GEMMs.
 ELEMENTWISE_PASSES = 7.0
 # Whole runs spend GPU time the step-time and failure models do not see: batch-size and sequence-length

