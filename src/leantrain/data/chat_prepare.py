@@ -1,8 +1,7 @@
 """`prepare` for chat sources (`format: chat`): reading, cleaning, encoding with the loss mask, shards with masks.
 
-The parallel pipeline (data/pipeline.py, data/tasks.py) calls these where a chat source differs from text:
-- `read_chat`: each JSONL line through `chat.parse_record` (a record without an assistant turn is an error
-  naming file:line and the field); the document's text is the messages as JSON.
+The parallel pipeline (data/pipeline.py, data/tasks.py) calls these where a chat source differs from text
+(reading is data/readers.py's `chat` reader):
 - `chat_candidate`: each message normalised and PII-redacted on its own; exact and near dedup over the
   conversation's joined text, like any document. The quality filters are not applied: they are calibrated
   for web text, and short answers or code replies are what chat data is made of.
@@ -21,32 +20,14 @@ from typing import Any
 
 import numpy as np
 
-from leantrain.data.chat import ChatRenderer, MaskedShardWriter, pad_to_multiple, parse_record
+from leantrain.data.chat import ChatRenderer, MaskedShardWriter, pad_to_multiple
 from leantrain.data.clean import normalize, text_stats
 from leantrain.data.dedup import MinHasher, add_candidate_hashes
 from leantrain.data.layout import write_split_shards
 from leantrain.data.pii import PIIRedactor
 from leantrain.data.shards import ShardInfo, ShardWriter
 from leantrain.errors import UserInputError
-from leantrain.spec.schema import DataSource, DataSpec, JobSpec
-
-
-def read_chat(
-    path: str, source: DataSource, stats: Any, lines: Iterable[tuple[int, str]]
-) -> Iterator[tuple[str, str]]:
-    """(doc id, the messages as JSON) per conversation; broken JSON is counted, bad records are errors."""
-    for number, line in lines:
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except json.JSONDecodeError:
-            stats.problem("broken_json", f"{path}:{number}")
-            continue
-        messages = parse_record(row, where=f"{path}:{number}")
-        doc_id = row.get(source.id_field) if source.id_field else None
-        name = path.rstrip("/").rsplit("/", 1)[-1]
-        yield (str(doc_id) if doc_id is not None else f"{name}:{number}"), json.dumps(messages)
+from leantrain.spec.schema import DataSpec, JobSpec
 
 
 def chat_candidate(

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
-from leantrain.data.chat_prepare import read_chat
+from leantrain.data.chat import parse_record
 from leantrain.data.inputs import COMPRESSED, BadInputError, file_size, list_files, open_binary, open_raw
 from leantrain.errors import UserInputError
 from leantrain.spec.schema import DataSource
@@ -130,22 +130,31 @@ def line_spans(path: str, *, task_bytes: int) -> list[tuple[int, int | None, int
     return spans
 
 
-def _read_jsonl(path: str, source: DataSource, stats: ReadStats, span: tuple[int, int | None, int] = (0, None, 1)
-                ) -> Iterator[RawDoc]:
+def _json_rows(path: str, stats: ReadStats, span: tuple[int, int | None, int]) -> Iterator[tuple[int, Any]]:
+    """(line number, parsed row) per non-blank JSONL line; broken JSON is counted and skipped."""
     for number, line in _lines(path, stats, span):
         if not line.strip():
             continue
         try:
-            row = json.loads(line)
+            yield number, json.loads(line)
         except json.JSONDecodeError:
             stats.problem("broken_json", f"{path}:{number}")
-            continue
+
+
+def _doc_id(row: Any, source: DataSource, path: str, number: int) -> str:
+    """The row's `id_field`, else file name:line."""
+    doc_id = row.get(source.id_field) if source.id_field and isinstance(row, dict) else None
+    return str(doc_id) if doc_id is not None else f"{_name(path)}:{number}"
+
+
+def _read_jsonl(path: str, source: DataSource, stats: ReadStats, span: tuple[int, int | None, int] = (0, None, 1)
+                ) -> Iterator[RawDoc]:
+    for number, row in _json_rows(path, stats, span):
         text = row.get(source.text_field) if isinstance(row, dict) else None
         if not isinstance(text, str):
             stats.problem("missing_text_field", f"{path}:{number}")
             continue
-        doc_id = row.get(source.id_field) if source.id_field else None
-        yield RawDoc(source.name, str(doc_id) if doc_id is not None else f"{_name(path)}:{number}", text)
+        yield RawDoc(source.name, _doc_id(row, source, path, number), text)
 
 
 def _read_text(path: str, source: DataSource, stats: ReadStats, span: tuple[int, int | None, int] = (0, None, 1)
@@ -245,8 +254,11 @@ class Reader:
 
 def _read_chat(path: str, source: DataSource, stats: ReadStats, span: tuple[int, int | None, int] = (0, None, 1)
                ) -> Iterator[RawDoc]:
-    for doc_id, text in read_chat(path, source, stats, _lines(path, stats, span)):
-        yield RawDoc(source.name, doc_id, text)
+    """A conversation per line through `chat.parse_record` (a bad record is an error naming file:line and the
+    field); the document's text is the messages as JSON."""
+    for number, row in _json_rows(path, stats, span):
+        messages = parse_record(row, where=f"{path}:{number}")
+        yield RawDoc(source.name, _doc_id(row, source, path, number), json.dumps(messages))
 
 
 READERS: dict[str, Reader] = {
