@@ -10,9 +10,11 @@ the only difference is the layout.
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -134,25 +136,36 @@ def layout_run(spec: JobSpec, *, steps: int) -> dict[str, list[float]]:
             "param_dtypes": param_dtypes}
 
 
-def _worker(rank: int, world_size: int, jobs: list[tuple[str, dict[str, Any]]], steps: int, out_dir: str) -> None:
+def _gloo_worker(rank: int, world_size: int, fn: Callable[[], Any], out_file: str) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=world_size)
+    store = Path(out_file).with_name("store")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
     try:
-        for name, spec_kwargs in jobs:
-            result = layout_run(make_spec(**spec_kwargs), steps=steps)
-            if rank == 0:
-                Path(out_dir, f"{name}.json").write_text(json.dumps(result))
+        result = fn()
+        if rank == 0:
+            Path(out_file).write_text(json.dumps(result))
     finally:
         dist.destroy_process_group()
     os._exit(0)  # skip interpreter teardown: a gloo process sometimes aborts there (docs/parallel.md)
+
+
+def spawn_gloo(fn: Callable[[], Any], *, world_size: int, out_dir: Path) -> Any:
+    """Run `fn` (a picklable top-level function or partial) on `world_size` fresh spawned processes in one gloo
+    group; rank 0's JSON-able result."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    out_file = out_dir / "result.json"
+    mp.start_processes(_gloo_worker, args=(world_size, fn, str(out_file)), nprocs=world_size, join=True,
+                       start_method="spawn")
+    return json.loads(out_file.read_text())
+
+
+def _run_layouts(jobs: list[tuple[str, dict[str, Any]]], steps: int) -> dict[str, Any]:
+    return {name: layout_run(make_spec(**spec_kwargs), steps=steps) for name, spec_kwargs in jobs}
 
 
 def spawn_layouts(
     jobs: list[tuple[str, dict[str, Any]]], *, world_size: int, steps: int, out_dir: Path
 ) -> dict[str, dict[str, list[float]]]:
     """Run each (name, make_spec kwargs) layout on `world_size` fresh processes; rank 0's results by name."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    mp.start_processes(_worker, args=(world_size, jobs, steps, str(out_dir)), nprocs=world_size,
-                       join=True, start_method="spawn")
-    return {name: json.loads((out_dir / f"{name}.json").read_text()) for name, _ in jobs}
+    return spawn_gloo(functools.partial(_run_layouts, jobs, steps), world_size=world_size, out_dir=out_dir)

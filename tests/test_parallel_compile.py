@@ -3,20 +3,17 @@ recompute → compile each block → fully_shard), against the same layout in ea
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from leantrain.parallel import ParallelDims, parallelize
 from leantrain.train.build import meta_model
 from leantrain.train.precision import resolve_precision
-from parallel_harness import GRAD_CLIP, LR, SEED, SEQ_LEN, _loss, batches, make_spec
+from parallel_harness import GRAD_CLIP, LR, SEED, SEQ_LEN, _loss, batches, make_spec, spawn_gloo
 
 
 def _losses(*, compile_blocks: bool, steps: int) -> list[float]:
@@ -40,23 +37,12 @@ def _losses(*, compile_blocks: bool, steps: int) -> list[float]:
     return losses
 
 
-def _worker(rank: int, out_dir: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=2)
-    try:
-        result: dict[str, Any] = {"eager": _losses(compile_blocks=False, steps=3),
-                                  "compiled": _losses(compile_blocks=True, steps=3)}
-        if rank == 0:
-            Path(out_dir, "compile.json").write_text(json.dumps(result))
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)  # skip interpreter teardown: a gloo process sometimes aborts there (docs/parallel.md)
+def _eager_and_compiled() -> dict[str, Any]:
+    return {"eager": _losses(compile_blocks=False, steps=3), "compiled": _losses(compile_blocks=True, steps=3)}
 
 
 @pytest.mark.slow
 def test_compiled_blocks_with_fsdp2_and_full_recompute_match_eager(tmp_path: Path) -> None:
-    mp.start_processes(_worker, args=(str(tmp_path),), nprocs=2, join=True, start_method="spawn")
-    result = json.loads((tmp_path / "compile.json").read_text())
+    result = spawn_gloo(_eager_and_compiled, world_size=2, out_dir=tmp_path)
     assert result["compiled"] == pytest.approx(result["eager"], rel=1e-4)
     assert result["eager"][-1] < result["eager"][0]  # it trains

@@ -7,20 +7,17 @@ gradient until the last micro-batch (the full size). Both give the same step.
 
 from __future__ import annotations
 
-import json
-import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from leantrain.model.transformer import Transformer, model_args_from_spec
 from leantrain.parallel import ParallelDims, parallelize
 from leantrain.parallel.fsdp import held_gradient_bytes
-from parallel_harness import MICRO_BATCH, SEED, SEQ_LEN, _loss, batches, make_spec
+from parallel_harness import MICRO_BATCH, SEED, SEQ_LEN, _loss, batches, make_spec, spawn_gloo
 
 
 def _measure(grad_sync: str) -> dict[str, Any]:
@@ -41,24 +38,13 @@ def _measure(grad_sync: str) -> dict[str, Any]:
             "micro_batch": MICRO_BATCH}
 
 
-def _worker(rank: int, out_dir: str) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{out_dir}/store", rank=rank, world_size=2)
-    try:
-        results = {mode: _measure(mode) for mode in ("every_micro_batch", "last_micro_batch")}
-        if rank == 0:
-            Path(out_dir, "held.json").write_text(json.dumps(results))
-            print(json.dumps(results))
-    finally:
-        dist.destroy_process_group()
-    os._exit(0)  # skip interpreter teardown: a gloo process sometimes aborts there (docs/parallel.md)
+def _both_modes() -> dict[str, Any]:
+    return {mode: _measure(mode) for mode in ("every_micro_batch", "last_micro_batch")}
 
 
 @pytest.mark.slow
 def test_every_micro_batch_holds_only_sharded_gradients(tmp_path: Path) -> None:
-    mp.start_processes(_worker, args=(str(tmp_path),), nprocs=2, join=True, start_method="spawn")
-    results = json.loads((tmp_path / "held.json").read_text())
+    results = spawn_gloo(_both_modes, world_size=2, out_dir=tmp_path)
     every, last = results["every_micro_batch"], results["last_micro_batch"]
     full = every["full_bytes"]
     # Between micro-batches (after the first): the shard only, against every parameter's unsharded gradient.
