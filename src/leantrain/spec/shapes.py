@@ -94,8 +94,8 @@ class ModelShape:
         heads × (nope + rope), heads × (nope + rope), heads × v_head_dim for MLA."""
         if self.mla is None:
             return self.d_model, self.kv_dim, self.kv_dim
-        qk = self.n_heads * self.mla.qk_head_dim
-        return qk, qk, self.n_heads * self.mla.v_head_dim
+        qk, v = self.attention_core_widths
+        return qk, qk, v
 
     @property
     def attention_core_widths(self) -> tuple[int, int]:
