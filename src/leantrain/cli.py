@@ -91,6 +91,25 @@ def plan(
 
 
 @app.command()
+def rehearse(
+    spec: SpecArg,
+    set_: SetOpt = None,
+    profile: ProfileOpt = None,
+    world: Annotated[int | None, typer.Option("--world", help="World size (default: the spec's layout).")] = None,
+    ranks: Annotated[str | None, typer.Option(
+        "--ranks", help="Ranks to rehearse, e.g. 0,last,17 (default: 0, the last, the first of each stage).")] = None,
+    json_out: Annotated[Path | None, typer.Option("--json", help="Where to write rehearsal.json.")] = None,
+) -> None:
+    """Run the real job's ranks at the real world size on this CPU (fake process group, fake tensors).
+
+    Reads SPEC (and data.dir when it is here); writes rehearsal.json: memory by category, collectives, control
+    calls and host syncs per step, files read at startup, plan vs rehearsal. Exit 1 when a rank does not fit.
+    """
+    job = _spec(spec, set_, profile)
+    _stage("leantrain.golive.rehearse", spec=job, world=world, ranks=ranks, json_out=json_out)
+
+
+@app.command()
 def prepare(
     spec: SpecArg,
     set_: SetOpt = None,

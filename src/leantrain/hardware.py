@@ -13,6 +13,7 @@ import json
 import os
 import platform
 import time
+from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -229,3 +230,10 @@ def host_memory_bytes() -> float:
         return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
     except (ValueError, OSError, AttributeError):
         return CATALOG["cpu"].memory_bytes
+
+
+def accelerator_memory_bytes(hardware: Any) -> float:
+    """Memory per accelerator for a spec's `hardware` section: `memory_gb` when set, else the catalog's."""
+    if getattr(hardware, "memory_gb", None):
+        return float(hardware.memory_gb) * 1e9
+    return float(get_accelerator(hardware.accelerator).memory_bytes)

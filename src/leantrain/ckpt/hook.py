@@ -414,11 +414,13 @@ def _memory_tier(trainer: Any, manager: CheckpointManager) -> MemoryTier | None:
 
     import torch.distributed as dist
 
+    from leantrain.parallel.comm import control_backend
+
     ck = trainer.spec.checkpoint
     if ck.memory_interval_steps is None:
         return None
     world = int(trainer.runtime.world_size)
-    group = dist.new_group(backend="gloo") if world > 1 and dist.is_initialized() else None
+    group = dist.new_group(backend=control_backend()) if world > 1 and dist.is_initialized() else None
     if group is not None:
         manager._own_groups.append(group)
     offset = ck.memory_peer_offset or int(os.environ.get("LOCAL_WORLD_SIZE", world))

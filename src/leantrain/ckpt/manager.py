@@ -50,6 +50,7 @@ from leantrain.ckpt.policy import AutoInterval, PreemptionHandler, job_mtbf_s, p
 from leantrain.ckpt.storage import Store, open_store
 from leantrain.security import AuditLog
 from leantrain.spec import resolve_secret
+from leantrain.parallel.comm import control_backend
 
 if TYPE_CHECKING:
     from leantrain.spec import JobSpec
@@ -129,7 +130,7 @@ class CheckpointManager:
         self.preempt_requested = False
 
     def _new_group(self, ranks: list[int] | None, *, timeout_s: float) -> dist.ProcessGroup:
-        group = dist.new_group(ranks=ranks, backend="gloo", timeout=timedelta(seconds=timeout_s))
+        group = dist.new_group(ranks=ranks, backend=control_backend(), timeout=timedelta(seconds=timeout_s))
         self._own_groups.append(group)
         return group
 

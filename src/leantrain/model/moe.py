@@ -193,7 +193,8 @@ class MoE(nn.Module):
         counts = self.tokens_per_expert.clone()
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             torch.distributed.all_reduce(counts, group=group)
-        if self.balance == "aux_free" and counts.sum() > 0:
-            self.expert_bias += bias_update_rate * torch.sign(counts.mean() - counts)
+        if self.balance == "aux_free":  # no move before any token was routed; decided on the device (no sync)
+            routed = (counts.sum() > 0).to(self.expert_bias.dtype)
+            self.expert_bias += bias_update_rate * torch.sign(counts.mean() - counts) * routed
         self.tokens_per_expert.zero_()
         return counts

@@ -79,3 +79,12 @@ class CommTimer:
         with profile(activities=self.activities, record_shapes=False) as prof:
             yield result
         result.comm_s, result.num_events = comm_seconds(prof.events(), device_type=self.device_type)
+
+
+def control_backend() -> str:
+    """The backend of the control-plane groups (checkpoint agreement, saves, the memory tier): gloo, which works
+    beside NCCL and on the CPU; under `leantrain rehearse`'s fake process group the fake backend, since a real
+    gloo group cannot be built on a fake store."""
+    import torch.distributed as dist
+
+    return "fake" if dist.is_initialized() and dist.get_backend() == "fake" else "gloo"

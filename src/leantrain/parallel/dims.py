@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from leantrain.errors import UserInputError
 from leantrain.spec.schema import JobSpec, ParallelismSpec
@@ -128,16 +129,18 @@ class ParallelDims:
         ranks: batches and loss), `dp_mod_ep` (replicate × dp_shard_mod_ep: ranks holding the same experts).
         Needs an initialised default process group (real or fake).
         """
-        world = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_AXES)
-        flattened = {
-            "dp_shard": world["dp_shard_mod_ep", "ep"]._flatten("dp_shard"),
-            "dp": world["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp"),
-            "dp_mod_ep": world["dp_replicate", "dp_shard_mod_ep"]._flatten("dp_mod_ep"),
-        }
-        if self.dp_replicate > 1:
-            with warnings.catch_warnings():  # slicing a flattened axis is what HSDP needs; torch warns about it
-                warnings.simplefilter("ignore", UserWarning)
-                flattened["hsdp"] = world["dp_replicate", "dp_shard"]
+        # The mesh's rank tables are real tensors, also under `leantrain rehearse`'s FakeTensorMode (a no-op else).
+        with unset_fake_temporarily():
+            world = init_device_mesh(device_type, self.mesh_shape, mesh_dim_names=MESH_AXES)
+            flattened = {
+                "dp_shard": world["dp_shard_mod_ep", "ep"]._flatten("dp_shard"),
+                "dp": world["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp"),
+                "dp_mod_ep": world["dp_replicate", "dp_shard_mod_ep"]._flatten("dp_mod_ep"),
+            }
+            if self.dp_replicate > 1:
+                with warnings.catch_warnings():  # slicing a flattened axis is what HSDP needs; torch warns about it
+                    warnings.simplefilter("ignore", UserWarning)
+                    flattened["hsdp"] = world["dp_replicate", "dp_shard"]
         return LayoutMesh(world=world, flattened=flattened)
 
 

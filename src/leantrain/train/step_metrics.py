@@ -24,7 +24,7 @@ class StepResult:
 
     loss: torch.Tensor
     grad_norm: torch.Tensor
-    skipped: bool
+    skipped: torch.Tensor  # 0-dim bool on the device: the optimizer step was skipped (non-finite gradients)
     data_wait_s: float
     comm_s: float | None  # measured on log steps of a multi-rank run (the profiled step), else None
     aux_loss: torch.Tensor | None = None
@@ -42,13 +42,17 @@ def _add(total: torch.Tensor | None, value: torch.Tensor | None) -> torch.Tensor
 
 @dataclass
 class LogWindow:
-    """Sums between two log steps; `excluded_s()` is the time that is not training."""
+    """Sums between two log steps; `excluded_s()` is the time that is not training.
+
+    Losses and the skipped count stay on the device (tensors) until the log step reads them once: adding a
+    step never waits for the device.
+    """
 
     start_s: float = field(default_factory=time.perf_counter)
     steps: int = 0
-    skipped: int = 0
-    loss_sum: float = 0.0
-    aux_sum: float = 0.0
+    skipped: torch.Tensor | int = 0
+    loss_sum: torch.Tensor | float = 0.0
+    aux_sum: torch.Tensor | float = 0.0
     data_wait_s: float = 0.0
     comm_s: float = 0.0
     eval_s: float = 0.0
@@ -61,17 +65,22 @@ class LogWindow:
 
     def add(self, result: StepResult) -> None:
         self.steps += 1
-        self.skipped += int(result.skipped)
+        skipped = torch.as_tensor(result.skipped, device=result.loss.device)
+        kept = (~skipped).float()
+        self.skipped = self.skipped + skipped.long()
         self.data_wait_s += result.data_wait_s
         if result.comm_s is not None:  # one profiled step per window (the logged one)
             self.comm_s = result.comm_s
             self.profile_step_s += result.step_s
             self.profiled_steps += 1
-        if not result.skipped:
-            self.loss_sum += float(result.loss)
-            self.aux_sum += 0.0 if result.aux_loss is None else float(result.aux_loss)
-            self.source_loss = _add(self.source_loss, result.source_loss_sum)
-            self.source_tokens = _add(self.source_tokens, result.source_tokens)
+        # A skipped step's (non-finite) loss is masked out, not branched on.
+        self.loss_sum = self.loss_sum + torch.nan_to_num(result.loss.detach().float() * kept, nan=0.0)
+        if result.aux_loss is not None:
+            self.aux_sum = self.aux_sum + torch.nan_to_num(result.aux_loss.detach().float() * kept, nan=0.0)
+        if result.source_loss_sum is not None:
+            self.source_loss = _add(self.source_loss, torch.nan_to_num(result.source_loss_sum * kept, nan=0.0))
+        if result.source_tokens is not None:
+            self.source_tokens = _add(self.source_tokens, result.source_tokens * kept)
         self.moe_counts = _add(self.moe_counts, result.moe_counts)
 
     def timing(self, *, now_s: float | None = None) -> dict[str, float | int]:
@@ -114,12 +123,13 @@ class SourceLoss:
             detached = detached.full_tensor()
         sources = targets[..., 1].flatten()
         self.loss_sum.index_add_(0, sources, detached)
+        # Token counts by scatter-add, not bincount or a boolean mask: both read sizes on the host (a sync).
         if not self.masked:
-            self.tokens += torch.bincount(sources, minlength=self.num_sources)
+            self.tokens.index_add_(0, sources, torch.ones_like(detached))
             return token_loss.mean()
         # Chat data: targets outside the loss mask are IGNORE_INDEX (their loss is 0); the mean is over the rest.
-        valid = targets[..., 0].flatten() != IGNORE_INDEX
-        self.tokens += torch.bincount(sources[valid], minlength=self.num_sources)
+        valid = (targets[..., 0].flatten() != IGNORE_INDEX).to(detached.dtype)
+        self.tokens.index_add_(0, sources, valid)
         return token_loss.sum() / valid.sum().clamp(min=1)
 
 

@@ -49,7 +49,7 @@ from leantrain.spec.schema import JobSpec
 from leantrain.train import finetune
 from leantrain.train.build import WeightsLoader, build_parallel_model
 from leantrain.train.model_ready import rank_memory, record_model_ready
-from leantrain.train.optim import build_optimizer
+from leantrain.train.optim import build_optimizer, step_if_finite
 from leantrain.train.precision import enable_tf32, float8_post_step, resolve_precision
 from leantrain.train.run_setup import record_oom, record_ranks_joined
 from leantrain.train.runtime import close_runtime, init_runtime, load_rng_state, rng_state
@@ -221,12 +221,17 @@ class Trainer:
             mean_loss = self.parallel.forward_backward(micro_batches, loss_fn=source_loss, autocast=self.autocast)
             self.parallel.finish_gradients()
             grad_norm = self.parallel.clip_grad_norm_(self.spec.training.grad_clip)
-            finite = bool(torch.isfinite(mean_loss) & torch.isfinite(grad_norm))
-            if finite:
-                self.optimizer.step()
-                self.after_optimizer_step()
-        if not finite:
-            self._on_nonfinite(mean_loss, grad_norm)
+            # The global gradient norm is the agreed flag: it is reduced over every rank that holds gradients
+            # (FSDP, TP, PP, EP), so a non-finite loss on any rank makes it non-finite on all of them, and every
+            # rank skips the same step. Skipping happens on the device (the optimizer takes `found_inf`, as under
+            # GradScaler): no host sync on the default path (torchtitan, too, keeps the check off the host).
+            finite = torch.isfinite(grad_norm)
+            if self.spec.training.on_nonfinite == "stop" and not bool(finite):  # opt-in: one host read per step
+                self._on_nonfinite(mean_loss, grad_norm)
+            step_if_finite(self.optimizer, finite)
+            self.after_optimizer_step()
+        skipped = ~finite
+        self._skipped_total += skipped
         self.scheduler.step()  # the schedule follows the step count, skipped or not
         moe_counts = self.parallel.update_moe_balance(bias_update_rate=self.model_args.bias_update_rate)
         self.step += 1
@@ -234,7 +239,7 @@ class Trainer:
         if measure:
             synchronize(self.device)
         return StepResult(
-            loss=mean_loss, grad_norm=grad_norm, skipped=not finite, data_wait_s=data_wait_s,
+            loss=mean_loss, grad_norm=grad_norm, skipped=skipped, data_wait_s=data_wait_s,
             comm_s=measured.comm_s if measured is not None else None, aux_loss=self.parallel.last_aux_loss,
             source_loss_sum=source_loss.loss_sum, source_tokens=source_loss.tokens, moe_counts=moe_counts,
             step_s=time.perf_counter() - step_start_s,
@@ -242,15 +247,20 @@ class Trainer:
 
     def _on_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
         what = f"step {self.step + 1}: loss {loss.item()}, grad norm {grad_norm.item()}"
-        if self.spec.training.on_nonfinite == "stop":
-            raise TrainingDiverged(
-                f"non-finite values at {what}; the optimizer step was not taken. Lower training.lr, check the "
-                "data, or set training.on_nonfinite: skip"
-            )
-        self.skipped_steps += 1
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.console is not None:
-            self.console.print(f"[yellow]skipped the optimizer step: non-finite values at {what}")
+        raise TrainingDiverged(
+            f"non-finite values at {what}; the optimizer step was not taken. Lower training.lr, check the "
+            "data, or set training.on_nonfinite: skip"
+        )
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for non-finite values so far (read from the device: a checkpoint or a log)."""
+        return self._skipped_base + int(self._skipped_total)
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self._skipped_base = int(value)
+        self._skipped_total = torch.zeros((), dtype=torch.int64, device=self.device)
 
     # ----- the loop ------------------------------------------------------------------------------------
     def train(self) -> list[dict[str, Any]]:
@@ -301,14 +311,21 @@ class Trainer:
 
     def _log(self, window: LogWindow, result: StepResult) -> dict[str, Any]:
         timing = window.timing()
-        counted = max(1, window.steps - window.skipped)
-        loss = torch.tensor([window.loss_sum / counted, window.aux_sum / counted], device=self.device)
+        # Everything the record needs from the device in one transfer (one host sync per logging step).
+        skipped = torch.as_tensor(window.skipped, device=self.device).float()
+        counted = (window.steps - skipped).clamp(min=1)
+        zero = torch.zeros((), device=self.device)
+        loss = torch.stack([torch.as_tensor(window.loss_sum, device=self.device).float() / counted,
+                            torch.as_tensor(window.aux_sum, device=self.device).float() / counted])
         loss = self.parallel.mean_over_dp(loss)  # every pipeline stage has the loss (broadcast from the last)
+        loss_value, aux_value, skipped_value, grad_norm = torch.stack(
+            [loss[0], loss[1], skipped + zero, result.grad_norm.float().to(self.device)]).tolist()
+        num_skipped = int(skipped_value)
         tokens_per_s = self.spec.training.global_batch_tokens / timing["step_time_s"]
         record: dict[str, Any] = {
             "step": self.step,
-            "loss": float(loss[0]) if window.steps > window.skipped else math.nan,
-            "grad_norm": float(result.grad_norm),
+            "loss": loss_value if window.steps > num_skipped else math.nan,
+            "grad_norm": grad_norm,
             "lr": self.scheduler.get_last_lr()[0],
             "tokens_per_s": tokens_per_s,
             "mfu": mfu(flops_per_token=self.flops_per_token, peak_flops=self.peak_flops,
@@ -318,7 +335,7 @@ class Trainer:
             "comm_s": window.comm_s,
             "mem_bytes": peak_memory_bytes(self.device),
             "tokens_seen": self.tokens_seen,
-            "skipped_steps": window.skipped,
+            "skipped_steps": num_skipped,
             **self.param_counts,
         }
         if self.runtime.world_size > 1:  # each rank's own step time (straggler alerts) and peak memory
@@ -330,13 +347,14 @@ class Trainer:
             record["rank_mem_bytes"] = [int(m) for m in per_rank[1]]
             record["mem_bytes"] = max(record["rank_mem_bytes"])
         if window.source_loss is not None and window.source_tokens is not None:
-            sums = self.parallel.sum_over_ranks(torch.stack([window.source_loss, window.source_tokens]))
+            loss_sums, token_sums = self.parallel.sum_over_ranks(
+                torch.stack([window.source_loss, window.source_tokens])).tolist()
             record["loss_by_source"] = {
-                name: float(sums[0, i] / sums[1, i])
-                for i, name in enumerate(self.sampler.source_names) if sums[1, i] > 0
+                name: loss_sums[i] / token_sums[i]
+                for i, name in enumerate(self.sampler.source_names) if token_sums[i] > 0
             }
         if window.moe_counts is not None:
-            record.update(moe_balance(window.moe_counts, aux_loss=float(loss[1]), balance=self.model_args.balance))
+            record.update(moe_balance(window.moe_counts, aux_loss=aux_value, balance=self.model_args.balance))
         self.metrics.log(record)
         if self.console is not None:
             self.console.print(console_line(record), highlight=False, markup=False, soft_wrap=True)

@@ -1,0 +1,461 @@
+"""`leantrain rehearse SPEC`: one rank of the real job at its real world size, on one CPU.
+
+For each chosen rank the trainer itself runs (`train.trainer.Trainer`: meta build, parallelize, init or load,
+optimizer, data sampler, checkpoint manager, then `Trainer.train()` for a few steps) with two things swapped:
+the process group is torch's `fake` backend at the spec's world size (collectives return at once) and every
+tensor on the device is a fake tensor (`FakeTensorMode`: shapes and dtypes, no storage). The spec's precision
+is kept, so the bytes are the accelerator's; only `training.device` becomes `cpu`. What the ranks do is
+watched by `rehearse_probes` (host syncs, collectives with their groups, files read) and torch's `MemTracker`
+(memory by category). Two things are not run: a checkpoint save is planned (DCP's save planner lists this
+rank's write items and bytes) instead of written, and values that fake tensors do not have (a host sync's
+answer) are the healthy run's (finite, non-empty). The contract of rehearsal.json is in docs/rehearse.md.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import tempfile
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+from unittest import mock
+
+import numpy as np
+
+from leantrain.errors import UserInputError
+from leantrain.golive.rehearse_probes import (
+    CollectiveRecorder,
+    FileReads,
+    HostSyncCounter,
+    Probes,
+    StepLog,
+    group_labels,
+    Broadcasts,
+    object_collectives,
+)
+from leantrain.hardware import accelerator_memory_bytes
+from leantrain.spec.schema import JobSpec
+
+STEPS = 3  # step 1 warms up (optimizer states appear), step 2 is steady, step 3 is a logging step
+CONTROL_WINDOW_STEPS = 100  # the checkpoint manager's per-step control plane is watched over this many steps
+MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "temp")
+
+
+@dataclass(frozen=True)
+class RehearsalTarget:
+    """The job to rehearse: the spec (layout resolved for the world size) and which ranks."""
+
+    spec: JobSpec
+    world_size: int
+    ranks: list[int]
+    stage_of_rank: dict[int, int]
+
+
+def resolve_target(spec: JobSpec, *, world_size: int | None, ranks: list[int] | None) -> RehearsalTarget:
+    """The world size (the spec's `parallelism` product unless `--world`) and ranks; exit 2 on what cannot run."""
+    from leantrain.parallel.dims import layout_for_run
+
+    par = spec.parallelism
+    world = world_size or par.data_parallel * par.tensor_parallel * par.pipeline_parallel
+    if world < 1:
+        raise UserInputError(f"--world must be at least 1, not {world}")
+    if world_size is not None and world_size != par.data_parallel * par.tensor_parallel * par.pipeline_parallel:
+        fixed = par.tensor_parallel * par.pipeline_parallel
+        if world % fixed:
+            raise UserInputError(
+                f"--world {world} is not divisible by parallelism.tensor_parallel × pipeline_parallel "
+                f"({par.tensor_parallel} × {par.pipeline_parallel} = {fixed})")
+        nodes = -(-world // spec.hardware.gpus_per_node)
+        spec = spec.model_copy(update={
+            "parallelism": par.model_copy(update={"data_parallel": world // fixed}),
+            "hardware": spec.hardware.model_copy(update={"num_nodes": nodes}),
+            "budget": spec.budget.model_copy(update={"num_gpus": world})})
+    _par, dims = layout_for_run(spec, world_size=world)
+    per_stage = world // dims.pp
+    stage_of_rank = {r: r // per_stage for r in range(0, world, per_stage)}
+    chosen = ranks if ranks else sorted({0, world - 1, *(s * per_stage for s in range(dims.pp))})
+    for rank in chosen:
+        if not 0 <= rank < world:
+            raise UserInputError(f"--ranks: rank {rank} is outside the world of {world} ranks (0..{world - 1})")
+    return RehearsalTarget(spec=spec, world_size=world, ranks=list(chosen),
+                           stage_of_rank={r: r // per_stage for r in chosen} | {})
+
+
+def rehearsal_spec(spec: JobSpec, *, data_dir: Path, run_dir: Path) -> JobSpec:
+    """The spec the rehearsed trainer runs: the CPU as device, a scratch run dir, `STEPS` steps, no evaluation."""
+    training = spec.training.model_copy(update={
+        "device": "cpu", "max_steps": STEPS, "log_every": STEPS, "eval_every": 0, "compile": False,
+        "deterministic": False})
+    monitoring = spec.monitoring.model_copy(update={"log_every": None, "tensorboard": False})
+    data = spec.data.model_copy(update={"dir": str(data_dir)})
+    run = spec.run.model_copy(update={"dir": str(run_dir)})
+    checkpoint = spec.checkpoint.model_copy(update={"storage": "local", "memory_interval_steps": None})
+    return spec.model_copy(update={"training": training, "monitoring": monitoring, "data": data, "run": run,
+                                   "checkpoint": checkpoint})
+
+
+def synthetic_data_dir(spec: JobSpec, *, root: Path) -> Path:
+    """A small token data dir with the spec's vocabulary and sources, when the spec's own is not here."""
+    from leantrain.data.layout import write_token_data_dir
+
+    rng = np.random.default_rng(spec.training.seed)
+    vocab = spec.model.vocab_size or 32000
+    names = [s.name for s in spec.data.sources] or ["synthetic"]
+    docs = {name: [rng.integers(1, vocab, int(rng.integers(64, 4096))).tolist() for _ in range(16)]
+            for name in names}
+    weights = {name: 1.0 / len(names) for name in names}
+    path = root / "data"
+    write_token_data_dir(path, docs, vocab_size=vocab, eos_id=0, weights=weights, valid_docs_by_source=None,
+                         shard_size_tokens=1 << 20)
+    return path
+
+
+@contextlib.contextmanager
+def _rank_environment(rank: int, world_size: int, gpus_per_node: int) -> Iterator[None]:
+    keys = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % gpus_per_node),
+            "LOCAL_WORLD_SIZE": str(min(gpus_per_node, world_size)), "GROUP_RANK": str(rank // gpus_per_node)}
+    saved = {k: os.environ.get(k) for k in keys}
+    os.environ.update(keys)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+@contextlib.contextmanager
+def fake_world(*, rank: int, world_size: int) -> Iterator[None]:
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        raise UserInputError("leantrain rehearse starts its own fake process group: run it outside torchrun")
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def _planned_save(records: list[dict[str, Any]], probes: Probes) -> Any:
+    """CheckpointManager.save replaced by DCP's save planning: this rank's write items and bytes, no files."""
+
+    def save(manager: Any, step: int, app_state: dict[str, Any], *, blocking: bool | None = None) -> None:
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        from leantrain.ckpt.dcp_io import build_state_dict
+
+        with probes.paused():
+            state = build_state_dict(app_state)
+            planner = DefaultSavePlanner()
+            planner.set_up_planner(state, is_coordinator=manager.rank == 0)
+            plan = planner.create_local_plan()
+        num_bytes = 0
+        for item in plan.items:
+            if item.tensor_data is not None:
+                num_bytes += math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+        records.append({"step": step, "write_items": len(plan.items), "bytes": num_bytes})
+        manager.last_saved_step = step
+
+    return save
+
+
+def _step_mem_tracker() -> Any:
+    """torch's MemTracker, for a loop: a root module called again (the next micro-batch, the next pipeline
+    chunk) starts its per-module stats afresh instead of raising; the per-device peak is kept across calls."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    class StepMemTracker(MemTracker):
+        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+            name = self._mod_tracker.get_known_fqn(module)
+            if module in self.memory_tracking and not self._mod_tracker.is_bw and (
+                    set(self._mod_tracker.parents) - {name}) <= {"Global"}:
+                del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
+    return StepMemTracker()
+
+
+def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch: Path,
+                  broadcasts: Broadcasts) -> dict[str, Any]:
+    """Run the trainer as rank `rank` under a fake world; what it held, issued and read."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from leantrain.ckpt.hook import TrainerCheckpointer
+    from leantrain.ckpt.manager import CheckpointManager
+    from leantrain.train.trainer import Trainer
+
+    spec = target.spec
+    probes = Probes()
+    files = FileReads()
+    saves: list[dict[str, Any]] = []
+    mem = _step_mem_tracker()
+    steps_done: list[int] = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        root = scratch
+        run_spec = rehearsal_spec(spec, data_dir=data_dir, run_dir=root / "run")
+        sync_mode, comm_mode = HostSyncCounter(probes), CollectiveRecorder(probes, group_names={})
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(_rank_environment(rank, target.world_size, spec.hardware.gpus_per_node))
+            stack.enter_context(fake_world(rank=rank, world_size=target.world_size))
+            stack.enter_context(mock.patch.object(CheckpointManager, "save", _planned_save(saves, probes)))
+            broadcasts.new_rank()
+            stack.enter_context(object_collectives(probes, broadcasts))
+            startup_s = time.perf_counter()
+            with files.watch():
+                stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+                stack.enter_context(comm_mode)
+                stack.enter_context(sync_mode)
+                trainer = Trainer(run_spec, run_dir=root / "run", max_steps=STEPS,
+                                  checkpointer_factory=TrainerCheckpointer)
+            startup_s = time.perf_counter() - startup_s
+            comm_mode.group_names.update(group_labels(trainer.parallel.mesh))
+            mem.track_external(*trainer.parallel.parts, trainer.optimizer)
+            step_fn = trainer.train_step
+
+            def watched_step() -> Any:
+                steps_done.append(trainer.step + 1)
+                probes.new_phase(f"step{trainer.step + 1}")
+                if trainer.step + 1 == 2:  # steady state from here: states exist, memory is tracked
+                    stack.enter_context(mem)
+                return step_fn()
+
+            trainer.train_step = watched_step  # type: ignore[method-assign]
+            checkpoint_log = StepLog()  # the manager's calls are counted over the control window instead
+            hook = trainer.checkpointer
+            save_fn = hook.maybe_save
+
+            def watched_save(trainer_: Any, *, force: bool = False) -> None:
+                with probes.into(checkpoint_log):
+                    save_fn(trainer_, force=force)
+
+            hook.maybe_save = watched_save  # type: ignore[method-assign]
+            step_s = time.perf_counter()
+            trainer.train()
+            step_s = (time.perf_counter() - step_s) / max(1, len(steps_done))
+            probes.new_phase("control")
+            hook.maybe_save = save_fn  # type: ignore[method-assign]
+            control_window = _control_window(trainer)
+            peak = mem.get_tracker_snapshot("peak")
+            current = mem.get_tracker_snapshot("current")
+            stage = trainer.parallel.mesh["pp"].get_local_rank() if trainer.parallel.mesh is not None else 0
+            trainer.close()  # checkpointer, metrics, then the process group (fake_world tolerates that)
+    labels = comm_mode.group_names
+    device = torch.device("cpu")
+    return {
+        "rank": rank,
+        "pipeline_stage": stage,
+        "memory_bytes": _memory(peak.get(device, {}), current.get(device, {})),
+        **_per_step(probes, labels=labels, control_window=control_window),
+        "startup": _startup(files, probes.phase("startup"), labels=labels, startup_s=startup_s),
+        "checkpoint_save": saves[-1] if saves else None,
+        "rehearsal_s": {"startup": round(startup_s, 3), "step": round(step_s, 3)},
+    }
+
+
+def _control_window(trainer: Any) -> int:
+    """The checkpoint manager's per-step work (agreement, interval, preemption checks) over
+    `CONTROL_WINDOW_STEPS` further steps, as the loop calls it after each step; returns the window."""
+    hook = trainer.checkpointer
+    if hook is None:
+        return CONTROL_WINDOW_STEPS
+    first = trainer.step
+    for step in range(first + 1, first + 1 + CONTROL_WINDOW_STEPS):
+        trainer.step = step
+        hook.maybe_save(trainer)
+    return CONTROL_WINDOW_STEPS
+
+
+def _memory(peak: dict[str, int], current: dict[str, int]) -> dict[str, int]:
+    """MemTracker's categories in rehearsal.json's names: resident state now, activations/temp at the peak."""
+    return {
+        "params": int(current.get("Parameter", 0)) + int(current.get("Buffer", 0)),
+        "grads": int(peak.get("Gradient", 0)),
+        "optimizer": int(current.get("Optstate", 0)),
+        "activations": int(peak.get("Activation", 0)),
+        "temp": int(peak.get("Temp", 0)) + int(peak.get("Other", 0)),
+        "peak": int(peak.get("Total", 0)),
+    }
+
+
+def _collectives(log: StepLog, *, labels: dict[str, str], control: bool) -> list[dict[str, Any]]:
+    rows = []
+    for (op, raw_group, is_control), (count, num_bytes) in sorted(log.collectives.items()):
+        group = labels.get(raw_group, raw_group if raw_group in labels.values() else "control")
+        if is_control == control:
+            rows.append({"op": op, "group": group, "count": count, "bytes": num_bytes})
+    return _merge(rows)
+
+
+def _merge(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    merged: dict[tuple[str, str], dict[str, Any]] = {}
+    for row in rows:
+        entry = merged.setdefault((row["op"], row["group"]), {"op": row["op"], "group": row["group"], "count": 0,
+                                                              "bytes": 0})
+        entry["count"] += row["count"]
+        entry["bytes"] += row["bytes"]
+    return list(merged.values())
+
+
+def _count(rows: list[dict[str, Any]]) -> int:
+    return sum(r["count"] for r in rows)
+
+
+def _per_step(probes: Probes, *, labels: dict[str, str], control_window: int) -> dict[str, Any]:
+    steady, logging, control = probes.phase("step2"), probes.phase(f"step{STEPS}"), probes.phase("control")
+    control_rows = _collectives(steady, labels=labels, control=True)
+    window_rows = _collectives(control, labels=labels, control=True)
+    logging_rows = _collectives(logging, labels=labels, control=True)
+    sites = sorted({site for log in (steady, logging) for site in log.syncs})
+    return {
+        "collectives_per_step": _collectives(steady, labels=labels, control=False),
+        "control_collectives_per_step": _count(control_rows) + _count(window_rows) / control_window,
+        "control_collectives": {"step": control_rows, "logging_step": logging_rows,
+                                f"checkpoint_manager_over_{control_window}_steps": window_rows},
+        "host_syncs_per_step": sum(steady.syncs.values()),
+        "host_syncs_per_logging_step": sum(logging.syncs.values()),
+        "host_sync_sites": sites,
+        "host_sync_counts": {"step": dict(steady.syncs), "logging_step": dict(logging.syncs)},
+    }
+
+
+def _startup(files: FileReads, log: StepLog, *, labels: dict[str, str], startup_s: float) -> dict[str, Any]:
+    opened = sorted(files.opened)
+    return {
+        "files_opened": len(opened),
+        "bytes_read": files.bytes_read,
+        "files": opened,
+        "metadata_reads": sorted(p for p in opened if p.endswith((".json", ".metadata", ".idx", ".yaml"))),
+        "collectives": _collectives(log, labels=labels, control=False),
+        "control_collectives": _collectives(log, labels=labels, control=True),
+        "host_syncs": sum(log.syncs.values()),
+    }
+
+
+def planned_memory(spec: JobSpec, *, world_size: int, num_microbatches: int) -> dict[str, float]:
+    """The planner's per-GPU memory for this very layout, by rehearsal.json's categories."""
+    from leantrain.plan.inputs import plan_inputs
+    from leantrain.plan.layout import layout_from_spec
+    from leantrain.plan.memory import memory_per_gpu
+
+    layout = layout_from_spec(spec.parallelism, spec.training, num_gpus=world_size)
+    memory = memory_per_gpu(plan_inputs(spec), layout, num_microbatches=num_microbatches)
+    return {"params": memory.params, "grads": memory.grads, "optimizer": memory.optimizer,
+            "activations": memory.activations, "temp": memory.buffers, "peak": memory.total}
+
+
+def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] | None = None,
+             data_dir: Path | None = None) -> dict[str, Any]:
+    """rehearsal.json for `spec` (see docs/rehearse.md)."""
+    from leantrain.parallel.dims import layout_for_run
+
+    target = resolve_target(spec, world_size=world_size, ranks=ranks)
+    capacity = accelerator_memory_bytes(spec.hardware)
+    if data_dir is None and (Path(spec.data.dir) / "manifest.json").is_file():
+        data_dir = Path(spec.data.dir)
+    par, dims = layout_for_run(target.spec, world_size=target.world_size)
+    run_spec = target.spec.model_copy(update={"parallelism": par})
+    per_micro = run_spec.training.micro_batch * run_spec.data.seq_len * dims.dp
+    num_microbatches = max(1, run_spec.training.global_batch_tokens // per_micro)
+    broadcasts = Broadcasts()  # rank 0 first: it is the source of the checkpoint manager's agreements
+    with tempfile.TemporaryDirectory(prefix="leantrain-rehearse-") as scratch:
+        synthetic = data_dir is None
+        data = synthetic_data_dir(target.spec, root=Path(scratch)) if data_dir is None else data_dir
+        rank_reports = [rehearse_rank(target, rank=r, data_dir=data, scratch=Path(scratch), broadcasts=broadcasts)
+                        for r in sorted({0, *target.ranks})]
+    plan = planned_memory(run_spec, world_size=target.world_size, num_microbatches=num_microbatches)
+    heaviest = max(rank_reports, key=lambda r: r["memory_bytes"]["peak"])
+    ratios = {k: (plan[k] / heaviest["memory_bytes"][k] if heaviest["memory_bytes"][k] else None)
+              for k in (*MEMORY_KEYS, "peak")}
+    over = [(r["rank"], r["memory_bytes"]["peak"]) for r in rank_reports if r["memory_bytes"]["peak"] > capacity]
+    return {
+        "world_size": target.world_size,
+        "layout": dims.describe(),
+        "accelerator": spec.hardware.accelerator,
+        "accelerator_memory_bytes": capacity,
+        "data": "synthetic (the spec's data dir is not here)" if synthetic else str(data_dir),
+        "num_microbatches": num_microbatches,
+        "ranks": rank_reports,
+        "plan": plan,
+        "plan_vs_rehearsal": ratios,
+        "fits": not over,
+        "over_capacity": [{"rank": r, "peak_bytes": b, "category": _largest(rank_reports, r)} for r, b in over],
+    }
+
+
+def _largest(reports: list[dict[str, Any]], rank: int) -> str:
+    memory = next(r for r in reports if r["rank"] == rank)["memory_bytes"]
+    return max(MEMORY_KEYS, key=lambda k: memory[k])
+
+
+def parse_ranks(text: str | None, *, world_size: int) -> list[int] | None:
+    """`--ranks 0,last,17` → rank numbers (`last` is world − 1)."""
+    if not text:
+        return None
+    ranks = []
+    for part in text.split(","):
+        part = part.strip()
+        if part == "last":
+            ranks.append(world_size - 1)
+        elif part.lstrip("-").isdigit():
+            ranks.append(int(part))
+        else:
+            raise UserInputError(f"--ranks: {part!r} is not a rank number or 'last' (e.g. --ranks 0,last,17)")
+    return ranks
+
+
+def write_json(report: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
+
+
+def render(report: dict[str, Any], *, console: Any) -> None:
+    """One row per rehearsed rank: memory by category, collectives, control calls, host syncs, files."""
+    from rich.table import Table
+
+    gib = 2**30
+    table = Table(title=f"rehearsal: {report['layout']} on {report['accelerator']} "
+                        f"({report['accelerator_memory_bytes'] / gib:.1f} GiB)")
+    for column in ("rank", "stage", "params", "grads", "optim", "activ", "temp", "peak GiB", "colls/step",
+                   "control/step", "syncs/step", "syncs/log", "files"):
+        table.add_column(column, justify="right")
+    for rank in report["ranks"]:
+        mem = rank["memory_bytes"]
+        table.add_row(
+            str(rank["rank"]), str(rank["pipeline_stage"]),
+            *(f"{mem[k] / gib:.2f}" for k in MEMORY_KEYS), f"{mem['peak'] / gib:.2f}",
+            str(_count(rank["collectives_per_step"])), f"{rank['control_collectives_per_step']:.2f}",
+            str(rank["host_syncs_per_step"]), str(rank["host_syncs_per_logging_step"]),
+            str(rank["startup"]["files_opened"]))
+    console.print(table)
+    plan = report["plan"]
+    ratios = ", ".join(f"{k} {v:.2f}" for k, v in report["plan_vs_rehearsal"].items() if v is not None)
+    console.print(f"plan per GPU: {plan['peak'] / gib:.2f} GiB; plan ÷ rehearsal (heaviest rank): {ratios}")
+    for over in report["over_capacity"]:
+        console.print(f"[red]rank {over['rank']} needs {over['peak_bytes'] / gib:.1f} GiB, more than the "
+                      f"accelerator's {report['accelerator_memory_bytes'] / gib:.1f} GiB (largest: {over['category']})")
+
+
+def run(*, console: Any, spec: JobSpec, world: int | None, ranks: str | None, json_out: Path | None) -> None:
+    """The CLI entry point: exit 0 when every rehearsed rank fits the accelerator, 1 when one does not."""
+    par = spec.parallelism
+    world_size = world or par.data_parallel * par.tensor_parallel * par.pipeline_parallel
+    report = rehearse(spec, world_size=world, ranks=parse_ranks(ranks, world_size=world_size))
+    render(report, console=console)
+    target = json_out or Path("rehearsal.json")
+    write_json(report, target)
+    console.print(f"wrote {target}")
+    if not report["fits"]:
+        raise SystemExit(1)
