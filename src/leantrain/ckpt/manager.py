@@ -48,9 +48,9 @@ from leantrain.ckpt.loading import ResumeCheck
 from leantrain.ckpt.loading import load as load_checkpoint
 from leantrain.ckpt.policy import AutoInterval, PreemptionHandler, job_mtbf_s, planned_auto_interval
 from leantrain.ckpt.storage import Store, open_store
+from leantrain.parallel.comm import control_backend
 from leantrain.security import AuditLog
 from leantrain.spec import resolve_secret
-from leantrain.parallel.comm import control_backend
 
 if TYPE_CHECKING:
     from leantrain.spec import JobSpec

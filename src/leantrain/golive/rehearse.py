@@ -30,13 +30,13 @@ import numpy as np
 
 from leantrain.errors import UserInputError
 from leantrain.golive.rehearse_probes import (
+    Broadcasts,
     CollectiveRecorder,
     FileReads,
     HostSyncCounter,
     Probes,
     StepLog,
     group_labels,
-    Broadcasts,
     object_collectives,
 )
 from leantrain.hardware import accelerator_memory_bytes
@@ -78,7 +78,6 @@ def resolve_target(spec: JobSpec, *, world_size: int | None, ranks: list[int] | 
             "budget": spec.budget.model_copy(update={"num_gpus": world})})
     _par, dims = layout_for_run(spec, world_size=world)
     per_stage = world // dims.pp
-    stage_of_rank = {r: r // per_stage for r in range(0, world, per_stage)}
     chosen = ranks if ranks else sorted({0, world - 1, *(s * per_stage for s in range(dims.pp))})
     for rank in chosen:
         if not 0 <= rank < world:
@@ -95,7 +94,7 @@ def rehearsal_spec(spec: JobSpec, *, data_dir: Path, run_dir: Path) -> JobSpec:
     monitoring = spec.monitoring.model_copy(update={"log_every": None, "tensorboard": False})
     data = spec.data.model_copy(update={"dir": str(data_dir)})
     run = spec.run.model_copy(update={"dir": str(run_dir)})
-    checkpoint = spec.checkpoint.model_copy(update={"storage": "local", "memory_interval_steps": None})
+    checkpoint = spec.checkpoint.model_copy(update={"storage": "local", "url": None, "memory_interval_steps": None})
     return spec.model_copy(update={"training": training, "monitoring": monitoring, "data": data, "run": run,
                                    "checkpoint": checkpoint})
 

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -50,7 +51,6 @@ OP_NAMES = {
     "scatter_": "scatter", "reduce_": "reduce",
 }
 VIEW_OPS = {aten.select.int, aten.slice.Tensor, aten.alias.default, aten.view.default, aten.unbind.int}
-CONSTANT_MAX_NUMEL = 64  # torch.tensor([...]) of up to this many numbers keeps its value (flags, counters)
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # src/leantrain
 SYNC_OPS = {
     aten._local_scalar_dense.default: "_local_scalar_dense",
@@ -145,8 +145,12 @@ class HostSyncCounter(TorchDispatchMode):
         kwargs = kwargs or {}
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor lower to its local ops, which this mode then sees
-        if func is aten.lift_fresh.default:  # torch.tensor(<Python numbers>): host data, its value stays known
-            return _with_constant(func(*args, **kwargs), args[0])
+        tensors = [*_tensors(args), *_tensors(kwargs.values())]
+        if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+            # Host data (the mesh's rank tables, torch.tensor(<Python numbers>), the sampler's batches): its
+            # values are known, so the op runs for real and nothing it reads is a device sync.
+            with unset_fake_temporarily():
+                return func(*args, **kwargs)
         name = SYNC_OPS.get(func)
         if name is None and func not in VIEW_OPS:
             self._last_site = None
@@ -166,17 +170,6 @@ class HostSyncCounter(TorchDispatchMode):
             self.probes.current.syncs[site] += 1
         self._last_site = site
         return _healthy_answer(func, args, kwargs)
-
-
-def _with_constant(fake: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
-    """Keep a small host-built tensor's value on its fake twin (fake tensors propagate such constants), so a
-    control-plane flag read back after its all-reduce is this rank's value, not a stand-in."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    if real.numel() <= CONSTANT_MAX_NUMEL and getattr(fake, "constant", None) is None:
-        with unset_fake_temporarily():
-            fake.constant = real.clone()  # type: ignore[attr-defined]
-    return fake
 
 
 def _answer_or_run(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -295,9 +288,15 @@ class Broadcasts:
 
     sent: dict[tuple[str, int], list[Any]] = field(default_factory=dict)
     calls: Counter[str] = field(default_factory=Counter)
+    # Pipeline stages' metadata (the activations' shapes and dtypes a stage sends its neighbour): every stage
+    # boundary carries the same hidden states, so what any stage sent (rank 0's first, or this rank's own
+    # latest) is what a neighbour would receive.
+    stage_meta: list[Any] = field(default_factory=list)
+    own_meta: list[Any] = field(default_factory=list)
 
     def new_rank(self) -> None:
         self.calls.clear()
+        self.own_meta.clear()
 
 
 @contextmanager
@@ -335,11 +334,27 @@ def object_collectives(probes: Probes, broadcasts: Broadcasts) -> Iterator[None]
         elif key in broadcasts.sent:
             objects[:] = pickle.loads(pickle.dumps(broadcasts.sent[key]))
 
+    def send_object_list(objects: list[Any], dst: int | None = None, group: Any = None, device: Any = None,
+                         group_dst: int | None = None, use_batch: bool = False) -> None:
+        probes.current.add_collective("send_object_list", label(group), len(pickle.dumps(objects)))
+        copy = pickle.loads(pickle.dumps(objects))
+        broadcasts.own_meta.append(copy)
+        if not broadcasts.stage_meta:
+            broadcasts.stage_meta.append(copy)
+
+    def recv_object_list(objects: list[Any], src: int | None = None, group: Any = None, device: Any = None,
+                         group_src: int | None = None, use_batch: bool = False) -> None:
+        known = broadcasts.own_meta or broadcasts.stage_meta
+        if known:
+            objects[:] = pickle.loads(pickle.dumps(known[-1]))
+        probes.current.add_collective("recv_object_list", label(group), len(pickle.dumps(objects)))
+
     def barrier(group: Any = None, **kwargs: Any) -> None:
         probes.current.add_collective("barrier", label(group), 0)
 
     with mock.patch.multiple(dist, all_gather_object=all_gather_object, gather_object=gather_object,
-                             broadcast_object_list=broadcast_object_list, barrier=barrier):
+                             broadcast_object_list=broadcast_object_list, barrier=barrier,
+                             send_object_list=send_object_list, recv_object_list=recv_object_list):
         yield
 
 

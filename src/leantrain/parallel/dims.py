@@ -17,8 +17,8 @@ import warnings
 from dataclasses import dataclass, field
 
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from leantrain.errors import UserInputError
 from leantrain.spec.schema import JobSpec, ParallelismSpec

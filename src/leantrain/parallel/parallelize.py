@@ -31,6 +31,7 @@ from leantrain.parallel.expert import apply_expert_parallel, finish_expert_grads
 from leantrain.parallel.fsdp import apply_fsdp, uses_bf16_compute
 from leantrain.parallel.pipeline import (
     StageGroup,
+    StageIO,
     StageModule,
     broadcast_loss,
     build_schedule,
@@ -354,9 +355,18 @@ def parallelize(
         cpu_offload=par.cpu_offload and use_fsdp, grad_sync=par.grad_sync, fsdp=use_fsdp,
     )
     if dims.pp > 1:
+        bf16_matmuls = result.fsdp_mixed_precision or param_dtype == torch.bfloat16 or (
+            spec.precision.compute in ("bf16", "fp8"))
+        shape = model.args.shape
+        io = StageIO(
+            micro_batch=spec.training.micro_batch, seq_len=spec.data.seq_len,
+            local_seq_len=spec.data.seq_len // dims.tp if par.sequence_parallel and dims.tp > 1 else spec.data.seq_len,
+            d_model=shape.d_model, vocab_size=shape.vocab_size,
+            hidden_dtype=torch.bfloat16 if result.fsdp_mixed_precision else param_dtype,
+            logits_dtype=torch.bfloat16 if bf16_matmuls else param_dtype)
         result.stages, result.schedule = build_schedule(
             [(i, m) for (i, _), m in zip(stage_modules, parts, strict=True)], pp_mesh=mesh["pp"],
             schedule=par.pipeline_schedule, num_microbatches=num_microbatches, device=device,
-            loss_fn=result._schedule_loss,
+            loss_fn=result._schedule_loss, stage_io=io,
         )
     return result

@@ -19,6 +19,7 @@ stages' detached aux sums are added over the pipeline group for logging (`aux_lo
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -146,6 +147,35 @@ def token_loss_fn(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
 
+@dataclass(frozen=True)
+class StageIO:
+    """What flows between stages: tokens into the first, hidden states between, logits out of the last.
+
+    Hidden states are this rank's local tensor (the sequence split over TP ranks under sequence parallelism) in
+    the dtype the blocks compute in: bf16 when FSDP gathers bf16 weights, else the master dtype (under autocast
+    the residual stream stays fp32). Logits are bf16 whenever matmuls run in bf16.
+    """
+
+    micro_batch: int
+    seq_len: int
+    local_seq_len: int
+    d_model: int
+    vocab_size: int
+    hidden_dtype: torch.dtype
+    logits_dtype: torch.dtype
+
+    def args(self, index: int, num_stages: int) -> dict[str, torch.Tensor]:
+        meta = torch.device("meta")
+        # requires_grad: torch sets up the backward sends and receives for the tensors that carry gradients
+        hidden = torch.empty(self.micro_batch, self.local_seq_len, self.d_model, dtype=self.hidden_dtype,
+                             device=meta, requires_grad=True)
+        tokens = torch.empty(self.micro_batch, self.seq_len, dtype=torch.long, device=meta)
+        logits = torch.empty(self.micro_batch, self.seq_len, self.vocab_size, dtype=self.logits_dtype, device=meta,
+                             requires_grad=True)
+        return {"input_args": tokens if index == 0 else hidden,
+                "output_args": logits if index == num_stages - 1 else hidden}
+
+
 def build_schedule(
     stage_modules: list[tuple[int, nn.Module]],
     *,
@@ -154,8 +184,13 @@ def build_schedule(
     num_microbatches: int,
     device: torch.device,
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = token_loss_fn,
+    stage_io: StageIO | None = None,
 ) -> tuple[list[PipelineStage], _PipelineSchedule]:
-    """PipelineStage objects for this rank's modules and the schedule that runs them."""
+    """PipelineStage objects for this rank's modules and the schedule that runs them.
+
+    `stage_io` gives each stage its input and output as meta tensors (static mode): no stage waits for its
+    neighbour's shapes at the first step (torch's dynamic inference is a chain of P2P calls along the pipeline).
+    """
     pp = pp_mesh.size()
     num_stages = pp * len(stage_modules)
     if schedule != "interleaved_1f1b" and len(stage_modules) != 1:
@@ -166,7 +201,9 @@ def build_schedule(
             f"{num_microbatches}): raise training.global_batch_tokens or lower training.micro_batch"
         )
     group = pp_mesh.get_group()
-    stages = [PipelineStage(module, index, num_stages, device, group=group) for index, module in stage_modules]
+    stages = [PipelineStage(module, index, num_stages, device, group=group,
+                            **(stage_io.args(index, num_stages) if stage_io is not None else {}))
+              for index, module in stage_modules]
     cls = SCHEDULES[schedule]
     if schedule == "interleaved_1f1b":
         return stages, cls(stages, n_microbatches=num_microbatches, loss_fn=loss_fn)
