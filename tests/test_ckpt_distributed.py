@@ -60,7 +60,8 @@ def _worker(rank: int, world_size: int, phase: str, root: str) -> None:
     out = Path(root)
     dist.init_process_group("gloo", init_method=f"file://{out}/rdzv-{phase}", rank=rank, world_size=world_size)
     torch.manual_seed(100 + rank)  # per-rank data and dropout streams, as in data-parallel training
-    spec = make_spec(checkpoint={"interval_steps": 2, "keep_last": 5})
+    # Agreement on every step (the default is every 50): the request below is agreed at step 3.
+    spec = make_spec(checkpoint={"interval_steps": 2, "keep_last": 5}, fault={"preempt_check_every": 1})
     ckpt = CheckpointManager(spec, run_dir=out / "run", rank=rank, world_size=world_size)
     if phase == "save":
         app = _app(rank, world_size, seed=0)

@@ -13,9 +13,9 @@ import json
 import os
 import platform
 import time
-from typing import Any
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from leantrain.errors import UserInputError
 

@@ -150,11 +150,14 @@ def _planned_save(records: list[dict[str, Any]], probes: Probes) -> Any:
     """CheckpointManager.save replaced by DCP's save planning: this rank's write items and bytes, no files."""
 
     def save(manager: Any, step: int, app_state: dict[str, Any], *, blocking: bool | None = None) -> None:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
         from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
         from leantrain.ckpt.dcp_io import build_state_dict
 
-        with probes.paused():
+        # Planning reads shapes and offsets only; torch's offset arithmetic builds small host tensors, which
+        # must be real (under the fake mode they would be fake and every read of them a stand-in).
+        with probes.paused(), unset_fake_temporarily():
             state = build_state_dict(app_state)
             planner = DefaultSavePlanner()
             planner.set_up_planner(state, is_coordinator=manager.rank == 0)
@@ -201,6 +204,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
     saves: list[dict[str, Any]] = []
     mem = _step_mem_tracker()
     steps_done: list[int] = []
+    resident: dict[str, int] = {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         root = scratch
@@ -225,13 +229,20 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
             step_fn = trainer.train_step
 
             def watched_step() -> Any:
-                steps_done.append(trainer.step + 1)
-                probes.new_phase(f"step{trainer.step + 1}")
-                if trainer.step + 1 == 2:  # steady state from here: states exist, memory is tracked
-                    stack.enter_context(mem)
-                return step_fn()
+                number = trainer.step + 1
+                steps_done.append(number)
+                probes.new_phase(f"step{number}")
+                if number != 2:
+                    return step_fn()
+                with mem:  # the steady step: optimizer states exist; its peak is the run's
+                    result = step_fn()
+                resident.update(_resident_bytes(trainer))
+                return result
 
             trainer.train_step = watched_step  # type: ignore[method-assign]
+            # The collective timer profiles a logged step with torch.profiler: under fake tensors there is no
+            # time to measure, and parsing the profile is most of a rehearsed step's cost.
+            trainer._comm_measured = lambda: False  # type: ignore[method-assign]
             checkpoint_log = StepLog()  # the manager's calls are counted over the control window instead
             hook = trainer.checkpointer
             save_fn = hook.maybe_save
@@ -248,7 +259,6 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
             hook.maybe_save = save_fn  # type: ignore[method-assign]
             control_window = _control_window(trainer)
             peak = mem.get_tracker_snapshot("peak")
-            current = mem.get_tracker_snapshot("current")
             stage = trainer.parallel.mesh["pp"].get_local_rank() if trainer.parallel.mesh is not None else 0
             trainer.close()  # checkpointer, metrics, then the process group (fake_world tolerates that)
     labels = comm_mode.group_names
@@ -256,12 +266,36 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
     return {
         "rank": rank,
         "pipeline_stage": stage,
-        "memory_bytes": _memory(peak.get(device, {}), current.get(device, {})),
+        "memory_bytes": _memory(peak.get(device, {}), resident),
         **_per_step(probes, labels=labels, control_window=control_window),
         "startup": _startup(files, probes.phase("startup"), labels=labels, startup_s=startup_s),
         "checkpoint_save": saves[-1] if saves else None,
         "rehearsal_s": {"startup": round(startup_s, 3), "step": round(step_s, 3)},
     }
+
+
+class RehearsalError(UserInputError):
+    """A code path of the trainer that cannot run under fake tensors (exit 2, naming it)."""
+
+
+def _rehearse_or_explain(target: RehearsalTarget, **kwargs: Any) -> dict[str, Any]:
+    """`rehearse_rank`, with a failure that is not the user's input turned into one line naming the code path."""
+    import traceback
+
+    from leantrain.errors import LeantrainError
+
+    try:
+        return rehearse_rank(target, **kwargs)
+    except LeantrainError:
+        raise
+    except Exception as err:  # noqa: BLE001 - any failure inside the trainer under fake tensors is reported
+        frames = [f for f in traceback.extract_tb(err.__traceback__) if "/leantrain/" in f.filename
+                  and "/golive/rehearse" not in f.filename]
+        where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno} ({frames[-1].name})" if frames else "torch"
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise RehearsalError(
+            f"rank {kwargs['rank']}: the trainer's code at {where} cannot run under fake tensors: "
+            f"{type(err).__name__}: {first}") from None
 
 
 def _control_window(trainer: Any) -> int:
@@ -277,16 +311,34 @@ def _control_window(trainer: Any) -> int:
     return CONTROL_WINDOW_STEPS
 
 
-def _memory(peak: dict[str, int], current: dict[str, int]) -> dict[str, int]:
-    """MemTracker's categories in rehearsal.json's names: resident state now, activations/temp at the peak."""
-    return {
-        "params": int(current.get("Parameter", 0)) + int(current.get("Buffer", 0)),
-        "grads": int(peak.get("Gradient", 0)),
-        "optimizer": int(current.get("Optstate", 0)),
-        "activations": int(peak.get("Activation", 0)),
-        "temp": int(peak.get("Temp", 0)) + int(peak.get("Other", 0)),
-        "peak": int(peak.get("Total", 0)),
-    }
+def _resident_bytes(trainer: Any) -> dict[str, int]:
+    """This rank's parameters (and buffers), gradients and optimizer states after a step, from the tensors."""
+    from torch.distributed.tensor import DTensor
+
+    def local_bytes(tensor: Any) -> int:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return local.numel() * local.element_size()
+
+    params = grads = 0
+    for part in trainer.parallel.parts:
+        params += sum(local_bytes(b) for b in part.buffers())
+    for param in trainer.parallel.parameters():
+        params += local_bytes(param)
+        if param.grad is not None:
+            grads += local_bytes(param.grad)
+    optimizer = sum(local_bytes(v) for state in trainer.optimizer.state.values() for v in state.values()
+                    if hasattr(v, "numel") and v.dim() > 0)
+    return {"params": params, "grads": grads, "optimizer": optimizer}
+
+
+def _memory(peak: dict[str, int], resident: dict[str, int]) -> dict[str, int]:
+    """rehearsal.json's categories: resident state measured from the tensors, the peak and its activations from
+    MemTracker, and `temp` what else was live at the peak (activation gradients, gathered weights, buffers)."""
+    total = int(peak.get("Total", 0))
+    activations = int(peak.get("Activation", 0))
+    state = resident.get("params", 0) + resident.get("grads", 0) + resident.get("optimizer", 0)
+    return {**{k: int(resident.get(k, 0)) for k in ("params", "grads", "optimizer")},
+            "activations": activations, "temp": max(0, total - state - activations), "peak": max(total, state)}
 
 
 def _collectives(log: StepLog, *, labels: dict[str, str], control: bool) -> list[dict[str, Any]]:
@@ -343,16 +395,25 @@ def _startup(files: FileReads, log: StepLog, *, labels: dict[str, str], startup_
     }
 
 
-def planned_memory(spec: JobSpec, *, world_size: int, num_microbatches: int) -> dict[str, float]:
-    """The planner's per-GPU memory for this very layout, by rehearsal.json's categories."""
+def planned_memory(spec: JobSpec, *, world_size: int, num_microbatches: int,
+                   stage: int | None = None) -> dict[str, float]:
+    """The planner's per-GPU memory for this very layout (the heaviest stage, or `stage`), by rehearsal.json's
+    categories (`temp` is the planner's buffers: gathered weights, logits, framework reserve)."""
     from leantrain.plan.inputs import plan_inputs
     from leantrain.plan.layout import layout_from_spec
-    from leantrain.plan.memory import memory_per_gpu
+    from leantrain.plan.memory import memory_per_gpu, stage_memory
 
     layout = layout_from_spec(spec.parallelism, spec.training, num_gpus=world_size)
-    memory = memory_per_gpu(plan_inputs(spec), layout, num_microbatches=num_microbatches)
+    inputs = plan_inputs(spec)
+    memory = (memory_per_gpu(inputs, layout, num_microbatches=num_microbatches) if stage is None
+              else stage_memory(inputs, layout, stage=stage, num_microbatches=num_microbatches))
     return {"params": memory.params, "grads": memory.grads, "optimizer": memory.optimizer,
-            "activations": memory.activations, "temp": memory.buffers, "peak": memory.total}
+            "activations": memory.activations, "temp": memory.buffers, "peak": memory.total,
+            "stage": memory.stage}
+
+
+def _ratios(plan: dict[str, float], memory: dict[str, int]) -> dict[str, float | None]:
+    return {k: (plan[k] / memory[k] if memory[k] else None) for k in (*MEMORY_KEYS, "peak")}
 
 
 def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] | None = None,
@@ -362,6 +423,9 @@ def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] |
 
     target = resolve_target(spec, world_size=world_size, ranks=ranks)
     capacity = accelerator_memory_bytes(spec.hardware)
+    if capacity <= 0:
+        raise UserInputError(f"hardware.accelerator {spec.hardware.accelerator} has no known memory: set "
+                             "hardware.memory_gb")
     if data_dir is None and (Path(spec.data.dir) / "manifest.json").is_file():
         data_dir = Path(spec.data.dir)
     par, dims = layout_for_run(target.spec, world_size=target.world_size)
@@ -372,12 +436,17 @@ def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] |
     with tempfile.TemporaryDirectory(prefix="leantrain-rehearse-") as scratch:
         synthetic = data_dir is None
         data = synthetic_data_dir(target.spec, root=Path(scratch)) if data_dir is None else data_dir
-        rank_reports = [rehearse_rank(target, rank=r, data_dir=data, scratch=Path(scratch), broadcasts=broadcasts)
+        rank_reports = [_rehearse_or_explain(target, rank=r, data_dir=data, scratch=Path(scratch),
+                                             broadcasts=broadcasts)
                         for r in sorted({0, *target.ranks})]
     plan = planned_memory(run_spec, world_size=target.world_size, num_microbatches=num_microbatches)
+    for report in rank_reports:  # each rank against the plan of its own pipeline stage
+        report["plan_memory_bytes"] = planned_memory(run_spec, world_size=target.world_size,
+                                                     num_microbatches=num_microbatches,
+                                                     stage=report["pipeline_stage"])
+        report["plan_vs_rehearsal"] = _ratios(report["plan_memory_bytes"], report["memory_bytes"])
     heaviest = max(rank_reports, key=lambda r: r["memory_bytes"]["peak"])
-    ratios = {k: (plan[k] / heaviest["memory_bytes"][k] if heaviest["memory_bytes"][k] else None)
-              for k in (*MEMORY_KEYS, "peak")}
+    ratios = heaviest["plan_vs_rehearsal"]
     over = [(r["rank"], r["memory_bytes"]["peak"]) for r in rank_reports if r["memory_bytes"]["peak"] > capacity]
     return {
         "world_size": target.world_size,

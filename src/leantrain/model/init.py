@@ -39,8 +39,8 @@ def _trunc_normal(tensor: torch.Tensor, generator: torch.Generator, *, std: floa
     torch 2.13's `nn.init.trunc_normal_` rejection-samples and reads `mask.any()` on the host in a loop: a
     device-to-host sync per parameter on CUDA, and a loop a fake-tensor rehearsal cannot run.
     """
-    low, high = (1.0 + math.erf(-cutoff / std / math.sqrt(2.0))) / 2.0, (1.0 + math.erf(cutoff / std / math.sqrt(2.0))) / 2.0
-    tensor.uniform_(2 * low - 1, 2 * high - 1, generator=generator)
+    bound = math.erf(cutoff / std / math.sqrt(2.0))  # 2·Φ(cutoff/std) − 1: the uniform range that maps inside
+    tensor.uniform_(-bound, bound, generator=generator)
     tensor.erfinv_().mul_(std * math.sqrt(2.0)).clamp_(min=-cutoff, max=cutoff)
 
 

@@ -220,23 +220,28 @@ def _candidate_stages(layers: list[int]) -> list[int]:
 
 def memory_per_gpu(inputs: PlanInputs, layout: Layout, *, num_microbatches: int) -> MemoryBreakdown:
     """Memory on the heaviest GPU for a layout (see the module docstring for every convention)."""
-    shape = inputs.shape
-    layers = stage_layers(shape.n_layers, layout.pp)
+    layers = stage_layers(inputs.shape.n_layers, layout.pp)
     best: MemoryBreakdown | None = None
     for stage in _candidate_stages(layers):
-        first_layer = sum(layers[:stage])
-        last = stage == layout.pp - 1
-        sp = stage_params(shape, layout, layers=layers[stage], first=stage == 0, last=last,
-                          first_layer=first_layer)
-        params, grads, optimizer, gather = _states(inputs, layout, sp, num_microbatches=num_microbatches)
-        activations, logits = _stage_activations(inputs, layout, layers=layers[stage], first_layer=first_layer,
-                                                 stage=stage, last=last, num_microbatches=num_microbatches)
-        buffers = inputs.framework_reserve_bytes + logits + gather
-        if not gather and layout.dp > 1:
-            buffers += DDP_BUCKET_BYTES
-        mem = MemoryBreakdown(params=params, grads=grads, optimizer=optimizer, activations=activations,
-                              buffers=buffers, capacity=inputs.memory_bytes, stage=stage)
+        mem = stage_memory(inputs, layout, stage=stage, num_microbatches=num_microbatches)
         if best is None or mem.total > best.total:
             best = mem
     assert best is not None
     return best
+
+
+def stage_memory(inputs: PlanInputs, layout: Layout, *, stage: int, num_microbatches: int) -> MemoryBreakdown:
+    """Memory on a GPU of pipeline stage `stage` (its first chunk under interleaving)."""
+    shape = inputs.shape
+    layers = stage_layers(shape.n_layers, layout.pp)
+    first_layer = sum(layers[:stage])
+    last = stage == layout.pp - 1
+    sp = stage_params(shape, layout, layers=layers[stage], first=stage == 0, last=last, first_layer=first_layer)
+    params, grads, optimizer, gather = _states(inputs, layout, sp, num_microbatches=num_microbatches)
+    activations, logits = _stage_activations(inputs, layout, layers=layers[stage], first_layer=first_layer,
+                                             stage=stage, last=last, num_microbatches=num_microbatches)
+    buffers = inputs.framework_reserve_bytes + logits + gather
+    if not gather and layout.dp > 1:
+        buffers += DDP_BUCKET_BYTES
+    return MemoryBreakdown(params=params, grads=grads, optimizer=optimizer, activations=activations,
+                           buffers=buffers, capacity=inputs.memory_bytes, stage=stage)

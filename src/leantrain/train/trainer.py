@@ -196,9 +196,12 @@ class Trainer:
         return tokens[:, :-1], torch.stack([targets, sources], dim=-1)
 
     def _comm_measured(self) -> bool:
-        """Profile the collectives of this step? Only steps that get logged, and only with several ranks."""
+        """Profile the collectives of this step? Only steps that get logged, only with several ranks, and only on
+        the first rank of each node (the profiler's cost is paid where `comm_s` is read: rank 0 logs it, one rank
+        per node keeps a per-node view for a future straggler report)."""
         next_step = self.step + 1
-        return self.runtime.distributed and (next_step % self.log_every == 0 or next_step == self.max_steps)
+        logged = next_step % self.log_every == 0 or next_step == self.max_steps
+        return self.runtime.distributed and self.runtime.local_rank == 0 and logged
 
     def train_step(self) -> StepResult:
         """One optimizer step over `accum_steps` micro-batches (mean of their losses = one big batch's)."""
