@@ -28,7 +28,7 @@ from unittest import mock
 
 import numpy as np
 
-from leantrain.errors import UserInputError
+from leantrain.errors import LeantrainError, UserInputError
 from leantrain.golive.rehearse_probes import (
     Broadcasts,
     CollectiveRecorder,
@@ -36,6 +36,7 @@ from leantrain.golive.rehearse_probes import (
     HostSyncCounter,
     Probes,
     StepLog,
+    balanced_expert_splits,
     group_labels,
     object_collectives,
 )
@@ -216,6 +217,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
             stack.enter_context(mock.patch.object(CheckpointManager, "save", _planned_save(saves, probes)))
             broadcasts.new_rank()
             stack.enter_context(object_collectives(probes, broadcasts))
+            stack.enter_context(balanced_expert_splits(probes))
             startup_s = time.perf_counter()
             with files.watch():
                 stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
@@ -274,6 +276,12 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
     }
 
 
+class RehearsalDoesNotFit(LeantrainError):
+    """A rehearsed rank needs more memory than its accelerator has (exit 1: the check failed)."""
+
+    exit_code = 1
+
+
 class RehearsalError(UserInputError):
     """A code path of the trainer that cannot run under fake tensors (exit 2, naming it)."""
 
@@ -281,8 +289,6 @@ class RehearsalError(UserInputError):
 def _rehearse_or_explain(target: RehearsalTarget, **kwargs: Any) -> dict[str, Any]:
     """`rehearse_rank`, with a failure that is not the user's input turned into one line naming the code path."""
     import traceback
-
-    from leantrain.errors import LeantrainError
 
     try:
         return rehearse_rank(target, **kwargs)
@@ -296,6 +302,68 @@ def _rehearse_or_explain(target: RehearsalTarget, **kwargs: Any) -> dict[str, An
         raise RehearsalError(
             f"rank {kwargs['rank']}: the trainer's code at {where} cannot run under fake tensors: "
             f"{type(err).__name__}: {first}") from None
+
+
+def _rank_worker(target: RehearsalTarget, rank: int, data_dir: Path, scratch: Path,
+                 broadcasts: Broadcasts) -> tuple[str, Any, Broadcasts]:
+    """One rank in a process of its own: ("ok", report, what it broadcast) or ("error", message, ...)."""
+    try:
+        report = _rehearse_or_explain(target, rank=rank, data_dir=data_dir, scratch=scratch, broadcasts=broadcasts)
+    except UserInputError as err:
+        return "error", str(err), broadcasts
+    return "ok", report, broadcasts
+
+
+def forget_torch_caches() -> None:
+    """Drop what torch caches per device mesh (DTensor's sharding propagation and redistribution plans): a
+    second fake world in this process would find the first one's process groups in them."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    for name in dir(_redistribute):
+        cached = getattr(_redistribute, name)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    getattr(_redistribute, "_planner_cache", {}).clear()
+
+
+def _rehearse_ranks(target: RehearsalTarget, *, ranks: list[int], data_dir: Path,
+                    scratch: Path, isolated: bool = True) -> list[dict[str, Any]]:
+    """Rank 0 first (the source of the checkpoint manager's agreements: the others receive what it broadcast),
+    then the rest side by side, each in a fresh spawned process: torch caches device meshes and redistribution
+    plans per process, and a second fake world in the same process would find the first one's groups."""
+    import concurrent.futures
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    reports: list[dict[str, Any]] = []
+    if not isolated:  # in this process, one rank after another (what a test that patches the trainer needs)
+        broadcasts = Broadcasts()
+        for rank in ranks:
+            forget_torch_caches()
+            reports.append(_rehearse_or_explain(target, rank=rank, data_dir=data_dir, scratch=scratch,
+                                                broadcasts=broadcasts))
+        forget_torch_caches()
+        return reports
+
+    def take(outcome: tuple[str, Any, Broadcasts]) -> Broadcasts:
+        status, value, sent = outcome
+        if status != "ok":
+            raise RehearsalError(value)
+        reports.append(value)
+        return sent
+
+    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
+        broadcasts = take(pool.submit(_rank_worker, target, 0, data_dir, scratch, Broadcasts()).result())
+    rest = [r for r in ranks if r != 0]
+    if rest:
+        workers = max(1, min(len(rest), os.cpu_count() or 1))
+        with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
+            for outcome in pool.map(_rank_worker, *zip(*[(target, r, data_dir, scratch, broadcasts) for r in rest],
+                                                       strict=True)):
+                take(outcome)
+    return reports
 
 
 def _control_window(trainer: Any) -> int:
@@ -417,8 +485,9 @@ def _ratios(plan: dict[str, float], memory: dict[str, int]) -> dict[str, float |
 
 
 def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] | None = None,
-             data_dir: Path | None = None) -> dict[str, Any]:
-    """rehearsal.json for `spec` (see docs/rehearse.md)."""
+             data_dir: Path | None = None, isolated: bool = True) -> dict[str, Any]:
+    """rehearsal.json for `spec` (see docs/rehearse.md). `isolated`: each rank in a fresh spawned process (the
+    default); False runs them in this process one after another (tests that patch the trainer)."""
     from leantrain.parallel.dims import layout_for_run
 
     target = resolve_target(spec, world_size=world_size, ranks=ranks)
@@ -432,13 +501,11 @@ def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] |
     run_spec = target.spec.model_copy(update={"parallelism": par})
     per_micro = run_spec.training.micro_batch * run_spec.data.seq_len * dims.dp
     num_microbatches = max(1, run_spec.training.global_batch_tokens // per_micro)
-    broadcasts = Broadcasts()  # rank 0 first: it is the source of the checkpoint manager's agreements
     with tempfile.TemporaryDirectory(prefix="leantrain-rehearse-") as scratch:
         synthetic = data_dir is None
         data = synthetic_data_dir(target.spec, root=Path(scratch)) if data_dir is None else data_dir
-        rank_reports = [_rehearse_or_explain(target, rank=r, data_dir=data, scratch=Path(scratch),
-                                             broadcasts=broadcasts)
-                        for r in sorted({0, *target.ranks})]
+        rank_reports = _rehearse_ranks(target, ranks=sorted({0, *target.ranks}), data_dir=data,
+                                       scratch=Path(scratch), isolated=isolated)
     plan = planned_memory(run_spec, world_size=target.world_size, num_microbatches=num_microbatches)
     for report in rank_reports:  # each rank against the plan of its own pipeline stage
         report["plan_memory_bytes"] = planned_memory(run_spec, world_size=target.world_size,
@@ -511,9 +578,6 @@ def render(report: dict[str, Any], *, console: Any) -> None:
     plan = report["plan"]
     ratios = ", ".join(f"{k} {v:.2f}" for k, v in report["plan_vs_rehearsal"].items() if v is not None)
     console.print(f"plan per GPU: {plan['peak'] / gib:.2f} GiB; plan ÷ rehearsal (heaviest rank): {ratios}")
-    for over in report["over_capacity"]:
-        console.print(f"[red]rank {over['rank']} needs {over['peak_bytes'] / gib:.1f} GiB, more than the "
-                      f"accelerator's {report['accelerator_memory_bytes'] / gib:.1f} GiB (largest: {over['category']})")
 
 
 def run(*, console: Any, spec: JobSpec, world: int | None, ranks: str | None, json_out: Path | None) -> None:
@@ -526,4 +590,8 @@ def run(*, console: Any, spec: JobSpec, world: int | None, ranks: str | None, js
     write_json(report, target)
     console.print(f"wrote {target}")
     if not report["fits"]:
-        raise SystemExit(1)
+        gib = 2**30
+        raise RehearsalDoesNotFit("; ".join(
+            f"rank {o['rank']} needs {o['peak_bytes'] / gib:.2f} GiB, more than {spec.hardware.accelerator}'s "
+            f"{report['accelerator_memory_bytes'] / gib:.2f} GiB (largest: {o['category']})"
+            for o in report["over_capacity"]))

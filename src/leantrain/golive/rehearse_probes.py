@@ -421,3 +421,23 @@ def _rchar() -> int:
     except OSError:
         pass
     return 0
+
+
+@contextmanager
+def balanced_expert_splits(probes: Probes) -> Iterator[None]:
+    """Expert parallelism's all-to-all split sizes (`leantrain.parallel.expert.host_splits`, a host read of the
+    routed counts) as a balanced router would give them: the rows spread evenly over the EP ranks. The read is
+    counted as the host sync it is."""
+    from unittest import mock
+
+    from leantrain.parallel import expert
+
+    def balanced(send_counts: torch.Tensor, recv_counts: torch.Tensor, *, num_rows: int) -> tuple[list[int], list[int]]:
+        if probes.counting:
+            probes.current.syncs[f"{call_site()} expert split sizes (.tolist)"] += 1
+        ep = send_counts.shape[0]
+        splits = [num_rows // ep + (1 if i < num_rows % ep else 0) for i in range(ep)]
+        return splits, list(splits)
+
+    with mock.patch.object(expert, "host_splits", balanced):
+        yield

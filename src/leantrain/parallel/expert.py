@@ -59,15 +59,24 @@ def _dispatch(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> t
     # recv_counts[s, j]: rows rank s sends to this rank's j-th expert.
     recv_counts = torch.empty_like(counts)
     dist.all_to_all_single(recv_counts, counts, group=group)
-    send_splits = counts.view(ep, num_local).sum(dim=1).tolist()
     recv_counts = recv_counts.view(ep, num_local)
-    recv_splits = recv_counts.sum(dim=1).tolist()
+    send_splits, recv_splits = host_splits(counts.view(ep, num_local), recv_counts, num_rows=x_sorted.shape[0])
     received = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group)  # (rows_in, d_model)
     local_ids = torch.arange(num_local, device=counts.device).repeat(ep)
-    local_ids = local_ids.repeat_interleave(recv_counts.flatten())  # (rows_in,), by source rank then expert
+    # (rows_in,), by source rank then expert; the size is known, so no second read of the counts
+    local_ids = local_ids.repeat_interleave(recv_counts.flatten(), output_size=sum(recv_splits))
     order = local_ids.argsort(stable=True)
     module._ep_state = (order, send_splits, recv_splits, group)  # read by _combine
     return received[order], local_ids[order], recv_counts.sum(dim=0)
+
+
+def host_splits(send_counts: torch.Tensor, recv_counts: torch.Tensor, *, num_rows: int) -> tuple[list[int], list[int]]:
+    """Rows this rank sends to and receives from each EP rank ((ep, local experts) counts), read on the host in one
+    transfer: a dropless all-to-all needs its split sizes on the host (one sync per MoE layer and micro-batch, as
+    torchtitan's token dispatch). `num_rows` (rows sent in all) is what `leantrain rehearse` splits evenly."""
+    del num_rows
+    send, recv = torch.stack([send_counts.sum(dim=1), recv_counts.sum(dim=1)]).tolist()
+    return [int(n) for n in send], [int(n) for n in recv]
 
 
 def _combine(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:

@@ -138,10 +138,13 @@ def moe_balance(counts: torch.Tensor, *, aux_loss: float, balance: str) -> dict[
     counts = counts.double()  # (moe_layers, experts)
     ratio = counts.max(dim=1).values / counts.min(dim=1).values.clamp(min=1.0)
     share = counts / counts.sum(dim=1, keepdim=True).clamp(min=1.0)
+    worst_over_mean = (share.max(dim=1).values * counts.shape[1]).max()
+    # one transfer for the whole record (a logging step's single host read of the expert loads)
+    shares, (max_over_min, max_over_mean) = share.tolist(), torch.stack([ratio.max(), worst_over_mean]).tolist()
     record: dict[str, Any] = {
-        "moe_load_max_over_min": float(ratio.max()),
-        "moe_load_max_over_mean": float((share.max(dim=1).values * counts.shape[1]).max()),
-        "moe_expert_load": [[round(float(x), 5) for x in row] for row in share],
+        "moe_load_max_over_min": max_over_min,
+        "moe_load_max_over_mean": max_over_mean,
+        "moe_expert_load": [[round(x, 5) for x in row] for row in shares],
     }
     if balance == "aux_loss":
         record["moe_aux_loss"] = aux_loss

@@ -1,0 +1,131 @@
+"""Each scale-lane pin fails when its defect is planted: a rehearsal of a small 8-rank FSDP job, clean, then with
+a host sync in the step, a control-plane agreement every step, a collective per rank of the world, a rank over
+its accelerator's memory. Also the command's exit codes and rehearsal.json's fields."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from pins import (
+    EXAMPLES,
+    few_control_collectives,
+    memory_fits,
+    no_host_syncs,
+    same_collectives_at_both_sizes,
+)
+
+from leantrain.cli import main
+
+TINY = ("parallelism.data_parallel=8", "parallelism.zero_stage=3", "hardware.num_nodes=4",
+        "training.global_batch_tokens=8192", "hardware.accelerator=H100-SXM")
+
+
+def _rehearse(*extra: str, world: int | None = None) -> dict[str, Any]:
+    from leantrain.golive.rehearse import rehearse
+    from leantrain.spec import load_spec
+
+    spec = load_spec(EXAMPLES / "tiny-cpu.yaml", overrides=[*TINY, *extra])
+    return rehearse(spec, world_size=world, ranks=[0], isolated=False)  # in this process: the patches apply
+
+
+@pytest.fixture(scope="module")
+def clean() -> dict[str, Any]:
+    return _rehearse()
+
+
+def test_the_clean_job_passes_every_pin(clean: dict[str, Any]) -> None:
+    assert not memory_fits(clean) and not no_host_syncs(clean) and not few_control_collectives(clean)
+    rank = clean["ranks"][0]
+    groups = {c["group"] for c in rank["collectives_per_step"]}
+    assert groups == {"dp_shard"}, rank["collectives_per_step"]  # FSDP's gathers and scatters, the grad norm
+    assert rank["checkpoint_save"]["write_items"] > 0 and rank["startup"]["files_opened"] > 0
+
+
+def test_a_host_sync_in_the_step_is_caught_with_its_site(monkeypatch: pytest.MonkeyPatch) -> None:
+    from leantrain.train import step_metrics
+
+    add = step_metrics.LogWindow.add
+
+    def add_reading_the_loss(self: Any, result: Any) -> None:
+        float(result.loss)  # the defect: a device-to-host read every step
+        add(self, result)
+
+    monkeypatch.setattr(step_metrics.LogWindow, "add", add_reading_the_loss)
+    report = _rehearse()
+    assert no_host_syncs(report)
+    assert report["ranks"][0]["host_syncs_per_step"] == 1
+    # the site is the innermost leantrain frame: the loop's call of the (patched) window
+    assert any(site.startswith("leantrain/train/trainer.py") for site in report["ranks"][0]["host_sync_sites"])
+
+
+def test_an_agreement_every_step_is_caught(clean: dict[str, Any]) -> None:
+    report = _rehearse("fault.preempt_check_every=1")
+    assert few_control_collectives(report)
+    assert report["ranks"][0]["control_collectives_per_step"] >= 1.0
+    assert clean["ranks"][0]["control_collectives_per_step"] <= 1 / 50
+
+
+def test_a_collective_per_rank_of_the_world_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    from leantrain.parallel.parallelize import ParallelModel
+
+    finish = ParallelModel.finish_gradients
+
+    def finish_with_one_call_per_rank(self: Any) -> None:
+        flag = torch.zeros(1, device=self.device)
+        for source in range(dist.get_world_size()):  # the defect: O(world) calls per step
+            dist.broadcast(flag, src=source, group=self.mesh["dp_shard"].get_group())
+        finish(self)
+
+    monkeypatch.setattr(ParallelModel, "finish_gradients", finish_with_one_call_per_rank)
+    small = _rehearse()
+    large = _rehearse("parallelism.data_parallel=16", "hardware.num_nodes=8", "training.global_batch_tokens=16384")
+    assert small["num_microbatches"] == large["num_microbatches"]
+    found = same_collectives_at_both_sizes(small, large)
+    assert any("broadcast" in line for line in found), found
+
+
+def test_a_rank_over_its_memory_is_caught(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "rehearsal.json"
+    code = main(["rehearse", str(EXAMPLES / "tiny-cpu.yaml"), *[f"--set={s}" for s in TINY],
+                 "--set", "hardware.memory_gb=0.001", "--ranks", "0", "--json", str(out)])
+    assert code == 1
+    assert "rank 0 needs" in capsys.readouterr().err
+    report = json.loads(out.read_text())
+    assert memory_fits(report) and not report["fits"]
+    assert report["over_capacity"][0]["rank"] == 0 and report["over_capacity"][0]["category"]
+
+
+def test_rehearsal_json_has_every_field(tmp_path: Path) -> None:
+    out = tmp_path / "rehearsal.json"
+    assert main(["rehearse", str(EXAMPLES / "tiny-cpu.yaml"), *[f"--set={s}" for s in TINY],
+                 "--ranks", "0,last", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert {"world_size", "layout", "plan", "plan_vs_rehearsal", "ranks", "fits"} <= set(report)
+    assert [r["rank"] for r in report["ranks"]] == [0, 7]
+    for rank in report["ranks"]:
+        assert set(rank["memory_bytes"]) == {"params", "grads", "optimizer", "activations", "temp", "peak"}
+        assert {"collectives_per_step", "control_collectives_per_step", "host_syncs_per_step",
+                "host_sync_sites", "startup"} <= set(rank)
+        assert {"files_opened", "bytes_read", "metadata_reads"} <= set(rank["startup"])
+        assert all({"op", "group", "count", "bytes"} == set(c) for c in rank["collectives_per_step"])
+    assert set(report["plan"]) >= {"params", "grads", "optimizer", "activations", "temp", "peak"}
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--set", "parallelism.tensor_parallel=2", "--set", "parallelism.data_parallel=4", "--world", "7"],
+     "--world 7 is not divisible by parallelism.tensor_parallel"),
+    (["--world", "7"], "training.global_batch_tokens"),
+    (["--ranks", "8"], "rank 8 is outside"),
+    (["--ranks", "zero"], "--ranks"),
+])
+def test_bad_input_exits_2_naming_the_option(args: list[str], message: str, capsys: pytest.CaptureFixture[str],
+                                             tmp_path: Path) -> None:
+    code = main(["rehearse", str(EXAMPLES / "tiny-cpu.yaml"), *[f"--set={s}" for s in TINY],
+                 "--json", str(tmp_path / "r.json"), *args])
+    assert code == 2
+    assert message in capsys.readouterr().err
