@@ -26,7 +26,8 @@ from pins import (
 LLAMA_8B = ("llama3-8b-h100.yaml", ("model.n_layers=2", "fault.max_nodes=32", "parallelism.data_parallel=128",
                                     "hardware.num_nodes=16", "budget.num_gpus=128"))
 LLAMA_70B = ("llama3-8b-h100.yaml", (
-    "model.n_layers=2", "fault.max_nodes=32", "model.d_model=8192", "model.n_heads=64", "model.n_kv_heads=8", "model.ffn_hidden=28672",
+    "model.n_layers=2", "fault.max_nodes=32", "model.d_model=8192", "model.n_heads=64", "model.n_kv_heads=8",
+    "model.ffn_hidden=28672",
     "parallelism.data_parallel=32", "parallelism.tensor_parallel=8", "hardware.num_nodes=32", "budget.num_gpus=256"))
 LLAMA_405B = ("llama3-405b.yaml", (
     "model.n_layers=16", "parallelism.pipeline_schedule=1f1b", "parallelism.virtual_stages=1"))

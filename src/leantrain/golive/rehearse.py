@@ -317,8 +317,7 @@ def _rank_worker(target: RehearsalTarget, rank: int, data_dir: Path, scratch: Pa
 def forget_torch_caches() -> None:
     """Drop what torch caches per device mesh (DTensor's sharding propagation and redistribution plans): a
     second fake world in this process would find the first one's process groups in them."""
-    from torch.distributed.tensor import DTensor
-    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor import DTensor, _redistribute
 
     DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
     for name in dir(_redistribute):
