@@ -12,7 +12,7 @@ from leantrain.cli import main
 from leantrain.errors import CheckFailed, UserInputError
 from leantrain.golive.validate import run as validate_command
 from leantrain.golive.validate import validate_run, verdict
-from test_observe_scenarios import make_run
+from test_observe_scenarios import GiB, make_run
 
 
 def _by_name(run_dir: Path, **kwargs: object) -> dict[str, tuple[str, str]]:
@@ -169,3 +169,26 @@ def test_communication_share_is_of_the_profiled_step_it_was_measured_in(tmp_path
         del record["profile_step_s"]  # older runs: the window's step time
     (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
     assert "take 25%" in _by_name(run_dir)["communication share"][1]
+
+
+def _rehearsal(params: int, peak: int) -> dict[str, object]:
+    memory = {"params": params, "grads": params, "optimizer": 2 * params, "activations": 0, "temp": 0, "peak": peak}
+    return {"world_size": 2, "ranks": [{"rank": 0, "memory_bytes": memory}, {"rank": 1, "memory_bytes": memory}]}
+
+
+@pytest.mark.parametrize(("params", "peak", "ready_status", "peak_status"), [
+    (10 * GiB, 56 * GiB, "PASS", "PASS"),  # as rehearsed (the measured 60 GiB peak is 1.07× the rehearsal's)
+    (20 * GiB, 56 * GiB, "FAIL", "PASS"),  # the run holds half the parameters the rehearsal said
+    (10 * GiB, 30 * GiB, "PASS", "WARN"),  # the run peaks at twice what was rehearsed
+])
+def test_a_run_is_compared_with_its_rehearsal(tmp_path: Path, params: int, peak: int, ready_status: str,
+                                              peak_status: str) -> None:
+    from leantrain.observe.report_data import append_event
+
+    run_dir = make_run(tmp_path, "healthy")
+    assert "model_ready vs rehearsal" not in _by_name(run_dir)  # no rehearsal.json: no such check
+    append_event(run_dir, "model_ready", ranks=[{"rank": r, "param_bytes_local": 10 * GiB} for r in (0, 1)])
+    (run_dir / "rehearsal.json").write_text(json.dumps(_rehearsal(params, peak)))
+    checks = _by_name(run_dir)
+    assert checks["model_ready vs rehearsal"][0] == ready_status, checks["model_ready vs rehearsal"]
+    assert checks["step peak vs rehearsal"][0] == peak_status, checks["step peak vs rehearsal"]

@@ -51,18 +51,28 @@ def _spec(path: Path, sets: list[str] | None, profile: str | None) -> JobSpec:
     return load_spec(path, profile=profile, overrides=sets or [])
 
 
-def _stage(module: str, **kwargs: Any) -> None:
-    """Run `run(console=..., **kwargs)` of the module that owns a stage."""
-    importlib.import_module(module).run(console=console, **kwargs)
+def _stage(module: str, *, entry: str = "run", **kwargs: Any) -> None:
+    """Run `run(console=..., **kwargs)` (or another `entry`) of the module that owns a stage."""
+    getattr(importlib.import_module(module), entry)(console=console, **kwargs)
+
+
+RehearseOpt = Annotated[bool, typer.Option(
+    "--rehearse", help="Also rehearse the layout at its world size on this CPU (leantrain rehearse).")]
+RehearseJsonOpt = Annotated[Path | None, typer.Option(
+    "--rehearsal-json", help="With --rehearse: where rehearsal.json goes (default ./rehearsal.json).")]
 
 
 @app.command()
-def check(spec: SpecArg, set_: SetOpt = None, profile: ProfileOpt = None) -> None:
-    """Validate a job spec and show the resolved model shape. Reads SPEC; writes nothing."""
+def check(spec: SpecArg, set_: SetOpt = None, profile: ProfileOpt = None, rehearse: RehearseOpt = False,
+          rehearsal_json: RehearseJsonOpt = None) -> None:
+    """Validate a job spec and show the resolved model shape. Reads SPEC; writes nothing (rehearsal.json with
+    --rehearse)."""
     from leantrain.render import render_spec_summary
 
     job = _spec(spec, set_, profile)
     render_spec_summary(job, console=console)
+    if rehearse:
+        _stage("leantrain.golive.rehearse", spec=job, json_out=rehearsal_json, planned=False, entry="run_after")
 
 
 @app.command()
@@ -77,6 +87,8 @@ def plan(
     calibrate: Annotated[list[Path] | None, typer.Option(
         "--calibrate", help="Run dir of an earlier run on the same hardware (repeatable): fit the step-time "
         "constants to its measured step times first.")] = None,
+    rehearse: RehearseOpt = False,
+    rehearsal_json: RehearseJsonOpt = None,
 ) -> None:
     """Compute budget, GPU count, per-GPU memory, best layout, storage, checkpoint interval, cost.
 
@@ -88,6 +100,8 @@ def plan(
     job = _spec(spec, set_, profile)
     _stage("leantrain.plan.command", spec=job, json_out=json_out, top=top, what_if=what_if, plot=plot,
            calibrate=calibrate)
+    if rehearse:
+        _stage("leantrain.golive.rehearse", spec=job, json_out=rehearsal_json, planned=True, entry="run_after")
 
 
 @app.command()

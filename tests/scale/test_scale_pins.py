@@ -129,3 +129,13 @@ def test_bad_input_exits_2_naming_the_option(args: list[str], message: str, caps
                  "--json", str(tmp_path / "r.json"), *args])
     assert code == 2
     assert message in capsys.readouterr().err
+
+
+def test_plan_and_check_rehearse_their_layout(tmp_path: Path) -> None:
+    spec = str(EXAMPLES / "tiny-cpu.yaml")
+    assert main(["check", spec, *[f"--set={s}" for s in TINY], "--rehearse",
+                 "--rehearsal-json", str(tmp_path / "check.json")]) == 0
+    assert json.loads((tmp_path / "check.json").read_text())["world_size"] == 8  # the spec's own layout
+    assert main(["plan", spec, "--rehearse", "--rehearsal-json", str(tmp_path / "plan.json")]) == 0
+    report = json.loads((tmp_path / "plan.json").read_text())
+    assert report["world_size"] == 2 and report["ranks"][0]["memory_bytes"]["peak"] > 0  # the plan's 2 GPUs

@@ -561,17 +561,19 @@ def render(report: dict[str, Any], *, console: Any) -> None:
 
     gib = 2**30
     table = Table(title=f"rehearsal: {report['layout']} on {report['accelerator']} "
-                        f"({report['accelerator_memory_bytes'] / gib:.1f} GiB)")
-    for column in ("rank", "stage", "params", "grads", "optim", "activ", "temp", "peak GiB", "colls/step",
-                   "control/step", "syncs/step", "syncs/log", "files"):
+                        f"({report['accelerator_memory_bytes'] / gib:.1f} GiB)",
+                  caption="GiB per rank: state = params + grads + optimizer; colls, ctrl: collectives and "
+                          "control-plane calls per step; syncs: host syncs per step / per logging step")
+    for column in ("rank", "stage", "state", "act", "temp", "peak", "colls", "ctrl", "syncs", "files"):
         table.add_column(column, justify="right")
     for rank in report["ranks"]:
         mem = rank["memory_bytes"]
+        state = mem["params"] + mem["grads"] + mem["optimizer"]
         table.add_row(
             str(rank["rank"]), str(rank["pipeline_stage"]),
-            *(f"{mem[k] / gib:.2f}" for k in MEMORY_KEYS), f"{mem['peak'] / gib:.2f}",
+            *(f"{v / gib:.2f}" for v in (state, mem["activations"], mem["temp"], mem["peak"])),
             str(_count(rank["collectives_per_step"])), f"{rank['control_collectives_per_step']:.2f}",
-            str(rank["host_syncs_per_step"]), str(rank["host_syncs_per_logging_step"]),
+            f"{rank['host_syncs_per_step']}/{rank['host_syncs_per_logging_step']}",
             str(rank["startup"]["files_opened"]))
     console.print(table)
     plan = report["plan"]
@@ -594,3 +596,30 @@ def run(*, console: Any, spec: JobSpec, world: int | None, ranks: str | None, js
             f"rank {o['rank']} needs {o['peak_bytes'] / gib:.2f} GiB, more than {spec.hardware.accelerator}'s "
             f"{report['accelerator_memory_bytes'] / gib:.2f} GiB (largest: {o['category']})"
             for o in report["over_capacity"]))
+
+
+def plan_layout_spec(spec: JobSpec) -> JobSpec:
+    """The spec with the layout `leantrain plan` chooses for it (degrees, ZeRO stage, schedule, micro-batch,
+    recompute), the world being that layout's GPUs: what `plan --rehearse` rehearses."""
+    from leantrain.parallel.dims import resolve_parallelism
+    from leantrain.plan.planner import make_plan
+
+    auto = spec.model_copy(update={"parallelism": spec.parallelism.model_copy(update={"layout": "auto"})})
+    layout = make_plan(auto)["layout"]
+    world = layout["dp"] * layout["tp"] * layout["pp"]
+    par = resolve_parallelism(auto, world_size=world).model_copy(update={"layout": "spec"})
+    training = spec.training.model_copy(update={
+        "micro_batch": layout.get("micro_batch", spec.training.micro_batch),
+        "activation_checkpointing": layout.get("recompute", spec.training.activation_checkpointing)})
+    nodes = -(-world // spec.hardware.gpus_per_node)
+    return spec.model_copy(update={
+        "parallelism": par, "training": training,
+        "hardware": spec.hardware.model_copy(update={"num_nodes": nodes}),
+        "budget": spec.budget.model_copy(update={"num_gpus": world})})
+
+
+def run_after(*, console: Any, spec: JobSpec, json_out: Path | None, planned: bool) -> None:
+    """`plan --rehearse` (the plan's chosen layout) and `check --rehearse` (the spec's own layout)."""
+    console.print("[bold]rehearsal[/bold] of " + ("the plan's layout" if planned else "the spec's layout"))
+    run(console=console, spec=plan_layout_spec(spec) if planned else spec, world=None, ranks=None,
+        json_out=json_out)

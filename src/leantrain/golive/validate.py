@@ -257,6 +257,48 @@ def memory_check(run: RunData, plan: dict[str, Any] | None) -> Check:
                  f"peak {peak / 2**30:.2f} GiB of {limit / 2**30:.2f} GiB ({share:.0%}, {source}){note}")
 
 
+REHEARSAL_FILE = "rehearsal.json"  # `leantrain rehearse --json RUN_DIR/rehearsal.json` (docs/rehearse.md)
+REHEARSAL_PEAK_OVER = 1.25  # measured step peak above this × the rehearsed one: something the rehearsal missed
+
+
+def rehearsal_checks(run: RunData) -> list[Check]:
+    """A run against its rehearsal, when RUN_DIR/rehearsal.json exists: each rank's parameters at `model_ready`
+    against the rehearsed rank's (within 10 %), and the measured step peak against the rehearsed peak (the
+    allocator's cache and the CUDA context come on top, so up to 1.25× passes)."""
+    path = run.run_dir / REHEARSAL_FILE
+    if not path.is_file():
+        return []
+    try:
+        rehearsal = json.loads(path.read_text(encoding="utf-8"))
+        rehearsed = {int(r["rank"]): r["memory_bytes"] for r in rehearsal["ranks"]}
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        return [Check("memory", "model_ready vs rehearsal", "WARN", f"{path} unreadable: {err}")]
+    checks = []
+    ready = run.events_of("model_ready")
+    ranks = {int(r["rank"]): r for r in (ready[-1].get("ranks") or [])} if ready else {}
+    common = sorted(set(ranks) & set(rehearsed))
+    if not common:
+        checks.append(Check("memory", "model_ready vs rehearsal", "WARN",
+                            "no rank in both model_ready and rehearsal.json"))
+    else:
+        ratios = {r: as_float(ranks[r].get("param_bytes_local")) / max(1, rehearsed[r]["params"]) for r in common}
+        worst = max(ratios, key=lambda r: abs(ratios[r] - 1))
+        status: Status = "PASS" if abs(ratios[worst] - 1) <= 0.10 else "FAIL"
+        checks.append(Check("memory", "model_ready vs rehearsal", status,
+                            f"parameter bytes per rank / rehearsed: worst rank {worst} {ratios[worst]:.2f} "
+                            f"({len(common)} ranks compared)"))
+    _, mem = run.series("mem_bytes")
+    if np.any(np.isfinite(mem)):
+        peak = float(np.nanmax(mem))
+        rehearsed_peak = max(m["peak"] for m in rehearsed.values())
+        share = peak / max(1, rehearsed_peak)
+        status = "PASS" if share <= REHEARSAL_PEAK_OVER else "WARN"
+        checks.append(Check("memory", "step peak vs rehearsal", status,
+                            f"measured {peak / 2**30:.2f} GiB, rehearsed {rehearsed_peak / 2**30:.2f} GiB "
+                            f"({share:.2f}×)"))
+    return checks
+
+
 def comm_check(run: RunData) -> Check:
     share = step_share(run, "comm_s")
     if not math.isfinite(share):
@@ -301,6 +343,7 @@ def validate_run(
         *convergence_checks(run, base, rules),
         *throughput_checks(run, plan),
         memory_check(run, plan),
+        *rehearsal_checks(run),
         comm_check(run),
         drill_check(run),
     ]
