@@ -131,7 +131,7 @@ def choose_kill_step(
 
 
 @contextmanager
-def _environment(values: dict[str, str]) -> Iterator[None]:
+def environment(values: dict[str, str]) -> Iterator[None]:
     """Set variables for the child processes of one launch; the previous values come back afterwards."""
     saved = {k: os.environ.get(k) for k in values}
     os.environ.update(values)
@@ -230,7 +230,7 @@ def run_drill(
     for name in names:
         start, fault = time.monotonic(), faults[name]
         restarts = 0 if fault is None else max_restarts
-        with _environment({} if fault is None else fault.to_env()):
+        with environment({} if fault is None else fault.to_env()):
             code = launch_local(spec, train=trains[name], run_dir=drill_dir / name, nproc=nproc, nnodes=None,
                                 max_restarts=restarts, console=logs, timeout_s=LAUNCH_TIMEOUT_S)
         runs[name] = {"exit_code": code, "wall_s": time.monotonic() - start}

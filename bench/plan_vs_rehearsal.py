@@ -1,0 +1,79 @@
+"""The planner's per-GPU memory against `leantrain rehearse` on a grid of layouts (issue: plan held to the rehearsal).
+
+Each layout is a Llama-3-8B-wide model (d 4096, GQA 32/8, SwiGLU 14,336, vocabulary 128,256, 8K context) cut
+to a few layers, rehearsed as rank 0 of its real world size with the trainer itself under a fake process group
+and fake tensors (docs/rehearse.md), and planned by `plan.memory.stage_memory` for the same stage. The grid
+covers ZeRO 1-3, TP 1-8, PP 1-4 with 1F1B and interleaved 1F1B, recompute none/selective/full, and an MoE.
+The rehearsal is the independent measurement: it counts the bytes the trainer's tensors hold, while the plan
+is arithmetic. Prints, per layout and category, `plan / rehearsal` and the median |error| per category.
+
+    python bench/plan_vs_rehearsal.py [--quick]
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from leantrain.golive.rehearse import rehearse
+from leantrain.spec import load_spec
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "llama3-8b-h100.yaml"
+BASE = ("fault.max_nodes=64", "model.n_layers=4", "training.global_batch_tokens=262144")
+MOE = ("model.architecture=moe", "model.moe.num_experts=16", "model.moe.top_k=2", "model.moe.expert_hidden=2048")
+# name → (dp, tp, pp, zero, schedule, virtual stages, recompute, extra)
+GRID: dict[str, tuple[int, int, int, int, str, int, str, tuple[str, ...]]] = {
+    "fsdp8 zero3 selective": (8, 1, 1, 3, "1f1b", 1, "selective", ()),
+    "fsdp8 zero2 selective": (8, 1, 1, 2, "1f1b", 1, "selective", ()),
+    "fsdp8 zero1 selective": (8, 1, 1, 1, "1f1b", 1, "selective", ()),
+    "fsdp8 zero3 none": (8, 1, 1, 3, "1f1b", 1, "none", ()),
+    "fsdp8 zero3 full": (8, 1, 1, 3, "1f1b", 1, "full", ()),
+    "fsdp4 tp2": (4, 2, 1, 3, "1f1b", 1, "selective", ()),
+    "fsdp2 tp4": (2, 4, 1, 3, "1f1b", 1, "selective", ()),
+    "fsdp2 tp8": (2, 8, 1, 3, "1f1b", 1, "selective", ()),
+    "fsdp4 pp2 1f1b": (4, 1, 2, 3, "1f1b", 1, "selective", ()),
+    "fsdp2 pp4 1f1b": (2, 1, 4, 3, "1f1b", 1, "selective", ()),
+    "fsdp2 pp2 interleaved": (2, 1, 2, 3, "interleaved_1f1b", 2, "selective", ()),
+    "fsdp2 tp2 pp2": (2, 2, 2, 3, "1f1b", 1, "selective", ()),
+    "moe fsdp8 ep4": (8, 1, 1, 3, "1f1b", 1, "selective", (*MOE, "parallelism.expert_parallel=4")),
+}
+CATEGORIES = ("params", "grads", "optimizer", "activations", "temp", "peak")
+
+
+def spec_for(dp: int, tp: int, pp: int, zero: int, schedule: str, virtual: int, recompute: str,
+             extra: tuple[str, ...]) -> object:
+    world = dp * tp * pp
+    sets = [*BASE, f"parallelism.data_parallel={dp}", f"parallelism.tensor_parallel={tp}",
+            f"parallelism.pipeline_parallel={pp}", f"parallelism.zero_stage={zero}",
+            f"parallelism.pipeline_schedule={schedule}", f"parallelism.virtual_stages={virtual}",
+            f"training.activation_checkpointing={recompute}", f"hardware.num_nodes={max(1, world // 8)}",
+            f"hardware.gpus_per_node={min(8, world)}", f"budget.num_gpus={world}", "fault.min_nodes=1", *extra]
+    return load_spec(EXAMPLE, overrides=sets)
+
+
+def main() -> None:
+    grid = dict(list(GRID.items())[:3]) if "--quick" in sys.argv else GRID
+    errors: dict[str, list[float]] = {c: [] for c in CATEGORIES}
+    start = time.perf_counter()
+    for name, layout in grid.items():
+        report = rehearse(spec_for(*layout), ranks=[0])  # type: ignore[arg-type]
+        rank = report["ranks"][0]
+        ratios = rank["plan_vs_rehearsal"]
+        for category in CATEGORIES:
+            if ratios[category] is not None:
+                errors[category].append(abs(ratios[category] - 1))
+        shown = ", ".join(f"{c} {ratios[c]:.2f}" for c in CATEGORIES if ratios[c] is not None)
+        print(f"{name}: peak {rank['memory_bytes']['peak'] / 2**30:.2f} GiB rehearsed, "
+              f"{rank['plan_memory_bytes']['peak'] / 2**30:.2f} GiB planned (plan/rehearsal: {shown})")
+    for category in CATEGORIES:
+        if errors[category]:
+            within = sum(e <= 0.10 for e in errors[category])
+            print(f"plan vs rehearsal {category}: median |error| {statistics.median(errors[category]):.1%} "
+                  f"({within}/{len(errors[category])} layouts within ±10%)")
+    print(f"rehearsal time: {time.perf_counter() - start:.0f} s for {len(grid)} layouts")
+
+
+if __name__ == "__main__":
+    main()
