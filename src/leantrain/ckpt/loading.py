@@ -88,7 +88,9 @@ def load(m: CheckpointManager, app_state: dict[str, Any], *, step: int | None = 
         if problem is None:
             try:
                 state = build_state_dict(app_state, skip=skip)
-                load_state(state, fs=fs(manifest), folder=entry.name, process_group=m._control_pg)
+                # The save group: its timeout is the saves' (at least SAVE_GROUP_TIMEOUT_S), not the short agreement
+                # timeout, so one slow shard read does not time every rank out and fall back a checkpoint.
+                load_state(state, fs=fs(manifest), folder=entry.name, process_group=m._save_pg)
             except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises on all ranks together
                 partly_loaded = True
                 problem = (f"load failed: {one_line(err)}", False, False)

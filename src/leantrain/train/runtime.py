@@ -63,7 +63,11 @@ def init_runtime(spec: JobSpec) -> Runtime:
             timeout = set_collective_timeout(spec.fault.collective_timeout_s, cuda=device.type == "cuda")
             # One rank outside torchrun (no MASTER_ADDR): an in-process store is its whole rendezvous.
             alone = {} if "MASTER_ADDR" in os.environ else {"store": dist.HashStore(), "rank": 0, "world_size": 1}
-            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout, **alone)
+            # device_id on CUDA: NCCL initialises its communicator eagerly and lets the device mesh split it
+            # (ncclCommSplit) instead of a fresh rendezvous per sub-group (torchtitan passes it too).
+            bound = {"device_id": device} if device.type == "cuda" else {}
+            dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo", timeout=timeout,
+                                    **bound, **alone)
     if spec.training.deterministic:
         set_deterministic(device)
     return Runtime(device=device, rank=rank, world_size=world_size, local_rank=local_rank,
