@@ -28,7 +28,8 @@ LLAMA_8B = ("llama3-8b-h100.yaml", ("model.n_layers=2", "fault.max_nodes=32", "p
 LLAMA_70B = ("llama3-8b-h100.yaml", (
     "model.n_layers=2", "fault.max_nodes=32", "model.d_model=8192", "model.n_heads=64", "model.n_kv_heads=8",
     "model.ffn_hidden=28672",
-    "parallelism.data_parallel=32", "parallelism.tensor_parallel=8", "hardware.num_nodes=32", "budget.num_gpus=256"))
+    "parallelism.data_parallel=32", "parallelism.tensor_parallel=8", "hardware.num_nodes=32", "budget.num_gpus=256",
+    "training.global_batch_tokens=1048576"))  # 4 micro-batches per step keep the lane quick
 LLAMA_405B = ("llama3-405b.yaml", (
     "model.n_layers=16", "parallelism.pipeline_schedule=1f1b", "parallelism.virtual_stages=1"))
 DEEPSEEK_V3 = ("deepseek-v3.yaml", (
