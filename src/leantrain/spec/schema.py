@@ -49,7 +49,9 @@ class ParallelismSpec(Section):
     )
     sequence_parallel: bool = Field(True, description="Shard norms/dropout along the sequence with TP.")
     loss_parallel: bool = Field(
-        False, description="With TP: keep the logits split over the vocabulary and compute the loss sharded."
+        True, description="With TP (and no PP): keep the logits split over the vocabulary and compute the loss "
+        "sharded (torchtitan's default; off, every TP rank holds the whole vocabulary's fp32 logits and their "
+        "gradient).",
     )
     pipeline_schedule: Literal["gpipe", "1f1b", "interleaved_1f1b", "dualpipe"] = Field(
         "1f1b", description="Pipeline schedule. dualpipe (DeepSeek-V3's bidirectional schedule) is planning only: "
