@@ -65,7 +65,9 @@ SYNC_OPS = {
 
 # Collectives issued from these parts of leantrain (or from torch itself: FSDP, DTensor, pipelining) move the
 # model's tensors: the data plane. The rest (checkpoint agreement, metrics, run bookkeeping) is the control plane.
-DATA_PLANE_SITES = ("leantrain/parallel/", "leantrain/model/", "torch")
+# The loss (train/step_metrics.py's SourceLoss) is part of the step's math: under loss parallelism its
+# vocabulary-split cross-entropy reduces over the TP ranks.
+DATA_PLANE_SITES = ("leantrain/parallel/", "leantrain/model/", "leantrain/train/step_metrics.py", "torch")
 
 
 def is_control_site(site: str) -> bool:
