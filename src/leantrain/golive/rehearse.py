@@ -19,7 +19,6 @@ import os
 import tempfile
 import time
 import warnings
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -59,12 +58,14 @@ CONTROL_WINDOW_STEPS = 100  # the checkpoint manager's per-step control plane is
 
 @dataclass(frozen=True)
 class RehearsalTarget:
-    """The job to rehearse: the spec (layout resolved for the world size) and which ranks."""
+    """The job to rehearse: the spec (its world size applied) with the parallelism the trainer resolves for it
+    (`spec_run`, what the plan is asked about), and which ranks."""
 
     spec: JobSpec
+    spec_run: JobSpec
     world_size: int
     ranks: list[int]
-    stage_of_rank: dict[int, int]
+    layout: str  # ParallelDims.describe() of the resolved layout
 
 
 def resolve_target(spec: JobSpec, *, world_size: int | None, ranks: list[int] | None) -> RehearsalTarget:
@@ -86,14 +87,14 @@ def resolve_target(spec: JobSpec, *, world_size: int | None, ranks: list[int] | 
             "parallelism": par.model_copy(update={"data_parallel": world // fixed}),
             "hardware": spec.hardware.model_copy(update={"num_nodes": nodes}),
             "budget": spec.budget.model_copy(update={"num_gpus": world})})
-    _par, dims = layout_for_run(spec, world_size=world)
+    resolved, dims = layout_for_run(spec, world_size=world)
     per_stage = world // dims.pp
     chosen = ranks if ranks else sorted({0, world - 1, *(s * per_stage for s in range(dims.pp))})
     for rank in chosen:
         if not 0 <= rank < world:
             raise UserInputError(f"--ranks: rank {rank} is outside the world of {world} ranks (0..{world - 1})")
-    return RehearsalTarget(spec=spec, world_size=world, ranks=list(chosen),
-                           stage_of_rank={r: r // per_stage for r in chosen} | {})
+    return RehearsalTarget(spec=spec, spec_run=spec.model_copy(update={"parallelism": resolved}),
+                           world_size=world, ranks=list(chosen), layout=dims.describe())
 
 
 def rehearsal_spec(spec: JobSpec, *, data_dir: Path, run_dir: Path) -> JobSpec:
@@ -132,21 +133,6 @@ def _rank_environment(rank: int, world_size: int, gpus_per_node: int) -> context
     return environment({"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank % gpus_per_node),
                         "LOCAL_WORLD_SIZE": str(min(gpus_per_node, world_size)),
                         "GROUP_RANK": str(rank // gpus_per_node)})
-
-
-@contextlib.contextmanager
-def fake_world(*, rank: int, world_size: int) -> Iterator[None]:
-    import torch.distributed as dist
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
-    if dist.is_initialized():
-        raise UserInputError("leantrain rehearse starts its own fake process group: run it outside torchrun")
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
-    try:
-        yield
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
 
 
 def _planned_save(records: list[dict[str, Any]], probes: Probes) -> Any:
@@ -199,6 +185,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
 
     from leantrain.ckpt.hook import TrainerCheckpointer
     from leantrain.ckpt.manager import CheckpointManager
+    from leantrain.parallel.dryrun import fake_process_group
     from leantrain.train.trainer import Trainer
 
     spec = target.spec
@@ -215,7 +202,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
         sync_mode, comm_mode = HostSyncCounter(probes), CollectiveRecorder(probes, group_names={})
         with contextlib.ExitStack() as stack:
             stack.enter_context(_rank_environment(rank, target.world_size, spec.hardware.gpus_per_node))
-            stack.enter_context(fake_world(rank=rank, world_size=target.world_size))
+            stack.enter_context(fake_process_group(rank=rank, world_size=target.world_size))
             stack.enter_context(mock.patch.object(CheckpointManager, "save", _planned_save(saves, probes)))
             broadcasts.new_rank()
             stack.enter_context(object_collectives(probes, broadcasts))
@@ -264,12 +251,14 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
             control_window = _control_window(trainer)
             peak = mem.get_tracker_snapshot("peak")
             stage = trainer.parallel.mesh["pp"].get_local_rank() if trainer.parallel.mesh is not None else 0
-            trainer.close()  # checkpointer, metrics, then the process group (fake_world tolerates that)
+            num_microbatches = trainer.accum_steps
+            trainer.close()  # checkpointer, metrics, then the process group (fake_process_group tolerates that)
     labels = comm_mode.group_names
     device = torch.device("cpu")
     return {
         "rank": rank,
         "pipeline_stage": stage,
+        "num_microbatches": num_microbatches,
         "memory_bytes": memory_categories(peak.get(device, {}), resident),
         **per_step(probes, labels=labels, control_window=control_window),
         "startup": startup_record(files, probes.phase("startup"), labels=labels, startup_s=startup_s),
@@ -404,8 +393,6 @@ def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] |
              data_dir: Path | None = None, isolated: bool = True) -> dict[str, Any]:
     """rehearsal.json for `spec` (see docs/rehearse.md). `isolated`: each rank in a fresh spawned process (the
     default); False runs them in this process one after another (tests that patch the trainer)."""
-    from leantrain.parallel.dims import layout_for_run
-
     target = resolve_target(spec, world_size=world_size, ranks=ranks)
     capacity = accelerator_memory_bytes(spec.hardware)
     if capacity <= 0:
@@ -413,15 +400,13 @@ def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] |
                              "hardware.memory_gb")
     if data_dir is None and (Path(spec.data.dir) / "manifest.json").is_file():
         data_dir = Path(spec.data.dir)
-    par, dims = layout_for_run(target.spec, world_size=target.world_size)
-    run_spec = target.spec.model_copy(update={"parallelism": par})
-    per_micro = run_spec.training.micro_batch * run_spec.data.seq_len * dims.dp
-    num_microbatches = max(1, run_spec.training.global_batch_tokens // per_micro)
+    run_spec = target.spec_run
     with tempfile.TemporaryDirectory(prefix="leantrain-rehearse-") as scratch:
         synthetic = data_dir is None
         data = synthetic_data_dir(target.spec, root=Path(scratch)) if data_dir is None else data_dir
         rank_reports = _rehearse_ranks(target, ranks=sorted({0, *target.ranks}), data_dir=data,
                                        scratch=Path(scratch), isolated=isolated)
+    num_microbatches = rank_reports[0]["num_microbatches"]  # the trainer's own accumulation count
     plan = planned_memory(run_spec, world_size=target.world_size, num_microbatches=num_microbatches)
     for report in rank_reports:  # each rank against the plan of its own pipeline stage
         report["plan_memory_bytes"] = planned_memory(run_spec, world_size=target.world_size,
@@ -433,7 +418,7 @@ def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] |
     over = [(r["rank"], r["memory_bytes"]["peak"]) for r in rank_reports if r["memory_bytes"]["peak"] > capacity]
     return {
         "world_size": target.world_size,
-        "layout": dims.describe(),
+        "layout": target.layout,
         "accelerator": spec.hardware.accelerator,
         "accelerator_memory_bytes": capacity,
         "data": "synthetic (the spec's data dir is not here)" if synthetic else str(data_dir),
@@ -448,8 +433,7 @@ def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] |
 
 def run(*, console: Any, spec: JobSpec, world: int | None, ranks: str | None, json_out: Path | None) -> None:
     """The CLI entry point: exit 0 when every rehearsed rank fits the accelerator, 1 when one does not."""
-    par = spec.parallelism
-    world_size = world or par.data_parallel * par.tensor_parallel * par.pipeline_parallel
+    world_size = resolve_target(spec, world_size=world, ranks=[0]).world_size
     report = rehearse(spec, world_size=world, ranks=parse_ranks(ranks, world_size=world_size))
     render(report, console=console)
     target = json_out or Path("rehearsal.json")

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from leantrain.errors import UserInputError
 from leantrain.model.transformer import Transformer, model_args_from_spec
 from leantrain.parallel.dims import ParallelDims, resolve_parallelism
 from leantrain.parallel.parallelize import parallelize
@@ -76,11 +77,14 @@ def fake_process_group(*, rank: int, world_size: int) -> Iterator[None]:
     """A process group that does no communication (rank `rank` of `world_size`)."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
+    if dist.is_initialized():
+        raise UserInputError("a fake process group is started here: run this outside torchrun")
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # the code inside may have ended it (the trainer's close does)
+            dist.destroy_process_group()
 
 
 def ranks_to_build(dims: ParallelDims) -> list[int]:
