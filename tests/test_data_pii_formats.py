@@ -46,6 +46,14 @@ POSITIVES = [
     ("ip", "服务器地址为10.24.3.17，请勿外传", "10.24.3.17"),
     ("ip", "节点2400:cb00:2048:1::6810:1a2b已下线", "2400:cb00:2048:1::6810:1a2b"),
     ("ip", "the node at 172.16.254.1 drained", "172.16.254.1"),
+    # IPv6 with an embedded IPv4 tail: mapped, compatible, NAT64 (64:ff9b::/96), SIIT, all eight groups
+    ("ip", "peer ::ffff:11.215.58.218 connected", "::ffff:11.215.58.218"),
+    ("ip", "客户端::FFFF:23.45.67.89已断开", "::FFFF:23.45.67.89"),
+    ("ip", "legacy ::11.215.58.218 route", "::11.215.58.218"),
+    ("ip", "via NAT64 64:ff9b::11.215.58.218.", "64:ff9b::11.215.58.218"),
+    ("ip", "SIIT ::ffff:0:11.215.58.218 seen", "::ffff:0:11.215.58.218"),
+    ("ip", "full 0:0:0:0:0:ffff:11.215.58.218 form", "0:0:0:0:0:ffff:11.215.58.218"),
+    ("ip", "listen [::ffff:11.215.58.218]:443", "::ffff:11.215.58.218"),
     # international numbers with spaces or dashes, prefix included
     ("phone", "电话+86 138 1234 5678请回电", "+86 138 1234 5678"),
     ("phone", "call +86-138-1234-5678 today", "+86-138-1234-5678"),
@@ -97,6 +105,8 @@ LOOK_ALIKES = [
     "commit 3f2a9c1d4111111111111111e0b7a6c5d4e3f2a1", "sha256 a94a8fe5ccb19ba61c4c0873d391e987982fbbd3",
     "See the example 192.0.2.15 in RFC 5737.", "文档示例地址198.51.100.7不是真实地址",
     "Docs use 2001:db8::1 as an example.",
+    # embedded documentation and loopback IPv4 (nor the IPv4 tail alone) are no values either
+    "mapped doc address ::ffff:192.0.2.1 here", "mapped loopback ::ffff:127.0.0.1", "nat64 doc 2001:db8::198.51.100.7",
     "Listen on 127.0.0.1 and 0.0.0.0.", "Batch 4096 x 8 = 32768 tokens.", "max_token = 40960000",
     "num_tokens=123456789", "Set token_budget to 2e12.", "ISBN 978-3-16-148410-0",
     f"number {_id_that_passes_luhn(valid=False)} has a bad ID check digit",  # look-alike: neither ID nor card
@@ -122,3 +132,15 @@ def test_every_kind_has_cases_in_both_languages() -> None:
         texts = [t for k, t, _ in POSITIVES if k == kind]
         assert any(any("\u4e00" <= c <= "\u9fff" for c in t) for t in texts), kind
         assert any(not any("\u4e00" <= c <= "\u9fff" for c in t) for t in texts), kind
+
+
+@pytest.mark.parametrize("text", ["peer ::ffff:11.215.58.218 connected", "64:ff9b::11.215.58.218",
+                                  "a ::11.215.58.218, b 11.215.58.218", "节点::ffff:11.215.58.218。"])
+def test_ipv4_mapped_ipv6_is_redacted_whole(text: str) -> None:
+    """The overlap case: the IPv6 hex prefix and the IPv4 inside both match; no octet may be left behind."""
+    from leantrain.data.pii import redact
+
+    out = redact(text, find_pii(text))
+    assert "215" not in out and "58" not in out and "218" not in out, out
+    assert ".<" not in out and ">." not in out, out
+    assert all(f.kind == "ip" for f in find_pii(text))

@@ -109,6 +109,27 @@ def ip_ok(value: str) -> bool:
                                                   if n.version == address.version)
 
 
+def _embedded_ipv4(address: ipaddress.IPv6Address) -> ipaddress.IPv4Address | None:
+    """The IPv4 address inside a mapped (::ffff:0:0/96), compatible (::/96) or NAT64 (64:ff9b::/96) one."""
+    if address.ipv4_mapped is not None:
+        return address.ipv4_mapped
+    value = int(address)
+    if value >> 32 in (0, 0x0064FF9B << 64) and value >> 16 != 0:  # ::/96 except ::, ::1 and other tiny ones
+        return ipaddress.IPv4Address(value & 0xFFFFFFFF)
+    return None
+
+
+def ipv6_ok(value: str) -> bool:
+    """An IPv6 address (at least one `::` or eight groups); one with an embedded IPv4 address follows the
+    IPv4 rules for it (`::ffff:192.0.2.1` is a documentation address, `::ffff:127.0.0.1` loopback)."""
+    if not ("::" in value or value.count(":") == 7 or (value.count(":") == 6 and "." in value)):
+        return False
+    if not any(c.isalnum() for c in value) or not ip_ok(value):
+        return False
+    embedded = _embedded_ipv4(ipaddress.IPv6Address(value))
+    return embedded is None or ip_ok(str(embedded))
+
+
 def _always(_: str) -> bool:
     return True
 
@@ -161,8 +182,11 @@ PATTERNS: dict[str, list[tuple[re.Pattern[str], Callable[[str], bool]]]] = {
     ],
     "ip": [
         (re.compile(r"\d(?<![\w.]\d)\d{0,2}\.(?:\d{1,3}\.){2}\d{1,3}(?![\w]|\.\d)", _A), ip_ok),
-        (re.compile(r"(?<![\w:])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![\w:])", _A),
-         lambda v: ("::" in v or v.count(":") == 7) and any(c.isalnum() for c in v) and ip_ok(v)),
+        # IPv6, with an embedded dotted-quad tail (RFC 4291 2.2 form 3: ::ffff:a.b.c.d mapped, ::a.b.c.d
+        # compatible, 64:ff9b::a.b.c.d NAT64) as one value: the tail is tried first, so the hex prefix alone
+        # (`::ffff:11`) never wins the overlap against the IPv4 inside and leaves three octets behind.
+        (re.compile(r"(?<![\w:])(?:[0-9A-Fa-f]{0,4}:){2,7}(?:\d{1,3}(?:\.\d{1,3}){3}|[0-9A-Fa-f]{0,4})"
+                    r"(?![\w:]|\.\d)", _A), ipv6_ok),
     ],
 }
 # Cheap tests that rule a kind out for most text before its (slower) patterns run: ~3× faster on prose.
@@ -200,8 +224,31 @@ _FOLD = {**{c: c - 0xFEE0 for c in range(0xFF01, 0xFF5F) if c != 0xFF1A}, 0x3000
 _FULL_WIDTH_RE = re.compile("[\uff01-\uff5e\u3000]")
 
 
-def _context_ok(kind: str, text: str, start: int) -> bool:
-    return kind != "ip" or not _NOT_IP_BEFORE_RE.search(text[max(0, start - 12) : start])
+# The hex groups and colons that may end right before an embedded IPv4 address.
+_V6_HEAD_RE = re.compile(r"(?<![\w:])(?:[0-9A-Fa-f]{0,4}:){2,6}$", _A)
+
+
+def _context_ok(kind: str, text: str, start: int, end: int) -> bool:
+    if kind != "ip":
+        return True
+    if _NOT_IP_BEFORE_RE.search(text[max(0, start - 12) : start]):
+        return False
+    if text[start - 1 : start] == ":" and "." in text[start:end]:
+        # the dotted-quad tail of an IPv6 address is judged with it: when the IPv6 pattern kept the whole
+        # value the overlap drops this match anyway; when it rejected it (2001:db8::1.2.3.4 is documentation,
+        # ::ffff:127.0.0.1 loopback) the tail alone is no value either
+        head = _V6_HEAD_RE.search(text[max(0, start - 40) : start])
+        if head is not None and _parses(head.group() + text[start:end]):
+            return False
+    return True
+
+
+def _parses(value: str) -> bool:
+    try:
+        ipaddress.IPv6Address(value)
+    except ValueError:
+        return False
+    return True
 
 
 def _assignments(text: str) -> list[Finding]:
@@ -228,7 +275,7 @@ def find_pii(text: str, *, types: Iterable[str] = ALL_TYPES) -> list[Finding]:
             continue
         for pattern, valid in patterns:
             found += [Finding(kind, m.start(), m.end()) for m in pattern.finditer(text)
-                      if valid(m.group()) and _context_ok(kind, text, m.start())]
+                      if valid(m.group()) and _context_ok(kind, text, m.start(), m.end())]
     # earliest first; at the same start the longest; at equal spans the kind listed first in PATTERNS
     order = {kind: i for i, kind in enumerate(PATTERNS)}
     found.sort(key=lambda f: (f.start, -(f.end - f.start), order[f.kind]))
