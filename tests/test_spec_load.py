@@ -316,3 +316,74 @@ def test_a_dumped_spec_reloads() -> None:
     spec = spec_from_dict(TINY)
     again = spec_from_dict(spec.model_dump(mode="json"))
     assert again == spec
+
+
+def _laughs(levels: int = 9) -> str:
+    """The "billion laughs" alias bomb: 9 levels of 9 aliases each expand to 9^9 ≈ 3.9 × 10^8 leaves."""
+    lines = ['lol0: &lol0 ["lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol", "lol"]']
+    lines += [f"lol{i}: &lol{i} [{', '.join([f'*lol{i - 1}'] * 9)}]" for i in range(1, levels + 1)]
+    return "\n".join(lines) + f"\nmodel: *lol{levels}\n"
+
+
+YAML_BOMBS = {
+    "deep_flow": ("model: " + "[" * 50_000 + "]" * 50_000 + "\n", "nested deeper than 64 levels"),
+    "deep_mapping": ("model: " + "{a: " * 50_000 + "1" + "}" * 50_000 + "\n", "nested deeper than 64 levels"),
+    "deep_block": ("".join(" " * i + "a:\n" for i in range(2_000)), "nested deeper than 64 levels"),
+    "self_alias": ("model: &s [*s]\n", "alias *s refers to a node that contains it"),
+    "billion_laughs": (_laughs(), "expands to more than 200,000 nodes"),
+    "deep_by_alias": ("".join(f"a{i}: &a{i} [{f'*a{i - 1}' if i else 1}]\n" for i in range(100)),
+                      "alias *a"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(YAML_BOMBS))
+def test_yaml_bombs_exit_2_naming_the_line(name: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from leantrain.cli import main
+
+    text, needle = YAML_BOMBS[name]
+    assert main(["check", str(write(tmp_path, text))]) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "line " in err and "Traceback" not in err
+
+
+def test_deep_yaml_bomb_through_the_real_entry_point(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    text, needle = YAML_BOMBS["deep_flow"]
+    out = subprocess.run([sys.executable, "-m", "leantrain.cli", "check", str(write(tmp_path, text))],
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 2
+    assert needle in out.stderr and "Traceback" not in out.stderr + out.stdout
+
+
+def test_aliases_are_resolved_once_into_a_plain_tree(tmp_path: Path) -> None:
+    """A `--set` into one use of an alias leaves the other use alone; anchors and merge keys still work."""
+    from leantrain.spec.yaml_load import load_yaml_text
+
+    tree = load_yaml_text("a: &x {k: 1}\nb: *x\nc: {<<: *x, j: 2}\n")
+    assert tree == {"a": {"k": 1}, "b": {"k": 1}, "c": {"k": 1, "j": 2}}
+    assert tree["a"] is not tree["b"]
+    text = yaml.safe_dump(TINY, sort_keys=False) + "profiles:\n  a: &p {training: {max_steps: 3}}\n  b: *p\n"
+    spec = load_spec(write(tmp_path, text), overrides=["profiles.a.training.max_steps=5"])
+    assert spec.profiles["a"]["training"]["max_steps"] == 5
+    assert spec.profiles["b"]["training"]["max_steps"] == 3
+
+
+def test_a_cyclic_or_too_deep_mapping_from_code_is_refused() -> None:
+    raw = copy.deepcopy(TINY)
+    raw["model"]["loop"] = raw["model"]
+    with pytest.raises(SpecError, match="contains itself"):
+        spec_from_dict(raw)
+    deep: dict = {}
+    node = deep
+    for _ in range(5_000):
+        node["a"] = {}
+        node = node["a"]
+    with pytest.raises(SpecError, match="nested deeper than 64 levels"):
+        spec_from_dict({**TINY, "model": deep})
+
+
+def test_override_value_bomb_is_refused() -> None:
+    with pytest.raises(UserInputError, match="--set model.x: .*nested deeper"):
+        spec_from_dict(TINY, overrides=["model.x=" + "[" * 10_000])

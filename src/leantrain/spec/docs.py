@@ -21,7 +21,9 @@ HEADER = """# Job spec reference
 Generated from the spec models (`src/leantrain/spec/schema.py`, `data_schema.py`) by `make docs`; a test keeps
 this file in sync.
 
-A job spec is one YAML file. Unknown keys are errors. Loading order: YAML → refuse literal secrets →
+A job spec is one YAML file. Unknown keys are errors. Loading order: YAML (duplicate keys refused; at most 64
+levels deep and 200,000 nodes counting every use of an alias, else exit 2 naming the line; each alias becomes its
+own copy, and a cyclic alias like `&s [*s]` is refused) → refuse literal secrets →
 `--profile NAME` overlay (scale and resources only) → `--set a.b=c` overrides → `${VAR}` / `${VAR:-default}`
 interpolation (secret-named keys keep the reference; it is read from the environment only when used) →
 validation, including the cross-field rules at the end of this page. Relative paths resolve against the

@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from leantrain.errors import SpecError, UserInputError
 from leantrain.spec.schema import SECRET_REF_RE, JobSpec
+from leantrain.spec.yaml_load import YamlLimitError, as_tree, describe_yaml_error, load_yaml_text
 
 ENV_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-([^}]*))?\}")
 SECRET_KEY_RE = re.compile(
@@ -93,7 +94,10 @@ def _interpolate(node: Any, path: str, problems: list[str]) -> Any:
     if ENV_RE.fullmatch(node.strip()) and replaced != node:
         # A whole-value reference takes the type YAML would give the text (numbers stay numbers).
         try:
-            return yaml.safe_load(replaced)
+            return load_yaml_text(replaced)
+        except YamlLimitError as err:
+            problems.append(f"{path}: the value of {node.strip()} {describe_yaml_error(err)}")
+            return replaced
         except yaml.YAMLError:
             return replaced
     return replaced
@@ -132,7 +136,9 @@ def parse_override(text: str) -> tuple[str, Any]:
     if not key or any(not p for p in key.split(".")):
         raise UserInputError(f"--set {text!r}: the key path {key!r} is empty or has an empty part")
     try:
-        value = yaml.safe_load(raw_value) if raw_value.strip() else ""
+        value = load_yaml_text(raw_value) if raw_value.strip() else ""
+    except YamlLimitError as err:
+        raise UserInputError(f"--set {key}: {describe_yaml_error(err)}") from None
     except yaml.YAMLError:
         value = raw_value
     return key, value
@@ -259,6 +265,10 @@ def spec_from_dict(
     """Validate a raw mapping as a job spec (the whole loading pipeline after YAML parsing)."""
     if not isinstance(raw, dict):
         raise SpecError([f"the file must hold a mapping of sections, got {type(raw).__name__}"], source=source)
+    try:
+        raw = as_tree(raw)  # a mapping built in code meets the file's bounds; no node shared by two places
+    except YamlLimitError as err:
+        raise SpecError([describe_yaml_error(err)], source=source) from None
     problems = literal_secret_problems(raw)
     if problems:
         raise SpecError(problems, source=source)
@@ -293,53 +303,17 @@ def _resolve_init_from(merged: dict[str, Any], base_dir: Path) -> None:
         model["init_from"] = str(path if path.is_absolute() else base_dir / path)
 
 
-class DuplicateKeyError(yaml.YAMLError):
-    """A mapping names the same key twice: YAML would keep the last silently."""
-
-    def __init__(self, key: Any, first_line: int, second_line: int) -> None:
-        super().__init__(f"duplicate key {key!r} at lines {first_line} and {second_line} (the second would "
-                         "silently replace the first): keep one")
-
-
-class _UniqueKeyLoader(yaml.SafeLoader):
-    """yaml.SafeLoader that refuses duplicate keys in any mapping (merge keys `<<` are YAML's own overlay)."""
-
-
-def _unique_mapping(loader: _UniqueKeyLoader, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
-    seen: dict[Any, int] = {}
-    for key_node, _ in node.value:
-        if key_node.tag == "tag:yaml.org,2002:merge":
-            continue
-        key = loader.construct_object(key_node, deep=deep)
-        line = key_node.start_mark.line + 1
-        try:
-            if key in seen:
-                raise DuplicateKeyError(key, seen[key], line)
-            seen[key] = line
-        except TypeError:  # an unhashable key: the default constructor reports it
-            break
-    return yaml.SafeLoader.construct_mapping(loader, node, deep=deep)
-
-
-_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
-
-
 def load_spec(path: str | Path, *, profile: str | None = None, overrides: list[str] | None = None) -> JobSpec:
     """Load and validate a YAML job spec file."""
     path = Path(path)
     if not path.is_file():
         raise UserInputError(f"spec file {path} does not exist or is not a file")
     try:
-        raw = yaml.load(path.read_text(encoding="utf-8"), Loader=_UniqueKeyLoader)  # noqa: S506 - a SafeLoader
+        raw = load_yaml_text(path.read_text(encoding="utf-8"))
     except UnicodeDecodeError as err:
         raise SpecError([f"not UTF-8 text ({err.reason} at byte {err.start})"], source=str(path)) from None
-    except DuplicateKeyError as err:
-        raise SpecError([str(err)], source=str(path)) from None
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark else ""
-        problem = getattr(err, "problem", None) or str(err)
-        raise SpecError([f"{where}YAML syntax error: {problem}"], source=str(path)) from None
+        raise SpecError([describe_yaml_error(err)], source=str(path)) from None
     return spec_from_dict(
         raw, source=str(path), base_dir=path.resolve().parent, profile=profile, overrides=overrides
     )
