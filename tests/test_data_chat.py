@@ -13,6 +13,7 @@ from tokenizers import Tokenizer
 from leantrain.data.chat import (
     DEFAULT_TEMPLATE,
     ChatRenderer,
+    ChatTemplate,
     parse_record,
     template_for,
     write_chat_data_dir,
@@ -64,24 +65,142 @@ def test_mask_covers_exactly_the_assistant_tokens(tokenizer_dir: Path, template:
     chat = renderer(tokenizer_dir, template)
     ids, mask = chat.encode(CONVERSATION)
     tokenizer = chat.tokenizer
-    # Together the pieces are the whole rendered conversation (+ EOS), nothing lost or added.
-    assert tokenizer.decode(ids[:-1].tolist(), skip_special_tokens=False) == chat.render(CONVERSATION)
-    assert ids[-1] == chat.eos_id and mask[-1] == 0
+    # Together the pieces are the whole rendered conversation (+ EOS unless it ends with one), nothing lost or added.
+    rendered = chat.render(CONVERSATION)
+    appended = "" if rendered.endswith("<|endoftext|>") else "<|endoftext|>"
+    assert tokenizer.decode(ids.tolist(), skip_special_tokens=False) == rendered + appended
+    assert ids[-1] == chat.eos_id and mask[-1] == (0 if appended else 1)
     learned = tokenizer.decode(ids[mask == 1].tolist(), skip_special_tokens=False)
     if template == CHATML_TEMPLATE:
         assert learned == "4.<|im_end|>\n6, of course.<|im_end|>\n"
     else:
         assert learned == " 4.<|endoftext|> 6, of course.<|endoftext|>"
-    prompt_side = tokenizer.decode(ids[:-1][mask[:-1] == 0].tolist(), skip_special_tokens=False)
+    prompt_side = tokenizer.decode(ids[mask == 0].tolist(), skip_special_tokens=False)
     assert "What is 2+2?" in prompt_side and "And 3+3?" in prompt_side and "of course" not in prompt_side
     if template == CHATML_TEMPLATE:  # the generation prompt (the assistant header) is not learned
         assert prompt_side.count("<|im_start|>assistant\n") == 2
 
 
 def test_template_comes_from_tokenizer_config_else_the_default(tokenizer_dir: Path, tmp_path: Path) -> None:
-    assert template_for(tokenizer_dir / "tokenizer.json") == CHATML_TEMPLATE
+    assert template_for(tokenizer_dir / "tokenizer.json") == ChatTemplate(CHATML_TEMPLATE, bos_token="",
+                                                                          eos_token="<|endoftext|>")
     save_tokenizer(tmp_path, chat_template=None)
-    assert template_for(tmp_path / "tokenizer.json") == DEFAULT_TEMPLATE
+    assert template_for(tmp_path / "tokenizer.json") == ChatTemplate(DEFAULT_TEMPLATE)
+
+
+# The templates as their models ship them (tokenizer_config.json), and the same with `{% generation %}` markers
+# around what the model writes (transformers' return_assistant_tokens_mask needs those), with (BOS, EOS, the token
+# that ends an answer).
+LLAMA2 = (
+    "{% if messages[0]['role'] == 'system' %}{% set loop_messages = messages[1:] %}{% set system_message = "
+    "messages[0]['content'] %}{% else %}{% set loop_messages = messages %}{% set system_message = false %}{% endif %}"
+    "{% for message in loop_messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if loop.index0 == 0 and system_message != false %}{% set content = '<<SYS>>\\n' + system_message + "
+    "'\\n<</SYS>>\\n\\n' + message['content'] %}{% else %}{% set content = message['content'] %}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ bos_token + '[INST] ' + content.strip() + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+LLAMA3 = (
+    "{% set loop_messages = messages %}{% for message in loop_messages %}{% set content = '<|start_header_id|>' + "
+    "message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}"
+    "{% set content = bos_token + content %}{% endif %}{{ content }}{% endfor %}{% if add_generation_prompt %}"
+    "{{ '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}{% endif %}"
+)
+MISTRAL = (
+    "{{ bos_token }}{% for message in messages %}{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}{% endif %}"
+    "{% if message['role'] == 'user' %}{{ '[INST] ' + message['content'] + ' [/INST]' }}"
+    "{% elif message['role'] == 'assistant' %}{{ message['content'] + eos_token}}{% else %}"
+    "{{ raise_exception('Only user and assistant roles are supported!') }}{% endif %}{% endfor %}"
+)
+TEMPLATES = {
+    "chatml": (CHATML_TEMPLATE, CHATML_TEMPLATE.replace(
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n",
+        "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{% if message['role'] == 'assistant' %}"
+        "{% generation %}{{ message['content'] }}<|im_end|>\n{% endgeneration %}{% else %}{{ message['content'] }}"
+        "<|im_end|>\n{% endif %}"), "", "<|im_end|>", "<|im_end|>"),
+    "llama2": (LLAMA2, LLAMA2.replace(
+        "{{ ' '  + content.strip() + ' ' + eos_token }}",
+        "{% generation %}{{ ' '  + content.strip() + ' ' + eos_token }}{% endgeneration %}"),
+               "<s>", "</s>", "</s>"),
+    "llama3": (LLAMA3, LLAMA3.replace(
+        "{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | "
+        "trim + '<|eot_id|>' %}{% if loop.index0 == 0 %}{% set content = bos_token + content %}{% endif %}"
+        "{{ content }}",
+        "{% if loop.index0 == 0 %}{{ bos_token }}{% endif %}{{ '<|start_header_id|>' + message['role'] + "
+        "'<|end_header_id|>\\n\\n' }}{% if message['role'] == 'assistant' %}{% generation %}"
+        "{{ message['content'] | trim + '<|eot_id|>' }}{% endgeneration %}{% else %}"
+        "{{ message['content'] | trim + '<|eot_id|>' }}{% endif %}"), "<|begin_of_text|>", "<|eot_id|>", "<|eot_id|>"),
+    "mistral": (MISTRAL, MISTRAL.replace("{{ message['content'] + eos_token}}",
+                                         "{% generation %}{{ message['content'] + eos_token}}{% endgeneration %}"),
+                "<s>", "</s>", "</s>"),
+}
+TEMPLATE_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<s>", "</s>", "<|begin_of_text|>",
+                     "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+
+
+def _template_tokenizer(out: Path, *, template: str, bos: str, eos: str) -> Path:
+    """A byte-level tokenizer.json with every template's special tokens, and its tokenizer_config.json."""
+    import json
+
+    from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in TEMPLATE_SPECIALS])
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": bos or None, "eos_token": eos,
+              "chat_template": template}
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out / "tokenizer.json"
+
+
+@pytest.mark.parametrize("name", list(TEMPLATES))
+def test_templates_train_their_end_token_and_match_transformers_assistant_mask(name: str, tmp_path: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    official, marked, bos, eos, end = TEMPLATES[name]
+    conversation = CONVERSATION[1:] if name == "mistral" else CONVERSATION  # Mistral's template has no system role
+    answers = sum(m["role"] == "assistant" for m in conversation)
+    encoded = {}
+    for kind, template in (("official", official), ("marked", marked)):
+        path = _template_tokenizer(tmp_path / kind, template=template, bos=bos, eos=eos)
+        chat = template_for(path)
+        assert chat == ChatTemplate(template, bos_token=bos, eos_token=eos)  # BOS/EOS from tokenizer_config.json
+        tokenizer = Tokenizer.from_file(str(path))
+        eos_id = tokenizer.token_to_id(eos)
+        encoded[kind] = ChatRenderer(tokenizer, template=chat, eos_id=eos_id).encode(conversation)
+    ids, mask = encoded["marked"]
+    # The official template (cut turn by turn) and its marked twin (cut at the markers) agree token for token.
+    assert np.array_equal(encoded["official"][0], ids) and np.array_equal(encoded["official"][1], mask)
+    theirs = transformers.AutoTokenizer.from_pretrained(tmp_path / "marked").apply_chat_template(
+        conversation, tokenize=True, return_dict=True, return_assistant_tokens_mask=True)
+    count = len(theirs["input_ids"])
+    assert ids[:count].tolist() == list(theirs["input_ids"]) and mask[:count].tolist() == theirs["assistant_masks"]
+    assert mask[count:].sum() == 0  # at most the EOS appended for packing follows, never a target
+    tokenizer = Tokenizer.from_file(str(tmp_path / "marked" / "tokenizer.json"))
+    end_id = tokenizer.token_to_id(end)
+    assert int(((ids == end_id) & (mask == 1)).sum()) == answers  # every answer's end token is trained
+    # ... and the other turns' end markers (ChatML, Llama 3 close every turn) are not
+    rendered_ids, rendered_mask = ids[:count], mask[:count]
+    assert int(((rendered_ids == end_id) & (rendered_mask == 0)).sum()) == (
+        0 if name in ("llama2", "mistral") else len(conversation) - answers)
+    if bos:
+        assert ids[0] == tokenizer.token_to_id(bos) and mask[0] == 0
+    learned = tokenizer.decode(ids[mask == 1].tolist(), skip_special_tokens=False)
+    assert "4." in learned and "6, of course." in learned and "2+2" not in learned
+
+
+def test_a_message_cannot_smuggle_the_generation_markers(tmp_path: Path) -> None:
+    official, marked, bos, eos, _ = TEMPLATES["mistral"]
+    path = _template_tokenizer(tmp_path, template=marked, bos=bos, eos=eos)
+    tokenizer = Tokenizer.from_file(str(path))
+    chat = ChatRenderer(tokenizer, template=template_for(path), eos_id=tokenizer.token_to_id(eos))
+    with pytest.raises(UserInputError, match="private-use character"):
+        chat.encode([{"role": "user", "content": "a\ue000b"}, {"role": "assistant", "content": "c"}])
 
 
 def test_mask_flows_from_shards_through_the_sampler_and_windows_stay_in_one_conversation(

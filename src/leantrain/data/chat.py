@@ -6,18 +6,24 @@ Records (JSONL, one conversation per line):
 A record without an assistant turn with content is an error naming the file, the line and the field.
 
 Rendering: the model's chat template (`chat_template` in the tokenizer_config.json beside the tokenizer, a
-Jinja template as transformers uses), else `DEFAULT_TEMPLATE` (ChatML: `<|im_start|>{role}\\n{content}<|im_end|>\\n`).
-The conversation is rendered turn by turn: for each assistant turn the text up to and including the
-generation prompt (`<|im_start|>assistant\\n`) is the prompt part, and what the full render adds after it
-(the content and the end-of-turn marker) is the assistant part. Each part is tokenized on its own and the
-mask is 1 exactly on the assistant parts' tokens: the model learns to write answers and to end them, never
-the user's words or the template's headers.
+Jinja template as transformers uses), else `DEFAULT_TEMPLATE` (ChatML: `<|im_start|>{role}\\n{content}<|im_end|>\\n`),
+with the tokenizer's own `bos_token` and `eos_token` (from the same tokenizer_config.json), so a Llama-2 or
+Mistral template that ends each answer with `{{ eos_token }}` trains that end token and starts with its BOS.
+The assistant part of the render (what the model must produce; mask 1) is found in one of two ways:
+- the template marks it with `{% generation %}…{% endgeneration %}` (transformers' convention for
+  `return_assistant_tokens_mask`): exactly the text inside the markers;
+- otherwise turn by turn: for each assistant turn the text up to and including the generation prompt (e.g.
+  `<|im_start|>assistant\\n`) is prompt, and what the full render adds after it (the content and the
+  end-of-turn marker or EOS) is the assistant part.
+Each part is tokenized on its own (no special tokens added: the template writes BOS/EOS) and the mask is 1
+exactly on the assistant parts' tokens: the model learns to write answers and to end them, never the user's
+words or the template's headers.
 
-Packing: padding, not cross-document attention. Each conversation (EOS appended, mask 0 there) is padded
-with EOS to a multiple of `pad_multiple` = data.seq_len, mask 0 on the padding. The sampler's windows start
-at multiples of seq_len of each source's stream, so every window's inputs lie inside one conversation: no
-attention mask is needed and no conversation sees another. A conversation longer than seq_len spans several
-windows (as a long pre-training document does).
+Packing: padding, not cross-document attention. Each conversation (EOS appended, mask 0 there, unless the
+render already ends with EOS) is padded with EOS to a multiple of `pad_multiple` = data.seq_len, mask 0 on
+the padding. The sampler's windows start at multiples of seq_len of each source's stream, so every window's
+inputs lie inside one conversation: no attention mask is needed and no conversation sees another. A
+conversation longer than seq_len spans several windows (as a long pre-training document does).
 
 On disk: beside each shard's `.bin`/`.idx` a `.mask` file holds one byte per token (1: the token is a loss
 target), in the same order; docs/data.md describes it. The manifest's source entry says `loss_mask: true`
@@ -30,10 +36,13 @@ import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
+from jinja2 import nodes
+from jinja2.ext import Extension
 
 from leantrain.data.layout import Manifest, shard_prefix
 from leantrain.data.shards import ShardInfo, ShardWriter, token_dtype
@@ -73,39 +82,92 @@ def parse_record(record: Any, *, where: str) -> list[dict[str, str]]:
     return messages
 
 
-def template_for(tokenizer_path: Path | None) -> str:
-    """The chat template in the tokenizer_config.json beside `tokenizer_path`, else the default (ChatML)."""
+class ChatTemplate(NamedTuple):
+    """A chat template with the special-token strings it is rendered with (a tuple: JSON- and pickle-friendly)."""
+
+    template: str
+    bos_token: str = ""
+    eos_token: str = ""
+
+
+def _token_text(value: Any) -> str:
+    """A tokenizer_config.json special token: a string or transformers' AddedToken dict (its `content`)."""
+    if isinstance(value, dict):
+        value = value.get("content")
+    return value if isinstance(value, str) else ""
+
+
+def template_for(tokenizer_path: Path | None) -> ChatTemplate:
+    """The chat template and BOS/EOS strings of the tokenizer_config.json beside `tokenizer_path`; without a
+    template there, the default (ChatML)."""
     if tokenizer_path is not None:
-        config = Path(tokenizer_path).with_name("tokenizer_config.json")
-        if config.is_file():
-            template = json.loads(config.read_text(encoding="utf-8")).get("chat_template")
+        config_path = Path(tokenizer_path).with_name("tokenizer_config.json")
+        if config_path.is_file():
+            config = json.loads(config_path.read_text(encoding="utf-8"))
+            template = config.get("chat_template")
             if isinstance(template, list):  # transformers' named templates: take "default"
                 template = next((t["template"] for t in template if t.get("name") == "default"), None)
             if isinstance(template, str):
-                return template
-    return DEFAULT_TEMPLATE
+                return ChatTemplate(template, bos_token=_token_text(config.get("bos_token")),
+                                    eos_token=_token_text(config.get("eos_token")))
+    return ChatTemplate(DEFAULT_TEMPLATE)
+
+
+# Private-use code points that wrap the output of a `{% generation %}` block while the mask is computed.
+GEN_START, GEN_END = "\ue000", "\ue001"
+
+
+class _GenerationBlocks(Extension):
+    """`{% generation %}…{% endgeneration %}`: renders its body; when the render sets `leantrain_mark_generation`,
+    wrapped in GEN_START/GEN_END so the assistant text can be cut out of the rendered conversation."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: Any) -> nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        mark = nodes.Name("leantrain_mark_generation", "load")
+        return nodes.CallBlock(self.call_method("_wrap", [mark]), [], [], body).set_lineno(lineno)
+
+    def _wrap(self, mark: Any, caller: Any) -> str:
+        text = caller()
+        return f"{GEN_START}{text}{GEN_END}" if mark is True else text
 
 
 class ChatRenderer:
     """Renders conversations with a Jinja chat template and tokenizes them with the loss mask."""
 
-    def __init__(self, tokenizer: Any, *, template: str = DEFAULT_TEMPLATE, eos_id: int) -> None:
+    def __init__(self, tokenizer: Any, *, template: str | ChatTemplate = DEFAULT_TEMPLATE, eos_id: int) -> None:
+        from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
             raise UserInputError(f"chat template: {message}")
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = raise_exception
-        self.template = env.from_string(template)
+        def strftime_now(format: str) -> str:  # some templates (Llama 3.1) print today's date
+            return datetime.now().strftime(format)
+
+        chat = template if isinstance(template, ChatTemplate) else ChatTemplate(template)
+        # transformers' settings for chat templates (trim/lstrip blocks, loop controls, its two globals)
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=[_GenerationBlocks, loopcontrols])
+        env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
+        env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
+        self.template = env.from_string(chat.template)
+        self.marks_generation = "{% generation" in chat.template or "{%- generation" in chat.template
+        self.bos_token, self.eos_token = chat.bos_token, chat.eos_token
         self.tokenizer, self.eos_id = tokenizer, eos_id
 
-    def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = False,
+               mark_generation: bool = False) -> str:
         return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token="", eos_token="")
+                                    bos_token=self.bos_token, eos_token=self.eos_token,
+                                    leantrain_mark_generation=mark_generation)
 
     def segments(self, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
         """The rendered text cut into (text, is_assistant) pieces, in order."""
+        if self.marks_generation:
+            return self._marked_segments(messages)
         pieces: list[tuple[str, bool]] = []
         done = ""
         for i, message in enumerate(messages):
@@ -115,22 +177,34 @@ class ChatRenderer:
             full = self.render(messages[: i + 1])
             if not prompt.startswith(done) or not full.startswith(prompt):
                 raise UserInputError("chat template: rendering is not incremental (a turn changes earlier text); "
-                                     "use a template whose output only grows with each message")
+                                     "use a template whose output only grows with each message, or mark the "
+                                     "answers with {% generation %}…{% endgeneration %}")
             pieces += [(prompt[len(done):], False), (full[len(prompt):], True)]
             done = full
         rest = self.render(messages)[len(done):]
         return [p for p in [*pieces, (rest, False)] if p[0]]
 
+    def _marked_segments(self, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
+        if any(GEN_START in m["content"] or GEN_END in m["content"] for m in messages):
+            raise UserInputError("chat record: a message holds a private-use character U+E000/U+E001")
+        pieces: list[tuple[str, bool]] = []
+        for i, chunk in enumerate(self.render(messages, mark_generation=True).split(GEN_START)):
+            inside, _, after = chunk.rpartition(GEN_END) if i else ("", "", chunk)
+            pieces += [(inside, True), (after, False)]
+        return [p for p in pieces if p[0]]
+
     def encode(self, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
-        """(token ids with EOS appended, mask uint8 with 1 on assistant tokens), both (n,)."""
+        """(token ids ending in EOS, mask uint8 with 1 on assistant tokens), both (n,): EOS (mask 0) is
+        appended unless the render already ends with it."""
         ids: list[int] = []
         mask: list[int] = []
         for text, assistant in self.segments(messages):
             piece = self.tokenizer.encode(text, add_special_tokens=False).ids
             ids += piece
             mask += [int(assistant)] * len(piece)
-        ids.append(self.eos_id)
-        mask.append(0)
+        if not ids or ids[-1] != self.eos_id:
+            ids.append(self.eos_id)
+            mask.append(0)
         return np.asarray(ids, dtype=np.int64), np.asarray(mask, dtype=np.uint8)
 
 
