@@ -39,10 +39,11 @@ def test_compressed_folder_in_sorted_order_with_empty_file(tmp_path: Path) -> No
     with gzip.open(tmp_path / "a.jsonl.gz", "wb") as f:
         f.write(row("gz"))
     (tmp_path / "c.jsonl").write_bytes(b"")
-    (tmp_path / "notes.txt").write_text("ignored: not jsonl")
+    (tmp_path / "notes.txt").write_text("not read: not a record format, but named in the report")
     docs, stats = _read(path=tmp_path, text_field="content")
     assert docs == ["gz", "zst", "zst"]
-    assert stats.files == 3 and stats.problems == {"empty_file": 1}
+    assert stats.files == 3 and stats.problems == {"empty_file": 1, "unread_file": 1}
+    assert stats.examples["unread_file"] == [str(tmp_path / "notes.txt")]
 
 
 def test_text_units(tmp_path: Path) -> None:
@@ -62,7 +63,7 @@ def test_text_units(tmp_path: Path) -> None:
 def test_parquet(tmp_path: Path) -> None:
     pq.write_table(pa.table({"text": ["a", None, "c"], "id": [1, 2, 3]}), tmp_path / "p.parquet")
     docs, stats = _read(path=tmp_path / "p.parquet", format="parquet")
-    assert docs == ["a", "c"] and stats.problems == {"missing_text_field": 1}
+    assert docs == ["a", "c"] and stats.problems == {"null_text": 1}
     with pytest.raises(UserInputError, match="no column 'body'"):
         _read(path=tmp_path / "p.parquet", format="parquet", text_field="body")
 

@@ -29,21 +29,28 @@ ZSTD_CHUNK_BYTES = 1 << 16  # compressed bytes fed per step: an error's offset i
 class BadInputError(UserInputError):
     """A file that cannot be read to its end: names the file, the offset and what was wrong."""
 
-    def __init__(self, path: str, *, offset: int, decompressed: int, problem: str) -> None:
+    def __init__(self, path: str, *, offset: int, decompressed: int, problem: str, message: str | None = None,
+                 line: int | None = None) -> None:
         self.path, self.offset, self.decompressed, self.problem = path, offset, decompressed, problem
-        super().__init__(f"{path}: {problem} at compressed byte {offset:,} (after {decompressed:,} decompressed "
-                         "bytes); fix or remove the file, or set data.on_bad_input: skip to skip such files")
+        self.message = message
+        self.line = line  # the first line not read (line-based files), set by the reader that met the damage
+        super().__init__(message or f"{path}: {problem} at compressed byte {offset:,} (after {decompressed:,} "
+                         "decompressed bytes); fix or remove the file, or set data.on_bad_input: skip to skip such "
+                         "files")
 
     def __reduce__(self) -> tuple[Any, ...]:  # crosses process and Ray task boundaries intact
-        return (_rebuild_bad_input, (self.path, self.offset, self.decompressed, self.problem))
+        return (_rebuild_bad_input, (self.path, self.offset, self.decompressed, self.problem, self.message,
+                                     self.line))
 
     def to_json(self) -> dict[str, Any]:
-        return {"file": self.path, "offset": self.offset, "decompressed_bytes": self.decompressed,
-                "problem": self.problem}
+        out = {"file": self.path, "offset": self.offset, "decompressed_bytes": self.decompressed,
+               "problem": self.problem}
+        return out if self.line is None else {**out, "line": self.line}
 
 
-def _rebuild_bad_input(path: str, offset: int, decompressed: int, problem: str) -> BadInputError:
-    return BadInputError(path, offset=offset, decompressed=decompressed, problem=problem)
+def _rebuild_bad_input(path: str, offset: int, decompressed: int, problem: str, message: str | None = None,
+                       line: int | None = None) -> BadInputError:
+    return BadInputError(path, offset=offset, decompressed=decompressed, problem=problem, message=message, line=line)
 
 
 def is_url(path: str | Path) -> bool:
@@ -65,9 +72,9 @@ def base_suffix(name: str) -> str:
     return Path(name).suffix.lower()
 
 
-def list_files(path: str | Path, *, suffixes: tuple[str, ...]) -> list[str] | None:
+def list_files(path: str | Path, *, suffixes: tuple[str, ...] | None = None) -> list[str] | None:
     """Files under a folder or prefix (recursive, sorted, hidden names skipped) with one of `suffixes`
-    (optionally compressed); `[path]` for a single file; None when nothing exists there."""
+    (optionally compressed; None: every file); `[path]` for a single file; None when nothing exists there."""
     if not is_url(path):
         local = Path(path)
         if local.is_file():
@@ -75,7 +82,7 @@ def list_files(path: str | Path, *, suffixes: tuple[str, ...]) -> list[str] | No
         if not local.is_dir():
             return None
         return sorted(str(p) for p in local.rglob("*") if p.is_file() and not _hidden(p.relative_to(local).parts)
-                      and base_suffix(p.name) in suffixes)
+                      and (suffixes is None or base_suffix(p.name) in suffixes))
     fs, root = _filesystem(str(path))
     protocol = str(path).split("://", 1)[0]
     if fs.isfile(root):
@@ -85,7 +92,7 @@ def list_files(path: str | Path, *, suffixes: tuple[str, ...]) -> list[str] | No
     found = sorted(fs.find(root))
     prefix = root.rstrip("/") + "/"
     return [f"{protocol}://{name}" for name in found if not _hidden(name[len(prefix):].split("/"))
-            and base_suffix(name.rsplit("/", 1)[-1]) in suffixes]
+            and (suffixes is None or base_suffix(name.rsplit("/", 1)[-1]) in suffixes)]
 
 
 def _hidden(parts: tuple[str, ...] | list[str]) -> bool:
@@ -149,7 +156,9 @@ class _CheckedDecoder(io.RawIOBase):
 
     def _read_gzip(self, size: int) -> bytes:
         assert self._gzip is not None
-        return self._gzip.read(size)
+        # read1: one step of the decoder; read(size) loops until `size` bytes and loses what it decoded
+        # when the stream breaks off (a truncated file would keep nothing before the cut)
+        return self._gzip.read1(size)
 
     def _read_zstd(self, size: int) -> bytes:
         import zstandard
@@ -192,4 +201,6 @@ def open_binary(path: str) -> IO[bytes]:
     for suffix, kind in ((".gz", "gz"), (".zst", "zst")):
         if name.endswith(suffix):
             return io.BufferedReader(_CheckedDecoder(path, kind=kind), buffer_size=READ_CHUNK_BYTES)
+    if is_url(path):  # fsspec's own readline has no size limit: readers bound each line (readline(n))
+        return io.BufferedReader(open_raw(path), buffer_size=READ_CHUNK_BYTES)  # type: ignore[arg-type]
     return open_raw(path)

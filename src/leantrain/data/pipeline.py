@@ -49,7 +49,7 @@ from leantrain.data.layout import (
     write_split_shards,
 )
 from leantrain.data.progress import StageProgress
-from leantrain.data.readers import ReadStats, no_documents, source_files
+from leantrain.data.readers import ReadStats, list_source, no_documents
 from leantrain.data.shards import ShardInfo, atomic_write_bytes, sha256_file, token_dtype
 from leantrain.data.stats import SourceStats, build_report
 from leantrain.data.tasks import InputTask, clean_task, encode_task, kept_texts, plan_tasks, read_json, task_dir
@@ -85,7 +85,7 @@ def resolve_sources(spec: DataSpec, *, data_dir: Path) -> list[DataSource]:
 def fingerprint(spec: DataSpec, sources: list[DataSource], files: dict[str, list[str]]) -> str:
     """Hash of everything that changes the cleaned text or the shards (not weights, stages, seq_len, workers)."""
     settings = spec.model_dump(mode="json", include={"cleaning", "dedup", "pii", "tokenizer", "shard_size_tokens",
-                                                     "valid_fraction", "on_bad_input"})
+                                                     "valid_fraction", "on_bad_input", "max_doc_bytes"})
     settings["sources"] = [s.model_dump(mode="json", exclude={"weight", "path"}) for s in sources]
     versions = [content_version(path) for s in sources for path in files[s.name]]  # resolved path + content
     if spec.tokenizer.kind == "file" and spec.tokenizer.path is not None and Path(spec.tokenizer.path).is_file():
@@ -120,10 +120,14 @@ def _run_stage(executor: Executor, progress: StageProgress, description: str, fn
     return results
 
 
-def _source_stats(spec: DataSpec, sources: list[DataSource], tasks: list[InputTask], cleaned: list[dict[str, Any]]
-                  ) -> list[SourceStats]:
-    """Per-source counters from the clean tasks; a source that yielded nothing is an error."""
+def _source_stats(spec: DataSpec, sources: list[DataSource], tasks: list[InputTask], cleaned: list[dict[str, Any]],
+                  unread: dict[str, list[str]]) -> list[SourceStats]:
+    """Per-source counters from the clean tasks (and the files of a folder no reader fits, named as
+    `unread_file`); a source that yielded nothing is an error."""
     stats = {s.name: SourceStats(name=s.name, weight=s.weight, read=ReadStats()) for s in sources}
+    for name, paths in unread.items():
+        for path in paths:
+            stats[name].read.problem("unread_file", path)
     for task, result in zip(tasks, cleaned, strict=True):
         stat = stats[task.source.name]
         stat.docs_in += result["docs_in"]
@@ -286,7 +290,8 @@ def prepare_data(
     data_dir = Path(data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
     sources = resolve_sources(spec, data_dir=data_dir)
-    files = {s.name: source_files(s) for s in sources}
+    listed = {s.name: list_source(s) for s in sources}
+    files = {name: found for name, (found, _) in listed.items()}
     inputs = fingerprint(spec, sources, files)
     work = data_dir / WORK
     up_to_date = _up_to_date(data_dir, inputs)
@@ -302,7 +307,7 @@ def prepare_data(
         sizes = [t.num_bytes for t in tasks]
         cleaned = _run_stage(executor, progress, "clean", clean_task, tasks, (spec, work, _salt(spec)),
                              sizes=sizes, docs=lambda r: r["docs_in"])
-        stats = _source_stats(spec, sources, tasks, cleaned)
+        stats = _source_stats(spec, sources, tasks, cleaned, {name: rest for name, (_, rest) in listed.items()})
         offsets = np.concatenate([[0], np.cumsum([r["candidates"] for r in cleaned])]).astype(np.int64)
         timings["clean_s"] = time.perf_counter() - start
         start = time.perf_counter()

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from leantrain.data.chat import parse_record
-from leantrain.data.inputs import COMPRESSED, BadInputError, file_size, list_files, open_binary, open_raw
+from leantrain.data.inputs import COMPRESSED, BadInputError, base_suffix, file_size, list_files, open_binary, open_raw
 from leantrain.errors import UserInputError
 from leantrain.spec.schema import DataSource
 
@@ -38,14 +38,20 @@ class RawDoc:
     text: str
 
 
+DEFAULT_MAX_DOC_BYTES = 1 << 23
+
+
 @dataclass
 class ReadStats:
-    """Problems met while reading one source, by kind, with a few `file:line` examples each."""
+    """Problems met while reading one source, by kind, with a few `file:line` examples each; and the
+    reading limit `max_doc_bytes` (data.max_doc_bytes): a longer line, paragraph or file is skipped as it
+    streams by (`doc_too_large`), never held whole."""
 
     files: int = 0
     bytes_read: int = 0
     problems: Counter[str] = field(default_factory=Counter)
     examples: dict[str, list[str]] = field(default_factory=dict)
+    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES
 
     def problem(self, kind: str, where: str) -> None:
         self.problems[kind] += 1
@@ -54,19 +60,56 @@ class ReadStats:
             self.examples[kind].append(where)
 
 
-def source_files(source: DataSource) -> list[str]:
-    """The files of a source in a fixed (sorted) order; a folder or prefix is searched recursively by suffix."""
+# Formats whose files are rows with a text column: a folder of one may hold files of the others, and each
+# file is read by its own suffix with the source's text_field/id_field.
+RECORD_FORMATS = ("jsonl", "parquet", "arrow")
+# What Hugging Face `datasets` writes beside its .arrow files: metadata, not documents.
+DATASET_METADATA = frozenset({"dataset_info.json", "state.json", "dataset_dict.json"})
+
+
+def file_format(source: DataSource, path: str) -> str | None:
+    """The reader for one file of a source: the source's format for its own suffixes; for a record format,
+    the record format the suffix belongs to (a jsonl folder's .parquet files are read as parquet); None: no
+    reader of this source fits the file."""
+    suffix = base_suffix(_name(path))
+    if suffix in READERS[source.format].suffixes:
+        return source.format
+    if source.format in RECORD_FORMATS:
+        return next((f for f in RECORD_FORMATS if suffix in READERS[f].suffixes), None)
+    return None
+
+
+def list_source(source: DataSource) -> tuple[list[str], list[str]]:
+    """(files to read, files not read) of a source in a fixed (sorted) order. A folder or prefix is searched
+    recursively; names starting with . or _ are skipped (.DS_Store, _SUCCESS), and so is `datasets`
+    metadata beside .arrow files; every other file is read, or returned as not read so the report names it
+    (a README.md in a jsonl folder, a .csv). A single file is read with the source's format whatever its
+    name, unless its suffix is another record format's."""
     assert source.path is not None, "builtin sources are materialised before reading"
-    wanted = READERS[source.format].suffixes
-    files = list_files(source.path, suffixes=wanted)
-    if files is None:
+    found = list_files(source.path)
+    if found is None:
         raise UserInputError(f"data.sources[{source.name}].path: {source.path} does not exist")
+    if found == [str(source.path)]:
+        return found, []
+    arrow = any(base_suffix(_name(f)) == ".arrow" for f in found)
+    files, unread = [], []
+    for path in found:
+        if arrow and _name(path) in DATASET_METADATA:
+            continue
+        (files if file_format(source, path) is not None else unread).append(path)
     if not files:
+        wanted = READERS[source.format].suffixes
+        shown = ", ".join(_name(f) for f in unread[:5]) + (f" and {len(unread) - 5} more" if len(unread) > 5 else "")
         raise UserInputError(
             f"data.sources[{source.name}]: folder {source.path} has no {source.format} files ({', '.join(wanted)}, "
-            "optionally .gz/.zst)"
+            f"optionally .gz/.zst)" + (f"; it holds {shown}" if unread else "")
         )
-    return files
+    return files, unread
+
+
+def source_files(source: DataSource) -> list[str]:
+    """The files of a source that are read (see `list_source`)."""
+    return list_source(source)[0]
 
 
 def _name(path: str) -> str:
@@ -79,19 +122,43 @@ def _lines(path: str, stats: ReadStats, span: tuple[int, int | None, int] = (0, 
     (start, end, first line): only the lines in bytes [start, end) of an uncompressed file (cut at line ends
     by `line_spans`)."""
     start, end, first_line = span
+    limit = stats.max_doc_bytes
+    number = first_line - 1
     with open_binary(path) as raw:
         if start:
             raw.seek(start)
         position = start
-        for number, line in enumerate(raw, start=first_line):
-            if end is not None and position >= end:
-                break
-            position += len(line)
-            stats.bytes_read += len(line)
-            try:
-                yield number, line.decode("utf-8")
-            except UnicodeDecodeError:
-                stats.problem("invalid_utf8", f"{path}:{number}")
+        try:
+            while end is None or position < end:
+                line = raw.readline(limit + 1)  # a longer line is never held whole
+                if not line:
+                    break
+                number += 1
+                if len(line) > limit and not line.endswith(b"\n"):
+                    size = len(line) + _skip_line(raw)
+                    position += size
+                    stats.bytes_read += size
+                    stats.problem("doc_too_large", f"{path}:{number}")
+                    continue
+                position += len(line)
+                stats.bytes_read += len(line)
+                try:
+                    yield number, line.decode("utf-8")
+                except UnicodeDecodeError:
+                    stats.problem("invalid_utf8", f"{path}:{number}")
+        except BadInputError as err:
+            err.line = number + 1  # where reading stopped: every line before it arrived
+            raise
+
+
+def _skip_line(raw: Any) -> int:
+    """Read past the rest of an over-long line in 1 MiB steps; the number of bytes skipped."""
+    skipped = 0
+    while chunk := raw.readline(1 << 20):
+        skipped += len(chunk)
+        if chunk.endswith(b"\n"):
+            break
+    return skipped
 
 
 SPLIT_SCAN_BYTES = 1 << 24
@@ -99,7 +166,8 @@ SPLIT_SCAN_BYTES = 1 << 24
 
 def splittable(source: DataSource, path: str) -> bool:
     """Line-based and uncompressed: a file that byte-range tasks can share."""
-    line_based = source.format in ("jsonl", "chat") or (source.format == "text" and source.text_unit == "line")
+    fmt = file_format(source, path) or source.format
+    line_based = fmt in ("jsonl", "chat") or (fmt == "text" and source.text_unit == "line")
     return line_based and not path.endswith(COMPRESSED)
 
 
@@ -152,16 +220,28 @@ def _read_jsonl(path: str, source: DataSource, stats: ReadStats, span: tuple[int
     for number, row in _json_rows(path, stats, span):
         text = row.get(source.text_field) if isinstance(row, dict) else None
         if not isinstance(text, str):
-            stats.problem("missing_text_field", f"{path}:{number}")
+            stats.problem(_no_text_reason(row, source.text_field), f"{path}:{number}")
             continue
         yield RawDoc(source.name, _doc_id(row, source, path, number), text)
+
+
+def _no_text_reason(row: Any, text_field: str) -> str:
+    """Why a row has no text: not an object (a bare number or list), no such field, null, or not a string."""
+    if not isinstance(row, dict):
+        return "row_not_object"
+    if text_field not in row:
+        return "missing_text_field"
+    return "null_text" if row[text_field] is None else "non_string_text"
 
 
 def _read_text(path: str, source: DataSource, stats: ReadStats, span: tuple[int, int | None, int] = (0, None, 1)
                ) -> Iterator[RawDoc]:
     if source.text_unit == "file":
         with open_binary(path) as raw:
-            data = raw.read()
+            data = raw.read(stats.max_doc_bytes + 1)
+            if len(data) > stats.max_doc_bytes:  # not read further: its bytes would only be dropped
+                stats.problem("doc_too_large", f"{path}:1")
+                return
         stats.bytes_read += len(data)
         try:
             yield RawDoc(source.name, _name(path), data.decode("utf-8"))
@@ -170,19 +250,27 @@ def _read_text(path: str, source: DataSource, stats: ReadStats, span: tuple[int,
             stats.problem("invalid_utf8", f"{path}:{line}")
         return
     paragraph: list[str] = []
-    first_line = 1
+    first_line = size = 0
     for number, line in _lines(path, stats, span):
         if source.text_unit == "line":
             if line.strip():
                 yield RawDoc(source.name, f"{_name(path)}:{number}", line.rstrip("\n"))
             continue
         if line.strip():
-            if not paragraph:
+            if not size:
                 first_line = number
+            oversize = size > stats.max_doc_bytes
+            size += len(line) if line.isascii() else len(line.encode("utf-8"))
+            if size > stats.max_doc_bytes:  # drop what is held; the rest of the paragraph is skipped line by line
+                if not oversize:
+                    stats.problem("doc_too_large", f"{path}:{first_line}")
+                paragraph = []
+                continue
             paragraph.append(line)
-        elif paragraph:
-            yield RawDoc(source.name, f"{_name(path)}:{first_line}", "".join(paragraph))
-            paragraph = []
+        else:
+            if paragraph:
+                yield RawDoc(source.name, f"{_name(path)}:{first_line}", "".join(paragraph))
+            paragraph, size = [], 0
     if paragraph:
         yield RawDoc(source.name, f"{_name(path)}:{first_line}", "".join(paragraph))
 
@@ -190,9 +278,10 @@ def _read_text(path: str, source: DataSource, stats: ReadStats, span: tuple[int,
 def _read_table_batches(path: str, source: DataSource, stats: ReadStats, batches: Any, names: list[str]
                         ) -> Iterator[RawDoc]:
     if source.text_field not in names:
-        raise UserInputError(
-            f"data.sources[{source.name}].text_field: {path} has no column {source.text_field!r} (has: {names})"
-        )
+        problem = f"no column {source.text_field!r} (has: {names})"
+        raise BadInputError(path, offset=0, decompressed=0, problem=problem, message=(
+            f"data.sources[{source.name}].text_field: {path} has {problem}; set text_field, fix or remove the "
+            "file, or set data.on_bad_input: skip to skip such files"))
     has_id = source.id_field is not None and source.id_field in names
     row_number = 0
     for batch in batches:
@@ -201,7 +290,10 @@ def _read_table_batches(path: str, source: DataSource, stats: ReadStats, batches
         for text, doc_id in zip(texts, ids, strict=True):
             row_number += 1
             if not isinstance(text, str):
-                stats.problem("missing_text_field", f"{path}:row {row_number}")
+                stats.problem("null_text" if text is None else "non_string_text", f"{path}:row {row_number}")
+                continue
+            if len(text) > stats.max_doc_bytes // 4 and len(text.encode("utf-8")) > stats.max_doc_bytes:
+                stats.problem("doc_too_large", f"{path}:row {row_number}")
                 continue
             yield RawDoc(source.name, str(doc_id) if doc_id is not None else f"{_name(path)}:{row_number}", text)
 
@@ -279,16 +371,20 @@ def read_file(source: DataSource, path: str, stats: ReadStats, *, start: int = 0
     if file_size(path) == 0:
         stats.problem("empty_file", f"{path}:0")
         return
+    reader = READERS[file_format(source, path) or source.format].read
     if start or end is not None:
-        yield from READERS[source.format].read(path, source, stats, (start, end, first_line))
+        yield from reader(path, source, stats, (start, end, first_line))
         return
-    yield from READERS[source.format].read(path, source, stats)
+    yield from reader(path, source, stats)
 
 
 def read_source(source: DataSource, stats: ReadStats) -> Iterator[RawDoc]:
     """Stream a source's documents; raises UserInputError at the end if it yielded none."""
     num_docs = 0
-    for path in source_files(source):
+    files, unread = list_source(source)
+    for path in unread:
+        stats.problem("unread_file", path)
+    for path in files:
         for doc in read_file(source, path, stats):
             num_docs += 1
             yield doc

@@ -30,8 +30,10 @@ class SourceStats:
     docs_out: Counter[str] = field(default_factory=Counter)
     drops: Counter[str] = field(default_factory=Counter)
     pii: Counter[str] = field(default_factory=Counter)
-    bad_inputs: list[dict[str, Any]] = field(default_factory=list)  # files skipped (data.on_bad_input: skip)
-    docs_lost_to_bad_input: int = 0  # documents read from those files before the damage (left out too)
+    # damaged files (data.on_bad_input: skip): where each broke, the documents read before it (kept) and the
+    # compressed bytes after it (not decodable)
+    bad_inputs: list[dict[str, Any]] = field(default_factory=list)
+    docs_lost_to_bad_input: int = 0  # documents the damage cut short (a partial last line)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -63,6 +65,15 @@ def build_report(*, sources: list[dict[str, Any]], dedup: dict[str, Any], tokeni
             "timings_s": {k: round(v, 3) for k, v in timings.items()}}
 
 
+def damage_line(bad: dict[str, Any]) -> str:
+    """One line for a damaged file read under data.on_bad_input: skip: what, where, what was kept and lost."""
+    where = f"line {bad['line']:,}, " if bad.get("line") is not None else ""
+    unread = bad.get("bytes_unread")
+    rest = f"; {unread:,} bytes after it not readable" if unread else ""
+    return (f"{bad['problem']} at {where}compressed byte {bad['offset']:,}; kept the {bad.get('docs_before', 0):,} "
+            f"documents before it{rest}")
+
+
 def render_report(report: dict[str, Any], *, console: Console) -> None:
     sources = report["sources"]
     table = Table(title="prepare: per source")
@@ -87,8 +98,7 @@ def render_report(report: dict[str, Any], *, console: Console) -> None:
         console.print(counts)
     for s in sources:
         for bad in s.get("bad_inputs", []):
-            console.print(f"[yellow]{s['name']}: skipped the file {bad['file']} ({bad['problem']} at byte "
-                          f"{bad['offset']:,}; data.on_bad_input: skip)")
+            console.print(f"[yellow]{s['name']}: {bad['file']}: {damage_line(bad)} (data.on_bad_input: skip)")
         for kind, count in s.get("read_problems", {}).items():
             examples = ", ".join(s["read_problem_examples"].get(kind, []))
             console.print(f"[yellow]{s['name']}: skipped {count} ({kind}), e.g. {examples}")

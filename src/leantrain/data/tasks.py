@@ -101,7 +101,7 @@ def clean_task(task: InputTask, spec: DataSpec, work: Path, salt: bytes) -> dict
     hasher = MinHasher(num_perm=spec.dedup.num_bands * spec.dedup.rows_per_band, seed=spec.dedup.seed,
                        shingle_words=spec.dedup.shingle_words, shingle_chars=spec.dedup.shingle_chars)
     redactor = PIIRedactor(types=spec.pii.types, salt=salt) if spec.pii.enabled else None
-    read = ReadStats()
+    read = ReadStats(max_doc_bytes=spec.max_doc_bytes)
     counts: dict[str, Any] = {"docs_in": 0, "chars_in": 0, "drops": Counter(), "bad_input": None,
                               "docs_lost_to_bad_input": 0}
     keys: list[bytes] = []
@@ -122,17 +122,28 @@ def clean_task(task: InputTask, spec: DataSpec, work: Path, salt: bytes) -> dict
         except BadInputError as err:
             if spec.on_bad_input == "error":
                 raise
-            counts.update(bad_input=err.to_json(), docs_lost_to_bad_input=counts["docs_in"], docs_in=0,
-                          chars_in=0, drops=Counter())
-            keys, signatures = [], []
-            docs.seek(0)
-            docs.truncate()
+            counts.update(bad_input=_damage(err, task, read, docs_before=counts["docs_in"]),
+                          docs_lost_to_bad_input=_partial_docs(err, read))
     os.replace(out / "docs.jsonl.tmp", out / "docs.jsonl")
     write_hashes(out, keys=keys, signatures=signatures, spec=spec.dedup)
     result = {**counts, "drops": dict(counts["drops"]), "candidates": len(keys), "files": read.files,
               "bytes_read": read.bytes_read, "read_problems": dict(read.problems), "read_examples": read.examples}
     atomic_write_bytes(out / CLEAN_DONE, json.dumps(result).encode())
     return result
+
+
+def _damage(err: BadInputError, task: InputTask, read: ReadStats, *, docs_before: int) -> dict[str, Any]:
+    """Where a skipped file broke (data.on_bad_input: skip): the error's file, offset and problem, the documents
+    read before it (kept), and the compressed bytes from the damage to the end of the file (not decodable)."""
+    end = task.end if task.end is not None else file_size(task.path)
+    unread = max(end - err.offset, 0) if err.offset >= 0 else None
+    return {**err.to_json(), "docs_before": docs_before, "bytes_unread": unread}
+
+
+def _partial_docs(err: BadInputError, read: ReadStats) -> int:
+    """1 when the damage cut a line-based document short (decompressed bytes past the last whole line), else 0:
+    in a truncated file nothing else is lost; past corruption the rest of the file is `bytes_unread`."""
+    return int(err.line is not None and err.decompressed > read.bytes_read)
 
 
 def _candidate(text: str, *, spec: DataSpec, counts: dict[str, Any], hasher: MinHasher, keys: list[bytes],

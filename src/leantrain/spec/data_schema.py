@@ -183,8 +183,14 @@ class DataSpec(Section):
         "the same as for one task per file.",
     )
     on_bad_input: Literal["error", "skip"] = Field(
-        "error", description="A truncated or corrupt input file (.gz/.zst, parquet, arrow): error names the file "
-        "and offset and stops; skip leaves the whole file out and counts it in report.json.",
+        "error", description="A truncated or corrupt input file (.gz/.zst, parquet, arrow) or a table without "
+        "text_field: error names the file and offset and stops; skip keeps the documents read before the damage, "
+        "leaves the rest of that file out and reports where and how much in report.json (sources[].bad_inputs).",
+    )
+    max_doc_bytes: PositiveInt = Field(
+        1 << 23, description="A line (jsonl, chat, text), paragraph, text file or table value longer than this "
+        "many bytes is skipped while it is read (counted as doc_too_large), so one huge line never costs more "
+        "memory than this.",
     )
 
     @model_validator(mode="after")
