@@ -94,3 +94,78 @@ def test_bad_task_file_exits_2_naming_the_line(setup: tuple[Path, Path, Path], t
     bad.write_text('{"question": "q", "choices": ["a", "b"], "answer": 0}\n{"question": "q", "choices": ["a"]}\n')
     assert main(["eval", str(spec_path), "--tasks", str(bad)]) == 2
     assert "bad.jsonl:2: needs a string 'question' and a list 'choices'" in capsys.readouterr().err
+
+
+def test_acc_norm_is_per_character_and_acc_bytes_per_byte_of_the_choice() -> None:
+    """lm-evaluation-harness, lm_eval/api/task.py (ConfigurableTask.process_results, multiple_choice):
+    `completion_len = np.array([float(len(i)) for i in choices])`, `byte_length = ... len(i.encode("utf-8"))`,
+    `pred_norm = np.argmax(lls / completion_len)`, `pred_byte = np.argmax(lls / byte_length)`: the choice's own
+    length, not the length of the continuation " " + choice."""
+    from leantrain.golive.eval import predictions
+
+    # per character -2.0 vs -1.55 picks "bb"; per byte of " " + choice (-1.0 vs -1.03) would pick "a"
+    assert predictions([-2.0, -3.1], ["a", "bb"]) == {"acc": 0, "acc_norm": 1, "acc_bytes": 1}
+    # "é" is one character and two bytes: per character -1.5 vs -1.25, per byte -0.75 vs -1.25
+    assert predictions([-1.5, -2.5], ["é", "ab"]) == {"acc": 0, "acc_norm": 1, "acc_bytes": 0}
+    assert predictions([-1.0, -1.0], ["x", "y"]) == {"acc": 0, "acc_norm": 0, "acc_bytes": 0}  # ties: the first
+
+
+def test_pair_split_moves_the_contexts_trailing_space_to_the_continuation(setup: tuple[Path, Path, Path]) -> None:
+    from leantrain.golive.eval import encode_pair
+
+    tokenizer = Tokenizer.from_file(str(setup[1] / "tokenizer.json"))
+    ids = tokenizer.encode("Answer: yes", add_special_tokens=False).ids
+    assert encode_pair(tokenizer, "Answer: ", "yes") == encode_pair(tokenizer, "Answer:", " yes") == (
+        ids[:7], ids[7:])
+
+
+MC_ITEMS = [
+    {"question": "2+2", "choices": ["4", "five", "22"], "answer": 0},
+    {"question": "capital of France", "choices": ["Rome", "Paris, the city of light"], "answer": 1},
+    {"question": "color of the sky", "choices": ["green", "blue", "red", "a very dark black"], "answer": 1},
+    {"question": "café or tea", "choices": ["café crème", "tea with lemon"], "answer": 0},
+    {"question": "largest number", "choices": ["nine hundred", "9", "ninety"], "answer": 0},
+    {"question": "naïve spelling", "choices": ["naïve", "naive", "nave"], "answer": 0},
+]
+
+
+@pytest.mark.slow
+def test_scores_equal_lm_evaluation_harness_on_the_same_model_and_items(
+        setup: tuple[Path, Path, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """lm_eval itself (its HF model on the same checkpoint dir, a local JSONL task) against `leantrain eval`:
+    per-choice log-likelihoods and per-question acc, acc_norm and acc_bytes."""
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # the task is a local file: nothing is fetched
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    lm_eval = pytest.importorskip("lm_eval")
+    from lm_eval.tasks import TaskManager
+
+    from leantrain.golive.eval import choice_log_likelihoods, read_task
+
+    spec_path, hf_dir, _ = setup
+    task = tmp_path / "mc.jsonl"
+    task.write_text("".join(json.dumps(item) + "\n" for item in MC_ITEMS))
+    (tmp_path / "tasks").mkdir()
+    (tmp_path / "tasks" / "leantrain_mc.yaml").write_text(yaml.safe_dump({
+        "task": "leantrain_mc", "dataset_path": "json", "dataset_kwargs": {"data_files": {"test": str(task)}},
+        "test_split": "test", "output_type": "multiple_choice", "doc_to_text": "Question: {{question}}\nAnswer:",
+        "doc_to_choice": "{{choices}}", "doc_to_target": "{{answer}}", "target_delimiter": " ",
+        "metric_list": [{"metric": m, "aggregation": "mean", "higher_is_better": True}
+                        for m in ("acc", "acc_norm", "acc_bytes")],
+    }))
+    theirs = lm_eval.simple_evaluate(
+        model="hf", model_args=f"pretrained={hf_dir},dtype=float32,device=cpu", tasks=["leantrain_mc"],
+        task_manager=TaskManager(include_path=str(tmp_path / "tasks")), log_samples=True, batch_size=1)
+    ours = evaluate(spec_path, tasks=[task])["tasks"]["mc"]
+    for metric in ("acc", "acc_norm", "acc_bytes"):
+        assert ours[metric] == theirs["results"]["leantrain_mc"][f"{metric},none"]
+    from leantrain.golive.eval import _load_model
+    from leantrain.spec import load_spec
+
+    model, _ = _load_model(load_spec(spec_path), None, step=None)
+    tokenizer = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    samples = sorted(theirs["samples"]["leantrain_mc"], key=lambda s: s["doc_id"])
+    for item, sample in zip(read_task(task), samples, strict=True):
+        lls = choice_log_likelihoods(model, item, tokenizer)
+        assert lls == pytest.approx([ll for ll, _ in sample["filtered_resps"]], abs=1e-4)
+    # the items tell the metrics apart (otherwise this test could not catch a wrong normalisation)
+    assert len({(s["acc"], s["acc_norm"], s["acc_bytes"]) for s in samples}) > 1

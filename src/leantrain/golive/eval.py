@@ -7,9 +7,14 @@ it is for the checkpoints one machine can hold; bigger ones are evaluated after 
 - Held-out loss and perplexity per source: the data dir's `valid` split, the first `training.eval_batches`
   micro-batches of each source's stream (as the trainer's evaluation, chat sources on assistant tokens only).
 - Multiple choice (a task FILE is JSONL, one `{"question", "choices": [...], "answer"}` per line, the answer
-  an index or the text of the right choice), scored as lm-evaluation-harness scores its multiple-choice tasks:
-  context `Question: {question}\\nAnswer:`, continuation ` {choice}`; `acc` takes the choice with the highest
-  summed log-likelihood of its continuation tokens, `acc_norm` the highest per byte of the continuation.
+  an index or the text of the right choice), scored as lm-evaluation-harness scores its multiple-choice tasks
+  (`output_type: multiple_choice`, `target_delimiter: " "`): context `Question: {question}\\nAnswer:`,
+  continuation ` {choice}`, split into tokens as its HF model does (the pair encoded whole, the continuation
+  being what follows the context's own tokens; no BOS added). `acc` takes the choice with the highest summed
+  log-likelihood of its continuation tokens, `acc_norm` the highest log-likelihood divided by the choice's
+  length in characters, `acc_bytes` divided by its length in UTF-8 bytes (the choice without the delimiter:
+  lm_eval/api/task.py, `ConfigurableTask.process_results`: `completion_len = len(i)`, `byte_length =
+  len(i.encode("utf-8"))`, `pred_norm = np.argmax(lls / completion_len)`); ties go to the first choice.
 Results go to RUN_DIR/eval.json (SPEC: its run.dir) and are printed; `leantrain report` lists them.
 """
 
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -138,7 +144,8 @@ def _tokenizer(spec: JobSpec) -> Any:
 
 @torch.no_grad()
 def continuation_logprob(model: nn.Module, context: list[int], continuation: list[int]) -> float:
-    """Summed log-probability of `continuation` after `context` (one forward over context + continuation)."""
+    """Summed log-probability of `continuation` after `context` (one forward over context + continuation;
+    as lm-evaluation-harness, the input keeps the last max_seq_len + 1 tokens)."""
     limit = model.args.max_seq_len + 1  # type: ignore[union-attr]
     context = context[-(limit - len(continuation)):] if len(context) + len(continuation) > limit else context
     tokens = torch.tensor([context + continuation])
@@ -148,19 +155,41 @@ def continuation_logprob(model: nn.Module, context: list[int], continuation: lis
     return float(picked.sum())
 
 
+def encode_pair(tokenizer: Any, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """(context ids, continuation ids) as lm-evaluation-harness's HF model splits a request: trailing
+    whitespace of the context moves to the continuation, the pair is encoded whole, and the continuation is
+    what follows the context's own tokens (so a merge across the boundary is scored as the model sees it)."""
+    spaces = len(context) - len(context.rstrip())
+    if spaces:
+        context, continuation = context[:-spaces], context[-spaces:] + continuation
+    whole = tokenizer.encode(context + continuation, add_special_tokens=False).ids
+    context_ids = tokenizer.encode(context, add_special_tokens=False).ids
+    return context_ids, whole[len(context_ids):]
+
+
+def choice_log_likelihoods(model: nn.Module, item: Choice, tokenizer: Any) -> list[float]:
+    """Each choice's summed log-likelihood as the continuation ` {choice}` of `Question: …\\nAnswer:`."""
+    context = f"Question: {item.question}\nAnswer:"
+    return [continuation_logprob(model, *encode_pair(tokenizer, context, f" {choice}")) for choice in item.choices]
+
+
+def predictions(log_likelihoods: list[float], choices: list[str]) -> dict[str, int]:
+    """The choice each metric picks: `acc` by log-likelihood, `acc_norm` per character, `acc_bytes` per byte."""
+    lls = np.asarray(log_likelihoods, dtype=np.float64)
+    chars = np.asarray([float(len(c)) for c in choices])
+    num_bytes = np.asarray([float(len(c.encode("utf-8"))) for c in choices])
+    return {"acc": int(np.argmax(lls)), "acc_norm": int(np.argmax(lls / chars)),
+            "acc_bytes": int(np.argmax(lls / num_bytes))}
+
+
 def multiple_choice(model: nn.Module, items: list[Choice], tokenizer: Any) -> dict[str, float]:
-    """acc and acc_norm (per-byte) over the items, lm-evaluation-harness style."""
-    correct = correct_norm = 0
+    """acc, acc_norm and acc_bytes over the items, as lm-evaluation-harness defines them (module docstring)."""
+    correct = {"acc": 0, "acc_norm": 0, "acc_bytes": 0}
     for item in items:
-        context = tokenizer.encode(f"Question: {item.question}\nAnswer:", add_special_tokens=False).ids
-        scores = []
-        for choice in item.choices:
-            continuation = tokenizer.encode(f" {choice}", add_special_tokens=False).ids
-            scores.append(continuation_logprob(model, context, continuation))
-        per_byte = [s / len(f" {c}".encode()) for s, c in zip(scores, item.choices, strict=True)]
-        correct += int(max(range(len(scores)), key=scores.__getitem__) == item.answer)
-        correct_norm += int(max(range(len(per_byte)), key=per_byte.__getitem__) == item.answer)
-    return {"acc": correct / len(items), "acc_norm": correct_norm / len(items), "num_questions": len(items)}
+        picked = predictions(choice_log_likelihoods(model, item, tokenizer), item.choices)
+        for metric, choice in picked.items():
+            correct[metric] += int(choice == item.answer)
+    return {**{metric: count / len(items) for metric, count in correct.items()}, "num_questions": len(items)}
 
 
 def evaluate(target: Path, *, tasks: list[Path], step: int | None = None) -> dict[str, Any]:
@@ -189,5 +218,5 @@ def run(*, console: Any, target: Path, tasks: list[Path], step: int | None) -> N
                       highlight=False)
     for name, values in result["tasks"].items():
         console.print(f"task {name:<20} acc {values['acc']:.3f}  acc_norm {values['acc_norm']:.3f}  "
-                      f"({values['num_questions']} questions)", highlight=False)
+                      f"acc_bytes {values['acc_bytes']:.3f}  ({values['num_questions']} questions)", highlight=False)
     console.print(f"results in {result['path']}", highlight=False)
