@@ -10,6 +10,9 @@
    published GPU-hours. The step-time constants never see these runs; the whole-run efficiency is fitted on
    alternate runs and the median |error| is printed for the others, both ways. Baseline: 6·N·D at a
    constant 40 % MFU.
+3. P10–P90 ranges (plan/uncertainty.py): next to each out-of-sample median, the share of held-out runs whose
+   measured value falls inside the range built from the other half alone (target ~80 %), and the shipped
+   ranges (ratios measured / predicted).
 
 Prints `name: value unit (ratio vs baseline)` lines.
 """
@@ -26,9 +29,13 @@ from leantrain.plan.published import (
     predicted_with,
     run_inputs,
     split_half_errors,
+    split_halves,
+    step_range_coverage,
     whole_run_gpu_hours,
+    whole_run_range_coverage,
     whole_run_split_errors,
 )
+from leantrain.plan.uncertainty import STEP_RANGE, WHOLE_RUN_RANGE
 
 BASELINE_MFU = 0.40
 
@@ -57,6 +64,17 @@ def main() -> None:
               f"({split[key] / base_median:.2f}x of the 40%-MFU rule's {base_median:.1%})")
     print(f"plan_step_in_sample: {split['error_a_in_sample']:.1%} (half a), {split['error_b_in_sample']:.1%} (half b)")
     print(f"plan_fit_on_a: {split['fit_on_a']!r}; fit_on_b: {split['fit_on_b']!r}")
+    a, b = split_halves(throughput)
+    hopper = [abs(predicted_with(r, fit) / measured_tokens_per_gpu_s(r) - 1)
+              for half, fit in ((b, split["fit_on_a"]), (a, split["fit_on_b"])) for r in half if r.family == "H100"]
+    print(f"plan_step_out_of_sample_hopper_only: {statistics.median(hopper):.1%} median |error| ({len(hopper)} runs)")
+    cover = step_range_coverage(throughput)
+    for key in ("b_with_range_from_a", "a_with_range_from_b"):
+        lo, hi = cover[f"{key}_range"]
+        print(f"plan_step_range_coverage_{key}: {cover[key]:.0%} of held-out runs inside P10-P90 "
+              f"({math.exp(lo):.3f}x-{math.exp(hi):.3f}x of the predicted step time)")
+    for kind, (lo, mid, hi) in STEP_RANGE.items():
+        print(f"plan_step_range_{kind}: P10 {math.exp(lo):.3f}x, P50 {math.exp(mid):.3f}x, P90 {math.exp(hi):.3f}x")
     errors, published, base_whole = [], [], []
     for run in whole:
         result = whole_run_gpu_hours(run)
@@ -81,6 +99,13 @@ def main() -> None:
     for key, label in (("error_b_with_fit_a", "half_b_fit_on_a"), ("error_a_with_fit_b", "half_a_fit_on_b")):
         print(f"plan_whole_out_of_sample_{label}: {ws[key]:.1%} median |error| "
               f"({ws[key] / rule:.2f}x of the 40%-MFU rule's {rule:.1%})")
+    cover = whole_run_range_coverage(ws)
+    for key in ("b_with_range_from_a", "a_with_range_from_b"):
+        lo, hi = cover[f"{key}_range"]
+        print(f"plan_whole_range_coverage_{key}: {cover[key]:.0%} of held-out runs inside P10-P90 "
+              f"({math.exp(lo):.3f}x-{math.exp(hi):.3f}x of the predicted GPU-hours)")
+    lo, mid, hi = WHOLE_RUN_RANGE
+    print(f"plan_whole_range: P10 {math.exp(lo):.3f}x, P50 {math.exp(mid):.3f}x, P90 {math.exp(hi):.3f}x")
     assert all(math.isfinite(e) for e in errors)
 
 

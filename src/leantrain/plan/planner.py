@@ -18,6 +18,7 @@ from leantrain.plan.goodput import whole_run
 from leantrain.plan.inputs import PlanInputs, plan_inputs, sequences_per_step
 from leantrain.plan.layout import layout_from_spec
 from leantrain.plan.search import Candidate, SearchResult, evaluate, search_layouts
+from leantrain.plan.uncertainty import range_dict, step_offsets, whole_run_offsets
 from leantrain.spec.schema import JobSpec
 
 
@@ -43,12 +44,30 @@ class Plan:
     def fits(self) -> bool:
         return self.chosen.memory.fits
 
+    def ranges(self) -> dict[str, dict[str, float]]:
+        """P10/P50/P90 of the step time, the whole run's days and GPU-hours and its cost (plan/uncertainty.py):
+        the step-time range of a given or a searched layout; the whole run's, wider unless the fleet's own
+        whole-run efficiency is in the spec."""
+        given = self.layout_source == "spec"
+        step = step_offsets(layout_given=given)
+        whole = whole_run_offsets(layout_given=given, fleet_known=self.spec.plan.whole_run_efficiency is not None)
+        t, price = self.chosen.time, self.spec.budget.price_per_gpu_hour
+        hours = self.run.get("whole_run_gpu_hours", 0.0)
+        return {"throughput": range_dict("step_s", step, t.step_s),
+                "time": {**range_dict("days", whole, self.run.get("whole_run_days", 0.0)),
+                         **range_dict("gpu_hours", whole, hours),
+                         "range_basis": ("fleet's whole-run efficiency" if self.spec.plan.whole_run_efficiency
+                                         is not None else "published whole runs")
+                         + (", the spec's layout" if given else ", a searched layout")},
+                "cost": {"whole_run": hours * price, **range_dict("total", whole, hours * price)}}
+
     def to_json(self) -> dict[str, Any]:
         inputs, budget, chosen = self.inputs, self.budget, self.chosen
         shape = inputs.shape
         tokens = inputs.tokens_total
         t = chosen.time
         predicted_days = tokens / t.tokens_per_s / SECONDS_PER_DAY
+        ranges = self.ranges()
         return {
             "model": {"total_params": shape.total_params(), "active_params": shape.active_params(),
                       "nominal_params": shape.nominal_params, "n_layers": shape.n_layers,
@@ -72,17 +91,17 @@ class Plan:
                           "accelerator": inputs.accelerator},
             "time": {"days": budget.days, "gpu_hours": budget.gpu_hours, "predicted_days": predicted_days,
                      "predicted_gpu_hours": predicted_days * 24 * self.layout_gpus,
-                     **{k: v for k, v in self.run.items() if k != "warnings"}},
+                     **{k: v for k, v in self.run.items() if k != "warnings"}, **ranges["time"]},
             "cost": {"total": budget.cost, "per_million_tokens": budget.cost_per_million_tokens,
                      "currency": self.spec.budget.currency,
-                     "price_per_gpu_hour": self.spec.budget.price_per_gpu_hour},
+                     "price_per_gpu_hour": self.spec.budget.price_per_gpu_hour, **ranges["cost"]},
             "memory": {"per_gpu": chosen.memory.to_dict(), "capacity": chosen.memory.capacity,
                        "headroom": chosen.memory.headroom, "fits": chosen.memory.fits,
                        "stage": chosen.memory.stage},
             "layout": {**chosen.layout.to_dict(), "source": self.layout_source, "num_gpus": chosen.layout.num_gpus},
             "throughput": {"tokens_per_s": t.tokens_per_s, "mfu": t.mfu, "hfu": t.hfu, "step_s": t.step_s,
                            "tokens_per_step": t.tokens_per_step, "bubble_fraction": t.bubble_fraction,
-                           "comm_fraction": t.comm_fraction,
+                           "comm_fraction": t.comm_fraction, **ranges["throughput"],
                            "breakdown_s": {"compute": t.compute_s, "bubble": t.bubble_s, "tp": t.tp_comm_s,
                                            "pp": t.pp_comm_s, "dp": t.dp_comm_s, "ep": t.ep_comm_s,
                                            "optimizer": t.optimizer_s}},
@@ -162,11 +181,15 @@ def what_if_rows(plan: Plan, gpu_counts: list[int]) -> list[dict[str, Any]]:
         budget = make_budget(plan.spec, plan.inputs, num_gpus=gpus)
         found = search_layouts(plan.inputs, gpus, max_micro_batch=knobs.max_micro_batch, top_k=1, suggest=False)
         best = found.best
+        days = plan.inputs.tokens_total / best.time.tokens_per_s / SECONDS_PER_DAY if best else None
+        band = range_dict("predicted_days", step_offsets(layout_given=False), days) if days else {
+            "predicted_days_p10": None, "predicted_days_p90": None}
         rows.append({
             "gpus": gpus, "days": budget.days, "gpu_hours": budget.gpu_hours, "cost": budget.cost,
             "fits": best is not None,
             "layout": best.layout.describe() if best else None,
-            "predicted_days": plan.inputs.tokens_total / best.time.tokens_per_s / SECONDS_PER_DAY if best else None,
+            "predicted_days": days, "predicted_days_p10": band["predicted_days_p10"],
+            "predicted_days_p90": band["predicted_days_p90"],
             "predicted_mfu": best.time.mfu if best else None,
         })
     plan.what_if = rows

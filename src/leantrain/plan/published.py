@@ -262,3 +262,73 @@ def whole_run_split_errors(runs: tuple[PublishedRun, ...]) -> dict[str, Any]:
     return {"fit_on_a": fit_a, "fit_on_b": fit_b, "fit_on_all": fit_whole_run_efficiency(list(ratios.values())),
             "error_b_with_fit_a": error(b, fit_a), "error_a_with_fit_b": error(a, fit_b),
             "error_all_unfitted": error(names, 1.0), "half_a": a, "half_b": b, "ratios_at_1": ratios}
+
+
+# --- P10-P90 ranges (plan/uncertainty.py): the residuals the ranges come from, and their held-out coverage ---
+
+
+def step_residuals_out_of_sample(runs: tuple[PublishedRun, ...]) -> list[float]:
+    """log(measured / predicted step time) of every run, each predicted with the constants fitted on the other
+    half (split_halves): what the planner's step time misses on a run it was not fitted on."""
+    a, b = split_halves(runs)
+    fit_a, fit_b = fit_constants(a), fit_constants(b)
+    return [*log_errors(a, fit_b), *log_errors(b, fit_a)]
+
+
+def searched_step_residuals(runs: tuple[PublishedRun, ...], fits: dict[str, Fit] | None = None) -> list[float]:
+    """log(measured step time of the published layout / predicted step time of the planner's own searched best
+    on the same GPUs): the miss when the spec gives no layout. `fits` maps run names to the constants to use
+    (the other half's fit, for an out-of-sample residual); by default the shipped ones."""
+    from leantrain.plan.search import search_layouts
+
+    out = []
+    for run in runs:
+        inputs = run_inputs(run)
+        fit = (fits or {}).get(run.name)
+        if fit is not None:
+            inputs = replace(inputs, compute_efficiency=fit.efficiency[run.family],
+                             elementwise_passes=fit.elementwise_passes,
+                             fp8_speedup=fit.fp8_speedup if inputs.fp8_speedup != 1.0 else 1.0)
+        found = search_layouts(inputs, run.gpus, max_micro_batch=8, top_k=1, suggest=False)
+        if found.best is not None:
+            out.append(math.log(found.best.time.tokens_per_s / run.gpus / measured_tokens_per_gpu_s(run)))
+    return out
+
+
+def whole_run_residuals(ratios_at_1: dict[str, float], efficiency: float, names: list[str]) -> list[float]:
+    """log(published / predicted GPU-hours) of `names` at a whole-run efficiency (the prediction scales as
+    1 / efficiency)."""
+    return [-math.log(ratios_at_1[n] / efficiency) for n in names]
+
+
+def step_range_coverage(runs: tuple[PublishedRun, ...]) -> dict[str, Any]:
+    """Held-out check of the step-time range: for each half, its constants and its range come from it alone
+    (the range from the residuals of its own inner split-half, the way the shipped range comes from the outer
+    one), and the share of the other half's runs whose measured step time lies in [P10, P90] is reported."""
+    from leantrain.plan.uncertainty import conformal_range
+
+    a, b = split_halves(runs)
+    out: dict[str, Any] = {}
+    for label, calib, held in (("b_with_range_from_a", a, b), ("a_with_range_from_b", b, a)):
+        lo, _, hi = conformal_range(step_residuals_out_of_sample(tuple(calib)))
+        residuals = log_errors(held, fit_constants(calib))
+        out[label] = sum(lo <= e <= hi for e in residuals) / len(residuals)
+        out[f"{label}_range"] = (lo, hi)
+    return out
+
+
+def whole_run_range_coverage(split: dict[str, Any]) -> dict[str, Any]:
+    """Held-out check of the whole-run range (from `whole_run_split_errors`): each half's efficiency and range
+    from its own runs; the share of the other half's published GPU-hours inside [P10, P90]."""
+    from leantrain.plan.uncertainty import conformal_range
+
+    ratios = split["ratios_at_1"]
+    out: dict[str, Any] = {}
+    for label, calib, held in (("b_with_range_from_a", split["half_a"], split["half_b"]),
+                               ("a_with_range_from_b", split["half_b"], split["half_a"])):
+        eff = fit_whole_run_efficiency([ratios[n] for n in calib])
+        lo, _, hi = conformal_range(whole_run_residuals(ratios, eff, calib))
+        residuals = whole_run_residuals(ratios, eff, held)
+        out[label] = sum(lo <= r <= hi for r in residuals) / len(residuals)
+        out[f"{label}_range"] = (lo, hi)
+    return out

@@ -55,8 +55,14 @@ def render_plan(plan: Plan, *, console: Console, top: int) -> None:
     budget.add_row("whole run", f"{human_days(t['whole_run_days'])}, {t['whole_run_gpu_hours']:,.3g} GPU-hours with "
                    f"{t['expected_goodput']:.1%} expected goodput, {t['eval_share']:.1%} evaluation and "
                    f"{t['whole_run_efficiency']:.0%} whole-run efficiency")
-    budget.add_row("cost", f"{human_money(cost['total'], cost['currency'])} "
-                   f"({human_money(cost['per_million_tokens'], cost['currency'])} per million tokens)")
+    budget.add_row("whole run P10–P90", f"{human_days(t['days_p10'])} – {human_days(t['days_p90'])}, "
+                   f"{t['gpu_hours_p10']:,.3g} – {t['gpu_hours_p90']:,.3g} GPU-hours (from {t['range_basis']}); "
+                   f"step {data['throughput']['step_s_p10']:.3g} – {data['throughput']['step_s_p90']:.3g} s")
+    money = cost["currency"]
+    budget.add_row("cost", f"{human_money(cost['total'], money)} at the assumed MFU "
+                   f"({human_money(cost['per_million_tokens'], money)} per million tokens); whole run "
+                   f"{human_money(cost['whole_run'], money)}, P10–P90 {human_money(cost['total_p10'], money)} – "
+                   f"{human_money(cost['total_p90'], money)}")
     console.print(budget)
 
     mem = data["memory"]
@@ -125,12 +131,14 @@ def render_calibration(calibration: dict[str, Any], *, console: Console) -> None
 
 def render_what_if(rows: list[dict[str, Any]], *, console: Console, currency: str) -> None:
     table = Table(title="what if")
-    for col in ("GPUs", "days (assumed MFU)", "cost", "fits", "predicted days", "predicted MFU", "layout"):
+    for col in ("GPUs", "days (assumed MFU)", "cost", "fits", "predicted days (P10–P90)", "predicted MFU",
+                "layout"):
         table.add_column(col)
     for row in rows:
         table.add_row(str(row["gpus"]), f"{row['days']:.1f}", human_money(row["cost"], currency),
                       "yes" if row["fits"] else "no",
-                      f"{row['predicted_days']:.1f}" if row["fits"] else "-",
+                      f"{row['predicted_days']:.1f} ({row['predicted_days_p10']:.1f}–{row['predicted_days_p90']:.1f})"
+                      if row["fits"] else "-",
                       f"{row['predicted_mfu']:.1%}" if row["fits"] else "-", row["layout"] or "-")
     console.print(table)
 
@@ -149,6 +157,8 @@ def plot_what_if(rows: list[dict[str, Any]], path: Path) -> Path:
     if fitting:
         ax.plot([row["gpus"] for row in fitting], [row["predicted_days"] for row in fitting], marker="s",
                 label="days (predicted)")
+        ax.fill_between([row["gpus"] for row in fitting], [row["predicted_days_p10"] for row in fitting],
+                        [row["predicted_days_p90"] for row in fitting], alpha=0.25, label="P10–P90 (predicted)")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("GPUs")
     ax.set_ylabel("days")

@@ -1,0 +1,68 @@
+"""P10–P90 ranges for every time, GPU-hour and cost figure, from the spread of the planner's calibration
+residuals on published runs (plan/published_runs.yaml; docs/plan.md says what the range covers).
+
+A residual is log(measured / predicted) of a run the constants were not fitted on. The range of a prediction
+x is [x·e^{r10}, x·e^{r50}, x·e^{r90}], where r10 and r90 are split-conformal quantiles of the residuals (Lei et
+al. 2018, "Distribution-free predictive inference for regression", JASA 113:1094: of n residuals, the
+⌊0.1(n + 1)⌋-th and ⌈0.9(n + 1)⌉-th smallest, which keep ≥ 80 % coverage for an exchangeable new run where plain
+empirical quantiles of few residuals undercover) and r50 their median. Four sets, widest where the spec leaves
+the most to assumption:
+- step time, layout given: the step-time model on a published layout, constants fitted on the other half
+  of the throughput runs (`STEP_RANGE["layout"]`);
+- step time, no layout given: the planner's own searched best against what the published layout measured
+  (the planner's layout is not the one a team will run, and usually predicted faster: `STEP_RANGE["searched"]`);
+- whole run, fleet unknown (no `plan.whole_run_efficiency`, no `--calibrate`): published whole-run GPU-hours
+  against the planner's, the whole-run efficiency fitted on the other half of the whole runs (`WHOLE_RUN_RANGE`);
+- whole run, fleet known (its whole-run efficiency or calibrated runs in the spec): the step-time range.
+The constants are what `bench/plan_accuracy.py` computes from the data file (a test recomputes them), and
+its held-out check (each half's range from that half alone) is the coverage docs/plan.md reports.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections.abc import Iterable
+
+# log(measured / predicted) at P10, P50, P90; recomputed by tests/test_plan_ranges.py from the data file.
+STEP_RANGE = {"layout": (-0.0585, 0.0322, 0.2281), "searched": (-0.0390, 0.1217, 0.5709)}
+WHOLE_RUN_RANGE = (-0.2680, 0.0067, 0.8008)
+
+
+def conformal_range(residuals: Iterable[float]) -> tuple[float, float, float]:
+    """(P10, P50, P90) of log residuals: split-conformal order statistics and the median, 4 decimals."""
+    s = sorted(residuals)
+    n = len(s)
+    if n == 0:
+        raise ValueError("a range needs at least one residual")
+    lo = s[max(1, math.floor(0.1 * (n + 1))) - 1]
+    hi = s[min(n, math.ceil(0.9 * (n + 1))) - 1]
+    return round(lo, 4), round(statistics.median(s), 4), round(hi, 4)
+
+
+def scaled(value: float, offsets: tuple[float, float, float]) -> tuple[float, float, float]:
+    """(P10, P50, P90) of a predicted quantity (time, GPU-hours, cost: all scale with the step time)."""
+    return tuple(value * math.exp(r) for r in offsets)  # type: ignore[return-value]
+
+
+def step_offsets(*, layout_given: bool) -> tuple[float, float, float]:
+    """The step-time range; without a layout never narrower than with one."""
+    if layout_given:
+        return STEP_RANGE["layout"]
+    (lo, mid, hi), (given_lo, _, given_hi) = STEP_RANGE["searched"], STEP_RANGE["layout"]
+    return min(lo, given_lo), mid, max(hi, given_hi)
+
+
+def whole_run_offsets(*, layout_given: bool, fleet_known: bool) -> tuple[float, float, float]:
+    """The whole-run range: the step-time range when the fleet's own efficiency is given, else the published
+    whole runs' (which mostly ran layouts the planner had to search for), never narrower than the step's."""
+    step = step_offsets(layout_given=layout_given)
+    if fleet_known:
+        return step
+    lo, mid, hi = WHOLE_RUN_RANGE
+    return min(lo, step[0]), mid, max(hi, step[2])
+
+
+def range_dict(name: str, offsets: tuple[float, float, float], value: float) -> dict[str, float]:
+    p10, p50, p90 = scaled(value, offsets)
+    return {f"{name}_p10": p10, f"{name}_p50": p50, f"{name}_p90": p90}
