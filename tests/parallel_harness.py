@@ -131,8 +131,12 @@ def layout_run(spec: JobSpec, *, steps: int) -> dict[str, list[float]]:
         losses.append(float(loss) / dims.dp)
     experts = [m for part in pm.parts for m in expert_modules(part)]
     local_experts = experts[0].w1.to_local().shape[0] if experts and isinstance(experts[0].w1, DTensor) else None
+    # Share of the routed experts' weights this rank holds (1/ep under EP alone; 1/dp_shard with expert FSDP).
+    expert_share = (experts[0].w1.to_local().numel() / experts[0].w1.numel()) if experts and isinstance(
+        experts[0].w1, DTensor) else None
     param_dtypes = sorted({str(p.dtype) for p in pm.parameters()})
     return {"loss": losses, "grad_norm": norms, "comm": comm, "local_experts": local_experts,
+            "expert_share": expert_share,
             "param_dtypes": param_dtypes}
 
 

@@ -38,7 +38,8 @@ FOUR_RANK: dict[str, dict[str, Any]] = {
     "fsdp_tp_tied": {"data_parallel": 2, "tensor_parallel": 2, "tie": True},
     "fsdp_pp": {"data_parallel": 2, "pipeline_parallel": 2},
     "tp_pp": {"tensor_parallel": 2, "pipeline_parallel": 2},
-    "fsdp_ep_replicated_experts": {"moe": True, "data_parallel": 4, "expert_parallel": 2},  # dp_mod_ep = 2
+    # dp_mod_ep = 2: the routed experts get their own FSDP over the two ranks holding the same experts
+    "fsdp_ep_sharded_experts": {"moe": True, "data_parallel": 4, "expert_parallel": 2},
 }
 
 
@@ -91,3 +92,5 @@ def test_four_rank_compositions_match_one_process(tmp_path: Path) -> None:
     results = spawn_layouts(list(FOUR_RANK.items()), world_size=4, steps=STEPS, out_dir=tmp_path)
     for name, kwargs in FOUR_RANK.items():
         _assert_matches(name, results[name], kwargs)
+    # 4 experts over ep 2 × dp_mod_ep 2: each rank keeps a quarter of every expert weight (and its Adam states)
+    assert results["fsdp_ep_sharded_experts"]["expert_share"] == pytest.approx(1 / 4)

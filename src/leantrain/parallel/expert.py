@@ -7,10 +7,9 @@ counts)`, so the rows bound for one rank are contiguous (rank r owns experts [rÂ
 3. regroup the received rows by local expert and run the local experts' batched matmuls;
 4. undo the regrouping and all-to-all the outputs back (combine). The caller un-sorts and weights them.
 
-Expert weights become DTensors sharded on dim 0 over the ep mesh (so checkpoints see the global tensor),
-are kept out of FSDP, and their gradients are averaged over data parallelism by `finish_expert_grads`:
-rows from all ep ranks already summed into them, so they are divided by the data-parallel degree and
-summed over the ranks holding the same experts (dp_mod_ep).
+Expert weights become DTensors sharded on dim 0 over the ep mesh (so checkpoints see the global tensor);
+`parallel.fsdp` then shards them further over the ranks holding the same experts (dp_mod_ep) with a
+`fully_shard` of their own, which also reduces their gradients.
 """
 
 from __future__ import annotations
@@ -91,18 +90,3 @@ def _combine(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch
 def local_weight(weight: torch.Tensor) -> torch.Tensor:
     """This rank's experts of a stacked weight (the whole tensor when not expert-parallel)."""
     return weight.to_local() if isinstance(weight, DTensor) else weight
-
-
-def finish_expert_grads(parts: list[nn.Module], *, dp_mod_ep_mesh: DeviceMesh, dp_degree: int) -> None:
-    """After backward: expert gradients â†’ the mean over data-parallel ranks, like every other gradient.
-
-    Rows from all ep ranks were already summed into each rank's expert gradient; what remains is the sum over
-    the ranks that hold the same experts (dp_mod_ep) and the division by the data-parallel degree.
-    """
-    grads = [p.grad for part in parts for experts in expert_modules(part) for p in experts.parameters()
-             if p.grad is not None]
-    for grad in grads:
-        local = local_weight(grad)
-        if dp_mod_ep_mesh.size() > 1:
-            dist.all_reduce(local, group=dp_mod_ep_mesh.get_group())
-        local.div_(dp_degree)

@@ -7,6 +7,12 @@
 - HSDP: a 2-D data mesh (dp_replicate, dp_shard): shards within a group, all-reduce across groups.
 - Mixed precision from `precision`: compute bf16 with fp32 master weights → parameters all-gathered and
   used in bf16, gradients reduced in `grad_reduce`'s dtype (fp32 by default).
+- Routed experts under expert parallelism (already DTensors split over `ep`) get a `fully_shard` of their own
+  over the ranks that hold the same experts (`dp_mod_ep`), as torchtitan does (torchtitan/models/llama4/
+  infra/parallelize.py, `apply_fsdp`): their fp32 masters, gradients and Adam states are sharded like every
+  other weight, gathered in bf16, and their gradients reduce-scattered (summed over the ranks' rows, divided
+  by the whole data-parallel degree). When dp_mod_ep × ep exceeds the expert count the shards split dim 1
+  (the model width) rather than the few local experts (torchtitan's rule).
 - CPU offload keeps parameters, gradients and optimizer states in host memory; `pin_memory` only on CUDA
   (on a CPU-only build pinned memory needs an accelerator and fails).
 """
@@ -16,9 +22,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.tensor import Shard
 
 from leantrain.dtypes import DTYPES
 from leantrain.spec.schema import PrecisionSpec
@@ -55,29 +63,46 @@ def apply_fsdp(
     precision: PrecisionSpec,
     zero_stage: int,
     cpu_offload: bool,
-    ignored_params: Iterable[nn.Parameter] = (),
+    experts: ExpertSharding | None = None,
 ) -> nn.Module:
     """fully_shard every block of `module.layers`, then the root (embeddings, final norm, head).
 
-    `ignored_params` (expert weights under expert parallelism) stay out of FSDP: they are already split.
+    `experts` (under expert parallelism): each MoE block's routed experts are wrapped first, on their own mesh.
     """
-    ignored = set(ignored_params)
     common = {
-        "mesh": dp_mesh,
         "mp_policy": mixed_precision_policy(precision),
         "offload_policy": offload_policy(enabled=cpu_offload, device_type=dp_mesh.device_type),
     }
     reshard = zero_stage == 3
     blocks = list(module.layers.values())  # type: ignore[union-attr]
     for index, block in enumerate(blocks):
-        block_ignored = {p for p in block.parameters() if p in ignored}
         # The last block's parameters are needed again at once by backward: keeping them saves one all-gather.
-        fully_shard(
-            block, reshard_after_forward=reshard and index < len(blocks) - 1,
-            ignored_params=block_ignored or None, **common,
-        )
-    fully_shard(module, reshard_after_forward=reshard, ignored_params=ignored or None, **common)
+        block_reshard = reshard and index < len(blocks) - 1
+        routed = getattr(block.feed_forward, "experts", None) if getattr(block, "is_moe", False) else None
+        if experts is not None and routed is not None:
+            experts.wrap(routed, reshard_after_forward=block_reshard, **common)
+        fully_shard(block, mesh=dp_mesh, reshard_after_forward=block_reshard, **common)
+    fully_shard(module, mesh=dp_mesh, reshard_after_forward=reshard, **common)
     return module
+
+
+class ExpertSharding:
+    """How routed experts are sharded by FSDP: over `mesh` (dp_mod_ep), gradients divided by `grad_divide_factor`
+    (the data-parallel degree: each rank's expert gradient already holds the rows of its whole ep group)."""
+
+    def __init__(self, *, mesh: DeviceMesh, ep: int, num_experts: int, grad_divide_factor: int) -> None:
+        self.mesh, self.grad_divide_factor = mesh, grad_divide_factor
+        self.shard_dim = 1 if mesh.size() * ep > num_experts else 0
+
+    def wrap(self, experts: nn.Module, *, reshard_after_forward: bool, **common: object) -> None:
+        dim = self.shard_dim
+        fully_shard(experts, mesh=self.mesh, reshard_after_forward=reshard_after_forward,
+                    shard_placement_fn=lambda _param: Shard(dim), **common)  # type: ignore[arg-type]
+        experts.set_gradient_divide_factor(float(self.grad_divide_factor))  # type: ignore[operator]
+        # gloo has no PREMUL_SUM: sum, then divide. Not on a 1-rank mesh: there torch 2.13 divides once in its
+        # copy-out and once more after it when sums are forced (the gradient would be divided by factor²).
+        if self.mesh.size() > 1 and dist.get_backend(self.mesh.get_group()) == "gloo":
+            experts.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
 
 
 def held_gradient_bytes(modules: Iterable[nn.Module]) -> int:

@@ -27,8 +27,8 @@ from leantrain.model.layers import ModelArgs
 from leantrain.model.moe import MoE
 from leantrain.model.transformer import Transformer
 from leantrain.parallel.dims import LayoutMesh, ParallelDims
-from leantrain.parallel.expert import apply_expert_parallel, finish_expert_grads
-from leantrain.parallel.fsdp import apply_fsdp, uses_bf16_compute
+from leantrain.parallel.expert import apply_expert_parallel
+from leantrain.parallel.fsdp import ExpertSharding, apply_fsdp, uses_bf16_compute
 from leantrain.parallel.pipeline import (
     StageGroup,
     StageIO,
@@ -230,10 +230,8 @@ class ParallelModel:
         return self.active_loss_fn(logits, targets)
 
     def finish_gradients(self) -> None:
-        """Reductions FSDP does not do: expert gradients (mean over data parallelism)."""
-        if self.dims.ep > 1:
-            assert self.mesh is not None
-            finish_expert_grads(self.parts, dp_mod_ep_mesh=self.mesh["dp_mod_ep"], dp_degree=self.dims.dp)
+        """Reductions FSDP does not do after backward: none today (routed experts have their own FSDP unit, whose
+        reduce-scatter averages them); kept as the one place a new kind of parallelism would add its own."""
 
     def grad_norm(self) -> torch.Tensor:
         """The global L2 norm of all gradients, whatever their sharding (a plain fp32 scalar, equal on every rank)."""
@@ -290,6 +288,12 @@ class ParallelModel:
             tensor /= self.dims.dp
         return tensor
 
+    def sum_over_dp(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum of a per-rank tensor over the data-parallel ranks (in place and returned; a device collective)."""
+        if self.mesh is not None and self.dims.dp > 1:
+            dist.all_reduce(tensor, group=self.mesh["dp"].get_group())
+        return tensor
+
     def sum_over_ranks(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum a metric tensor over every rank (in place and returned)."""
         if self.mesh is not None:
@@ -335,7 +339,7 @@ def parallelize(
     else:
         stage_modules, parts = [], [model]
     loss_parallel = par.loss_parallel and dims.tp > 1 and dims.pp == 1
-    # Tensor parallelism leaves the embedding (and, with tied embeddings, the head) plain tensors. Without
+    # Tensor parallelism leaves norms (and tied embeddings) plain tensors. Without
     # data parallelism FSDP2 still wraps the parts, over a 1-rank mesh (no sharding, no resharding), so that
     # every parameter is a DTensor: foreach/fused optimizers cannot mix DTensors and plain tensors. One rank
     # with `fsdp_single_rank` is wrapped the same way, at the spec's zero_stage (fsdp_enabled is true for it).
@@ -344,11 +348,17 @@ def parallelize(
     for part in parts:
         if dims.tp > 1:
             apply_tensor_parallel(part, tp_mesh=mesh["tp"], sequence_parallel=par.sequence_parallel,
-                                  loss_parallel_enabled=loss_parallel, seq_len=spec.data.seq_len)
-        expert_params = apply_expert_parallel(part, ep_mesh=mesh["ep"]) if dims.ep > 1 else []
+                                  loss_parallel_enabled=loss_parallel, seq_len=spec.data.seq_len,
+                                  tied_embeddings=model.args.shape.tie_embeddings)
+        experts = None
+        if dims.ep > 1:
+            apply_expert_parallel(part, ep_mesh=mesh["ep"])
+            assert model.args.moe is not None
+            experts = ExpertSharding(mesh=mesh["dp_mod_ep"], ep=dims.ep, num_experts=model.args.moe.num_experts,
+                                     grad_divide_factor=dims.dp)
         if use_fsdp:
             apply_fsdp(part, dp_mesh=mesh.data_parallel_mesh(), precision=spec.precision, zero_stage=zero_stage,
-                       cpu_offload=par.cpu_offload, ignored_params=expert_params)
+                       cpu_offload=par.cpu_offload, experts=experts)
     result = ParallelModel(
         dims=dims, mesh=mesh, parts=parts, device=device, args=model.args, loss_parallel=loss_parallel,
         fsdp_mixed_precision=use_fsdp and uses_bf16_compute(spec.precision), param_dtype=param_dtype,
