@@ -5,8 +5,11 @@ units), wo and w2 row-wise (partial sums reduced). With sequence parallelism the
 blocks is split along the sequence (Korthikanti et al. 2022): the norms run on 1/tp of the tokens, and the
 row-wise outputs reduce-scatter instead of all-reduce, the column-wise inputs all-gather.
 
-The embedding is not vocab-split: FSDP already shards it over the data-parallel ranks, and leaving it whole
-keeps tied embeddings working. The untied output projection is column-wise (vocab split); with loss
+The embedding is vocab-split (row-wise: each rank looks up its vocabulary rows, the partial outputs are
+summed, or reduce-scattered along the sequence under sequence parallelism), as torchtitan's Llama TP plan
+does (torchtitan/models/llama3/infra/parallelize.py): a 128k × 16k embedding whole on every TP rank is
+4 GiB of fp32 master plus its Adam states. With tied embeddings it stays whole (the head multiplies by
+the same weight outside any TP style). The untied output projection is column-wise (vocab split); with loss
 parallel its logits stay vocab-sharded (a DTensor) and the cross-entropy runs under `loss_parallel()`.
 MoE feed-forwards are not tensor-split (their experts are split by expert parallelism): their input is
 gathered to the full sequence and their output split again.
@@ -41,6 +44,7 @@ def apply_tensor_parallel(
     sequence_parallel: bool,
     loss_parallel_enabled: bool,
     seq_len: int | None = None,
+    tied_embeddings: bool = False,
 ) -> None:
     """Shard `model` (a Transformer or a pipeline stage with the same attribute names) over `tp_mesh` in place."""
     tp = tp_mesh.size()
@@ -51,9 +55,12 @@ def apply_tensor_parallel(
     seq_layout = Shard(1) if sequence_parallel else Replicate()
     top: dict[str, ParallelStyle] = {}
     has_output = getattr(model, "output", None) is not None
-    if getattr(model, "tok_embeddings", None) is not None and sequence_parallel:
-        # The whole embedding output is on every rank; keeping only this rank's sequence chunk needs no communication.
-        top["tok_embeddings"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
+    if getattr(model, "tok_embeddings", None) is not None:
+        if not tied_embeddings:
+            top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq_layout)
+        elif sequence_parallel:
+            # The whole embedding output is on every rank; keeping this rank's sequence chunk needs no communication.
+            top["tok_embeddings"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
     if getattr(model, "norm", None) is not None and sequence_parallel:
         if has_output:
             top["norm"] = SequenceParallel()
