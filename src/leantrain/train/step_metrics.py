@@ -109,10 +109,18 @@ class SourceLoss:
 
     Targets carry each token's source id in a last channel, `(batch, seq, 2)` = (next token, source), so the
     pipeline schedule cuts them into micro-batches together with the tokens.
+
+    Masked (chat) data in a training step: `token_scale` = dp × micro-batches / (valid tokens of the whole step,
+    summed over the data-parallel ranks), a device scalar. The micro-batch loss returned is its token-loss sum
+    times it, so after the 1/micro-batches of accumulation and FSDP's 1/dp the gradient is that of the sum over
+    the step's valid tokens divided by their global count: a token weighs the same whatever the micro-batch
+    size and the data-parallel layout (torchtitan's `global_valid_tokens`). Unmasked data has the same count in
+    every micro-batch, where the plain mean is already that.
     """
 
-    def __init__(self, num_sources: int, *, device: torch.device, masked: bool = False) -> None:
-        self.num_sources, self.masked = num_sources, masked
+    def __init__(self, num_sources: int, *, device: torch.device, masked: bool = False,
+                 token_scale: torch.Tensor | None = None) -> None:
+        self.num_sources, self.masked, self.token_scale = num_sources, masked, token_scale
         self.loss_sum = torch.zeros(num_sources, device=device)
         self.tokens = torch.zeros(num_sources, device=device)
 
@@ -130,7 +138,15 @@ class SourceLoss:
         # Chat data: targets outside the loss mask are IGNORE_INDEX (their loss is 0); the mean is over the rest.
         valid = (targets[..., 0].flatten() != IGNORE_INDEX).to(detached.dtype)
         self.tokens.index_add_(0, sources, valid)
+        if self.token_scale is not None:
+            return token_loss.sum() * self.token_scale
         return token_loss.sum() / valid.sum().clamp(min=1)
+
+
+def valid_target_count(micro_batches: list[tuple[torch.Tensor, torch.Tensor]], *, device: torch.device) -> torch.Tensor:
+    """Targets inside the loss mask over a step's micro-batches (fp32 device scalar; no host read)."""
+    counts = [(targets.to(device)[..., 0] != IGNORE_INDEX).sum() for _, targets in micro_batches]
+    return torch.stack(counts).sum().float()
 
 
 def moe_balance(counts: torch.Tensor, *, aux_loss: float, balance: str) -> dict[str, Any]:

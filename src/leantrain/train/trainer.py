@@ -54,7 +54,15 @@ from leantrain.train.precision import enable_tf32, float8_post_step, resolve_pre
 from leantrain.train.run_setup import record_oom, record_ranks_joined
 from leantrain.train.runtime import close_runtime, init_runtime, load_rng_state, rng_state
 from leantrain.train.schedule import build_scheduler
-from leantrain.train.step_metrics import IGNORE_INDEX, LogWindow, SourceLoss, StepResult, moe_balance, synchronize
+from leantrain.train.step_metrics import (
+    IGNORE_INDEX,
+    LogWindow,
+    SourceLoss,
+    StepResult,
+    moe_balance,
+    synchronize,
+    valid_target_count,
+)
 
 __all__ = ["TRAIN_INFO_FILE", "Checkpointer", "LogWindow", "SourceLoss", "StepResult", "Trainer", "TrainingDiverged",
            "moe_balance"]
@@ -211,8 +219,6 @@ class Trainer:
         step_start_s = time.perf_counter()
         self.parallel.train()
         self.optimizer.zero_grad(set_to_none=True)
-        source_loss = SourceLoss(len(self.sampler.source_names), device=self.device,
-                                 masked=self.sampler.has_loss_mask)
         data_wait_s = 0.0
         micro_batches = []
         for _ in range(self.accum_steps):
@@ -220,6 +226,12 @@ class Trainer:
             batch = self.sampler.next_batch()
             data_wait_s += time.perf_counter() - start
             micro_batches.append(self._micro_batch(batch))
+        token_scale = None
+        if self.sampler.has_loss_mask:  # masked loss: normalised by the step's global count of valid tokens
+            valid = self.parallel.sum_over_dp(valid_target_count(micro_batches, device=self.device))
+            token_scale = self.parallel.dims.dp * len(micro_batches) / valid.clamp(min=1.0)
+        source_loss = SourceLoss(len(self.sampler.source_names), device=self.device,
+                                 masked=self.sampler.has_loss_mask, token_scale=token_scale)
         with self.comm_timer.measure() if measure else contextlib.nullcontext() as measured:
             mean_loss = self.parallel.forward_backward(micro_batches, loss_fn=source_loss, autocast=self.autocast)
             self.parallel.finish_gradients()
