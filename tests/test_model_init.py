@@ -73,3 +73,53 @@ def test_every_moe_parameter_has_a_rule_and_unknown_names_are_refused() -> None:
     with pytest.raises(KeyError, match="lora_A"):
         init_rule("layers.0.attention.wq.lora_A.weight", model_args)
     assert param_seed(0, "a") != param_seed(0, "b") and param_seed(3, "a") == param_seed(3, "a")
+
+
+@pytest.mark.parametrize("world", [4, 8])
+def test_every_shard_is_generated_rank_locally_in_blocks(world: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each rank of a (2, world/2) mesh fills its own shard, for every placement the layouts produce (FSDP dim 0,
+    expert FSDP dim 1, TP row-wise, FSDP over TP's strided shard), with exactly the values of the whole tensor,
+    while generating at most one block at a time and only the blocks its rows overlap."""
+    from functools import partial
+
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import leantrain.model.init as init
+
+    monkeypatch.setattr(init, "BLOCK_ELEMENTS", 64)  # 24 × 10 × 6 → one row (60 elements) per block: 24 blocks
+    shape = (24, 10, 6)
+    generated: list[int] = []
+
+    def fill(tensor: torch.Tensor, generator: torch.Generator) -> None:
+        generated.append(tensor.shape[0])
+        init._trunc_normal(tensor, generator, std=0.02)
+
+    whole = torch.empty(shape)
+    init.fill_parameter(whole, partial(init._trunc_normal, std=0.02), seed=7)
+    placements = [(Shard(0), Shard(0)), (Shard(1), Shard(0)), (Shard(0), Shard(1)), (Replicate(), Shard(2)),
+                  (_StridedShard(0, split_factor=world // 2), Shard(0))]
+    for rank in range(world):
+        dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
+        try:
+            mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("a", "b"))
+            for placement in placements:
+                def shard(tensor: torch.Tensor, placement: tuple = placement, mesh: object = mesh) -> DTensor:
+                    return DTensor.from_local(tensor, mesh, [Replicate(), Replicate()], run_check=False).redistribute(
+                        mesh, placement)
+                param = shard(torch.zeros(shape))
+                generated.clear()
+                init.fill_parameter(param, fill, seed=7)
+                assert torch.equal(param.to_local(), shard(whole).to_local()), (rank, placement)
+                if param.to_local().numel() == 0:  # an uneven split can leave a rank nothing: nothing generated
+                    assert not generated
+                    continue
+                assert max(generated) == 1  # one block (one row) at a time
+                # only the blocks holding this rank's rows along dim 0
+                assert sum(generated) == param.to_local().shape[0] if placement[0] == Shard(0) == placement[1] \
+                    else sum(generated) <= shape[0]
+        finally:
+            dist.destroy_process_group()

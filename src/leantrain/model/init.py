@@ -3,9 +3,9 @@
 Every parameter gets its own random stream, seeded from `(training.seed, parameter name)`: the value of
 element (i, j) of `layers.3.attention.wq.weight` does not depend on which rank holds it, on the order in
 which parameters are initialised, or on how the model is split (FSDP shard, tensor-parallel slice,
-pipeline stage, expert-parallel slice). A sharded parameter (a DTensor) is filled by generating that one
-parameter whole on the device and keeping this rank's slice (a local redistribute, no communication), so
-the transient cost is one parameter, never the model: each rank holds its shards plus one tensor.
+pipeline stage, expert-parallel slice). Each parameter is generated in blocks of whole rows, each block
+from its own stream; a rank generates only the blocks its shard overlaps and keeps its slice (no
+communication), so the transient cost is one block (≤ 64 MiB), never a whole parameter.
 
 The rules (torchtitan's Llama init): embeddings normal(0, 0.02); q/k/v, w1/w3, router and expert up
 projections truncated normal(0, 0.02) (cut at ±2, torch's default); the output projections of each block
@@ -22,7 +22,8 @@ from functools import partial
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, Replicate
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from leantrain.model.layers import INIT_STD, ModelArgs, rope_tables
 
@@ -80,26 +81,53 @@ def param_seed(seed: int, name: str) -> int:
     return int.from_bytes(digest[:8], "little") & (2**63 - 1)
 
 
-def fill_parameter(param: torch.Tensor, fill: Fill, *, seed: int) -> None:
-    """Fill `param` (a plain tensor or this rank's DTensor shard) with `fill` on a stream seeded with `seed`.
+BLOCK_ELEMENTS = 1 << 24  # one generation block: 64 MiB of fp32 at most (a row is never split)
 
-    Values are generated in fp32 for the whole (global) shape and cast on copy, so a bf16 master copy holds
-    the same values as an fp32 one rounded, and every layout holds the same numbers.
+
+def row_block(shape: tuple[int, ...]) -> int:
+    """Rows of dim 0 in one generation block of a parameter of global `shape` (depends on the shape alone)."""
+    inner = math.prod(shape[1:]) if len(shape) > 1 else 1
+    return max(1, BLOCK_ELEMENTS // max(inner, 1))
+
+
+def block_seed(seed: int, block: int) -> int:
+    """The stream of one block of rows: block 0 keeps the parameter's own seed."""
+    return seed if block == 0 else param_seed(seed, f"block{block}")
+
+
+def fill_parameter(param: torch.Tensor, fill: Fill, *, seed: int) -> None:
+    """Fill `param` (a plain tensor or this rank's DTensor shard) with `fill`, rank-locally and in blocks.
+
+    The global tensor is cut into blocks of whole rows along dim 0 (`row_block`), each drawn from its own
+    stream (`block_seed`), in fp32 and cast on copy: a bf16 master holds the fp32 values rounded, and every
+    layout holds the same numbers. A rank generates only the blocks its shard overlaps (where its shard lies
+    comes from the DTensor's placements, as DCP computes it), so the transient cost is one block, never the
+    whole parameter: a 256-expert w1 (15 GB in fp32) is never materialised anywhere. A shard split along a
+    later dim (tensor-parallel row-wise, expert FSDP on dim 1) still walks every block of its rows, one at a time.
     """
     local = param.to_local() if isinstance(param, DTensor) else param
-    device = _generation_device(param, local)
-    generator = torch.Generator(device=device).manual_seed(seed)
-    if not isinstance(param, DTensor) and param.dtype == torch.float32:
-        fill(param, generator)
-        return
-    full = torch.empty(param.shape, dtype=torch.float32, device=device)
-    fill(full, generator)
+    shape = tuple(param.shape)
     if isinstance(param, DTensor):
-        mesh = param.device_mesh
-        replicated = DTensor.from_local(full, mesh, [Replicate()] * mesh.ndim, run_check=False)
-        local.copy_(replicated.redistribute(mesh, param.placements).to_local())
+        local_shape, offset = compute_local_shape_and_global_offset(shape, param.device_mesh, param.placements)
     else:
-        param.copy_(full)
+        local_shape, offset = shape, (0,) * len(shape)
+    if local.numel() == 0:
+        return
+    device = _generation_device(param, local)
+    if not shape:  # a scalar parameter: one block of one element
+        value = torch.empty(1, dtype=torch.float32, device=device)
+        fill(value, torch.Generator(device=device).manual_seed(seed))
+        local.copy_(value[0])
+        return
+    rows = row_block(shape)
+    start, stop = offset[0], offset[0] + local_shape[0]
+    inner = tuple(slice(o, o + n) for o, n in zip(offset[1:], local_shape[1:], strict=True))
+    for block in range(start // rows, -(-stop // rows)):
+        first, last = block * rows, min((block + 1) * rows, shape[0])
+        values = torch.empty((last - first, *shape[1:]), dtype=torch.float32, device=device)
+        fill(values, torch.Generator(device=device).manual_seed(block_seed(seed, block)))
+        lo, hi = max(first, start), min(last, stop)
+        local[lo - start:hi - start].copy_(values[(slice(lo - first, hi - first), *inner)])
 
 
 def _generation_device(param: torch.Tensor, local: torch.Tensor) -> torch.device:
