@@ -12,7 +12,9 @@ record the crash (and the ranks torchrun names) against this host and exit 1.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import signal
 import socket
 import sys
@@ -22,6 +24,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from leantrain.ckpt.lease import inherit_env, run_lease
 from leantrain.errors import CheckFailed, Interrupted, UserInputError
 from leantrain.launch import torchrun
 from leantrain.launch.health import excluded_hosts, health_path, record_failure
@@ -151,6 +154,28 @@ def launch(
             f"{spec.cluster.unhealthy_after_crashes}+ times); repair it, then remove it with "
             f"`python -c 'from leantrain.launch.health import clear_host; clear_host(\"{run_dir}\", \"{host}\")'`"
         )
+    # One node: this launcher is the run dir's one writer for the whole job (its restarts included) and its
+    # workers run under its lease; across nodes rank 0 of the job takes it (ckpt/lease.py).
+    with run_lease(run_dir, command="launch", owner_only=spec.security.owner_only) if max_nodes == 1 \
+            else contextlib.nullcontext() as lease:
+        inherited = inherit_env(lease) if lease is not None else {}
+        saved_env = {name: os.environ.get(name) for name in inherited}
+        os.environ.update(inherited)
+        try:
+            _launch_leased(spec, train=train, run_dir=run_dir, nproc=nproc, nnodes=nnodes,
+                           max_restarts=max_restarts, console=console, host=host)
+        finally:
+            for name, value in saved_env.items():
+                if value is None:
+                    os.environ.pop(name, None)
+                else:
+                    os.environ[name] = value
+
+
+def _launch_leased(
+    spec: JobSpec, *, train: TrainCommand, run_dir: Path, nproc: int, nnodes: str | None, max_restarts: int | None,
+    console: Console, host: str,
+) -> None:
     make_private_dir(run_dir, owner_only=spec.security.owner_only)
     _stage_data(spec, console=console)
     failed_ranks: list[int] = []

@@ -72,7 +72,31 @@ def train(
     spec: JobSpec, *, run_dir: Path | None, max_steps: int | None, console: Console | None,
     resume: ResumeRequest | None = None,
 ) -> TrainOutcome:
-    """Build a trainer for the spec, train to the end (or a signal), close it."""
+    """Build a trainer for the spec, train to the end (or a signal), close it; rank 0 holds the run dir's lease
+    (ckpt/lease.py) throughout, so a second job into the same run dir exits 2 naming this one."""
+    from leantrain.ckpt.lease import acquire_lease
+
+    target = Path(run_dir or spec.run.dir)
+    if int(os.environ.get("RANK", "0")) != 0:
+        return _train_leased(spec, run_dir=run_dir, max_steps=max_steps, console=console, resume=resume)
+    existed = target.exists()
+    lease = acquire_lease(target, command="train", owner_only=spec.security.owner_only)
+    try:
+        return _train_leased(spec, run_dir=run_dir, max_steps=max_steps, console=console, resume=resume)
+    except BaseException:
+        if not existed:  # a start refused before it wrote anything leaves no empty run dir behind
+            lease.release()
+            with contextlib.suppress(OSError):
+                target.rmdir()
+        raise
+    finally:
+        lease.release()
+
+
+def _train_leased(
+    spec: JobSpec, *, run_dir: Path | None, max_steps: int | None, console: Console | None,
+    resume: ResumeRequest | None = None,
+) -> TrainOutcome:
     from leantrain.train.trainer import Trainer
 
     if max_steps is not None and max_steps < 0:
