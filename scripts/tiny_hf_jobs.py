@@ -1,4 +1,4 @@
-"""Run a fine-tuning example end to end on the CPU, nothing downloaded: `python scripts/tiny_hf_jobs.py JOB`.
+"""Run a fine-tuning example end to end on the CPU, nothing downloaded: `.venv/bin/python scripts/tiny_hf_jobs.py JOB`.
 
 JOB is `continue-pretrain` (examples/continue-pretrain-cpu.yaml) or `finetune-lora`
 (examples/finetune-lora-cpu.yaml; `--qlora` swaps in finetune.method qlora). The script builds what the
@@ -12,15 +12,23 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import sys
 from pathlib import Path
 
-from leantrain.cli import main as leantrain
-from leantrain.model.tiny_hf import save_example_model
-
 ROOT = Path(__file__).resolve().parents[1]
+try:
+    from leantrain.cli import main as leantrain
+except ModuleNotFoundError:  # run with another Python than `make demo`'s venv: use the venv's
+    VENV_PYTHON = ROOT / ".venv" / "bin" / "python"
+    if not VENV_PYTHON.exists() or Path(sys.prefix).resolve() == (ROOT / ".venv").resolve():
+        sys.exit("leantrain is not installed for this Python: run `make demo` (or `make install`) first, then "
+                 f"`.venv/bin/python {Path(__file__).relative_to(ROOT)} ...`")
+    os.execv(str(VENV_PYTHON), [str(VENV_PYTHON), __file__, *sys.argv[1:]])
+from leantrain.model.tiny_hf import save_example_model  # noqa: E402
+
 OUT = ROOT / "demo-out"
 SPECS = {"continue-pretrain": ("continue-pretrain-cpu.yaml", "cp-run", "cp-hf"),
          "finetune-lora": ("finetune-lora-cpu.yaml", "lora-run", "lora-hf")}

@@ -1,12 +1,13 @@
-"""The README's command table, run in order on a scratch copy of the repository's examples and scripts, the
-way a new user would: every command succeeds, or (validate, drill: checks) exits 1 saying what failed."""
+"""The README's commands, run as written, in order, on a scratch copy of the repository's examples and scripts
+with `.venv` pointing at this interpreter's venv — the way a new user types them after `make demo`: every
+command succeeds, or (validate, drill: checks) exits 1 saying what failed, and nothing is written outside
+`demo-out/`."""
 
 from __future__ import annotations
 
 import os
 import re
 import shlex
-import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -14,56 +15,94 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
+PREFIX = ".venv/bin/"
 CHECKS = {"validate", "drill"}  # exit 1 is their verdict, not a crash
 SKIPPED = {"demo"}  # `make demo` / test_cli.py run the whole demo; here it would redo every stage
 
 
 def table_commands(readme: str) -> list[tuple[list[str], list[str]]]:
-    """(prerequisite, command) per row of the command table: the row's first `leantrain ...` code span, and a
-    `(after `...`)` command the row names."""
+    """(prerequisite, command) per row of the command table: the row's first `.venv/bin/leantrain ...` code
+    span, and a `(after `...`)` command the row names."""
     section = readme.split("## The chain, one example per command", 1)[1].split("\n## ", 1)[0]
     rows = []
     for line in section.splitlines():
-        if not line.startswith("| `leantrain "):
+        if not line.startswith("| `"):
             continue
         spans = [s.replace("\\|", "|") for s in re.findall(r"`([^`]+)`", line)]
+        if spans[0] == "command":
+            continue
         command = shlex.split(spans[0])
         after = re.search(r"\(after `([^`]+)`", line.replace("\\|", "|"))
         rows.append((shlex.split(after.group(1)) if after else [], command))
     return rows
 
 
-def test_table_parser_reads_every_row() -> None:
-    rows = table_commands((ROOT / "README.md").read_text(encoding="utf-8"))
-    names = [command[1] for _, command in rows]
+def block_commands(readme: str) -> list[list[str]]:
+    """The commands of the ```bash blocks after the table (the fine-tuning jobs), comments dropped."""
+    section = readme.split("## The chain, one example per command", 1)[1].split("\n## The job spec", 1)[0]
+    commands = []
+    for block in re.findall(r"```bash\n(.*?)```", section, flags=re.S):
+        for line in block.splitlines():
+            words = shlex.split(line, comments=True)
+            if words:
+                commands.append(words)
+    return commands
+
+
+def every_command(readme: str) -> list[list[str]]:
+    """Prerequisites and commands in README order (a prerequisite once)."""
+    ordered: list[list[str]] = []
+    for prerequisite, command in table_commands(readme):
+        if prerequisite and prerequisite not in ordered:
+            ordered.append(prerequisite)
+        ordered.append(command)
+    return ordered + [c for c in block_commands(readme) if c not in ordered]
+
+
+def test_every_command_goes_through_the_venv_and_writes_under_demo_out() -> None:
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    commands = every_command(readme)
+    names = [command[1] for _, command in table_commands(readme)]
     assert names[:4] == ["check", "plan", "prepare", "train"] and "validate" in names and "demo" in names
-    assert any(pre[:2] == ["python", "scripts/tiny_hf_jobs.py"] for pre, _ in rows)
+    assert any(c[:2] == [f"{PREFIX}python", "scripts/tiny_hf_jobs.py"] for c in commands)
+    for words in commands:  # `leantrain` is not on PATH after `make demo`: every command names the venv
+        assert words[0] in (f"{PREFIX}leantrain", f"{PREFIX}python"), words
+        for flag in ("--json", "--out", "--plot", "--run-dir"):  # outputs go under demo-out/ (ignored by git)
+            if flag in words:
+                assert words[words.index(flag) + 1].startswith("demo-out/"), words
+    assert "demo-out/" in (ROOT / ".gitignore").read_text().split()
+
+
+def _files(folder: Path) -> set[str]:
+    return {str(p.relative_to(folder)) for p in folder.rglob("*") if "__pycache__" not in p.parts}
 
 
 @pytest.mark.slow
-def test_readme_command_table_runs_in_order(tmp_path: Path) -> None:
+def test_readme_commands_run_as_written(tmp_path: Path) -> None:
     work = tmp_path / "repo"
+    work.mkdir()
     for folder in ("examples", "scripts"):
-        shutil.copytree(ROOT / folder, work / folder)
+        subprocess.run(["cp", "-r", str(ROOT / folder), str(work / folder)], check=True)
+    (work / ".venv").symlink_to(Path(sys.prefix))  # `make demo`'s venv
+    before = {folder: _files(work / folder) for folder in ("examples", "scripts")}
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    for name in ("LEANTRAIN_REGISTRY", "LEANTRAIN_HOME"):  # the default: a registry next to the run dirs
+    env["PATH"] = os.pathsep.join(p for p in env.get("PATH", "").split(os.pathsep)
+                                  if not (Path(p) / "leantrain").exists())  # as after `make demo`: not on PATH
+    for name in ("LEANTRAIN_REGISTRY", "LEANTRAIN_HOME", "VIRTUAL_ENV"):  # the default: a registry next to the runs
         env.pop(name, None)
-    leantrain = [sys.executable, "-m", "leantrain.cli"]
-    done: set[str] = set()
-    for prerequisite, command in table_commands((ROOT / "README.md").read_text(encoding="utf-8")):
-        if command[1] in SKIPPED:
+    for words in every_command((ROOT / "README.md").read_text(encoding="utf-8")):
+        if words[1] in SKIPPED:
             continue
-        steps = [prerequisite] if prerequisite and " ".join(prerequisite) not in done else []
-        for words in [*steps, command]:
-            argv = [sys.executable, *words[1:]] if words[0] == "python" else [*leantrain, *words[1:]]
-            result = subprocess.run(argv, cwd=work, env=env, capture_output=True, text=True, timeout=600)
-            output = result.stdout + result.stderr
-            assert "Traceback" not in output, f"{' '.join(words)}:\n{output[-3000:]}"
-            allowed = {0, 1} if words[0] == "leantrain" and words[1] in CHECKS else {0}
-            assert result.returncode in allowed, f"{' '.join(words)} exited {result.returncode}:\n{output[-3000:]}"
-            if result.returncode == 1:
-                assert "failed:" in output, f"{' '.join(words)} exited 1 without saying why:\n{output[-3000:]}"
-            done.add(" ".join(words))
-            if words[:2] == ["leantrain", "runs"] and len(words) == 3 and words[2] == "demo-out":
-                assert "run-200" in output and "finished" in output, output  # the project's registry lists it
-    assert (work / "demo-out" / "run" / "report.html").is_file() and (work / "rules.yml").is_file()
+        result = subprocess.run(words, cwd=work, env=env, capture_output=True, text=True, timeout=900)
+        output = result.stdout + result.stderr
+        shown = shlex.join(words)
+        assert "Traceback" not in output, f"{shown}:\n{output[-3000:]}"
+        allowed = {0, 1} if words[1] in CHECKS else {0}
+        assert result.returncode in allowed, f"{shown} exited {result.returncode}:\n{output[-3000:]}"
+        if result.returncode == 1:
+            assert "failed:" in output, f"{shown} exited 1 without saying why:\n{output[-3000:]}"
+        if words[1:] == ["runs", "demo-out"]:
+            assert "run-200" in output and "finished" in output, output  # the project's registry lists it
+    assert (work / "demo-out" / "run" / "report.html").is_file() and (work / "demo-out" / "rules.yml").is_file()
+    assert sorted(p.name for p in work.iterdir()) == [".venv", "demo-out", "examples", "scripts"]
+    assert {folder: _files(work / folder) for folder in before} == before  # the checkout is left as it was
