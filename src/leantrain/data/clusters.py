@@ -209,7 +209,8 @@ def deduplicate(texts: Iterable[str], *, spec: DedupSpec, work: Path, shard_docs
     from leantrain.data.dedup import MinHasher, exact_key
 
     hasher = MinHasher(num_perm=spec.num_bands * spec.rows_per_band, seed=spec.seed,
-                       shingle_words=spec.shingle_words, shingle_chars=spec.shingle_chars)
+                       shingle_words=spec.shingle_words, shingle_chars=spec.shingle_chars,
+                       normalize_numbers=spec.normalize_numbers)
     folders: list[Path] = []
     counts = [0]
     iterator = iter(texts)

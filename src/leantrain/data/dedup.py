@@ -1,8 +1,17 @@
 """Exact and near-duplicate detection: a hash of normalised text, and MinHash signatures + banded LSH.
 
 Near duplicates (Broder 1997; Leskovec et al., Mining of Massive Datasets ch. 3):
-- Shingles: word n-grams (default 5, as datatrove) of the lower-cased words; for CJK-dominant text the
-  "words" are characters, so the shingles are character n-grams.
+- Shingles: word n-grams (default 5, as datatrove) of the *simplified* words; for CJK-dominant text the
+  "words" are characters, so the shingles are character n-grams. Simplified as datatrove's MinHash does
+  before shingling (`datatrove.utils.text.simplify_text` with its default `TextNormConfig`: lower case,
+  numbers to "0", punctuation to spaces, whitespace collapsed, diacritics removed after NFD): here each
+  word is case-folded, every digit run becomes "0" and combining marks are dropped after NFD; the word
+  split (runs of letters and digits) already removes punctuation and whitespace. So copies that differ
+  only in case ("to" → "TO"), accents ("café" → "cafe") or numbers are caught at the same threshold.
+  (datatrove keeps "3.14" as one number; here it is two words "0 0".) `data.dedup.normalize_numbers: false`
+  keeps the digits, for data whose numbers are the content (arithmetic problems, tables); chat sources
+  always keep them (templated prompts that differ only in a number are different examples). The exact
+  key is not simplified: two documents that differ only in a number are near, not exact, duplicates.
 - Signature: k = bands × rows MinHash values. Each shingle is hashed once to 64 bits (token hashes from
   blake2b, combined polynomially in numpy); permutation i is the multiply-shift hash
   h_i(x) = ((a_i·x + b_i) mod 2^64) >> 32 with odd a_i. All of it is vectorised: no per-shingle Python.
@@ -17,6 +26,8 @@ order is clusters.py.
 from __future__ import annotations
 
 import hashlib
+import re
+import unicodedata
 
 import numpy as np
 
@@ -53,11 +64,30 @@ def s_curve(*, bands: int, rows: int) -> dict[str, float]:
     return curve
 
 
+_DIGITS_RE = re.compile(r"\d+")  # any script's decimal digits (str patterns match Unicode Nd)
+
+
+def simplify_word(word: str, *, numbers: bool = True) -> str:
+    """A word as near-dedup compares it: case-folded, digit runs as "0" (`numbers`), no combining marks."""
+    word = word.casefold()
+    if numbers:
+        word = _DIGITS_RE.sub("0", word)
+    if word.isascii():
+        return word
+    return "".join(c for c in unicodedata.normalize("NFD", word) if unicodedata.category(c) != "Mn")
+
+
 class _TokenHashes(dict[str, int]):
-    """token → 64-bit blake2b hash of the lower-cased token, computed on first use; lookups run in C (`map`)."""
+    """token → 64-bit blake2b hash of the simplified token, computed on first use (once per distinct token);
+    lookups run in C (`map`)."""
+
+    def __init__(self, *, numbers: bool) -> None:
+        super().__init__()
+        self._numbers = numbers
 
     def __missing__(self, token: str) -> int:
-        value = int.from_bytes(hashlib.blake2b(token.lower().encode("utf-8"), digest_size=8).digest(), "little")
+        simple = simplify_word(token, numbers=self._numbers)
+        value = int.from_bytes(hashlib.blake2b(simple.encode("utf-8"), digest_size=8).digest(), "little")
         self[token] = value
         return value
 
@@ -65,12 +95,13 @@ class _TokenHashes(dict[str, int]):
 class MinHasher:
     """Signatures of shingle sets; token hashes are cached (vocabularies are small next to corpora)."""
 
-    def __init__(self, *, num_perm: int, seed: int, shingle_words: int, shingle_chars: int) -> None:
+    def __init__(self, *, num_perm: int, seed: int, shingle_words: int, shingle_chars: int,
+                 normalize_numbers: bool = True) -> None:
         rng = np.random.default_rng(seed)
         self._a = rng.integers(1, 2**63, num_perm, dtype=np.uint64) * np.uint64(2) + np.uint64(1)  # odd
         self._b = rng.integers(0, 2**63, num_perm, dtype=np.uint64)
         self._n_words, self._n_chars = shingle_words, shingle_chars
-        self._token_hash = _TokenHashes()
+        self._token_hash = _TokenHashes(numbers=normalize_numbers)
         self.num_perm = num_perm
 
     def _hash_tokens(self, tokens: list[str]) -> np.ndarray:

@@ -163,6 +163,7 @@ def _dedup_stage(spec: DataSpec, *, executor: Executor, progress: StageProgress,
               "rows": spec.dedup.rows_per_band, "verify_jaccard": spec.dedup.verify_jaccard,
               "shingle_words": spec.dedup.shingle_words, "shingle_chars": spec.dedup.shingle_chars,
               "bucket_records": spec.dedup.bucket_records, "merge_steps": len(steps),
+              "normalize_numbers": spec.dedup.normalize_numbers,
               "lsh_candidates": sum(max(m["candidates"], 0) for m in band_steps),
               "rejected_by_verify": sum(max(m["rejected"], 0) for m in band_steps),
               "s_curve": s_curve(bands=spec.dedup.num_bands, rows=spec.dedup.rows_per_band), **counts}
