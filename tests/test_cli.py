@@ -103,3 +103,72 @@ def test_human_units() -> None:
     assert human_money(0) == "0 USD" and human_money(12.5, "EUR") == "12.50 EUR"
     assert plural(1, "node") == "1 node" and plural(16, "node") == "16 nodes"
     assert human_days(30.2) == "30.2 days" and human_days(20 / 86400) == "20 s" and human_days(0.02) == "29 min"
+
+
+def test_version_short_help_and_completion() -> None:
+    from importlib.metadata import version
+
+    assert run_cli("--version").stdout.strip() == f"leantrain {version('leantrain')}"
+    short = run_cli("train", "-h")
+    assert short.returncode == 0 and "--max-steps" in short.stdout
+    assert run_cli("completion", "zsh").stdout.startswith("#compdef leantrain")
+    assert "complete -o default -F _leantrain_completion leantrain" in run_cli("completion", "bash").stdout
+    assert run_cli("completion", "tcsh").returncode == 2
+    # What the bash script asks the program when the user presses TAB after `leantrain pl`.
+    env = {**__import__("os").environ, "_LEANTRAIN_COMPLETE": "complete_bash", "COMP_WORDS": "leantrain pl",
+           "COMP_CWORD": "1"}
+    done = subprocess.run([sys.executable, "-m", "leantrain.cli"], env=env, capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.stdout.split() == ["plan"]
+
+
+BEFORE_HEAVY_IMPORTS = """
+import sys
+from leantrain.cli import main
+code = main(sys.argv[1:])
+heavy = sorted(m for m in ("torch", "numpy", "matplotlib", "tokenizers") if m in sys.modules)
+print("exit", code, "heavy", ",".join(heavy) or "none")
+"""
+
+
+@pytest.mark.parametrize("args, names", [
+    (["train", "examples/tiny-cpu.yaml", "--max-steps", "-5"], "--max-steps"),
+    (["launch", "examples/tiny-cpu.yaml", "--max-steps", "-1"], "--max-steps"),
+    (["check", "examples/tiny-cpu.yaml", "--set", "model.size_billion=0.0001"], "model.size_billion"),
+    (["train", "examples/tiny-cpu.yaml", "--set", "training.max_steps=-3"], "training.max_steps"),
+])
+def test_bad_numbers_are_refused_before_heavy_imports(args: list[str], names: str) -> None:
+    done = subprocess.run([sys.executable, "-c", BEFORE_HEAVY_IMPORTS, *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.stdout.split()[-4:] == ["exit", "2", "heavy", "none"], done.stdout + done.stderr
+    assert names in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_sized_model_its_vocabulary_cannot_reach_is_refused(tmp_path: Path) -> None:
+    spec = tmp_path / "small.yaml"
+    spec.write_text("model: {size_billion: 0.01}\ndata: {tokens_total: 1e9}\n")
+    out = run_cli("check", str(spec))  # the 128K-token embedding alone is 66M parameters
+    assert out.returncode == 2 and "model.size_billion: 0.01 resolves to" in out.stderr
+    assert "model.vocab_size" in out.stderr
+    spec.write_text("model: {size_billion: 0.01, vocab_size: 4096}\ndata: {tokens_total: 1e9}\n")
+    assert run_cli("check", str(spec)).returncode == 0
+
+
+def test_qlora_example_is_sized_as_the_one_gpu_it_is_billed_as(tmp_path: Path) -> None:
+    import json
+
+    out = tmp_path / "plan.json"
+    assert main(["plan", str(ROOT / "examples/qlora-70b.yaml"), "--json", str(out)]) == 0
+    resources = json.loads(out.read_text())["resources"]
+    assert (resources["num_gpus_with_spare"], resources["num_nodes"]) == (1, 1)
+    assert json.loads(out.read_text())["memory"]["fits"]
+
+
+def test_third_party_noise_is_quiet() -> None:
+    """torchao's list of CUDA kernels it cannot load here and torch's note on torchao's enum registration read as
+    errors in a LoRA/QLoRA job's console; importing the CLI first (as every command and script does) hides them."""
+    code = "import leantrain.cli, torchao.quantization, torchao.float8, torchao.optim; print('imported')"
+    done = subprocess.run([sys.executable, "-W", "default", "-c", code], capture_output=True, text=True, cwd=ROOT,
+                          timeout=300)
+    assert done.returncode == 0 and "imported" in done.stdout, done.stderr
+    assert "Failed to load" not in done.stderr and "register_constant" not in done.stderr, done.stderr

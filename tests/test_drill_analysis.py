@@ -124,3 +124,20 @@ def test_each_drill_run_gets_its_own_checkpoint_location(tmp_path: Path) -> None
     assert urls == {"reference": "s3://bucket/jobs/llama.drill/run/reference",
                     "faulted": "s3://bucket/jobs/llama.drill/run/faulted"}
     assert not any(u.startswith("s3://bucket/jobs/llama/") for u in urls.values())
+
+
+def test_progress_lines_while_a_drill_run_trains(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import io
+    import time
+
+    monkeypatch.setattr(drill, "PROGRESS_EVERY_S", 0.05)
+    out = Console(file=io.StringIO(), width=200)
+    metrics = tmp_path / "metrics.jsonl"
+    with drill._progress(out, name="faulted", run_dir=tmp_path, max_steps=40):
+        for steps in ([5, 6], [3]):  # the second attempt resumes from an earlier checkpoint
+            with metrics.open("a") as f:
+                f.writelines(json.dumps({"step": s, "loss": 1.0}) + "\n" for s in steps)
+            time.sleep(0.3)
+    text = out.file.getvalue()
+    assert "drill: faulted run at step 6 of 40" in text
+    assert "drill: faulted run at step 3 of 40 (restarted from a checkpoint)" in text

@@ -8,7 +8,9 @@ User errors are printed without a traceback. Each command imports its stage's mo
 from __future__ import annotations
 
 import importlib
+import logging
 import sys
+import warnings
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -23,12 +25,27 @@ app = typer.Typer(
     name="leantrain",
     help="From a compute budget to a validated, self-healing LLM training run.",
     no_args_is_help=True,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish (README)
     pretty_exceptions_enable=False,
     rich_markup_mode="rich",
+    context_settings={"help_option_names": ["-h", "--help"]},
 )
 console = Console()
 err_console = Console(stderr=True)
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        console.print(f"leantrain {version('leantrain')}", highlight=False)
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: Annotated[bool, typer.Option(
+        "--version", help="Print the version and exit.", callback=_print_version, is_eager=True)] = False) -> None:
+    """From a compute budget to a validated, self-healing LLM training run."""
 
 SpecArg = Annotated[Path, typer.Argument(help="The YAML job spec.", show_default=False)]
 SetOpt = Annotated[
@@ -81,7 +98,7 @@ def plan(
     set_: SetOpt = None,
     profile: ProfileOpt = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Write plan.json here.")] = None,
-    top: Annotated[int, typer.Option(help="Layouts to show.")] = 5,
+    top: Annotated[int, typer.Option(min=1, help="Layouts to show.")] = 5,
     what_if: Annotated[str | None, typer.Option("--what-if", help="e.g. gpus=64,128,256")] = None,
     plot: Annotated[Path | None, typer.Option(help="With --what-if: write a PNG plot of days/cost here.")] = None,
     calibrate: Annotated[list[Path] | None, typer.Option(
@@ -109,7 +126,8 @@ def rehearse(
     spec: SpecArg,
     set_: SetOpt = None,
     profile: ProfileOpt = None,
-    world: Annotated[int | None, typer.Option("--world", help="World size (default: the spec's layout).")] = None,
+    world: Annotated[int | None, typer.Option(
+        "--world", min=1, help="World size (default: the spec's layout).")] = None,
     ranks: Annotated[str | None, typer.Option(
         "--ranks", help="Ranks to rehearse, e.g. 0,last,17 (default: 0, the last, the first of each stage).")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Where to write rehearsal.json.")] = None,
@@ -146,7 +164,7 @@ def train(
     set_: SetOpt = None,
     profile: ProfileOpt = None,
     run_dir: Annotated[Path | None, typer.Option(help="Run dir (default: run.dir).")] = None,
-    max_steps: Annotated[int | None, typer.Option(help="Stop after this many steps.")] = None,
+    max_steps: Annotated[int | None, typer.Option(min=0, help="Stop after this many steps.")] = None,
     resume: ResumeOpt = "auto",
     weights_only: WeightsOnlyOpt = False,
     extend_schedule: ExtendOpt = False,
@@ -156,10 +174,10 @@ def train(
     Reads SPEC and the data dir; writes the run dir (metrics.jsonl, checkpoints/, lineage.json).
     SIGINT/SIGTERM save a checkpoint at the current step and exit 130/143.
     """
+    job = _spec(spec, set_, profile)  # spec errors first: before parse_resume's module imports torch
     from leantrain.ckpt.resume import parse_resume
 
     request = parse_resume(resume, weights_only=weights_only, extend_schedule=extend_schedule)
-    job = _spec(spec, set_, profile)
     _stage("leantrain.train.command", spec=job, run_dir=run_dir, max_steps=max_steps, resume=request)
 
 
@@ -168,9 +186,9 @@ def launch(
     spec: SpecArg,
     set_: SetOpt = None,
     profile: ProfileOpt = None,
-    nproc: Annotated[int | None, typer.Option(help="Processes per node.")] = None,
+    nproc: Annotated[int | None, typer.Option(min=1, help="Processes per node.")] = None,
     nnodes: Annotated[str | None, typer.Option(help="Nodes, or MIN:MAX for elastic.")] = None,
-    max_restarts: Annotated[int | None, typer.Option(help="Override fault.max_restarts.")] = None,
+    max_restarts: Annotated[int | None, typer.Option(min=0, help="Override fault.max_restarts.")] = None,
     run_dir: Annotated[Path | None, typer.Option(help="Run dir (default: run.dir).")] = None,
     dry_run: Annotated[bool, typer.Option(help="Build the layout with a fake process group.")] = False,
     preflight: Annotated[bool, typer.Option(help="Check every rank before training.")] = False,
@@ -180,17 +198,17 @@ def launch(
     resume: ResumeOpt = "auto",
     weights_only: WeightsOnlyOpt = False,
     extend_schedule: ExtendOpt = False,
-    max_steps: Annotated[int | None, typer.Option(help="Stop after this many steps (0: build the model, "
+    max_steps: Annotated[int | None, typer.Option(min=0, help="Stop after this many steps (0: build the model, "
                                                   "record model_ready, exit).")] = None,
 ) -> None:
     """Launch distributed training with torchrun (or write a Slurm/Kubernetes job file).
 
     Reads SPEC; writes the run dir (one log per rank) or the --emit job file.
     """
+    job = _spec(spec, set_, profile)  # spec errors first: before parse_resume's module imports torch
     from leantrain.ckpt.resume import parse_resume
 
     request = parse_resume(resume, weights_only=weights_only, extend_schedule=extend_schedule)
-    job = _spec(spec, set_, profile)
     _stage(
         "leantrain.launch.command", spec=job, spec_path=spec, overrides=set_ or [], profile=profile,
         nproc=nproc, nnodes=nnodes, max_restarts=max_restarts, run_dir=run_dir, dry_run=dry_run,
@@ -233,7 +251,7 @@ def drill(
     set_: SetOpt = None,
     profile: ProfileOpt = None,
     run_dir: Annotated[Path | None, typer.Option(help="Run dir (default: run.dir).")] = None,
-    kill_at: Annotated[int | None, typer.Option(help="Kill a rank at this step.")] = None,
+    kill_at: Annotated[int | None, typer.Option(min=1, help="Kill a rank at this step.")] = None,
     during_save: Annotated[bool, typer.Option(help="Kill while a checkpoint is being written.")] = False,
     corrupt_latest: Annotated[bool, typer.Option(help="Corrupt the newest checkpoint first.")] = False,
 ) -> None:
@@ -293,7 +311,7 @@ def runs(
 def export(
     run_dir: RunDirArg,
     out: Annotated[Path, typer.Option("--out", help="The Hugging Face directory to write (new or empty).")],
-    step: Annotated[int | None, typer.Option("--step", help="Checkpoint step (default: the newest).")] = None,
+    step: Annotated[int | None, typer.Option("--step", min=0, help="Checkpoint step (default: the newest).")] = None,
     adapter_only: Annotated[bool, typer.Option(
         "--adapter-only", help="LoRA runs: write a PEFT adapter instead of the merged model.")] = False,
 ) -> None:
@@ -310,7 +328,7 @@ def eval_(
                                            show_default=False)],
     tasks: Annotated[list[Path] | None, typer.Option(
         "--tasks", help="Multiple-choice JSONL {question, choices, answer} (repeatable).")] = None,
-    step: Annotated[int | None, typer.Option("--step", help="Checkpoint step (default: the newest).")] = None,
+    step: Annotated[int | None, typer.Option("--step", min=0, help="Checkpoint step (default: the newest).")] = None,
 ) -> None:
     """Held-out loss/perplexity per source and multiple-choice accuracy (log-likelihood, lm-eval style).
 
@@ -329,10 +347,39 @@ def demo(
     run_demo(out_dir=dir_, console=console)
 
 
+@app.command()
+def completion(
+    shell: Annotated[str, typer.Argument(help="bash, zsh or fish.", show_default=False)],
+) -> None:
+    """Print the shell completion script: `eval "$(leantrain completion bash)"` in ~/.bashrc, or
+    `leantrain completion zsh > ~/.zfunc/_leantrain` (with ~/.zfunc on fpath). Reads nothing; writes stdout."""
+    from typer.completion import get_completion_script
+
+    if shell not in ("bash", "zsh", "fish"):
+        raise UserInputError(f"completion {shell!r}: allowed: bash, zsh, fish")
+    sys.stdout.write(get_completion_script(prog_name="leantrain", complete_var="_LEANTRAIN_COMPLETE", shell=shell))
+
+
+# Third-party log lines that read as errors but are not: torchao lists the CUDA kernels it cannot load on this
+# build ("Failed to load ..._C_mxfp8...so"), torch notes a deprecation inside torchao's own registration code.
+QUIET_LOGGERS = ("torchao", "torch.utils._pytree")
+
+
+def quiet_third_party() -> None:
+    """Raise the noisy loggers to ERROR and drop library deprecation warnings the user cannot act on."""
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.ERROR)
+    for category in (DeprecationWarning, FutureWarning):
+        warnings.filterwarnings("ignore", category=category, module=r"(torch|torchao|transformers|peft)(\.|$)")
+
+
+quiet_third_party()  # at import: scripts that import the CLI (scripts/tiny_hf_jobs.py) import torchao before main
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: user errors become a message and an exit code, not a traceback."""
     try:
-        app(args=argv, standalone_mode=False)
+        app(args=argv, prog_name="leantrain", standalone_mode=False)
     except LeantrainError as err:
         err_console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
         return err.exit_code

@@ -33,6 +33,7 @@ import os
 import random
 import shutil
 import statistics
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -60,6 +61,7 @@ NUM_RANKS = 2
 KILL_RANK = 1  # not rank 0: the survivor that writes metrics must be torn down and restarted too
 LOSS_TOLERANCE_NONDETERMINISTIC = 1e-2  # relative, for specs without training.deterministic
 LAUNCH_TIMEOUT_S = 600.0
+PROGRESS_EVERY_S = 15.0  # a drill run trains for minutes on a CPU: say where it is
 
 
 def run(
@@ -230,7 +232,8 @@ def run_drill(
     for name in names:
         start, fault = time.monotonic(), faults[name]
         restarts = 0 if fault is None else max_restarts
-        with environment({} if fault is None else fault.to_env()):
+        with environment({} if fault is None else fault.to_env()), _progress(
+                console, name=name, run_dir=drill_dir / name, max_steps=max_steps):
             code = launch_local(spec, train=trains[name], run_dir=drill_dir / name, nproc=nproc, nnodes=None,
                                 max_restarts=restarts, console=logs, timeout_s=LAUNCH_TIMEOUT_S)
         runs[name] = {"exit_code": code, "wall_s": time.monotonic() - start}
@@ -255,6 +258,31 @@ def run_drill(
 
 
 # ---- judging --------------------------------------------------------------------------------------------------
+@contextmanager
+def _progress(console: Console, *, name: str, run_dir: Path, max_steps: int) -> Iterator[None]:
+    """A line every PROGRESS_EVERY_S while a drill run trains (its launch output goes to a buffer): the newest
+    step in its metrics.jsonl, and a restart when the steps start again lower."""
+    stop, start = threading.Event(), time.monotonic()
+
+    def report() -> None:
+        newest = 0
+        while not stop.wait(PROGRESS_EVERY_S):
+            steps = [r["step"] for r in _read_jsonl(run_dir / "metrics.jsonl") if isinstance(r.get("step"), int)]
+            step = steps[-1] if steps else 0
+            again = " (restarted from a checkpoint)" if step < newest else ""
+            newest = step
+            console.print(f"drill: {name} run at step {step} of {max_steps}{again}, "
+                          f"{time.monotonic() - start:.0f} s", highlight=False)
+
+    thread = threading.Thread(target=report, name=f"drill-progress-{name}", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []

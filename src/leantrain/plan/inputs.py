@@ -27,8 +27,12 @@ MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "8bit": 1.0 + 4.0 / 256}
 # fitted, with ELEMENTWISE_PASSES, on all throughput runs of plan/published_runs.yaml (bench/plan_accuracy.py;
 # fitted on one half, the other half is predicted within the out-of-sample error docs/plan.md records).
 # B200, MI300X and L40S have no published runs in the file: H100's value scaled by judgement, not fitted.
+# cpu: the share of the host's measured matmul peak (hardware.host_cpu_peak_flops, a large square matmul)
+# that the CPU examples' small matrices reach in a step: 16-50 % MFU measured for examples/tiny-cpu.yaml and
+# 23-27 % for examples/finetune-lora-cpu.yaml on a 2-core host, so the plan (and the low_mfu alert's floor, half
+# the plan) sits below what a healthy CPU run does.
 DEFAULT_COMPUTE_EFFICIENCY = {"A100": 0.64, "H100": 0.645, "H800": 0.645, "H200": 0.645, "B200": 0.5,
-                              "MI300X": 0.45, "L40S": 0.6, "cpu": 0.5}
+                              "MI300X": 0.45, "L40S": 0.6, "cpu": 0.25}
 FALLBACK_COMPUTE_EFFICIENCY = 0.55
 # FP8 GEMMs: the step speed-up torchao's Float8 linears (what the trainer uses) give over bf16 in torchtitan's
 # H100 benchmarks (benchmarks/llama3_h100_202412_torchtitan.md in pytorch/torchtitan, Tables 1 and 3: 6,667 →

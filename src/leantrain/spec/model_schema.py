@@ -9,13 +9,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from leantrain.spec.base import PositiveInt, Section
 from leantrain.spec.hf_config import SHAPE_FIELDS, read_hf_config, shape_conflicts
 
 # The projections of our Llama-style block (model/transformer.py): attention wq/wk/wv/wo, SwiGLU w1/w2/w3.
 DEFAULT_LORA_TARGETS = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
+MIN_SIZE_BILLION = 0.001  # 1M parameters: below that, a sized model is mostly its embedding
 
 
 class MoESpec(Section):
@@ -75,6 +76,15 @@ class ModelSpec(Section):
         description="Start from a Hugging Face checkpoint dir (config.json + *.safetensors); the shape is read "
         "from its config.json, and an explicit shape field that disagrees is an error.",
     )
+
+    @field_validator("size_billion")
+    @classmethod
+    def _at_least_a_million(cls, value: float | None) -> float | None:
+        if value is not None and value < MIN_SIZE_BILLION:
+            raise ValueError(f"{value:g} is {value * 1e9:,.0f} parameters, below the 1M ({MIN_SIZE_BILLION:g}) that "
+                             "sized models start at; give an explicit shape (n_layers, d_model, n_heads, vocab_size) "
+                             "for a smaller model")
+        return value
 
     @model_validator(mode="after")
     def _need_size_or_shape(self) -> ModelSpec:

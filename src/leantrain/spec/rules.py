@@ -25,7 +25,26 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
         *_unbuildable_layout_problems(spec),
         *_batch_and_node_problems(spec),
         *_finetune_problems(spec),
+        *_size_problems(spec, shape),
     ]
+
+
+SIZE_MISFIT = 1.5  # a sized model whose shape misses size_billion by more than this factor is refused
+
+
+def _size_problems(spec: JobSpec, shape: ModelShape) -> list[str]:
+    """`size_billion` that no shape with this vocabulary reaches (the embedding alone is larger, say)."""
+    model = spec.model
+    if model.size_billion is None or model.init_from is not None:
+        return []
+    target, total = model.size_billion * 1e9, shape.total_params()
+    if max(total / target, target / total) <= SIZE_MISFIT:
+        return []
+    embedding = shape.embedding_params()
+    return [f"model.size_billion: {model.size_billion:g} resolves to {total / 1e6:,.1f}M parameters "
+            f"(n_layers {shape.n_layers}, d_model {shape.d_model}, vocab_size {shape.vocab_size}: embeddings "
+            f"{embedding / 1e6:,.1f}M); set model.vocab_size smaller or give an explicit shape (n_layers, d_model, "
+            "n_heads)"]
 
 
 def _finetune_problems(spec: JobSpec) -> list[str]:
