@@ -85,13 +85,15 @@ def test_samples_are_windows_of_the_packed_epoch_stream(data_dir: Path) -> None:
         assert set(tokens_ids) <= ({0} | set(range(1, 100)) if name == "en" else {0} | set(range(100, 200)))
     stream = sampler._streams[0]
     assert stream is not None
+    # the documents straight from the shards (not through the sampler's cached index), in manifest order
+    from leantrain.data.layout import load_manifest
+    from leantrain.data.shards import ShardReader
+
+    readers = [ShardReader(data_dir / s.path) for s in load_manifest(data_dir).shards_for(
+        split="train", source=sampler.source_names[0])]
+    docs = [reader.doc(i).tolist() for reader in readers for i in range(reader.num_docs)]
     epochs = [stream._epoch(e)[0] for e in range(3)]
-    flat = []
-    for order in epochs:
-        for doc in order:
-            reader = stream._readers[int(stream.doc_shard[doc])]
-            start = int(stream.doc_start[doc])
-            flat.extend(reader.tokens[start : start + int(stream.doc_len[doc])].tolist())
+    flat = [token for order in epochs for doc in order for token in docs[int(doc)]]
     out = np.empty(SEQ_LEN + 1, dtype=np.int64)
     for local in (0, 1, 5, stream.tokens_per_epoch // SEQ_LEN, stream.tokens_per_epoch // SEQ_LEN + 3):
         stream.sample(local, out)
@@ -132,3 +134,54 @@ def test_bad_inputs_are_user_errors(data_dir: Path, tmp_path: Path) -> None:
         _sampler(data_dir, rank=2, size=2)
     with pytest.raises(UserInputError, match="manifest.json not found"):
         _sampler(tmp_path)
+
+
+def test_the_document_index_is_built_once_and_memory_mapped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The data dir holds the sampler's index (written with the manifest); a sampler maps it and opens no `.idx`
+    file and only the shards its samples touch; a data dir without it (an older one) gets it on first use, and a
+    read-only one still samples the same tokens from an index built in memory."""
+    import os
+    import sys
+
+    from leantrain.data.layout import load_manifest, write_token_data_dir
+    from leantrain.data.sample_index import INDEX_DIR, ensure_sample_index, index_path
+
+    rng = np.random.default_rng(0)
+    docs = {"web": [rng.integers(1, 100, 30).tolist() for _ in range(64)]}
+    write_token_data_dir(tmp_path / "d", docs, vocab_size=128, eos_id=0, shard_size_tokens=200)
+    manifest = load_manifest(tmp_path / "d")
+    shards = manifest.shards_for(split="train", source="web")
+    assert len(shards) >= 8
+    assert index_path(tmp_path / "d", split="train", shards=shards).is_file()
+    opened: list[str] = []
+
+    def audit(event: str, args: tuple) -> None:
+        if event == "open" and isinstance(args[0], (str, os.PathLike)) and str(tmp_path) in os.fsdecode(args[0]):
+            opened.append(os.path.basename(os.fsdecode(args[0])))
+
+    sys.addaudithook(audit)
+    sampler = PackedBatchSampler(tmp_path / "d", seq_len=SEQ_LEN, micro_batch=2, dp_rank=0, dp_size=1, seed=0)
+    first = sampler.next_batch().tokens.clone()
+    seen = list(opened)
+    opened.clear()
+    assert not [name for name in seen if name.endswith(".idx")], seen
+    assert len([name for name in seen if name.endswith(".bin")]) <= 4, seen  # two windows of 17 tokens
+    # an older data dir without the index: built on first use, same samples
+    for path in (tmp_path / "d" / INDEX_DIR).iterdir():
+        path.unlink()
+    assert ensure_sample_index(tmp_path / "d", manifest, split="train")
+    again = PackedBatchSampler(tmp_path / "d", seq_len=SEQ_LEN, micro_batch=2, dp_rank=0, dp_size=1, seed=0)
+    assert np.array_equal(again.next_batch().tokens.numpy(), first.numpy())
+    # a data dir that cannot be written (read-only mount) and has no index: built in memory, same samples
+    import leantrain.data.sample_index as sample_index
+
+    for path in (tmp_path / "d" / INDEX_DIR).iterdir():
+        path.unlink()
+
+    def read_only(*args: object, **kwargs: object) -> None:
+        raise PermissionError("read-only file system")
+
+    monkeypatch.setattr(sample_index, "write_index", read_only)
+    assert not ensure_sample_index(tmp_path / "d", manifest, split="train")
+    memory = PackedBatchSampler(tmp_path / "d", seq_len=SEQ_LEN, micro_batch=2, dp_rank=0, dp_size=1, seed=0)
+    assert np.array_equal(memory.next_batch().tokens.numpy(), first.numpy())

@@ -78,6 +78,10 @@ class Manifest:
         }
 
     def write(self, data_dir: Path) -> None:
+        """Write `manifest.json` and the sampler's document index of its shards (`index/`, data.sample_index)."""
+        from leantrain.data.sample_index import write_sample_index  # it reads this module's Manifest
+
+        write_sample_index(data_dir, self)
         text = json.dumps(self.to_json(), indent=2, ensure_ascii=False) + "\n"
         atomic_write_bytes(data_dir / MANIFEST, text.encode("utf-8"))
 

@@ -12,7 +12,8 @@ Definitions (docs/data.md has the worked example):
 - Ranks. Every `next_batch` consumes micro_batch × dp_size global samples; rank r takes the r-th block of
   micro_batch. The state is one integer (the next global index), so a resume at another dp_size continues
   the same global sequence.
-Shards are read through np.memmap; the only Python loop is over the (few) documents a window touches.
+Shards are read through np.memmap, opened when a sample first touches them; the document index is the data
+dir's memory-mapped `index/` (data.sample_index). The only Python loop is over the few documents a window touches.
 """
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ import torch
 
 from leantrain.data.chat import load_mask
 from leantrain.data.layout import Manifest, MixtureStage, load_manifest
-from leantrain.data.shards import ShardReader
+from leantrain.data.sample_index import load_index
+from leantrain.data.shards import ShardInfo
 from leantrain.errors import UserInputError
 
 BLOCK_SAMPLES = 1024  # granularity of the mixture: weights are honoured exactly per block, to 1/1024
@@ -54,20 +56,41 @@ def largest_remainder_counts(weights: np.ndarray, total: int) -> np.ndarray:
 
 
 class SourceStream:
-    """One source's endless, epoch-shuffled, packed token stream over its shards."""
+    """One source's endless, epoch-shuffled, packed token stream over its shards.
 
-    def __init__(self, readers: list[ShardReader], *, name: str, seed: int, seq_len: int,
-                 masks: list[np.ndarray] | None = None) -> None:
+    Where each document lies comes from the data dir's memory-mapped index (`data.sample_index`); a shard's
+    tokens (and loss mask) are opened on first use, so a rank opens only the shards its samples touch.
+    """
+
+    def __init__(self, data_dir: Path, shards: list[ShardInfo], index: np.ndarray, *, name: str, seed: int,
+                 seq_len: int, dtype: np.dtype, masked: bool = False) -> None:
         self.name = name
         self.seq_len = seq_len
-        self._readers = readers
-        self._masks = masks  # per shard, one byte per token (chat sources), else None
+        self._paths = [Path(data_dir) / s.path for s in shards]
+        self._dtype = dtype
+        self._tokens: dict[int, np.ndarray] = {}
+        self._masked = masked  # chat sources: one mask byte per token, beside each shard
+        self._masks: dict[int, np.ndarray] = {}
         self._seed = [seed, zlib.crc32(name.encode("utf-8"))]
-        self.doc_shard = np.concatenate([np.full(r.num_docs, i, np.int64) for i, r in enumerate(readers)])
-        self.doc_start = np.concatenate([r.doc_starts for r in readers])
-        self.doc_len = np.concatenate([r.doc_lengths for r in readers])
+        self.doc_shard, self.doc_start, self.doc_len = index[0], index[1], index[2]
         self.tokens_per_epoch = int(self.doc_len.sum())
         self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+
+    def _shard_tokens(self, shard: int) -> np.ndarray:
+        if shard not in self._tokens:
+            path = self._paths[shard]
+            self._tokens[shard] = (np.memmap(path, dtype=self._dtype, mode="r") if path.stat().st_size
+                                   else np.zeros(0, dtype=self._dtype))
+        return self._tokens[shard]
+
+    def _shard_mask(self, shard: int) -> np.ndarray:
+        if shard not in self._masks:
+            mask = load_mask(self._paths[shard])
+            if mask is None:
+                raise UserInputError(f"{self._paths[shard]}: the source {self.name!r} has a loss mask but this "
+                                     "shard's .mask is missing; prepare the data dir again")
+            self._masks[shard] = mask
+        return self._masks[shard]
 
     def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
         """(document order, end offset of each document in that order) for one epoch, cached (two newest)."""
@@ -94,11 +117,11 @@ class SourceStream:
                 skip = within - doc_begin
                 take = min(int(self.doc_len[doc]) - skip, need - filled)
                 start = int(self.doc_start[doc]) + skip
-                out[filled : filled + take] = self._readers[int(self.doc_shard[doc])].tokens[start : start + take]
+                shard = int(self.doc_shard[doc])
+                out[filled : filled + take] = self._shard_tokens(shard)[start : start + take]
                 if mask_out is not None:
-                    masks = self._masks
-                    mask_out[filled : filled + take] = 1 if masks is None else masks[int(self.doc_shard[doc])][
-                        start : start + take]
+                    mask_out[filled : filled + take] = self._shard_mask(shard)[start : start + take] if (
+                        self._masked) else 1
                 filled += take
                 within += take
                 pos += 1
@@ -171,11 +194,13 @@ class PackedBatchSampler:
 
     def __init__(
         self, data_dir: Path, *, seq_len: int, micro_batch: int, dp_rank: int, dp_size: int, seed: int,
-        split: str = "train",
+        split: str = "train", manifest: Manifest | None = None,
     ) -> None:
+        """`manifest`: the data dir's, when the caller has it already (the trainer's rank 0 reads it once and
+        hands it to the other ranks); else read from `data_dir`."""
         if not 0 <= dp_rank < dp_size:
             raise UserInputError(f"dp_rank {dp_rank} is outside 0..{dp_size - 1}")
-        manifest = load_manifest(Path(data_dir))
+        manifest = manifest if manifest is not None else load_manifest(Path(data_dir))
         self.data_dir = Path(data_dir)
         self.seq_len, self.micro_batch, self.dp_rank, self.dp_size = seq_len, micro_batch, dp_rank, dp_size
         self.split = split
@@ -184,11 +209,14 @@ class PackedBatchSampler:
         self.eos_id: int = manifest.eos_id
         self._streams: list[SourceStream | None] = []
         self.has_loss_mask = False  # some source (chat) trains only on masked tokens
+        dtype = np.dtype(manifest.dtype)
         for name in self.source_names:
-            readers = [ShardReader(self.data_dir / s.path) for s in manifest.shards_for(split=split, source=name)]
-            masks = loss_masks(manifest, name=name, readers=readers, seq_len=seq_len, data_dir=self.data_dir)
-            self.has_loss_mask = self.has_loss_mask or masks is not None
-            stream = SourceStream(readers, name=name, seed=seed, seq_len=seq_len, masks=masks) if readers else None
+            shards = manifest.shards_for(split=split, source=name)
+            masked = has_loss_mask(manifest, name=name, seq_len=seq_len, data_dir=self.data_dir)
+            self.has_loss_mask = self.has_loss_mask or masked
+            stream = SourceStream(
+                self.data_dir, shards, load_index(self.data_dir, split=split, shards=shards), name=name, seed=seed,
+                seq_len=seq_len, dtype=dtype, masked=masked) if shards else None
             self._streams.append(stream if stream is not None and stream.tokens_per_epoch > 0 else None)
         available = np.array([s is not None for s in self._streams], dtype=np.float64)
         if not available.any():
@@ -241,23 +269,17 @@ class PackedBatchSampler:
         self._position = position
 
 
-def loss_masks(
-    manifest: Manifest, *, name: str, readers: list[ShardReader], seq_len: int, data_dir: Path
-) -> list[np.ndarray] | None:
-    """The `.mask` arrays of a chat source's shards (data/chat.py), or None for a source without a loss mask.
+def has_loss_mask(manifest: Manifest, *, name: str, seq_len: int, data_dir: Path) -> bool:
+    """Does the source train on masked tokens only (a chat source: a `.mask` beside each shard, data/chat.py)?
 
     Chat conversations are padded to a multiple of `pad_multiple` tokens so that every window of seq_len
     tokens lies inside one conversation; that holds only when pad_multiple is a multiple of seq_len.
     """
     entry = next(s for s in manifest.sources if s["name"] == name)
     if not entry.get("loss_mask"):
-        return None
+        return False
     pad = int(entry.get("pad_multiple", 0))
     if pad % seq_len:
         raise UserInputError(f"{data_dir}/manifest.json: source {name!r} was prepared for data.seq_len {pad}, which "
                              f"is not a multiple of this run's data.seq_len {seq_len}; prepare it again")
-    masks = [load_mask(r.bin_path) for r in readers]
-    missing = [r.bin_path for r, m in zip(readers, masks, strict=True) if m is None]
-    if missing:
-        raise UserInputError(f"{missing[0]}: the source {name!r} has a loss mask but this shard's .mask is missing")
-    return masks  # type: ignore[return-value]
+    return True

@@ -29,6 +29,8 @@ from rich.console import Console
 from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from leantrain.data.layout import Manifest
+from leantrain.data.preference import PairBatchSampler
 from leantrain.data.sampler import Batch, PackedBatchSampler
 from leantrain.dtypes import DTYPES
 from leantrain.errors import LeantrainError, UserInputError
@@ -46,8 +48,9 @@ from leantrain.parallel import CommTimer
 from leantrain.parallel.dims import layout_for_run
 from leantrain.plan.flops import flops_per_token
 from leantrain.spec.schema import JobSpec
-from leantrain.train import finetune
+from leantrain.train import dpo, finetune
 from leantrain.train.build import WeightsLoader, build_parallel_model
+from leantrain.train.data_setup import shared_manifest
 from leantrain.train.model_ready import rank_memory, record_model_ready
 from leantrain.train.optim import build_optimizer, step_if_finite
 from leantrain.train.precision import enable_tf32, float8_post_step, resolve_precision
@@ -153,8 +156,10 @@ class Trainer:
         self.after_optimizer_step = float8_post_step(self.parallel.parts, self.precision, fsdp=self.parallel.fsdp)
         self.scheduler = build_scheduler(self.optimizer, training, max_steps=max(1, self.max_steps))
         # 7. data
+        self._manifest: Manifest | None = None
         self.sampler = self._sampler(split="train")
         self.eval_sampler = self._eval_sampler()
+        self.objective = dpo.build_objective(self)  # finetune.method dpo: the reference and the pairs' loss
         if self.sampler.vocab_size > self.model_args.shape.vocab_size:
             raise UserInputError(
                 f"model.vocab_size ({self.model_args.shape.vocab_size}) is smaller than the data's vocabulary "
@@ -180,9 +185,14 @@ class Trainer:
 
     # ----- setup helpers -------------------------------------------------------------------------------
     def _sampler(self, *, split: str) -> PackedBatchSampler:
-        return PackedBatchSampler(
+        if self._manifest is None:  # rank 0 reads the data dir's metadata; the others get it from rank 0
+            self._manifest = shared_manifest(self.spec.data.dir, rank=self.runtime.rank,
+                                             distributed=self.runtime.distributed)
+        sampler_class = PairBatchSampler if dpo.enabled(self.spec) else PackedBatchSampler  # DPO: whole pairs
+        return sampler_class(
             self.spec.data.dir, seq_len=self.spec.data.seq_len, micro_batch=self.spec.training.micro_batch,
             dp_rank=self.parallel.dp_rank, dp_size=self.parallel.dp_size, seed=self.spec.training.seed, split=split,
+            manifest=self._manifest,
         )
 
     def _eval_sampler(self) -> PackedBatchSampler | None:
@@ -232,6 +242,8 @@ class Trainer:
             token_scale = self.parallel.dims.dp * len(micro_batches) / valid.clamp(min=1.0)
         source_loss = SourceLoss(len(self.sampler.source_names), device=self.device,
                                  masked=self.sampler.has_loss_mask, token_scale=token_scale)
+        if self.objective is not None:  # DPO: the reference pass, then the pairs' loss (train/dpo.py)
+            source_loss = self.objective.loss_fn(micro_batches)
         with self.comm_timer.measure() if measure else contextlib.nullcontext() as measured:
             mean_loss = self.parallel.forward_backward(micro_batches, loss_fn=source_loss, autocast=self.autocast)
             self.parallel.finish_gradients()
@@ -257,7 +269,7 @@ class Trainer:
             loss=mean_loss, grad_norm=grad_norm, skipped=skipped, data_wait_s=data_wait_s,
             comm_s=measured.comm_s if measured is not None else None, aux_loss=self.parallel.last_aux_loss,
             source_loss_sum=source_loss.loss_sum, source_tokens=source_loss.tokens, moe_counts=moe_counts,
-            step_s=time.perf_counter() - step_start_s,
+            step_s=time.perf_counter() - step_start_s, objective_stats=getattr(source_loss, "stats", None),
         )
 
     def _on_nonfinite(self, loss: torch.Tensor, grad_norm: torch.Tensor) -> None:
@@ -368,6 +380,8 @@ class Trainer:
                 name: loss_sums[i] / token_sums[i]
                 for i, name in enumerate(self.sampler.source_names) if token_sums[i] > 0
             }
+        if window.objective_stats is not None and self.objective is not None:  # DPO rewards over all ranks' pairs
+            record.update(self.objective.metrics(self.parallel.sum_over_ranks(window.objective_stats.clone())))
         if window.moe_counts is not None:
             record.update(moe_balance(window.moe_counts, aux_loss=aux_value, balance=self.model_args.balance))
         self.metrics.log(record)
@@ -386,6 +400,8 @@ class Trainer:
         recorder = SourceLoss(len(self.eval_sampler.source_names), device=self.device,
                               masked=self.eval_sampler.has_loss_mask)
         micro_batches = [self._micro_batch(self.eval_sampler.next_batch()) for _ in range(num_batches)]
+        if self.objective is not None:  # DPO: the held-out pairs' DPO loss
+            recorder = self.objective.loss_fn(micro_batches)  # type: ignore[assignment]
         self.parallel.evaluate(micro_batches, loss_fn=recorder, autocast=self.autocast)
         self.parallel.train()
         # Summed over every rank: TP peers add the same numbers to both sums, other PP stages add zeros.

@@ -1,0 +1,102 @@
+"""The sampler's document index, built once per data dir and memory-mapped by every rank.
+
+The sampler needs, per (split, source), where each document lies: its shard, its first token and its length.
+Read from the shards' `.idx` files, that is one open of every index file on every rank at startup (32,768
+opens on 4,096 ranks for 8 shards each) and the same arrays in every rank's memory. Instead, as Megatron's
+GPTDataset caches its document and sample indices as `.npy` files next to the data and memory-maps them
+(megatron/core/datasets/gpt_dataset.py, `_build_document_sample_shuffle_indices`), the data dir holds
+`index/<split>-<fingerprint>.npy` per source: an int64 array (3, documents) = (shard number within the
+source's shard list, first token, length). The fingerprint is a hash of the source's shard hashes, so a data
+dir prepared again gets a new file and a stale one is never read.
+
+`prepare` (every writer of a manifest) writes the index; a data dir without one (written by an older version)
+gets it from the first process that needs it (the trainer's rank 0 before the other ranks open it), written
+atomically; a read-only data dir falls back to building it in memory, from every `.idx` file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from leantrain.data.shards import ShardInfo, read_index
+
+if TYPE_CHECKING:  # the manifest's writer calls this module: no import back at run time
+    from leantrain.data.layout import Manifest
+
+INDEX_DIR = "index"
+
+
+def index_path(data_dir: Path, *, split: str, shards: list[ShardInfo]) -> Path:
+    """Where the index of one source's shards lives (named by their hashes and paths)."""
+    digest = hashlib.sha256("\n".join(f"{s.path} {s.sha256}" for s in shards).encode()).hexdigest()[:20]
+    return Path(data_dir) / INDEX_DIR / f"{split}-{digest}.npy"
+
+
+def build_index(data_dir: Path, shards: list[ShardInfo]) -> np.ndarray:
+    """(3, documents) int64 from the shards' `.idx` files: shard number, first token, length."""
+    parts = []
+    for number, shard in enumerate(shards):
+        index = read_index((Path(data_dir) / shard.path).with_suffix(".idx"))
+        itemsize = np.dtype(index.dtype).itemsize
+        starts = index.sequence_pointers.astype(np.int64) // itemsize
+        parts.append(np.stack([np.full(len(starts), number, np.int64), starts,
+                               index.sequence_lengths.astype(np.int64)]))
+    return np.concatenate(parts, axis=1) if parts else np.zeros((3, 0), np.int64)
+
+
+def write_index(data_dir: Path, *, split: str, shards: list[ShardInfo]) -> Path:
+    """Build and write one source's index (atomically: a reader sees the old file or the whole new one)."""
+    path = index_path(data_dir, split=split, shards=shards)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, build_index(data_dir, shards))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    return path
+
+
+def write_sample_index(data_dir: Path, manifest: Manifest) -> None:
+    """Every (split, source) index of a data dir, and no stale one beside them (what a manifest writer calls)."""
+    data_dir = Path(data_dir)
+    keep = set()
+    for split in sorted({s.split for s in manifest.shards}):
+        for name in manifest.source_names:
+            shards = manifest.shards_for(split=split, source=name)
+            if shards:
+                keep.add(write_index(data_dir, split=split, shards=shards).name)
+    for old in (data_dir / INDEX_DIR).glob("*.npy") if (data_dir / INDEX_DIR).is_dir() else ():
+        if old.name not in keep:
+            old.unlink(missing_ok=True)
+
+
+def ensure_sample_index(data_dir: Path, manifest: Manifest, *, split: str) -> bool:
+    """Write the indices of `split` that are missing (the trainer's rank 0, before the others read them).
+    Returns False when the data dir cannot be written (the readers then build theirs in memory)."""
+    try:
+        for name in manifest.source_names:
+            shards = manifest.shards_for(split=split, source=name)
+            if shards and not index_path(data_dir, split=split, shards=shards).is_file():
+                write_index(data_dir, split=split, shards=shards)
+    except OSError:
+        return False
+    return True
+
+
+def load_index(data_dir: Path, *, split: str, shards: list[ShardInfo]) -> np.ndarray:
+    """One source's (3, documents) index: memory-mapped from the data dir, else built in memory."""
+    path = index_path(data_dir, split=split, shards=shards)
+    if path.is_file():
+        try:
+            index = np.load(path, mmap_mode="r")
+        except ValueError:  # an index of no documents cannot be mapped
+            index = None
+        if index is not None and index.ndim == 2 and index.shape[0] == 3 and index.dtype == np.int64:
+            return index
+    return build_index(data_dir, shards)
