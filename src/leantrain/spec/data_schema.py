@@ -115,11 +115,11 @@ class DedupSpec(Section):
     shingle_chars: PositiveInt = Field(5, description="Character n-gram size of a shingle for CJK text.")
     verify_jaccard: float = Field(
         0.7, ge=0, le=1, description="A band hit counts only if the signatures agree on this share (0 = off)."
+    )
     normalize_numbers: bool = Field(
         True, description="Near-dedup compares every digit run as 0 (as datatrove's simplify_text does; case, "
         "accents and punctuation are always normalised). Turn off for data whose numbers are the content "
         "(arithmetic problems, tables); chat sources always keep their digits.",
-    )
     )
     seed: int = Field(42, ge=0, description="Seed of the MinHash permutations.")
     bucket_records: PositiveInt = Field(
