@@ -20,13 +20,15 @@ log = logging.getLogger("leantrain.ckpt")
 # Events that mean something went wrong: also passed to the alert callback.
 ALERT_EVENTS = frozenset(
     {"checkpoint_failed", "checkpoint_invalid", "checkpoint_fallback", "checkpoint_load_failed",
-     "checkpoint_none_valid", "checkpoint_delete_failed", "checkpoint_abandoned"}
+     "checkpoint_none_valid", "checkpoint_delete_failed", "checkpoint_abandoned", "checkpoint_misnamed",
+     "checkpoint_other_model"}
 )
 
 # Events that change or use what is stored: also appended to the run's hash-chained audit.log.
 AUDIT_EVENTS = frozenset(
     {"checkpoint_saved", "checkpoint_failed", "checkpoint_deleted", "checkpoint_loaded", "checkpoint_invalid",
-     "checkpoint_fallback", "checkpoint_abandoned", "checkpoint_requested", "preemption_requested"}
+     "checkpoint_fallback", "checkpoint_abandoned", "checkpoint_requested", "preemption_requested",
+     "checkpoint_moved_aside"}
 )
 
 AlertCallback = Callable[[str, dict[str, Any]], None]

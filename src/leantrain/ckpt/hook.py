@@ -45,6 +45,7 @@ from leantrain.ckpt.control import checkpoint_requested, clear_checkpoint_reques
 from leantrain.ckpt.dcp_io import apply_state_dict, build_state_dict
 from leantrain.ckpt.errors import CheckpointLoadError
 from leantrain.ckpt.fault import FaultInjector, FaultPlan, read_marker, restart_attempt
+from leantrain.ckpt.identity import MODEL_KEY, model_identity
 from leantrain.ckpt.manager import CheckpointManager, CheckpointSaveError
 from leantrain.ckpt.memory_tier import MemoryTier, memory_root
 from leantrain.ckpt.provenance import CheckpointProvenance
@@ -112,7 +113,9 @@ class TrainerCheckpointer:
         if self.manager.rank == 0:
             self.manager.after_commit = self.provenance.register
         self.schedule = schedule_settings(trainer.spec, max_steps=int(getattr(trainer, "max_steps", 0) or 0))
-        self.manager.manifest_extra = lambda _step: {SCHEDULE_KEY: self.schedule}
+        self.manager.model_identity = model_identity(trainer.spec)
+        self.manager.manifest_extra = lambda _step: {SCHEDULE_KEY: self.schedule,
+                                                     MODEL_KEY: self.manager.model_identity}
         self.metrics = getattr(trainer, "metrics", None)  # the trainer's logger: its sinks include the alert engine
         self.max_consecutive_failures = trainer.spec.checkpoint.max_consecutive_failures
         self.num_consecutive_failures = 0

@@ -20,13 +20,14 @@ from torch.distributed.checkpoint.api import CheckpointException
 import leantrain.ckpt.integrity as integ
 from leantrain.ckpt.dcp_io import SealedFileSystem, apply_state_dict, build_state_dict, checkpoint_keys, load_state
 from leantrain.ckpt.errors import CheckpointLoadError, one_line
+from leantrain.ckpt.identity import identity_problem
 from leantrain.ckpt.storage import FsspecStore, Store
 
 if TYPE_CHECKING:
     from leantrain.ckpt.manager import CheckpointManager
 
 ResumeCheck = Callable[[integ.StepEntry, dict], "str | None"]
-Problem = tuple[str, bool, bool]  # (message, permanent, wrong key)
+Problem = tuple[str, bool, bool, str | None]  # (message, permanent, wrong key, identity kind: ckpt/identity.py)
 
 START_OVER_HINT = ("Nothing was changed. Restore a good checkpoint, load one explicitly with --resume STEP|PATH, "
                    "or start over with `--resume none --run-dir NEW_DIR` (and a new checkpoint.url when it is set)")
@@ -93,7 +94,15 @@ def load(m: CheckpointManager, app_state: dict[str, Any], *, step: int | None = 
                 load_state(state, fs=fs(manifest), folder=entry.name, process_group=m._save_pg)
             except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises on all ranks together
                 partly_loaded = True
-                problem = (f"load failed: {one_line(err)}", False, False)
+                problem = (f"load failed: {one_line(err)}", False, False, None)
+        if problem is not None and problem[3] is not None:  # not this run's: named, skipped, never touched
+            skipped.append(entry.step)
+            reasons.insert(0, f"{store.describe(entry.name)}: {problem[0]}")
+            if own:
+                m.foreign[entry.name] = problem[0]
+            m.events.emit(f"checkpoint_{problem[3]}", step=entry.step, folder=store.describe(entry.name),
+                          saved_step=manifest.get("step"), reason=problem[0])
+            continue
         if problem is not None:
             skipped.append(entry.step)
             reasons.insert(0, f"step {entry.step} ({store.describe(entry.name)}): {problem[0]}")
@@ -148,7 +157,7 @@ def _abandon_newer(m: CheckpointManager, entries: list[integ.StepEntry], *, load
     if m.rank != 0:
         return
     for entry in entries:
-        if entry.step <= loaded_step or not entry.good_candidate or m.store.exists(
+        if entry.step <= loaded_step or not entry.good_candidate or entry.name in m.foreign or m.store.exists(
                 f"{entry.name}/{integ.CORRUPT_NAME}"):
             continue
         reason = f"abandoned: the run resumed from step {loaded_step}"
@@ -180,14 +189,19 @@ def _verify(
     skip: frozenset[str] = frozenset()
     try:
         manifest = integ.read_manifest(store, entry.name)
+        foreign = identity_problem(folder_step=entry.step, manifest=manifest, expected=m.model_identity)
+        if foreign is not None:  # decided from the manifest alone: no shard is read
+            kind, message = foreign
+            problems = [p for p in m._gather((message, False, False, kind), m._control_pg) if p is not None]
+            return problems[0], manifest, skip
         integ.verify_share(store, entry.name, manifest, rank=m.rank, world_size=m.world_size, cipher=m.cipher)
         skip = _missing_rank_entries(m, app_state, entry.name, fs=fs(manifest))
     except integ.KeyMismatchError as err:
-        problem = (str(err), False, True)
+        problem = (str(err), False, True, None)
     except integ.IntegrityError as err:
-        problem = (str(err), err.permanent, False)
+        problem = (str(err), err.permanent, False, None)
     except Exception as err:  # noqa: BLE001 - e.g. unreadable DCP metadata; decided together below
-        problem = (one_line(err), not isinstance(err, OSError), False)
+        problem = (one_line(err), not isinstance(err, OSError), False, None)
     problems = [p for p in m._gather(problem, m._control_pg) if p is not None]
     return (problems[0] if problems else None), manifest, skip
 

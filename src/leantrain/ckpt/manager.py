@@ -111,6 +111,11 @@ class CheckpointManager:
         self.loaded_from: str | None = None  # where the loaded checkpoint is (also another store's)
         # Rank 0, with the step: more fields for the manifest (e.g. the schedule settings ckpt/resume.py checks).
         self.manifest_extra: Callable[[int], dict[str, Any]] | None = None
+        # This run's model (ckpt/identity.py): a checkpoint whose manifest names another is skipped on load.
+        self.model_identity: dict[str, Any] | None = None
+        # Folders the load found not to be this run's (misnamed, another model): never counted, condemned or
+        # deleted; a save of the same step moves such a folder aside instead of replacing it.
+        self.foreign: dict[str, str] = {}
         self.save_requested = False  # the ranks agreed on an outside request (should_save's `requested`)
         self.last_saved_step: int | None = None
         self._last_attempted_step: int | None = None
@@ -301,6 +306,13 @@ class CheckpointManager:
         started over): it is replaced, since keeping it would resume the next restart onto that timeline."""
         try:
             for entry in integ.list_steps(self.store):
+                if entry.name in self.foreign:
+                    if entry.step == step:
+                        aside = f"foreign-{entry.name}-{int(time.time())}"
+                        self.store.rename(entry.name, aside)
+                        self.events.emit("checkpoint_moved_aside", folder=self.store.describe(entry.name),
+                                         to=self.store.describe(aside), reason=self.foreign.pop(entry.name))
+                    continue
                 if entry.step == step and entry.good_candidate and step in (self.loaded_step, self.last_saved_step):
                     return "exists"
                 if entry.step == step and entry.good_candidate:
@@ -336,7 +348,8 @@ class CheckpointManager:
         """After a commit; a storage error lists or deletes nothing more (an event, the save stands)."""
         try:
             tmp_names = [n for n in self.store.list_dir("") if integ.TMP_RE.match(n)]
-            victims = integ.retention_victims(integ.list_steps(self.store), keep_last=self.spec.checkpoint.keep_last,
+            entries = [e for e in integ.list_steps(self.store) if e.name not in self.foreign]
+            victims = integ.retention_victims(entries, keep_last=self.spec.checkpoint.keep_last,
                                               tmp_names=tmp_names, committed_step=committed_step)
         except Exception as err:  # noqa: BLE001 - any storage error
             self.events.emit("checkpoint_delete_failed", folder=self.store.url, operation="retention",

@@ -156,8 +156,8 @@ def precheck(spec: JobSpec, *, run_dir: Path, request: ResumeRequest, max_steps:
     try:
         store = open_store(spec, run_dir=run_dir)
         entries = integ.list_steps(store)
-        good = [e for e in entries if e.good_candidate]
-        manifest = integ.read_manifest(store, good[-1].name) if good and request.mode != "none" else {}
+        newest, manifest = (None, {}) if request.mode == "none" else _newest_own(
+            store, [e for e in entries if e.good_candidate], spec=spec)
     except Exception:  # noqa: BLE001 - decided by the trainer's resume, which reports storage errors
         return
     if request.mode == "none" and entries:
@@ -166,7 +166,23 @@ def precheck(spec: JobSpec, *, run_dir: Path, request: ResumeRequest, max_steps:
             f"{', '.join(str(e.step) for e in entries)}), which its saves would overwrite: use a new --run-dir (and "
             "a new checkpoint.url when it is set), or move them away", user_input=True)
     changes = schedule_changes(manifest.get(SCHEDULE_KEY), schedule_settings(spec, max_steps=length))
-    if changes and not request.extend_schedule:
-        raise CheckpointLoadError(changed_schedule_message(run_dir, step=good[-1].step,
-                                                           where=store.describe(good[-1].name), changes=changes),
+    if newest is not None and changes and not request.extend_schedule:
+        raise CheckpointLoadError(changed_schedule_message(run_dir, step=newest.step,
+                                                           where=store.describe(newest.name), changes=changes),
                                   user_input=True)
+
+
+def _newest_own(store: Store, good: list[integ.StepEntry], *, spec: JobSpec) -> tuple[integ.StepEntry | None, dict]:
+    """The newest committed checkpoint that is this run's by its manifest (ckpt/identity.py), with the manifest:
+    a misnamed folder or another model's checkpoint is the trainer's to name and skip, not a schedule change."""
+    from leantrain.ckpt.identity import identity_problem, model_identity
+
+    expected = model_identity(spec)
+    for entry in reversed(good):
+        try:
+            manifest = integ.read_manifest(store, entry.name)
+        except integ.IntegrityError:
+            continue  # the trainer's verified load decides about it
+        if identity_problem(folder_step=entry.step, manifest=manifest, expected=expected) is None:
+            return entry, manifest
+    return None, {}

@@ -85,7 +85,15 @@ class LocalStore(Store):
         self.url = str(self.root)
         self.owner_only = owner_only
         self._dir_mode = 0o700 if owner_only else 0o755
-        self.root.mkdir(parents=True, exist_ok=True, mode=self._dir_mode)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True, mode=self._dir_mode)
+        except FileExistsError:
+            raise UserInputError(f"checkpoint location {self.root} is a file, not a folder: move it away or set "
+                                 "checkpoint.url to a folder") from None
+        except OSError as err:
+            raise UserInputError(f"checkpoint location {self.root}: cannot create it "
+                                 f"({err.strerror or type(err).__name__}"
+                                 f"{f': {err.filename}' if err.filename else ''})") from None
 
     def _path(self, rel: str) -> Path:
         return self.root / rel if rel else self.root
