@@ -53,6 +53,7 @@ DEFAULT_TEMPLATE = (
     "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 ROLES = ("system", "user", "assistant", "tool")
+MASKED_FORMATS = ("chat", "preference")  # sources rendered with the chat template, with a loss mask per token
 MASK_SUFFIX = ".mask"
 
 
@@ -193,15 +194,22 @@ class ChatRenderer:
             pieces += [(inside, True), (after, False)]
         return [p for p in pieces if p[0]]
 
-    def encode(self, messages: list[dict[str, str]]) -> tuple[np.ndarray, np.ndarray]:
+    def encode(self, messages: list[dict[str, str]], *, skip_answers: int = 0) -> tuple[np.ndarray, np.ndarray]:
         """(token ids ending in EOS, mask uint8 with 1 on assistant tokens), both (n,): EOS (mask 0) is
-        appended unless the render already ends with it."""
+        appended unless the render already ends with it. The first `skip_answers` assistant turns are not
+        targets (a preference pair's prompt)."""
         ids: list[int] = []
         mask: list[int] = []
-        for text, assistant in self.segments(messages):
+        segments = self.segments(messages)
+        if skip_answers and sum(a for _, a in segments) != sum(m["role"] == "assistant" for m in messages):
+            raise UserInputError("chat template: its {% generation %} blocks do not mark each assistant turn "
+                                 "once, so a multi-turn prompt's answers cannot be told from the response")
+        answer = 0
+        for text, assistant in segments:
             piece = self.tokenizer.encode(text, add_special_tokens=False).ids
             ids += piece
-            mask += [int(assistant)] * len(piece)
+            mask += [int(assistant and answer >= skip_answers)] * len(piece)
+            answer += int(assistant)
         if not ids or ids[-1] != self.eos_id:
             ids.append(self.eos_id)
             mask.append(0)

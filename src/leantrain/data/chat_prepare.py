@@ -1,11 +1,13 @@
-"""`prepare` for chat sources (`format: chat`): reading, cleaning, encoding with the loss mask, shards with masks.
+"""`prepare` for chat and preference sources (`format: chat | preference`): cleaning, encoding with the loss
+mask, shards with masks.
 
 The parallel pipeline (data/pipeline.py, data/tasks.py) calls these where a chat source differs from text
 (reading is data/readers.py's `chat` reader):
 - `chat_candidate`: each message normalised and PII-redacted on its own; exact and near dedup over the
   conversation's joined text, like any document. The quality filters are not applied: they are calibrated
   for web text, and short answers or code replies are what chat data is made of.
-- `encode_rows`: rendered with the chat template, masked, padded to a multiple of data.seq_len (chat.py).
+- `encode_rows`: rendered with the chat template, masked, padded to a multiple of data.seq_len (chat.py); a
+  preference pair as one chosen + rejected document (preference.py).
 - `task_masked_docs` / `write_masked_split_shards`: like the text path, with the `.mask` beside each shard.
 - `with_model_tokenizer`: with `model.init_from` and no `data.tokenizer` in the spec, prepare uses the
   checkpoint's tokenizer.json (its EOS from tokenizer_config.json), after checking it fits the embedding.
@@ -25,6 +27,7 @@ from leantrain.data.clean import normalize, text_stats
 from leantrain.data.dedup import MinHasher, add_candidate_hashes
 from leantrain.data.layout import write_split_shards
 from leantrain.data.pii import PIIRedactor
+from leantrain.data.preference import encode_pair, pair_from_messages
 from leantrain.data.shards import ShardInfo, ShardWriter
 from leantrain.errors import UserInputError
 from leantrain.spec.schema import DataSpec, JobSpec
@@ -34,9 +37,13 @@ def chat_candidate(
     text: str, *, spec: DataSpec, counts: dict[str, Any], hasher: MinHasher, keys: list[bytes],
     signatures: list[np.ndarray], redactor: PIIRedactor | None, valid_cut: int,
 ) -> dict[str, Any] | None:
-    """The row of one conversation: normalised, redacted messages; its hashes appended to keys/signatures."""
+    """The row of one conversation (a JSON list of messages) or preference pair (a JSON object: prompt, chosen,
+    rejected): normalised, redacted messages; its hashes appended to keys/signatures."""
+    record = json.loads(text)
+    pair = isinstance(record, dict)
+    messages = [*record["prompt"], *record["chosen"], *record["rejected"]] if pair else record
     messages = [{"role": m["role"], "content": normalize(m["content"], form=spec.cleaning.normalization)}
-                for m in json.loads(text)]
+                for m in messages]
     if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
         counts["drops"]["empty"] += 1
         return None
@@ -52,14 +59,25 @@ def chat_candidate(
             audit += [[r["type"], r["start"], r["end"], r["value_sha256"], index] for r in rows]
         pii = dict(redactor.counts - before)
     chars = sum(len(m["content"]) for m in messages)
-    return {"split": split, "messages": messages, "text": "", "chars": chars, "pii": pii, "audit": audit}
+    row = {"split": split, "messages": messages, "text": "", "chars": chars, "pii": pii, "audit": audit}
+    if pair:  # the messages in pair order; the sizes cut them back into prompt, chosen, rejected
+        row["pair_sizes"] = [len(record["prompt"]), len(record["chosen"]), len(record["rejected"])]
+    return row
 
 
 def encode_rows(rows: list[dict[str, Any]], *, renderer: ChatRenderer, pad_multiple: int
                 ) -> list[tuple[np.ndarray, np.ndarray]]:
-    """(ids, mask) per chat row, padded to a multiple of `pad_multiple` (EOS included, mask 0 on padding)."""
-    return [pad_to_multiple(*renderer.encode(r["messages"]), multiple=pad_multiple, pad_id=renderer.eos_id)
-            for r in rows]
+    """(ids, mask) per chat row, padded to a multiple of `pad_multiple` = data.seq_len (EOS included, mask 0 on
+    padding); a preference row is its pair laid out for that seq_len (data/preference.py)."""
+    out = []
+    for row in rows:
+        if "pair_sizes" in row:
+            pair = pair_from_messages(row["messages"], sizes=tuple(row["pair_sizes"]))
+            out.append(encode_pair(renderer, pair, seq_len=pad_multiple))
+        else:
+            out.append(pad_to_multiple(*renderer.encode(row["messages"]), multiple=pad_multiple,
+                                       pad_id=renderer.eos_id))
+    return out
 
 
 def task_masked_docs(folder: Path, *, split: str, dtype: type[np.number]) -> Iterator[tuple[np.ndarray, np.ndarray]]:

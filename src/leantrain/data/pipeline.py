@@ -32,7 +32,7 @@ import numpy as np
 from rich.console import Console
 
 from leantrain.data import demo_corpus
-from leantrain.data.chat import template_for
+from leantrain.data.chat import MASKED_FORMATS, template_for
 from leantrain.data.chat_prepare import task_masked_docs, write_masked_split_shards
 from leantrain.data.clusters import merge_step, plan_merges, resolve
 from leantrain.data.dedup import s_curve
@@ -48,6 +48,7 @@ from leantrain.data.layout import (
     MixtureStage,
     write_split_shards,
 )
+from leantrain.data.preference import masked_source_entry
 from leantrain.data.progress import StageProgress
 from leantrain.data.readers import ReadStats, list_source, no_documents
 from leantrain.data.shards import ShardInfo, atomic_write_bytes, sha256_file, token_dtype
@@ -91,7 +92,7 @@ def fingerprint(spec: DataSpec, sources: list[DataSource], files: dict[str, list
     if spec.tokenizer.kind == "file" and spec.tokenizer.path is not None and Path(spec.tokenizer.path).is_file():
         versions.append(content_version(str(spec.tokenizer.path)))  # a changed tokenizer file means new shards
     settings["files"] = versions
-    if any(s.format == "chat" for s in sources):  # chat shards are padded to seq_len and rendered by the template
+    if any(s.format in MASKED_FORMATS for s in sources):  # padded to seq_len, rendered by the template
         settings["chat"] = [spec.seq_len, template_for(spec.tokenizer.path)]
     return hashlib.sha256(json.dumps(settings, sort_keys=True).encode()).hexdigest()
 
@@ -248,7 +249,7 @@ def _shard_stage(spec: DataSpec, sources: list[DataSource], tasks: list[InputTas
                 task = progress.start(f"shards {split}/{source.name}")
                 mine = [t for t in tasks if t.source.name == source.name]
                 write, all_docs = write_split_shards, _task_docs(work, mine, split=split, dtype=dtype)
-                if source.format == "chat":  # tokens and their loss mask (data/chat_prepare.py)
+                if source.format in MASKED_FORMATS:  # tokens and their loss mask (data/chat_prepare.py)
                     write = write_masked_split_shards  # type: ignore[assignment]
                     all_docs = (d for t in mine for d in task_masked_docs(task_dir(work, t), split=split,
                                                                           dtype=dtype))  # type: ignore[misc]
@@ -324,7 +325,8 @@ def prepare_data(
         timings["tokenizer_s"] = time.perf_counter() - start
         start = time.perf_counter()
         dtype = token_dtype(info.vocab_size)
-        chat = (template_for(spec.tokenizer.path), spec.seq_len) if any(s.format == "chat" for s in sources) else None
+        chat = (template_for(spec.tokenizer.path), spec.seq_len) if any(
+            s.format in MASKED_FORMATS for s in sources) else None
         encoded = _run_stage(executor, progress, "encode", encode_task, tasks,
                              (work, data_dir / TOKENIZER, info.eos_id, np.dtype(dtype).name, chat),
                              sizes=sizes, docs=lambda r: sum(r["docs"].values()))
@@ -416,9 +418,10 @@ def _finish(spec: DataSpec, *, data_dir: Path, work: Path, stats: list[SourceSta
         extra={"inputs_sha256": inputs, "dedup": report["dedup"], "pii": report["pii"],
                "valid_fraction": spec.valid_fraction},
     )
-    for entry in manifest.sources:  # chat sources: the sampler reads the masks and checks the padding
-        if next(s for s in spec.sources if s.name == entry["name"]).format == "chat":
-            entry.update(loss_mask=True, pad_multiple=spec.seq_len)
+    for entry in manifest.sources:  # chat/preference sources: the sampler reads the masks and checks the padding
+        fmt = next(s for s in spec.sources if s.name == entry["name"]).format
+        if fmt in MASKED_FORMATS:
+            entry.update(masked_source_entry(fmt, seq_len=spec.seq_len))
     _apply_mixture(spec, manifest)
     atomic_write_bytes(data_dir / REPORT, (json.dumps(report, indent=2, ensure_ascii=False) + "\n").encode())
     manifest.write(data_dir)

@@ -23,6 +23,7 @@ from typing import Any
 
 from leantrain.data.chat import parse_record
 from leantrain.data.inputs import COMPRESSED, BadInputError, base_suffix, file_size, list_files, open_binary, open_raw
+from leantrain.data.preference import parse_preference
 from leantrain.errors import UserInputError
 from leantrain.spec.schema import DataSource
 
@@ -167,7 +168,7 @@ SPLIT_SCAN_BYTES = 1 << 24
 def splittable(source: DataSource, path: str) -> bool:
     """Line-based and uncompressed: a file that byte-range tasks can share."""
     fmt = file_format(source, path) or source.format
-    line_based = fmt in ("jsonl", "chat") or (fmt == "text" and source.text_unit == "line")
+    line_based = fmt in ("jsonl", "chat", "preference") or (fmt == "text" and source.text_unit == "line")
     return line_based and not path.endswith(COMPRESSED)
 
 
@@ -353,9 +354,19 @@ def _read_chat(path: str, source: DataSource, stats: ReadStats, span: tuple[int,
         yield RawDoc(source.name, _doc_id(row, source, path, number), json.dumps(messages))
 
 
+def _read_preference(path: str, source: DataSource, stats: ReadStats,
+                     span: tuple[int, int | None, int] = (0, None, 1)) -> Iterator[RawDoc]:
+    """A preference pair per line through `preference.parse_preference` (a bad record is an error naming
+    file:line and the field); the document's text is the pair as JSON (prompt, chosen, rejected messages)."""
+    for number, row in _json_rows(path, stats, span):
+        pair = parse_preference(row, where=f"{path}:{number}")
+        yield RawDoc(source.name, _doc_id(row, source, path, number), json.dumps(pair.to_json()))
+
+
 READERS: dict[str, Reader] = {
     "jsonl": Reader((".jsonl", ".json", ".ndjson"), _read_jsonl),
     "chat": Reader((".jsonl", ".json", ".ndjson"), _read_chat),
+    "preference": Reader((".jsonl", ".json", ".ndjson"), _read_preference),
     "text": Reader((".txt", ".md", ".text", ".rst"), _read_text),
     "parquet": Reader((".parquet",), _read_parquet),
     "arrow": Reader((".arrow",), _read_arrow),

@@ -32,7 +32,7 @@ from typing import Any
 
 import numpy as np
 
-from leantrain.data.chat import ChatRenderer
+from leantrain.data.chat import MASKED_FORMATS, ChatRenderer
 from leantrain.data.chat_prepare import chat_candidate, encode_rows
 from leantrain.data.clean import normalize, quality_problem, text_stats
 from leantrain.data.clusters import KEEP, write_hashes
@@ -114,7 +114,7 @@ def clean_task(task: InputTask, spec: DataSpec, work: Path, salt: bytes) -> dict
                                  first_line=task.first_line):
                 counts["docs_in"] += 1
                 counts["chars_in"] += len(raw.text)
-                candidate = chat_candidate if task.source.format == "chat" else _candidate
+                candidate = chat_candidate if task.source.format in MASKED_FORMATS else _candidate
                 row = candidate(raw.text, spec=spec, counts=counts, hasher=hasher, keys=keys,
                                 signatures=signatures, redactor=redactor, valid_cut=valid_cut)
                 if row is not None:
@@ -192,8 +192,8 @@ def encode_task(task: InputTask, work: Path, tokenizer_path: Path, eos_id: int, 
         return done
     stat = tokenizer_path.stat()
     tokenizer = _tokenizer(str(tokenizer_path), stat.st_size, stat.st_mtime_ns)
-    renderer = ChatRenderer(tokenizer, template=chat[0], eos_id=eos_id) if task.source.format == "chat" and chat \
-        else None
+    renderer = ChatRenderer(tokenizer, template=chat[0], eos_id=eos_id) if (
+        task.source.format in MASKED_FORMATS and chat) else None
     masks = {split: open(out / f"{split}.mask.tmp", "wb") for split in SPLITS} if renderer else {}  # noqa: SIM115
     decision = np.load(out / "keep.npy")
     counts: dict[str, Any] = {"docs": Counter(), "tokens": Counter(), "chars_out": 0, "pii": Counter()}

@@ -199,8 +199,8 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
         fused_kernels=fused,
         linear_input_bytes=1.0 if compute == "fp8" and fused else act_bytes,
         grad_sync=spec.parallelism.grad_sync,
-        finetune=ft.method if spec.task == "finetune" else "none",
-        lora_rank=ft.lora.rank if ft.method in ("lora", "qlora") else 0,
+        finetune=ft.weights if spec.task == "finetune" else "none",  # dpo: the weights it trains
+        lora_rank=ft.lora.rank if ft.weights in ("lora", "qlora") else 0,
         lora_targets=tuple(ft.lora.targets),
         lora_dropout=ft.lora.dropout,
         fp8_speedup=fp8_speedup,

@@ -23,10 +23,12 @@ class DataSource(Section):
         "(then written under data.dir/raw/).",
     )
     weight: float = Field(1.0, gt=0, description="Mixing weight (normalised over sources).")
-    format: Literal["jsonl", "text", "parquet", "arrow", "chat"] = Field(
+    format: Literal["jsonl", "text", "parquet", "arrow", "chat", "preference"] = Field(
         "jsonl", description="Reader to use; arrow reads Arrow IPC files, e.g. a Hugging Face datasets "
         "save_to_disk folder; chat reads JSONL conversations ({messages: [{role, content}]} or {prompt, "
-        "response}), trained on the assistant tokens only (docs/data.md).",
+        "response}), trained on the assistant tokens only (docs/data.md); preference reads JSONL pairs "
+        "({prompt, chosen, rejected} as strings or messages, or {chosen, rejected} conversations) for "
+        "finetune.method: dpo (docs/finetune.md).",
     )
     text_field: str = Field("text", description="Field holding the text (jsonl, parquet).")
     id_field: str | None = Field("id", description="Field holding a document id (jsonl, parquet); else file:line.")

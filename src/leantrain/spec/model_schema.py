@@ -128,10 +128,30 @@ class LoraSpec(Section):
     )
 
 
+class DpoSpec(Section):
+    """Direct preference optimisation (finetune.method: dpo, Rafailov et al. 2023) on `format: preference` data."""
+
+    weights: Literal["lora", "qlora", "full"] = Field(
+        "lora", description="Which weights DPO trains: lora/qlora adapters (the frozen base, adapters off, is the "
+        "reference model: no extra memory) or full (a frozen copy of the init_from weights is the reference).",
+    )
+    beta: float = Field(0.1, gt=0, description="beta: the strength of the pull towards the reference model.")
+    loss: Literal["sigmoid", "ipo"] = Field(
+        "sigmoid", description="sigmoid: DPO's -log σ(β·Δ); ipo: (Δ/|y| − 1/(2β))², Δ per response token (TRL's).",
+    )
+
+
 class FinetuneSpec(Section):
     """Fine-tuning (task: finetune): which weights train and how the frozen base is held."""
 
-    method: Literal["full", "lora", "qlora"] = Field(
-        "full", description="full: every weight trains; lora: adapters on a frozen base; qlora: base in 4-bit NF4."
+    method: Literal["full", "lora", "qlora", "dpo"] = Field(
+        "full", description="full: every weight trains; lora: adapters on a frozen base; qlora: base in 4-bit NF4; "
+        "dpo: preference tuning on format: preference data (finetune.dpo says which weights).",
     )
     lora: LoraSpec = Field(default_factory=LoraSpec, description="Adapter settings (lora and qlora).")
+    dpo: DpoSpec = Field(default_factory=DpoSpec, description="Preference tuning settings (method: dpo).")
+
+    @property
+    def weights(self) -> str:
+        """Which weights train: full, lora or qlora (the method, or finetune.dpo.weights under dpo)."""
+        return self.dpo.weights if self.method == "dpo" else self.method

@@ -47,9 +47,27 @@ def _size_problems(spec: JobSpec, shape: ModelShape) -> list[str]:
             "n_heads)"]
 
 
+def _dpo_problems(spec: JobSpec) -> list[str]:
+    """finetune.method dpo trains on preference pairs only, with data parallelism / FSDP (train/dpo.py)."""
+    dpo, problems = spec.finetune.method == "dpo", []
+    if dpo and spec.task != "finetune":
+        problems.append(f"finetune.method dpo needs task: finetune (task is {spec.task})")
+    if dpo and (spec.parallelism.tensor_parallel > 1 or spec.parallelism.pipeline_parallel > 1):
+        problems.append("finetune.method dpo runs with data parallelism / FSDP: set parallelism.tensor_parallel "
+                        "and pipeline_parallel to 1")
+    for source in spec.data.sources:
+        if dpo and source.format != "preference":
+            problems.append(f"data.sources[{source.name}].format: {source.format}, but finetune.method dpo trains on "
+                            "format: preference pairs only")
+        elif not dpo and source.format == "preference":
+            problems.append(f"data.sources[{source.name}].format: preference pairs train with finetune.method dpo "
+                            f"(method is {spec.finetune.method})")
+    return problems
+
+
 def _finetune_problems(spec: JobSpec) -> list[str]:
     """LoRA/QLoRA combinations the trainer does not build (train/finetune.py says why)."""
-    method, par, problems = spec.finetune.method, spec.parallelism, []
+    method, par, problems = spec.finetune.weights, spec.parallelism, _dpo_problems(spec)
     if spec.model.init_from is not None:
         window = read_hf_config(spec.model.init_from).sliding_window
         if window is not None and window < spec.data.seq_len:

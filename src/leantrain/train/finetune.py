@@ -1,4 +1,5 @@
-"""Starting from a Hugging Face checkpoint: continued pre-training, full fine-tuning, LoRA and QLoRA.
+"""Starting from a Hugging Face checkpoint: continued pre-training, full fine-tuning, LoRA and QLoRA (and DPO on
+either kind of weights, `finetune.dpo.weights`: its objective is train/dpo.py).
 
 The trainer calls three hooks, in its setup order:
   2. `prepare_model(model, spec)` on the meta-device model: LoRA/QLoRA swap the target Linears for
@@ -32,7 +33,8 @@ from leantrain.spec.schema import JobSpec
 
 
 def uses_adapters(spec: JobSpec) -> bool:
-    return spec.task == "finetune" and spec.finetune.method in ("lora", "qlora")
+    """LoRA or QLoRA adapters: finetune.method lora/qlora, or dpo with finetune.dpo.weights lora/qlora."""
+    return spec.task == "finetune" and spec.finetune.weights in ("lora", "qlora")
 
 
 def prepare_model(model: nn.Module, spec: JobSpec) -> None:
@@ -56,7 +58,7 @@ def weights_loader(spec: JobSpec) -> Callable[[Any], None] | None:
         return None
     args = model_args_from_spec(spec.model, max_seq_len=spec.data.seq_len)
     check_hf_dir(Path(hf_dir), args=args)  # names and shapes, from the headers, before anything is allocated
-    seed, qlora = spec.training.seed, uses_adapters(spec) and spec.finetune.method == "qlora"
+    seed, qlora = spec.training.seed, uses_adapters(spec) and spec.finetune.weights == "qlora"
 
     @torch.no_grad()
     def load(parallel: Any) -> None:

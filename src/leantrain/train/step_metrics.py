@@ -32,6 +32,7 @@ class StepResult:
     source_tokens: torch.Tensor | None = None
     moe_counts: torch.Tensor | None = None
     step_s: float = 0.0  # this step's wall time (with the device synchronised around it when profiled)
+    objective_stats: torch.Tensor | None = None  # sums an objective logs (DPO's rewards: train/dpo.py)
 
 
 def _add(total: torch.Tensor | None, value: torch.Tensor | None) -> torch.Tensor | None:
@@ -62,6 +63,7 @@ class LogWindow:
     source_loss: torch.Tensor | None = None
     source_tokens: torch.Tensor | None = None
     moe_counts: torch.Tensor | None = None
+    objective_stats: torch.Tensor | None = None
 
     def add(self, result: StepResult) -> None:
         self.steps += 1
@@ -82,6 +84,8 @@ class LogWindow:
         if result.source_tokens is not None:
             self.source_tokens = _add(self.source_tokens, result.source_tokens * kept)
         self.moe_counts = _add(self.moe_counts, result.moe_counts)
+        if result.objective_stats is not None:
+            self.objective_stats = _add(self.objective_stats, torch.nan_to_num(result.objective_stats * kept, nan=0.0))
 
     def timing(self, *, now_s: float | None = None) -> dict[str, float | int]:
         """The window's time split: `window_s`, the excluded parts, and the training steps' mean `step_time_s`.

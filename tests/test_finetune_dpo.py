@@ -1,0 +1,210 @@
+"""finetune.method dpo on format: preference data: pairs prepared through the cleaning/PII/dedup path with masks on
+the responses only, step-0 loss ln 2 (policy = reference), rising reward margins on a learnable preference set,
+the reference as the adapters-off base (LoRA) or a frozen copy (full), a bit-for-bit resume, bad input refused."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import yaml
+from tokenizers import Tokenizer
+
+from leantrain.data.preference import PairBatchSampler, parse_preference
+from leantrain.errors import UserInputError
+from leantrain.spec import spec_from_dict
+
+transformers = pytest.importorskip("transformers")
+SEQ = 64
+
+
+def preference_records(num: int = 24) -> list[dict[str, Any]]:
+    """A learnable preference: the chosen answer repeats the prompt's digit, the rejected one says something else."""
+    records = []
+    for i in range(num):
+        digit = i % 10
+        records.append({"prompt": f"Say {digit} ({i})", "chosen": f"{digit} {digit} {digit}",
+                        "rejected": f"no, {(digit + 3) % 10}"})
+    return records
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def dpo_spec(root: Path, hf_dir: Path, *, weights: str = "lora", loss: str = "sigmoid", beta: float = 0.1,
+             **training: Any) -> dict[str, Any]:
+    return {
+        "task": "finetune",
+        "finetune": {"method": "dpo", "dpo": {"weights": weights, "beta": beta, "loss": loss},
+                     "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.0}},
+        "model": {"init_from": str(hf_dir)},
+        "precision": {"compute": "fp32"},
+        # near dedup would fold the toy pairs (they differ in a digit); exact dedup and PII run as for any source
+        "data": {"tokens_total": 1e5, "seq_len": SEQ, "dir": str(root / "data"), "valid_fraction": 0.0, "workers": 1,
+                 "dedup": {"near": False},
+                 "sources": [{"name": "prefs", "path": str(root / "prefs.jsonl"), "format": "preference"}]},
+        "training": {"global_batch_tokens": 4 * SEQ, "micro_batch": 4, "lr": 1e-2, "warmup_steps": 0,
+                     "schedule": "constant", "weight_decay": 0.0, "max_steps": 10, "device": "cpu", "log_every": 1,
+                     "deterministic": True, "eval_every": 0, **training},
+        "checkpoint": {"interval_steps": 5},
+        "hardware": {"accelerator": "cpu", "gpus_per_node": 1, "num_nodes": 1, "peak_flops": 1e11},
+        "budget": {"num_gpus": 1, "target_days": None},
+        "monitoring": {"tensorboard": False},
+        "run": {"dir": str(root / "run")},
+    }
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """A tiny chat model and a prepared preference data dir (through `leantrain prepare`)."""
+    from leantrain.cli import main
+    from leantrain.model.tiny_hf import save_tiny_hf
+
+    root = tmp_path_factory.mktemp("dpo")
+    hf_dir = save_tiny_hf(root / "hf", vocab_size=320, hidden_size=64, intermediate_size=128)
+    records = preference_records()
+    records.append(records[0])  # an exact duplicate: dropped by dedup
+    records.append({"prompt": "Where do I write?", "chosen": "Mail bob@example.com", "rejected": "Nowhere."})
+    write_jsonl(root / "prefs.jsonl", records)
+    spec = root / "spec.yaml"
+    spec.write_text(yaml.safe_dump(dpo_spec(root, hf_dir)))
+    assert main(["prepare", str(spec)]) == 0
+    return root, hf_dir
+
+
+def test_records_in_the_three_layouts() -> None:
+    strings = parse_preference({"prompt": "hi", "chosen": "hello", "rejected": "go away"}, where="f:1")
+    assert strings.prompt == [{"role": "user", "content": "hi"}]
+    assert strings.chosen == [{"role": "assistant", "content": "hello"}]
+    conversation = [{"role": "system", "content": "Be kind."}, {"role": "user", "content": "hi"}]
+    implicit = parse_preference({"chosen": [*conversation, {"role": "assistant", "content": "hello"}],
+                                 "rejected": [*conversation, {"role": "assistant", "content": "go away"}]}, where="f:2")
+    assert implicit.prompt == conversation and implicit.rejected == [{"role": "assistant", "content": "go away"}]
+    explicit = parse_preference({"prompt": conversation, "chosen": [{"role": "assistant", "content": "hello"}],
+                                 "rejected": "go away"}, where="f:3")
+    assert explicit == implicit
+    with pytest.raises(UserInputError, match="p.jsonl:4: a preference record needs fields 'chosen' and 'rejected'"):
+        parse_preference({"prompt": "x", "chosen": "y"}, where="p.jsonl:4")
+    with pytest.raises(UserInputError, match="f:5: field 'rejected' must end with an assistant turn"):
+        parse_preference({"prompt": "x", "chosen": "y", "rejected": [{"role": "user", "content": "z"}]}, where="f:5")
+
+
+def test_prepare_writes_whole_pairs_with_masks_on_the_responses(prepared: tuple[Path, Path]) -> None:
+    from leantrain.data.layout import load_manifest
+
+    root, hf_dir = prepared
+    manifest = load_manifest(root / "data")
+    entry = manifest.sources[0]
+    assert entry["preference"] and entry["pair_seq_len"] == SEQ and entry["pad_multiple"] == 2 * (SEQ + 1)
+    assert entry["docs"]["train"] == 25 and entry["drops"]["exact_duplicate"] == 1
+    assert entry["pii"]["email"] == 1
+    tokenizer = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    sampler = PairBatchSampler(root / "data", seq_len=SEQ, micro_batch=4, dp_rank=0, dp_size=1, seed=0)
+    seen = 0
+    for _ in range(12):
+        batch = sampler.next_batch()
+        assert batch.tokens.shape == (4, SEQ + 1) and batch.loss_mask is not None
+        for pair in range(2):
+            chosen, rejected = batch.tokens[pair], batch.tokens[pair + 2]
+            chosen_mask, rejected_mask = batch.loss_mask[pair], batch.loss_mask[pair + 2]
+            decode = lambda ids: tokenizer.decode(ids.tolist(), skip_special_tokens=False)  # noqa: E731
+            prompt_end = int(torch.nonzero(chosen_mask)[0])  # both rows share the prompt up to the response
+            assert torch.equal(chosen[:prompt_end], rejected[:prompt_end]) and not rejected_mask[:prompt_end].any()
+            assert decode(chosen[:prompt_end]).endswith("<|im_start|>assistant\n")
+            learned_chosen, learned_rejected = decode(chosen[chosen_mask]), decode(rejected[rejected_mask])
+            assert learned_chosen.endswith("<|im_end|>\n") and learned_rejected.endswith("<|im_end|>\n")
+            if "EMAIL" in learned_chosen:
+                assert "example.com" not in learned_chosen and learned_rejected == "Nowhere.<|im_end|>\n"
+            else:
+                digit = learned_chosen[0]
+                assert learned_chosen == f"{digit} {digit} {digit}<|im_end|>\n"
+                assert learned_rejected == f"no, {(int(digit) + 3) % 10}<|im_end|>\n"
+                assert f"Say {digit} (" in decode(chosen[:prompt_end])
+            seen += 1
+    assert seen == 24
+    with pytest.raises(UserInputError, match="must be even"):
+        PairBatchSampler(root / "data", seq_len=SEQ, micro_batch=3, dp_rank=0, dp_size=1, seed=0)
+    with pytest.raises(UserInputError, match="prepared for data.seq_len 64, the run has 32"):
+        PairBatchSampler(root / "data", seq_len=32, micro_batch=4, dp_rank=0, dp_size=1, seed=0)
+
+
+def run_dpo(root: Path, hf_dir: Path, run_dir: Path, **overrides: Any) -> list[dict[str, Any]]:
+    from leantrain.train.command import train
+
+    raw = dpo_spec(root, hf_dir, **{k: v for k, v in overrides.items() if k in ("weights", "loss", "beta")})
+    raw["training"].update({k: v for k, v in overrides.items() if k not in ("weights", "loss", "beta")})
+    spec = spec_from_dict(raw)
+    train(spec, run_dir=run_dir, max_steps=None, console=None)
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+            if "loss" in json.loads(line)]
+
+
+@pytest.mark.parametrize("weights", ["lora", "full"])
+def test_step_zero_is_ln2_and_margins_rise_on_a_learnable_preference(prepared: tuple[Path, Path], tmp_path: Path,
+                                                                     weights: str) -> None:
+    root, hf_dir = prepared
+    lr = 1e-2 if weights == "lora" else 1e-3
+    records = run_dpo(root, hf_dir, tmp_path / "run", weights=weights, lr=lr)
+    assert len(records) == 10
+    first, last = records[0], records[-1]
+    # LoRA starts with B = 0 and full DPO's reference is the init: policy = reference at step 0
+    assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
+    assert first["rewards/margin"] == pytest.approx(0.0, abs=1e-6)
+    assert first["rewards/chosen"] == pytest.approx(0.0, abs=1e-6)
+    margins = [r["rewards/margin"] for r in records]
+    assert sum(margins[-3:]) > sum(margins[:3]) + 1.0 and last["rewards/accuracy"] == 1.0, margins
+    assert last["loss"] < 0.8 * math.log(2)
+    assert last["rewards/margin"] == pytest.approx(last["rewards/chosen"] - last["rewards/rejected"], abs=1e-5)
+    assert all(k in last for k in ("rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy"))
+
+
+def test_ipo_loss_starts_at_its_target_gap(prepared: tuple[Path, Path], tmp_path: Path) -> None:
+    root, hf_dir = prepared
+    records = run_dpo(root, hf_dir, tmp_path / "run", loss="ipo", beta=0.5, max_steps=3)
+    assert records[0]["loss"] == pytest.approx((1 / (2 * 0.5)) ** 2, abs=1e-6)  # Δ = 0: (0 − 1/(2β))²
+    assert records[-1]["loss"] < records[0]["loss"]
+
+
+def test_a_dpo_run_resumes_bit_for_bit(prepared: tuple[Path, Path], tmp_path: Path) -> None:
+    from leantrain.ckpt.hook import TrainerCheckpointer
+    from leantrain.train.trainer import Trainer
+
+    root, hf_dir = prepared
+    whole = run_dpo(root, hf_dir, tmp_path / "whole")
+    stopped = Trainer(spec_from_dict(dpo_spec(root, hf_dir)), run_dir=tmp_path / "split",
+                      checkpointer_factory=TrainerCheckpointer)
+    try:  # five steps, then a save as at a preemption (the process stops there)
+        for _ in range(5):
+            stopped.train_step()
+        assert stopped.checkpointer is not None
+        stopped.checkpointer.maybe_save(stopped, force=True)
+    finally:
+        stopped.close()
+    resumed = run_dpo(root, hf_dir, tmp_path / "split")  # resumes at the step-5 checkpoint
+    assert [r["step"] for r in resumed] == [6, 7, 8, 9, 10]
+    for ours, theirs in zip(whole[5:], resumed, strict=True):
+        for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "grad_norm"):
+            assert ours[key] == theirs[key], (ours["step"], key)
+
+
+def test_bad_preference_input_exits_2_naming_the_line_and_field(prepared: tuple[Path, Path], tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    from leantrain.cli import main
+
+    root, hf_dir = prepared
+    raw = dpo_spec(tmp_path, hf_dir)
+    write_jsonl(tmp_path / "prefs.jsonl", [{"prompt": "a", "chosen": "b", "rejected": "c"}, {"prompt": "a"}])
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["prepare", str(tmp_path / "spec.yaml")]) == 2
+    assert f"{tmp_path / 'prefs.jsonl'}:2: a preference record needs fields 'chosen' and 'rejected'" in \
+        capsys.readouterr().err
+    assert not (tmp_path / "data" / "manifest.json").exists()
+    raw["data"]["sources"][0]["format"] = "chat"
+    with pytest.raises(UserInputError, match=r"data.sources\[prefs\].format: chat, but finetune.method dpo"):
+        spec_from_dict(raw)
