@@ -31,7 +31,6 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from leantrain.data.layout import Manifest
 from leantrain.data.preference import PairBatchSampler
-from leantrain.data.preference import PairBatchSampler
 from leantrain.data.sampler import Batch, PackedBatchSampler
 from leantrain.dtypes import DTYPES
 from leantrain.errors import LeantrainError, UserInputError
@@ -161,7 +160,6 @@ class Trainer:
         self.sampler = self._sampler(split="train")
         self.eval_sampler = self._eval_sampler()
         self.objective = dpo.build_objective(self)  # finetune.method dpo: the reference and the pairs' loss
-        self.objective = dpo.build_objective(self)  # finetune.method dpo: the reference and the pairs' loss
         if self.sampler.vocab_size > self.model_args.shape.vocab_size:
             raise UserInputError(
                 f"model.vocab_size ({self.model_args.shape.vocab_size}) is smaller than the data's vocabulary "
@@ -244,8 +242,6 @@ class Trainer:
             token_scale = self.parallel.dims.dp * len(micro_batches) / valid.clamp(min=1.0)
         source_loss = SourceLoss(len(self.sampler.source_names), device=self.device,
                                  masked=self.sampler.has_loss_mask, token_scale=token_scale)
-        if self.objective is not None:  # DPO: the reference pass, then the pairs' loss (train/dpo.py)
-            source_loss = self.objective.loss_fn(micro_batches)
         if self.objective is not None:  # DPO: the reference pass, then the pairs' loss (train/dpo.py)
             source_loss = self.objective.loss_fn(micro_batches)
         with self.comm_timer.measure() if measure else contextlib.nullcontext() as measured:
@@ -386,8 +382,6 @@ class Trainer:
             }
         if window.objective_stats is not None and self.objective is not None:  # DPO rewards over all ranks' pairs
             record.update(self.objective.metrics(self.parallel.sum_over_ranks(window.objective_stats.clone())))
-        if window.objective_stats is not None and self.objective is not None:  # DPO rewards over all ranks' pairs
-            record.update(self.objective.metrics(self.parallel.sum_over_ranks(window.objective_stats.clone())))
         if window.moe_counts is not None:
             record.update(moe_balance(window.moe_counts, aux_loss=aux_value, balance=self.model_args.balance))
         self.metrics.log(record)
@@ -406,8 +400,6 @@ class Trainer:
         recorder = SourceLoss(len(self.eval_sampler.source_names), device=self.device,
                               masked=self.eval_sampler.has_loss_mask)
         micro_batches = [self._micro_batch(self.eval_sampler.next_batch()) for _ in range(num_batches)]
-        if self.objective is not None:  # DPO: the held-out pairs' DPO loss
-            recorder = self.objective.loss_fn(micro_batches)  # type: ignore[assignment]
         if self.objective is not None:  # DPO: the held-out pairs' DPO loss
             recorder = self.objective.loss_fn(micro_batches)  # type: ignore[assignment]
         self.parallel.evaluate(micro_batches, loss_fn=recorder, autocast=self.autocast)
