@@ -208,3 +208,82 @@ def test_bad_preference_input_exits_2_naming_the_line_and_field(prepared: tuple[
     raw["data"]["sources"][0]["format"] = "chat"
     with pytest.raises(UserInputError, match=r"data.sources\[prefs\].format: chat, but finetune.method dpo"):
         spec_from_dict(raw)
+
+
+@pytest.mark.slow
+def test_loss_and_margins_equal_trls_dpo_trainer_over_ten_steps(tmp_path: Path) -> None:
+    """TRL's DPOTrainer (peft LoRA on transformers' model, the same tiny checkpoint, pairs in the order our sampler
+    reads them, beta, AdamW settings and LoRA init) against our trainer: per-step loss and reward margins in fp32."""
+    trl = pytest.importorskip("trl")
+    peft = pytest.importorskip("peft")
+    import re
+
+    from datasets import Dataset
+
+    from leantrain.cli import main
+    from leantrain.model.hf import to_hf_name
+    from leantrain.model.tiny_hf import save_tiny_hf
+    from leantrain.train.trainer import Trainer
+
+    hf_dir = save_tiny_hf(tmp_path / "hf", vocab_size=320, hidden_size=64, intermediate_size=128)
+    records = preference_records()
+    write_jsonl(tmp_path / "prefs.jsonl", records)
+    raw = dpo_spec(tmp_path, hf_dir)
+    raw["checkpoint"] = {"interval_steps": 1000}
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["prepare", str(tmp_path / "spec.yaml")]) == 0
+    spec = spec_from_dict(raw)
+    tokenizer = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
+    # the pairs in the order our trainer reads them (one process: 2 pairs per step)
+    sampler = PairBatchSampler(tmp_path / "data", seq_len=SEQ, micro_batch=4, dp_rank=0, dp_size=1,
+                               seed=spec.training.seed)
+    order = []
+    for _ in range(10):
+        batch = sampler.next_batch()
+        for row in range(2):
+            text = tokenizer.decode(batch.tokens[row].tolist(), skip_special_tokens=False)
+            order.append(int(re.search(r"Say \d \((\d+)\)", text).group(1)))  # type: ignore[union-attr]
+    ours = Trainer(spec, run_dir=tmp_path / "run")
+    try:
+        adapters = {name: p.detach().clone() for name, p in ours.model.named_parameters() if name.endswith("lora_a")}
+        logged = [r for r in ours.train() if "loss" in r]
+    finally:
+        ours.close()
+
+    class Recording(trl.DPOTrainer):  # type: ignore[misc]
+        steps: list[tuple[float, float, float]] = []
+
+        def compute_loss(self, model: Any, inputs: Any, return_outputs: bool = False, **kwargs: Any) -> Any:
+            loss = super().compute_loss(model, inputs, return_outputs=return_outputs, **kwargs)
+            metrics = self._metrics["train"]
+            self.steps.append((float(loss.detach()), metrics["rewards/margins"][-1], metrics["rewards/chosen"][-1]))
+            return loss
+
+    conversation = lambda r: {  # noqa: E731
+        "prompt": [{"role": "user", "content": r["prompt"]}], "chosen": [{"role": "assistant", "content": r["chosen"]}],
+        "rejected": [{"role": "assistant", "content": r["rejected"]}]}
+    dataset = Dataset.from_list([conversation(records[i]) for i in order])
+    model = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
+    lora = peft.LoraConfig(r=4, lora_alpha=8.0, lora_dropout=0.0, task_type="CAUSAL_LM",
+                           target_modules=["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    config = trl.DPOConfig(
+        output_dir=str(tmp_path / "trl"), per_device_train_batch_size=2, gradient_accumulation_steps=1,
+        learning_rate=1e-2, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, adam_beta1=0.9,
+        adam_beta2=0.95, adam_epsilon=1e-8, max_grad_norm=1.0, max_steps=10, beta=0.1, loss_type=["sigmoid"],
+        logging_steps=1, report_to=[], use_cpu=True, bf16=False, save_strategy="no",
+        train_sampling_strategy="sequential", dataloader_num_workers=0, seed=spec.training.seed)
+    theirs = Recording(model=model, args=config, train_dataset=dataset,
+                       processing_class=transformers.AutoTokenizer.from_pretrained(hf_dir), peft_config=lora)
+    with torch.no_grad():  # the same adapter init (B is zero in both)
+        params = dict(theirs.model.named_parameters())
+        for name, value in adapters.items():
+            module = to_hf_name(name.removesuffix(".lora_a") + ".weight").removesuffix(".weight")
+            params[f"base_model.model.{module}.lora_A.default.weight"].copy_(value)
+    theirs.train()
+    assert len(theirs.steps) == 10 == len(logged)
+    assert theirs.steps[0][0] == pytest.approx(math.log(2), abs=1e-6)
+    for step, (record, (loss, margin, chosen)) in enumerate(zip(logged, theirs.steps, strict=True)):
+        assert record["loss"] == pytest.approx(loss, abs=1e-5), step
+        assert record["rewards/margin"] == pytest.approx(margin, abs=1e-5), step
+        assert record["rewards/chosen"] == pytest.approx(chosen, abs=1e-5), step
+    assert logged[-1]["rewards/margin"] > 0.5  # the comparison covers a run that moved far from the reference
