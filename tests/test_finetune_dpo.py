@@ -287,3 +287,45 @@ def test_loss_and_margins_equal_trls_dpo_trainer_over_ten_steps(tmp_path: Path) 
         assert record["rewards/margin"] == pytest.approx(margin, abs=1e-5), step
         assert record["rewards/chosen"] == pytest.approx(chosen, abs=1e-5), step
     assert logged[-1]["rewards/margin"] > 0.5  # the comparison covers a run that moved far from the reference
+
+
+@pytest.mark.slow
+def test_dpo_under_fsdp_on_two_ranks_matches_one_process(prepared: tuple[Path, Path], tmp_path: Path) -> None:
+    """LoRA DPO (adapters-off reference) and full DPO (a frozen, sharded reference copy) under FSDP2 on 2 gloo ranks:
+    the same losses and rewards per step as one process taking both ranks' pairs as two micro-batches."""
+    import subprocess
+    import time
+
+    from leantrain.launch import torchrun
+    from leantrain.launch.resources import TrainCommand
+
+    root, hf_dir = prepared
+    single: dict[str, list[dict[str, Any]]] = {}
+    procs = {}
+    for weights in ("lora", "full"):
+        lr = 1e-2 if weights == "lora" else 1e-3
+        single[weights] = run_dpo(root, hf_dir, tmp_path / f"single_{weights}", weights=weights, lr=lr,
+                                  global_batch_tokens=8 * SEQ, max_steps=4)
+        raw = dpo_spec(root, hf_dir, weights=weights)
+        raw["training"].update(lr=lr, global_batch_tokens=8 * SEQ, max_steps=4)
+        raw["parallelism"] = {"zero_stage": 3}
+        raw["hardware"]["gpus_per_node"] = 2
+        raw["run"] = {"dir": str(tmp_path / f"fsdp_{weights}")}
+        spec_path = tmp_path / f"fsdp_{weights}.yaml"
+        spec_path.write_text(yaml.safe_dump(raw))
+        argv = torchrun.torchrun_argv(spec_from_dict(raw), train=TrainCommand(spec_path=spec_path),
+                                      run_dir=tmp_path / f"fsdp_{weights}", nproc=2, max_restarts=0)
+        procs[weights] = subprocess.Popen(argv, env=torchrun.torchrun_env() | {"OMP_NUM_THREADS": "1"},
+                                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 300
+    outputs = {k: p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for k, p in procs.items()}
+    for weights, proc in procs.items():
+        assert proc.returncode == 0, f"{weights}:\n{outputs[weights][-4000:]}"
+        lines = (tmp_path / f"fsdp_{weights}" / "metrics.jsonl").read_text().splitlines()
+        sharded = [json.loads(line) for line in lines if "loss" in json.loads(line)]
+        assert len(sharded) == len(single[weights]) == 4
+        assert sharded[0]["loss"] == pytest.approx(math.log(2), abs=1e-6)
+        for ours, theirs in zip(sharded, single[weights], strict=True):
+            for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy"):
+                assert ours[key] == pytest.approx(theirs[key], abs=1e-5), (weights, ours["step"], key)
+        assert sharded[-1]["rewards/margin"] > sharded[0]["rewards/margin"]
