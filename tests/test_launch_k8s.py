@@ -1,7 +1,9 @@
 """Kubernetes manifests checked against the operators' schemas: the Kubeflow training-operator SDK's
-PyTorchJob models and the Kubernetes client's ConfigMap/DaemonSet models. A manifest passes only when it
-deserializes into the models and serializes back unchanged (an unknown or misspelled field would be dropped,
-a missing required field or a wrong type raises)."""
+PyTorchJob models and the Kubernetes client's ConfigMap/DaemonSet models (a manifest passes only when it
+deserializes into the models and serializes back unchanged: an unknown or misspelled field would be dropped,
+a missing required field or a wrong type raises), and every emitted object against the API server's schemas:
+the PyTorchJob CRD's openAPIV3Schema (vendored in tests/schemas/, source in the file) and Kubernetes' own
+OpenAPI schemas (kubernetes-validate, strict)."""
 
 from __future__ import annotations
 
@@ -12,15 +14,17 @@ import pytest
 import yaml
 
 from leantrain.launch.health import record_failure
+from leantrain.launch.job_spec import PLACEHOLDER_IMAGE
 from leantrain.launch.k8s import RUN_AS_UID, k8s_documents, k8s_yaml, prepull_daemonset
 from leantrain.spec import load_spec, spec_from_dict
-from leantrain.spec.schema import ClusterSpec
 
 kubernetes_client = pytest.importorskip("kubernetes.client")
 kubeflow_training = pytest.importorskip("kubeflow.training")
 
 REPO = Path(__file__).resolve().parents[1]
 SEED = REPO / "examples" / "seed-10b.yaml"
+IMAGE_NAME = "registry.example.com/ml/leantrain@sha256:" + "0" * 64
+IMAGE = f"cluster.image={IMAGE_NAME}"
 
 
 def roundtrip(doc: dict[str, Any], model: str) -> Any:
@@ -32,7 +36,7 @@ def roundtrip(doc: dict[str, Any], model: str) -> Any:
 
 
 def emitted(tmp_path: Path, *overrides: str) -> list[dict[str, Any]]:
-    spec = load_spec(SEED, profile="rehearsal", overrides=list(overrides))
+    spec = load_spec(SEED, profile="rehearsal", overrides=[IMAGE, *overrides])
     text = k8s_yaml(k8s_documents(spec, run_dir=tmp_path))
     return list(yaml.safe_load_all(text))
 
@@ -64,7 +68,7 @@ def test_pytorchjob_matches_operator_schema_gang_elastic_volumes_secrets_resourc
     assert pod.scheduler_name == "volcano"
     assert pod.security_context.run_as_non_root and pod.security_context.run_as_user == RUN_AS_UID
     (container,) = pod.containers
-    assert container.name == "pytorch" and container.image == ClusterSpec().image
+    assert container.name == "pytorch" and container.image == IMAGE_NAME
     assert container.resources.limits == {"cpu": "64", "memory": "512Gi", "nvidia.com/gpu": "8"}
     claims = {v.name: v.persistent_volume_claim.claim_name for v in pod.volumes if v.persistent_volume_claim}
     assert claims == {"runs": "leantrain-checkpoints", "data": "leantrain-data"}
@@ -103,14 +107,14 @@ def test_staged_data_uses_init_container_and_excluded_hosts_get_anti_affinity(tm
 
 def test_shipped_prepull_daemonset_is_what_the_code_emits() -> None:
     shipped = yaml.safe_load((REPO / "docker" / "prepull-daemonset.yaml").read_text())
-    assert shipped == prepull_daemonset(image=ClusterSpec().image)
+    assert shipped == prepull_daemonset(image=PLACEHOLDER_IMAGE)  # the image to put in: docker/README.md
     roundtrip(shipped, "V1DaemonSet")
 
 
 def test_every_referenced_env_var_metrics_port_fabric_and_rdma(tmp_path: Path) -> None:
     from leantrain.launch.job_spec import raw_env_references
 
-    overrides = ["monitoring.webhook_url_env=ALERT_WEBHOOK_URL", "cluster.nccl_preset=roce",
+    overrides = [IMAGE, "monitoring.webhook_url_env=ALERT_WEBHOOK_URL", "cluster.nccl_preset=roce",
                  "checkpoint.endpoint_url=${S3_ENDPOINT_URL:-https://s3.amazonaws.com}",
                  "cluster.k8s_rdma_resource=rdma/rdma_shared_device_a", "cluster.k8s_rdma_per_node=2"]
     spec = load_spec(SEED, profile="rehearsal", overrides=overrides)
@@ -154,12 +158,15 @@ def test_pod_monitor_and_setup_manifests_pvc_and_secret(tmp_path: Path) -> None:
     assert monitor["kind"] == "PodMonitor" and monitor["spec"]["podMetricsEndpoints"][0]["port"] == "metrics"
     assert monitor["spec"]["selector"]["matchLabels"] == docs[1]["metadata"]["labels"]
     assert "schedulerName" not in docs[1]["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
-    spec = load_spec(SEED, profile="rehearsal", overrides=["cluster.k8s_storage_class=shared-nfs"])
-    data_pvc, runs_pvc, secret = setup_documents(spec)
-    for doc, model in ((data_pvc, "V1PersistentVolumeClaim"), (runs_pvc, "V1PersistentVolumeClaim"),
-                       (secret, "V1Secret")):
+    spec = load_spec(SEED, profile="rehearsal", overrides=[IMAGE, "cluster.k8s_storage_class=shared-nfs"])
+    data_pvc, loader, runs_pvc, secret = setup_documents(spec)
+    for doc, model in ((data_pvc, "V1PersistentVolumeClaim"), (loader, "V1Pod"),
+                       (runs_pvc, "V1PersistentVolumeClaim"), (secret, "V1Secret")):
         roundtrip(doc, model)
-    assert data_pvc["spec"]["accessModes"] == ["ReadOnlyMany"] and runs_pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    # The loader pod fills the data PVC; the training pods mount it read-only.
+    assert data_pvc["spec"]["accessModes"] == ["ReadWriteMany"] and runs_pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    assert loader["spec"]["volumes"][0]["persistentVolumeClaim"]["claimName"] == data_pvc["metadata"]["name"]
+    assert loader["spec"]["securityContext"]["runAsNonRoot"] is True
     assert runs_pvc["spec"]["storageClassName"] == "shared-nfs"
     assert secret["stringData"] == {"AWS_ACCESS_KEY_ID": "${AWS_ACCESS_KEY_ID}",
                                     "AWS_SECRET_ACCESS_KEY": "${AWS_SECRET_ACCESS_KEY}"}  # placeholders only
@@ -169,7 +176,89 @@ def test_cli_emit_k8s_writes_setup_beside_the_job(tmp_path: Path) -> None:
     from leantrain.cli import main
 
     out = tmp_path / "job.k8s.yaml"
-    assert main(["launch", str(SEED), "--profile", "rehearsal", "--emit", "k8s", "--out", str(out),
-                 "--run-dir", str(tmp_path / "run")]) == 0
+    args = ["launch", str(SEED), "--profile", "rehearsal", "--emit", "k8s", "--out", str(out), "--run-dir",
+            "/mnt/runs/seed"]
+    assert main(args) == 2 and not out.exists()  # no cluster.image: refused, nothing written
+    assert main([*args, "--set", "cluster.image=leantrain/train:REPLACE-ME"]) == 2  # a placeholder too
+    assert main([*args, "--dry-run"]) == 0 and PLACEHOLDER_IMAGE in out.read_text()
+    assert main([*args, "--set", IMAGE]) == 0 and IMAGE_NAME in out.read_text()
     kinds = [d["kind"] for d in yaml.safe_load_all((tmp_path / "job.k8s.setup.yaml").read_text())]
-    assert kinds == ["PersistentVolumeClaim", "PersistentVolumeClaim", "Secret"]
+    assert kinds == ["PersistentVolumeClaim", "Pod", "PersistentVolumeClaim", "Secret"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["audit.log", "job.k8s.setup.yaml", "job.k8s.yaml"]
+
+
+# ---- schemas: every emitted object against the API server's own ---------------------------------------------
+SCHEMAS = REPO / "tests" / "schemas"
+K8S_VERSION = "1.37.0"
+
+
+def strict(schema: Any) -> Any:
+    """The CRD schema as the API server applies it with strict field validation (kubectl's default): a field
+    the schema does not declare is an error, not silently pruned."""
+    if isinstance(schema, dict):
+        out = {k: strict(v) for k, v in schema.items()}
+        if "properties" in out and "additionalProperties" not in out:
+            out["additionalProperties"] = False
+        return out
+    return [strict(v) for v in schema] if isinstance(schema, list) else schema
+
+
+def schema_errors(doc: dict[str, Any]) -> list[str]:
+    """Problems of one emitted object: the PyTorchJob against the training operator's CRD schema (vendored,
+    tests/schemas/pytorchjob-v1.json) with each replica's pod template against Kubernetes' PodTemplateSpec;
+    core objects against Kubernetes' OpenAPI schemas (kubernetes-validate, strict)."""
+    import json
+
+    import jsonschema
+    import kubernetes_validate
+
+    def core(obj: dict[str, Any]) -> list[str]:
+        try:
+            kubernetes_validate.validate(obj, K8S_VERSION, strict=True)
+        except kubernetes_validate.ValidationError as err:
+            return [f"{obj['kind']}: {err.message} at {'.'.join(map(str, err.path))}"]
+        return []
+
+    if doc["kind"] != "PyTorchJob":
+        return core(doc)
+    crd = strict(json.loads((SCHEMAS / "pytorchjob-v1.json").read_text()))
+    errors = [f"PyTorchJob: {e.message} at {'.'.join(map(str, e.path))}"
+              for e in jsonschema.Draft7Validator(crd).iter_errors(doc)]
+    for name, replica in doc["spec"]["pytorchReplicaSpecs"].items():
+        errors += core({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name.lower()},
+                        "template": replica["template"]})
+    return errors
+
+
+def test_schema_check_catches_a_misspelled_field_in_the_job_and_in_its_pods(tmp_path: Path) -> None:
+    pytest.importorskip("kubernetes_validate")
+    _, job, daemonset = emitted(tmp_path)
+    assert schema_errors(job) == [] and schema_errors(daemonset) == []
+    typo = yaml.safe_load(yaml.safe_dump(job))
+    typo["spec"]["elasticPolicy"]["maxReplica"] = 4
+    assert any("maxReplica" in e for e in schema_errors(typo))
+    pod_typo = yaml.safe_load(yaml.safe_dump(job))
+    pod_typo["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["imagePolicy"] = "x"
+    assert any("imagePolicy" in e for e in schema_errors(pod_typo))
+    assert schema_errors({**daemonset, "spec": {**daemonset["spec"], "replicas": 3}})
+
+
+@pytest.mark.parametrize("overrides", [
+    [],
+    ["cluster.data_url=s3://bucket/prepared", "cluster.nccl_preset=efa",
+     "cluster.k8s_rdma_resource=vpc.amazonaws.com/efa", "cluster.k8s_rdma_per_node=4"],
+    ["fault.min_nodes=2", "fault.max_nodes=4", "cluster.k8s_queue=research", "cluster.k8s_priority_class=high",
+     "cluster.nccl_preset=infiniband", "cluster.k8s_gang_scheduler=scheduler-plugins"],
+])
+def test_every_emitted_object_passes_its_schema(tmp_path: Path, overrides: list[str]) -> None:
+    """The job file and the setup file of `--emit k8s`, every object (the PodMonitor's prometheus-operator CRD
+    is not vendored: it is emitted only with cluster.k8s_pod_monitor)."""
+    pytest.importorskip("kubernetes_validate")
+    from leantrain.launch.k8s import setup_documents
+
+    spec = load_spec(SEED, profile="rehearsal", overrides=[IMAGE, *overrides])
+    record_failure(tmp_path, host="gpu-node-3", kind="preflight", reason="driver")  # node affinity too
+    docs = [*k8s_documents(spec, run_dir=tmp_path), *setup_documents(spec)]
+    assert {d["kind"] for d in docs} >= {"ConfigMap", "PyTorchJob", "DaemonSet", "PersistentVolumeClaim"}
+    for doc in docs:
+        assert schema_errors(doc) == [], doc["kind"]

@@ -17,6 +17,7 @@ from torch.distributed.run import get_args_parser
 
 from leantrain.ckpt.control import CHECKPOINT_REQUEST_NAME
 from leantrain.cli import main
+from leantrain.errors import UserInputError
 from leantrain.launch.health import excluded_hosts, record_failure
 from leantrain.launch.resources import TrainCommand, job_resources
 from leantrain.launch.slurm import slurm_script
@@ -25,6 +26,16 @@ from leantrain.spec import load_spec
 REPO = Path(__file__).resolve().parents[1]
 SEED = REPO / "examples" / "seed-10b.yaml"
 TINY = REPO / "examples" / "tiny-cpu.yaml"
+VENV = "cluster.slurm_venv=/shared/venvs/leantrain"  # the nodes' leantrain: a venv on shared storage
+IMAGE = "cluster.image=registry.example.com/ml/leantrain@sha256:" + "0" * 64
+
+
+def env_hook(tmp_path: Path) -> str:
+    """An env hook that bash can source (the scripts that run here): the cluster's set-up of a venv with
+    leantrain, here this interpreter's."""
+    hook = tmp_path / "env.sh"
+    hook.write_text(f'export PATH={shlex.quote(str(Path(sys.executable).parent))}:"$PATH"\n')
+    return f"cluster.env_hook={hook}"
 
 
 def sbatch_options(text: str) -> dict[str, str | None]:
@@ -54,7 +65,7 @@ def torchrun_parsed(words: list[str]):
 
 
 def test_slurm_job_has_nodes_gpus_exclusive_requeue_signal_and_c10d_torchrun(tmp_path: Path) -> None:
-    spec = load_spec(SEED, profile="rehearsal", overrides=["cluster.slurm_partition=gpu", "fault.max_restarts=5"])
+    spec = load_spec(SEED, profile="rehearsal", overrides=[VENV, "cluster.slurm_partition=gpu", "fault.max_restarts=5"])
     text = slurm_script(spec, command=TrainCommand(spec_path=SEED, profile="rehearsal"), run_dir=tmp_path / "run")
     options = sbatch_options(text)
     assert options["--nodes"] == "4" and options["--gpus-per-node"] == "8"
@@ -78,7 +89,7 @@ def test_slurm_job_has_nodes_gpus_exclusive_requeue_signal_and_c10d_torchrun(tmp
 
 
 def test_elastic_nodes_and_remote_data_are_staged_first(tmp_path: Path) -> None:
-    spec = load_spec(SEED, profile="rehearsal", overrides=[
+    spec = load_spec(SEED, profile="rehearsal", overrides=[VENV,
         "fault.min_nodes=2", "fault.max_nodes=6", "cluster.data_url=s3://bucket/data", "cluster.preflight=false",
     ])
     text = slurm_script(spec, command=TrainCommand(spec_path=SEED, profile="rehearsal"), run_dir=tmp_path)
@@ -98,13 +109,13 @@ def test_health_file_hosts_are_excluded(tmp_path: Path) -> None:
     record_failure(tmp_path, host="node09", kind="crash", reason="SIGKILL", rank=5)
     assert excluded_hosts(tmp_path) == ["node07"]  # one crash is not yet "repeatedly"
     record_failure(tmp_path, host="node09", kind="crash", reason="SIGKILL again", rank=5)
-    spec = load_spec(SEED, profile="rehearsal")
+    spec = load_spec(SEED, profile="rehearsal", overrides=[VENV])
     text = slurm_script(spec, command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
     assert sbatch_options(text)["--exclude"] == "node07,node09"
 
 
 def test_resources_flags_override_spec_and_bad_nnodes_is_a_user_error() -> None:
-    spec = load_spec(SEED, profile="rehearsal")
+    spec = load_spec(SEED, profile="rehearsal", overrides=[VENV])
     res = job_resources(spec, nnodes="2:8", nproc=4)
     assert (res.min_nodes, res.num_nodes, res.max_nodes, res.gpus_per_node) == (2, 8, 8, 4)
     assert res.gpu_resource == "nvidia.com/gpu"
@@ -125,11 +136,12 @@ def test_resources_flags_override_spec_and_bad_nnodes_is_a_user_error() -> None:
 
 def test_cli_emit_writes_owner_only_file_and_audits(tmp_path: Path) -> None:
     out = tmp_path / "job.sbatch"
-    code = main(["launch", str(SEED), "--profile", "rehearsal", "--emit", "slurm", "--out", str(out),
+    code = main(["launch", str(SEED), "--profile", "rehearsal", "--set", VENV, "--emit", "slurm", "--out", str(out),
                  "--run-dir", str(tmp_path / "run")])
     assert code == 0
     assert out.stat().st_mode & 0o077 == 0
-    assert "launch.emit" in (tmp_path / "run" / "audit.log").read_text()
+    assert not (tmp_path / "run").exists()  # --emit writes only the job file (and its audit line beside it)
+    assert "launch.emit" in (tmp_path / "audit.log").read_text()
     assert main(["launch", str(SEED), "--profile", "rehearsal", "--emit", "pbs", "--out", str(out)]) == 2
     # a layout that does not fit the launched ranks is refused before any rank starts
     assert main(["launch", str(TINY), "--nproc", "3", "--set", "parallelism.data_parallel=1",
@@ -167,7 +179,7 @@ def test_time_limit_signal_asks_for_checkpoint_then_requeues_with_exclusions(tmp
     run_dir = tmp_path / "run"
     record_failure(run_dir, host="node07", kind="preflight", reason="driver mismatch")
     (run_dir / CHECKPOINT_REQUEST_NAME).touch()  # left by an earlier allocation: must not stop this one at once
-    spec = load_spec(SEED, profile="rehearsal", overrides=["cluster.checkpoint_signal_s=40"])
+    spec = load_spec(SEED, profile="rehearsal", overrides=[env_hook(tmp_path), "cluster.checkpoint_signal_s=40"])
     script = tmp_path / "job.sbatch"
     script.write_text(slurm_script(spec, command=TrainCommand(spec_path=SEED, profile="rehearsal"), run_dir=run_dir))
     log = tmp_path / "slurm.log"
@@ -195,7 +207,7 @@ def test_time_limit_signal_asks_for_checkpoint_then_requeues_with_exclusions(tmp
 
 
 def test_container_mode_runs_every_step_in_the_image_with_the_needed_mounts(tmp_path: Path) -> None:
-    spec = load_spec(SEED, profile="rehearsal", overrides=["cluster.slurm_runtime=pyxis"])
+    spec = load_spec(SEED, profile="rehearsal", overrides=["cluster.slurm_runtime=pyxis", IMAGE])
     text = slurm_script(spec, command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
     for words in srun_torchrun_lines(text):
         image = next(w for w in words if w.startswith("--container-image="))
@@ -207,7 +219,7 @@ def test_container_mode_runs_every_step_in_the_image_with_the_needed_mounts(tmp_
 
 
 def test_apptainer_runtime_and_env_hook_replace_the_submit_hosts_venv(tmp_path: Path) -> None:
-    spec = load_spec(SEED, profile="rehearsal", overrides=["cluster.slurm_runtime=apptainer"])
+    spec = load_spec(SEED, profile="rehearsal", overrides=["cluster.slurm_runtime=apptainer", IMAGE])
     text = slurm_script(spec, command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
     subprocess.run(["bash", "-n"], input=text, text=True, check=True)
     for words in srun_torchrun_lines(text):
@@ -220,9 +232,17 @@ def test_apptainer_runtime_and_env_hook_replace_the_submit_hosts_venv(tmp_path: 
     hooked = slurm_script(load_spec(SEED, profile="rehearsal", overrides=["cluster.env_hook=/shared/env.sh"]),
                           command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
     assert "source /shared/env.sh" in hooked and sys.executable not in hooked
-    plain = slurm_script(load_spec(SEED, profile="rehearsal"), command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
-    assert f"export PATH={Path(sys.executable).parent}" in plain  # said so in a comment right above it
-    assert "No cluster.env_hook and no container" in plain
+    shared = slurm_script(load_spec(SEED, profile="rehearsal", overrides=[VENV]), command=TrainCommand(spec_path=SEED),
+                          run_dir=tmp_path)
+    assert "source /shared/venvs/leantrain/bin/activate" in shared and sys.executable not in shared
+    plain = load_spec(SEED, profile="rehearsal")  # host runtime, nothing named: never the submit host's venv
+    with pytest.raises(UserInputError, match="cluster.slurm_venv"):
+        slurm_script(plain, command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
+    dry = slurm_script(plain, command=TrainCommand(spec_path=SEED), run_dir=tmp_path, dry_run=True)
+    assert ': "${LEANTRAIN_VENV:?' in dry and sys.executable not in dry
+    with pytest.raises(UserInputError, match="cluster.image"):  # a container runtime needs the image
+        slurm_script(load_spec(SEED, profile="rehearsal", overrides=["cluster.slurm_runtime=pyxis"]),
+                     command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
 
 
 @pytest.mark.parametrize(("preset", "expected"), [
@@ -232,7 +252,7 @@ def test_apptainer_runtime_and_env_hook_replace_the_submit_hosts_venv(tmp_path: 
 ])
 def test_nccl_fabric_preset_and_spec_overrides_are_exported(tmp_path: Path, preset: str,
                                                              expected: dict[str, str]) -> None:
-    spec = load_spec(SEED, profile="rehearsal", overrides=[
+    spec = load_spec(SEED, profile="rehearsal", overrides=[VENV,
         f"cluster.nccl_preset={preset}", "cluster.nccl_env={NCCL_IB_HCA: 'mlx5_0,mlx5_1', NCCL_DEBUG: WARN}"])
     text = slurm_script(spec, command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
     exported = dict(line.removeprefix("export ").split("=", 1) for line in text.splitlines()
@@ -241,17 +261,17 @@ def test_nccl_fabric_preset_and_spec_overrides_are_exported(tmp_path: Path, pres
     if preset != "tcp":
         assert exported["NCCL_IB_HCA"].strip("'") == "mlx5_0,mlx5_1"  # the spec's entry wins over the preset
     assert text.index("export NCCL_") < text.index("torchrun")
-    assert "export NCCL_" not in slurm_script(load_spec(SEED, profile="rehearsal"),
+    assert "export NCCL_" not in slurm_script(load_spec(SEED, profile="rehearsal", overrides=[VENV]),
                                               command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
 
 
 def test_elastic_job_survives_a_node_loss_and_failures_requeue(tmp_path: Path) -> None:
-    elastic = load_spec(SEED, profile="rehearsal", overrides=["fault.min_nodes=3", "fault.max_nodes=4"])
+    elastic = load_spec(SEED, profile="rehearsal", overrides=[VENV, "fault.min_nodes=3", "fault.max_nodes=4"])
     text = slurm_script(elastic, command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
     assert "--no-kill" in sbatch_options(text)
     for words in srun_torchrun_lines(text):
         assert "--kill-on-bad-exit=1" not in words and {"--kill-on-bad-exit=0", "--no-kill"} <= set(words)
-    fixed = slurm_script(load_spec(SEED, profile="rehearsal", overrides=["fault.elasticity=false"]),
+    fixed = slurm_script(load_spec(SEED, profile="rehearsal", overrides=[VENV, "fault.elasticity=false"]),
                          command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
     assert "--no-kill" not in sbatch_options(fixed)
     assert all("--kill-on-bad-exit=1" in words for words in srun_torchrun_lines(fixed))
@@ -260,7 +280,7 @@ def test_elastic_job_survives_a_node_loss_and_failures_requeue(tmp_path: Path) -
 
 @pytest.mark.parametrize(("restart_count", "requeued"), [("0", True), ("3", False)])
 def test_failed_training_requeues_until_max_requeues(tmp_path: Path, restart_count: str, requeued: bool) -> None:
-    spec = load_spec(SEED, profile="rehearsal", overrides=["cluster.preflight=false"])
+    spec = load_spec(SEED, profile="rehearsal", overrides=[env_hook(tmp_path), "cluster.preflight=false"])
     script = tmp_path / "job.sbatch"
     script.write_text(slurm_script(spec, command=TrainCommand(spec_path=SEED), run_dir=tmp_path / "run"))
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
@@ -292,15 +312,51 @@ def test_demo_stage_writes_both_job_files(tmp_path: Path) -> None:
 
 
 def test_emitted_job_runs_the_spec_frozen_in_the_run_dir(tmp_path: Path) -> None:
+    """The script carries the frozen spec and writes it into the run dir when the job starts (owner-only); the
+    submit host gets the job file only."""
     out, run_dir = tmp_path / "job.sbatch", tmp_path / "run"
-    assert main(["launch", str(SEED), "--profile", "rehearsal", "--set", "training.lr=2e-4", "--emit", "slurm",
-                 "--out", str(out), "--run-dir", str(run_dir)]) == 0
+    assert main(["launch", str(SEED), "--profile", "rehearsal", "--set", "training.lr=2e-4", "--set",
+                 env_hook(tmp_path), "--set", "cluster.preflight=false", "--emit", "slurm", "--out", str(out),
+                 "--run-dir", str(run_dir)]) == 0
+    assert not run_dir.exists()
     text = out.read_text()
-    (_, train) = srun_torchrun_lines(text)
+    (train,) = srun_torchrun_lines(text)
     frozen = run_dir / "job-spec.yaml"
     assert torchrun_parsed(train).training_script_args[:2] == ["train", str(frozen.resolve())]
     assert "--profile" not in train and "--set" not in train and str(SEED) not in text
-    assert frozen.stat().st_mode & 0o077 == 0
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text("#!/bin/bash\nif [ \"$1\" = show ]; then echo n1; fi\n")
+    (bin_dir / "srun").write_text("#!/bin/bash\nexit 0\n")  # the allocation's steps: done at once
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "9", "SLURM_JOB_NODELIST": "n1"}
+    done = subprocess.run(["bash", str(out)], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert frozen.stat().st_mode & 0o077 == 0 and (run_dir / "slurm-9.out").is_file()
     spec = load_spec(frozen)  # the same job: profile and override applied, secrets still references
     assert spec.hardware.num_nodes == 4 and spec.training.lr == 2e-4
     assert "${AWS_SECRET_ACCESS_KEY}" in frozen.read_text()
+
+
+def test_slurm_script_passes_bash_n_and_shellcheck(tmp_path: Path) -> None:
+    """Every runtime's script parses (bash -n); shellcheck, where installed, finds no error or warning."""
+    import shutil
+
+    scripts = []
+    for runtime in (["cluster.slurm_runtime=pyxis", IMAGE], ["cluster.slurm_runtime=apptainer", IMAGE], [VENV],
+                    [VENV, "cluster.data_url=s3://bucket/data", "cluster.nccl_preset=efa"]):
+        spec = load_spec(SEED, profile="rehearsal", overrides=runtime)
+        path = tmp_path / f"job-{len(scripts)}.sbatch"
+        path.write_text(slurm_script(spec, command=TrainCommand(spec_path=tmp_path / "run" / "job-spec.yaml"),
+                                     run_dir=tmp_path / "run", job_spec="task: pretrain\n"))
+        subprocess.run(["bash", "-n", str(path)], check=True)
+        if "cluster.nccl_preset=efa" in runtime:  # EFA: NCCL through the aws-ofi-nccl plugin, never TCP silently
+            text = path.read_text()
+            assert "export FI_PROVIDER=efa" in text and "export NCCL_NET='AWS Libfabric'" in text
+        scripts.append(str(path))
+    if shutil.which("shellcheck") is None:
+        pytest.skip("shellcheck is not installed (apt-get install shellcheck); bash -n passed")
+    done = subprocess.run(["shellcheck", "--severity=warning", "--shell=bash", *scripts], capture_output=True,
+                          text=True)
+    assert done.returncode == 0, done.stdout

@@ -28,7 +28,7 @@ from leantrain.ckpt.lease import inherit_env, run_lease
 from leantrain.errors import CheckFailed, Interrupted, UserInputError
 from leantrain.launch import torchrun
 from leantrain.launch.health import excluded_hosts, health_path, record_failure
-from leantrain.launch.job_spec import raw_env_references, write_job_spec
+from leantrain.launch.job_spec import job_spec_path, job_spec_text, raw_env_references
 from leantrain.launch.resources import TrainCommand, describe, job_resources, parse_nnodes, write_job_file
 from leantrain.launch.slurm import slurm_script
 from leantrain.launch.staging import ensure_local_data
@@ -54,21 +54,23 @@ def setup_path(out: Path) -> Path:
 
 def emit_job_file(
     spec: JobSpec, *, kind: str, out: Path, spec_path: Path, overrides: list[str], profile: str | None,
-    run_dir: Path, nproc: int | None, nnodes: str | None, max_restarts: int | None,
+    run_dir: Path, nproc: int | None, nnodes: str | None, max_restarts: int | None, dry_run: bool = False,
 ) -> Path:
-    """Write the Slurm batch script or the Kubernetes manifests; returns the path written."""
+    """Write the Slurm batch script or the Kubernetes manifests (nothing else: the run dir is the cluster's);
+    returns the path written. `dry_run`: placeholders for a missing image or node set-up, for reading."""
     refs = raw_env_references(spec_path, profile=profile, overrides=list(overrides))
     if kind == "slurm":
-        # The job runs the spec frozen in the run dir, not the submit host's file (which may change or be absent).
-        command = TrainCommand(spec_path=write_job_spec(spec, run_dir=run_dir, env_refs=refs))
+        # The job runs the spec frozen in the script, which writes it to the run dir when it starts; not the
+        # submit host's file (which may change or be absent).
+        command = TrainCommand(spec_path=job_spec_path(run_dir))
         text = slurm_script(spec, command=command, run_dir=run_dir, nnodes=nnodes, nproc=nproc,
-                            max_restarts=max_restarts)
+                            max_restarts=max_restarts, job_spec=job_spec_text(spec, env_refs=refs), dry_run=dry_run)
     elif kind == "k8s":
         from leantrain.launch.k8s import k8s_documents, k8s_yaml, setup_documents
 
         text = k8s_yaml(k8s_documents(spec, run_dir=run_dir, nnodes=nnodes, nproc=nproc, max_restarts=max_restarts,
-                                      env_refs=refs))
-        write_job_file(k8s_yaml(setup_documents(spec, env_refs=refs)), setup_path(out))
+                                      env_refs=refs, dry_run=dry_run))
+        write_job_file(k8s_yaml(setup_documents(spec, env_refs=refs, dry_run=dry_run)), setup_path(out))
     else:
         raise UserInputError(f"--emit {kind!r}: allowed: {', '.join(EMIT_KINDS)}")
     return write_job_file(text, out)
@@ -86,18 +88,21 @@ def run(
     if emit is not None:
         if emit not in EMIT_KINDS:
             raise UserInputError(f"--emit {emit!r}: allowed: {', '.join(EMIT_KINDS)}")
-        make_private_dir(run_dir, owner_only=spec.security.owner_only)
         path = emit_job_file(spec, kind=emit, out=Path(out or DEFAULT_OUT[emit]), spec_path=spec_path,
                              overrides=overrides, profile=profile, run_dir=run_dir, nproc=nproc, nnodes=nnodes,
-                             max_restarts=max_restarts)
+                             max_restarts=max_restarts, dry_run=dry_run)
         res = job_resources(spec, nnodes=nnodes, nproc=nproc)
         excluded = excluded_hosts(run_dir, crash_threshold=spec.cluster.unhealthy_after_crashes)
-        _audit(spec, run_dir, "launch.emit", kind=emit, out=str(path.resolve()), **describe(res), excluded=excluded)
+        # Only under --out: the audit line goes beside the job file (the run dir is the cluster's to create).
+        _audit(spec, path.parent, "launch.emit", kind=emit, out=str(path.resolve()), **describe(res),
+               excluded=excluded, dry_run=dry_run)
         console.print(f"wrote {emit} job file {path}: {res.num_nodes} node(s) × {res.gpus_per_node} GPU(s) "
                       f"(from {res.source}); excluded hosts: {', '.join(excluded) or 'none'}")
+        if dry_run:
+            console.print("[yellow]dry run: placeholders stand in for what the spec does not name (cluster.image, "
+                          "the Slurm node set-up); the file is for reading, not for submitting")
         if emit == "k8s":
-            console.print(f"wrote {setup_path(path)}: the PVCs and the Secret (placeholders) the job needs; "
-                          f"apply once first: envsubst < {setup_path(path)} | kubectl apply -f -")
+            _print_k8s_setup(spec, path=path, console=console)
         return
     if preflight:
         from leantrain.launch.preflight import preflight_command
@@ -210,6 +215,21 @@ def _launch_leased(
         )
 
 
+def _print_k8s_setup(spec: JobSpec, *, path: Path, console: Console) -> None:
+    """What to apply before the job: the PVCs, the Secret and, for data on a PVC, the copy into it."""
+    from leantrain.launch.k8s import data_load_commands
+    from leantrain.launch.staging import is_remote
+
+    setup = setup_path(path)
+    console.print(f"wrote {setup}: the PVCs and the Secret (placeholders) the job needs; apply once first:\n"
+                  f"  envsubst < {setup} | kubectl apply -f -", markup=False, highlight=False)
+    if not is_remote(spec.cluster.data_url):
+        console.print("then copy the prepared data dir into the data PVC (preflight checks it on every rank):\n  "
+                      + "\n  ".join(data_load_commands(spec, data_dir=str(spec.data.dir))), markup=False,
+                      highlight=False)
+    console.print(f"then: kubectl apply -f {path}", markup=False, highlight=False)
+
+
 def _stage_data(spec: JobSpec, *, console: Console) -> None:
     staged = ensure_local_data(spec)
     if staged is not None:
@@ -266,22 +286,24 @@ def print_sweep(points: list[torchrun.SweepPoint], *, console: Console, path: Pa
 
 def demo_stage(ctx: Any) -> str:
     """`leantrain demo`: write the Slurm and Kubernetes job files for the seed's 10B example (rehearsal
-    profile) under the demo dir, so the cluster side of the chain is shown without a cluster."""
+    profile) under the demo dir, so the cluster side of the chain is shown without a cluster. A dry run: the
+    seed names no image or node set-up, so placeholders stand in."""
     from leantrain.demo_context import REPO_ROOT
     from leantrain.spec import load_spec
 
     out_dir = Path(ctx.out_dir) / "jobs"
     spec_path = REPO_ROOT / "examples" / "seed-10b.yaml"
     spec = load_spec(spec_path, profile="rehearsal")
-    run_dir = make_private_dir(out_dir / "seed-10b-run", owner_only=spec.security.owner_only)
+    run_dir = out_dir / "seed-10b-run"
     written = [
         emit_job_file(spec, kind=kind, out=out_dir / DEFAULT_OUT[kind].replace("job", "seed-10b"), spec_path=spec_path,
-                      overrides=[], profile="rehearsal", run_dir=run_dir, nproc=None, nnodes=None, max_restarts=None)
+                      overrides=[], profile="rehearsal", run_dir=run_dir, nproc=None, nnodes=None, max_restarts=None,
+                      dry_run=True)
         for kind in EMIT_KINDS
     ]
     res = job_resources(spec)
-    return (f"job files for the seed example ({res.num_nodes} nodes × {res.gpus_per_node} GPUs): "
-            + ", ".join(str(p) for p in written))
+    return (f"job files for the seed example ({res.num_nodes} nodes × {res.gpus_per_node} GPUs; a dry run: "
+            "placeholders for its image and node set-up): " + ", ".join(str(p) for p in written))
 
 
 def demo_train_stage(ctx: Any) -> str:

@@ -1,7 +1,8 @@
 """The spec a cluster job runs, frozen at `--emit` time: the parsed spec (profile and `--set` applied; only
 fields that were set, so defaults stay defaults) with the spec file's `${VAR}` values kept as references, so
-the nodes resolve them from their own environment. The Kubernetes ConfigMap holds it; the Slurm job writes it
-to RUN_DIR/job-spec.yaml, so the job does not depend on the submit host's checkout or later edits to the file.
+the nodes resolve them from their own environment. The Kubernetes ConfigMap holds it; the Slurm script carries
+it and writes it to RUN_DIR/job-spec.yaml when the job starts (nothing is written on the submit host but the job
+file), so the job does not depend on the submit host's checkout or later edits to the file.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from typing import Any
 
 import yaml
 
+from leantrain.errors import UserInputError
 from leantrain.spec import JobSpec
 
 ENV_REF_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-[^}]*)?\}")
@@ -55,12 +57,30 @@ def frozen_spec_document(spec: JobSpec, *, env_refs: dict[str, str] | None = Non
     return doc
 
 
-def write_job_spec(spec: JobSpec, *, run_dir: Path, env_refs: dict[str, str] | None = None) -> Path:
-    """RUN_DIR/job-spec.yaml (owner-only) for the Slurm job; returns its path."""
-    from leantrain.security import write_private_text
-
-    path = Path(run_dir).resolve() / JOB_SPEC_NAME
-    path.parent.mkdir(parents=True, exist_ok=True)
+def job_spec_text(spec: JobSpec, *, env_refs: dict[str, str] | None = None) -> str:
+    """RUN_DIR/job-spec.yaml's text; the Slurm script writes it on the cluster (owner-only) when the job starts."""
     text = "# Written by `leantrain launch --emit slurm`: the spec this job runs (profile and --set applied).\n"
-    write_private_text(path, text + yaml.safe_dump(frozen_spec_document(spec, env_refs=env_refs), sort_keys=False))
-    return path
+    return text + yaml.safe_dump(frozen_spec_document(spec, env_refs=env_refs), sort_keys=False)
+
+
+def job_spec_path(run_dir: Path) -> Path:
+    return Path(run_dir).resolve() / JOB_SPEC_NAME
+
+
+# What `--emit ... --dry-run` writes where the spec names no image: a job file to read, not one to submit.
+PLACEHOLDER_IMAGE = "REPLACE-ME.example/leantrain-train:0.1.0"
+
+
+def job_image(spec: JobSpec, *, dry_run: bool, why: str) -> str:
+    """`cluster.image`, which a job file that runs in a container needs (`why` says which); with `dry_run` a
+    placeholder when it is unset. A placeholder is refused outside a dry run."""
+    image = spec.cluster.image
+    if image and "REPLACE-ME" not in image:
+        return image
+    if dry_run:
+        return image or PLACEHOLDER_IMAGE
+    raise UserInputError(
+        f"cluster.image: {why} runs in the training image, and the spec names {'a placeholder' if image else 'none'}"
+        f"{f' ({image})' if image else ''}: build and push docker/Dockerfile (docker/README.md), then set "
+        "cluster.image to it, pinned by digest (registry/leantrain-train@sha256:...); `--dry-run` writes the job "
+        "file with a placeholder to read")

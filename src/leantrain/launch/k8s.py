@@ -32,7 +32,7 @@ import yaml
 
 from leantrain.launch.fabric import nccl_env
 from leantrain.launch.health import excluded_hosts
-from leantrain.launch.job_spec import ENV_REF_RE, frozen_spec_document
+from leantrain.launch.job_spec import ENV_REF_RE, frozen_spec_document, job_image
 from leantrain.launch.resources import TORCHRUN_ENV, JobResources, TrainCommand, job_name, job_resources, torchrun_args
 from leantrain.launch.staging import is_remote
 from leantrain.security import spec_secret_env_names
@@ -113,7 +113,7 @@ def _gpu_tolerations(res: JobResources) -> list[dict[str, Any]]:
 
 
 def _storage(
-    spec: JobSpec, *, name: str, data_dir: str, env_refs: dict[str, str] | None = None
+    spec: JobSpec, *, name: str, data_dir: str, image: str, env_refs: dict[str, str] | None = None
 ) -> tuple[list[Any], list[Any], list[Any]]:
     """(volumes, training container mounts, init containers): spec, runs PVC, /dev/shm, and the data either
     on its PVC or staged by an init container into node-local disk."""
@@ -138,7 +138,7 @@ def _storage(
     stage = ["python", "-m", "leantrain.launch.staging", str(cluster.data_url), data_dir]
     if cluster.data_endpoint_url:
         stage += ["--endpoint-url", cluster.data_endpoint_url]
-    init = {"name": "stage-data", "image": cluster.image, "imagePullPolicy": "IfNotPresent", "command": stage,
+    init = {"name": "stage-data", "image": image, "imagePullPolicy": "IfNotPresent", "command": stage,
             "env": _secret_env(spec, env_refs), "volumeMounts": [{"name": "local", "mountPath": LOCAL_MOUNT}]}
     return volumes, mounts, [init]
 
@@ -162,17 +162,17 @@ def _container_script(spec: JobSpec, *, res: JobResources, name: str, max_restar
 
 def _pod_spec(
     spec: JobSpec, *, res: JobResources, name: str, run_name: str, max_restarts: int, run_dir: Path | None,
-    env_refs: dict[str, str] | None = None,
+    image: str, env_refs: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """The Worker pods: one training container, gang scheduler, non-root, GPU tolerations, bad hosts avoided."""
     cluster = spec.cluster
     data_dir = f"{LOCAL_MOUNT}/data" if is_remote(cluster.data_url) else DATA_MOUNT
-    volumes, mounts, init_containers = _storage(spec, name=name, data_dir=data_dir)
+    volumes, mounts, init_containers = _storage(spec, name=name, data_dir=data_dir, image=image, env_refs=env_refs)
     env = [{"name": k, "value": v} for k, v in {**TORCHRUN_ENV, **nccl_env(spec)}.items()]
-    env += [{"name": "LEANTRAIN_IMAGE", "value": cluster.image}, *_secret_env(spec, env_refs)]
+    env += [{"name": "LEANTRAIN_IMAGE", "value": image}, *_secret_env(spec, env_refs)]
     container = {
         "name": "pytorch",  # the operator looks for this container name
-        "image": cluster.image,
+        "image": image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["bash", "-c", _container_script(spec, res=res, name=name, max_restarts=max_restarts,
                                                     run_dir=f"{RUNS_MOUNT}/{run_name}")],
@@ -210,7 +210,7 @@ def unique_job_name(spec: JobSpec, *, job_id: str | None = None) -> str:
 
 def pytorch_job(
     spec: JobSpec, *, res: JobResources, max_restarts: int, run_dir: Path | None = None, job_id: str | None = None,
-    env_refs: dict[str, str] | None = None,
+    env_refs: dict[str, str] | None = None, image: str | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(ConfigMap, PyTorchJob) for this spec. The run dir on the PVC is named after the run, not the job, so a
     resubmitted job resumes from the same checkpoints."""
@@ -230,8 +230,9 @@ def pytorch_job(
         scheduling["queue"] = cluster.k8s_queue
     if cluster.k8s_priority_class:
         scheduling["priorityClass"] = cluster.k8s_priority_class
+    image = image or job_image(spec, dry_run=False, why="a Kubernetes job")
     pod_spec = _pod_spec(spec, res=res, name=name, run_name=run_name, max_restarts=max_restarts, run_dir=run_dir,
-                         env_refs=env_refs)
+                         image=image, env_refs=env_refs)
     scrape = {"prometheus.io/scrape": "true", "prometheus.io/port": str(metrics_port(spec)),
               "prometheus.io/path": "/metrics"}
     job = {
@@ -276,10 +277,49 @@ def pod_monitor(spec: JobSpec, *, name: str) -> dict[str, Any]:
     }
 
 
-def setup_documents(spec: JobSpec, *, env_refs: dict[str, str] | None = None) -> list[dict[str, Any]]:
-    """What the job needs to exist first, applied once per namespace: the data PVC (ReadOnlyMany: every pod
-    reads it), the run-dir PVC (ReadWriteMany: every pod writes checkpoints and logs), and the Secret with every
-    env var the spec references, as `${VAR}` placeholders for `envsubst` (no secret value is ever written)."""
+def data_loader_name(spec: JobSpec) -> str:
+    return f"{spec.cluster.k8s_data_pvc}-loader"[:63]
+
+
+def data_load_commands(spec: JobSpec, *, data_dir: str) -> list[str]:
+    """The copy job for a data PVC: stream the prepared data dir into the loader pod, then remove the pod.
+    Preflight then checks the manifest and every shard on every rank before training starts."""
+    ns, pod = spec.cluster.k8s_namespace, data_loader_name(spec)
+    return [f"kubectl -n {ns} wait --for=condition=Ready pod/{pod} --timeout=600s",
+            f"tar -C {shlex.quote(data_dir)} -cf - . | kubectl -n {ns} exec -i {pod} -- tar -C {DATA_MOUNT} -xf -",
+            f"kubectl -n {ns} exec {pod} -- test -s {DATA_MOUNT}/manifest.json",
+            f"kubectl -n {ns} delete pod {pod}"]
+
+
+def _data_loader_pod(spec: JobSpec, *, image: str) -> dict[str, Any]:
+    """A small non-root pod that mounts the data PVC read-write for the copy (data_load_commands), then is deleted;
+    it ends itself after an hour."""
+    cluster = spec.cluster
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"name": data_loader_name(spec), "namespace": cluster.k8s_namespace,
+                     "labels": {"app.kubernetes.io/name": "leantrain-data-loader"}},
+        "spec": {
+            "restartPolicy": "Never", "activeDeadlineSeconds": 3600,
+            "securityContext": {"runAsNonRoot": True, "runAsUser": RUN_AS_UID, "fsGroup": RUN_AS_UID},
+            "containers": [{"name": "loader", "image": image, "imagePullPolicy": "IfNotPresent",
+                            "command": ["sleep", "3600"],
+                            "resources": {"requests": {"cpu": "1", "memory": "1Gi"},
+                                          "limits": {"cpu": "2", "memory": "2Gi"}},
+                            "volumeMounts": [{"name": "data", "mountPath": DATA_MOUNT}]}],
+            "volumes": [{"name": "data", "persistentVolumeClaim": {"claimName": cluster.k8s_data_pvc}}],
+        },
+    }
+
+
+def setup_documents(
+    spec: JobSpec, *, env_refs: dict[str, str] | None = None, dry_run: bool = False
+) -> list[dict[str, Any]]:
+    """What the job needs to exist first, applied once per namespace: the data PVC (ReadWriteMany: the loader
+    pod fills it, every training pod mounts it read-only) with the loader pod, unless `cluster.data_url` is
+    staged by each pod's init container; the run-dir PVC (ReadWriteMany: every pod writes checkpoints and
+    logs); and the Secret with every env var the spec references, as `${VAR}` placeholders for `envsubst` (no
+    secret value is ever written)."""
     cluster = spec.cluster
 
     def claim(name: str, mode: str, size_gb: int) -> dict[str, Any]:
@@ -291,7 +331,9 @@ def setup_documents(spec: JobSpec, *, env_refs: dict[str, str] | None = None) ->
 
     docs = [claim(cluster.k8s_checkpoint_pvc, "ReadWriteMany", cluster.k8s_checkpoint_pvc_gb)]
     if not is_remote(cluster.data_url):
-        docs.insert(0, claim(cluster.k8s_data_pvc, "ReadOnlyMany", cluster.k8s_data_pvc_gb))
+        image = job_image(spec, dry_run=dry_run, why="the data loader pod")
+        docs[:0] = [claim(cluster.k8s_data_pvc, "ReadWriteMany", cluster.k8s_data_pvc_gb),
+                    _data_loader_pod(spec, image=image)]
     names = sorted(referenced_env_names(spec, env_refs))
     if names:
         docs.append({"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
@@ -331,13 +373,16 @@ def prepull_daemonset(
 def k8s_documents(
     spec: JobSpec, *, run_dir: Path | None = None, nnodes: str | None = None, nproc: int | None = None,
     max_restarts: int | None = None, job_id: str | None = None, env_refs: dict[str, str] | None = None,
+    dry_run: bool = False,
 ) -> list[dict[str, Any]]:
-    """[ConfigMap, PyTorchJob, DaemonSet] and, with cluster.k8s_pod_monitor, a PodMonitor."""
+    """[ConfigMap, PyTorchJob, DaemonSet] and, with cluster.k8s_pod_monitor, a PodMonitor. `cluster.image` is
+    required (with `dry_run`, a placeholder stands in)."""
     res = job_resources(spec, nnodes=nnodes, nproc=nproc)
     restarts = spec.fault.max_restarts if max_restarts is None else max_restarts
+    image = job_image(spec, dry_run=dry_run, why="a Kubernetes job")
     config_map, job = pytorch_job(spec, res=res, max_restarts=restarts, run_dir=run_dir, job_id=job_id,
-                                  env_refs=env_refs)
-    daemonset = prepull_daemonset(image=spec.cluster.image, namespace=spec.cluster.k8s_namespace,
+                                  env_refs=env_refs, image=image)
+    daemonset = prepull_daemonset(image=image, namespace=spec.cluster.k8s_namespace,
                                   gpu_resource=res.gpu_resource)
     docs = [config_map, job, daemonset]
     if spec.cluster.k8s_pod_monitor:

@@ -14,13 +14,14 @@ reaches the trainer as a file.
 
 from __future__ import annotations
 
-import sys
 import time
 from pathlib import Path
 
 from leantrain.ckpt.control import CHECKPOINT_REQUEST_NAME
+from leantrain.errors import UserInputError
 from leantrain.launch.fabric import nccl_env
 from leantrain.launch.health import HEALTH_FILE_NAME, excluded_hosts
+from leantrain.launch.job_spec import job_image
 from leantrain.launch.resources import (
     TORCHRUN_ENV,
     JobResources,
@@ -51,7 +52,9 @@ def _sbatch_options(
         "requeue": None,
         "signal": f"B:USR1@{cluster.checkpoint_signal_s}",
         "open-mode": "append",
-        "output": str(run_dir / "slurm-%j.out"),
+        # In the submit folder: the run dir may not exist before the job creates it; the script tees its output
+        # into RUN_DIR/slurm-<job id>.out as soon as it has.
+        "output": f"{name}-%j.out",
     }
     if res.elastic:  # a lost node must not end the allocation: torchrun's agents go on with the rest
         sbatch["no-kill"] = None
@@ -109,36 +112,49 @@ def _wait_for_training(*, max_requeues: int, health_cmd: str) -> list[str]:
     ]
 
 
-def _runtime_prefix(spec: JobSpec, *, mounts: list[str]) -> tuple[list[str], list[str]]:
+def _runtime_prefix(spec: JobSpec, *, mounts: list[str], image: str | None) -> tuple[list[str], list[str]]:
     """(srun flags, command prefix) that run a step in the image: pyxis flags, or `apptainer exec`."""
     cluster = spec.cluster
     if cluster.slurm_runtime == "pyxis":
-        return [f"--container-image={cluster.image}", f"--container-mounts={','.join(f'{d}:{d}' for d in mounts)}",
+        return [f"--container-image={image}", f"--container-mounts={','.join(f'{d}:{d}' for d in mounts)}",
                 "--no-container-mount-home"], []
-    if cluster.slurm_runtime == "apptainer":
-        image = cluster.image if cluster.image.endswith(".sif") or "://" in cluster.image else \
-            f"docker://{cluster.image}"
-        return [], ["apptainer", "exec", "--nv", "--cleanenv", "--bind", ",".join(mounts), image]
+    if cluster.slurm_runtime == "apptainer" and image is not None:
+        sif = image if image.endswith(".sif") or "://" in image else f"docker://{image}"
+        return [], ["apptainer", "exec", "--nv", "--cleanenv", "--bind", ",".join(mounts), sif]
     return [], []
 
 
-def _environment_lines(spec: JobSpec) -> list[str]:
-    """How the nodes find leantrain (image, env hook, or this venv) and the fabric variables."""
+NO_RUNTIME = ("cluster.slurm_runtime is host and neither cluster.env_hook nor cluster.slurm_venv is set: the nodes "
+              "need leantrain from somewhere other than the submit host's venv. Set cluster.slurm_runtime: pyxis "
+              "or apptainer (with cluster.image), cluster.slurm_venv (a venv on storage every node mounts), or "
+              "cluster.env_hook (a shell file that sets one up)")
+
+
+def _environment_lines(spec: JobSpec, *, image: str | None, dry_run: bool) -> list[str]:
+    """How the nodes find leantrain (the image, the env hook or the shared venv) and the fabric variables."""
     cluster = spec.cluster
     lines = [f"export {k}={quote_arg(v)}" for k, v in TORCHRUN_ENV.items()]
+    if cluster.nccl_preset != "none" or cluster.nccl_env:
+        lines.append(f"# NCCL fabric settings: cluster.nccl_preset {cluster.nccl_preset} (launch/fabric.py), "
+                     "then cluster.nccl_env.")
     lines += [f"export {k}={quote_arg(v)}" for k, v in nccl_env(spec).items()]
     if cluster.slurm_runtime != "host":
-        lines.append(f"export LEANTRAIN_IMAGE={quote_arg(cluster.image)}")
+        lines.append(f"export LEANTRAIN_IMAGE={quote_arg(image)}")
         if cluster.slurm_runtime == "apptainer":  # --cleanenv drops the host env: pass what the job sets
             names = [*TORCHRUN_ENV, *nccl_env(spec), "LEANTRAIN_IMAGE"]
             lines += [f"export APPTAINERENV_{n}=\"${n}\"" for n in names]
     elif cluster.env_hook:
         lines += ["# The env hook sets up leantrain on the node (modules, a venv on shared storage); srun steps "
                   "inherit it.", f"source {quote_arg(cluster.env_hook)}"]
+    elif cluster.slurm_venv:
+        lines += ["# The shared venv (cluster.slurm_venv), at the same path on every node; srun steps inherit it.",
+                  f"source {quote_arg(cluster.slurm_venv.rstrip('/') + '/bin/activate')}"]
+    elif dry_run:
+        lines += ["# DRY RUN: " + NO_RUNTIME.split(":")[0] + "; this job stops here until the spec names one.",
+                  ': "${LEANTRAIN_VENV:?set cluster.slurm_venv, cluster.env_hook or cluster.slurm_runtime in the '
+                  'spec and emit again}"', 'source "$LEANTRAIN_VENV/bin/activate"']
     else:
-        lines += ["# No cluster.env_hook and no container: the venv this file was written from, which must be at "
-                  "the same path on every node.",
-                  f'export PATH={quote_arg(str(Path(sys.executable).parent))}:"$PATH"']
+        raise UserInputError(NO_RUNTIME)
     return lines
 
 
@@ -177,8 +193,12 @@ def slurm_script(
     nnodes: str | None = None,
     nproc: int | None = None,
     max_restarts: int | None = None,
+    job_spec: str | None = None,
+    dry_run: bool = False,
 ) -> str:
-    """The sbatch file's text. Pure: reads the health file, writes nothing."""
+    """The sbatch file's text. Pure: reads the health file, writes nothing. `job_spec`: the frozen spec's text,
+    which the job writes to `command.spec_path` when it starts. `dry_run`: a missing image or node set-up becomes
+    a placeholder (the job file is for reading) instead of an error."""
     res = job_resources(spec, nnodes=nnodes, nproc=nproc)
     cluster = spec.cluster
     run_dir = Path(run_dir).resolve()
@@ -190,7 +210,9 @@ def slurm_script(
     # Inside the image the job needs the run dir, the spec's folder and the data (or the node-local stage).
     data_root = cluster.node_local_dir if is_remote(cluster.data_url) else str(Path(spec.data.dir).resolve())
     mounts = list(dict.fromkeys([str(run_dir), str(Path(command.spec_path).parent), data_root]))
-    container, prefix = _runtime_prefix(spec, mounts=mounts)
+    image = None if cluster.slurm_runtime == "host" else job_image(
+        spec, dry_run=dry_run, why=f"cluster.slurm_runtime: {cluster.slurm_runtime}")
+    container, prefix = _runtime_prefix(spec, mounts=mounts, image=image)
     # Elastic: a failed node's step must not take the others down (torchrun re-forms the group without it).
     kill = ["--kill-on-bad-exit=0", "--no-kill"] if res.elastic else ["--kill-on-bad-exit=1"]
     srun = ["srun", "--ntasks-per-node=1", *kill, f"--cpus-per-task={res.cpus_per_node}", *container, *prefix]
@@ -204,7 +226,10 @@ def slurm_script(
     if cluster.slurm_runtime != "host":  # the batch shell runs outside the image: read the file inside it
         health = ["srun", "--overlap", "--nodes=1", "--ntasks=1", *container, *health]
     health_cmd = join_args(health)
-    env_lines = _environment_lines(spec)
+    env_lines = _environment_lines(spec, image=image, dry_run=dry_run)
+    spec_lines = [] if job_spec is None else [
+        "# The spec this job runs, frozen when the job file was written (`${VAR}` values resolve on the nodes).",
+        f"cat > {quote_arg(command.spec_path)} <<'LEANTRAIN_JOB_SPEC'", job_spec.rstrip("\n"), "LEANTRAIN_JOB_SPEC"]
     header = [
         "#!/bin/bash",
         f"# Written by `leantrain launch --emit slurm` at {time.strftime('%Y-%m-%d %H:%M:%S %Z')}; "
@@ -219,6 +244,8 @@ def slurm_script(
         f"RUN_DIR={quote_arg(run_dir)}",
         f"RDZV_PORT={cluster.rdzv_port}",
         'mkdir -p "$RUN_DIR"',
+        'exec > >(tee -a "$RUN_DIR/slurm-$SLURM_JOB_ID.out") 2>&1  # the console, also in the run dir',
+        *spec_lines,
         "# A request left by an allocation that ended before the trainer served it would stop this one at once.",
         f'rm -f "$RUN_DIR/{CHECKPOINT_REQUEST_NAME}"',
         *env_lines,

@@ -362,9 +362,11 @@ SLURM_TIME_RE = r"^(\d+-)?\d{1,2}(:\d{2}){0,2}$|^\d+$"
 class ClusterSpec(Section):
     """How job files for a cluster are written (Slurm sbatch, Kubernetes PyTorchJob) and data is staged."""
 
-    image: str = Field(
-        "leantrain/train:0.1.0-cuda13.0",
-        description="Training image (docker/Dockerfile); pin by digest (name@sha256:...) in production.",
+    image: str | None = Field(
+        None,
+        description="Training image you built and pushed (docker/README.md), pinned by digest (name@sha256:...) in "
+        "production; required by Kubernetes job files and the pyxis/apptainer Slurm runtimes (`launch --emit ... "
+        "--dry-run` writes a placeholder instead).",
     )
     time_limit: str = Field(
         "24:00:00", pattern=SLURM_TIME_RE, description="Wall-clock limit per allocation, Slurm format [D-]HH:MM:SS."
@@ -380,8 +382,12 @@ class ClusterSpec(Section):
     slurm_qos: str | None = Field(None, description="Slurm quality of service.")
     slurm_runtime: Literal["host", "pyxis", "apptainer"] = Field(
         "host", description="Where srun steps run: `pyxis` (enroot, --container-image) or `apptainer` (apptainer "
-        "exec --nv) run them in `image`; `host` runs them on the node (with `env_hook`, or else the venv the job "
-        "file was written from)."
+        "exec --nv) run them in `image`; `host` runs them on the node, set up by `env_hook` or `slurm_venv` (one "
+        "of them is required: never the submit host's own venv)."
+    )
+    slurm_venv: str | None = Field(
+        None, description="`slurm_runtime: host`: a venv with leantrain on storage every node mounts at this path; "
+        "the job activates it on each node."
     )
     env_hook: str | None = Field(
         None, description="Shell file sourced on every node before leantrain runs (module loads, a venv on "
@@ -390,8 +396,9 @@ class ClusterSpec(Section):
     max_requeues: int = Field(
         3, ge=0, description="Slurm: requeue the job after a failed training step at most this many times."
     )
-    nccl_preset: Literal["none", "infiniband", "roce", "tcp"] = Field(
-        "none", description="NCCL fabric settings for job files (launch/fabric.py); `nccl_env` entries win."
+    nccl_preset: Literal["none", "infiniband", "roce", "efa", "tcp"] = Field(
+        "none", description="The cluster's fabric: NCCL settings for job files (launch/fabric.py: InfiniBand, RoCE "
+        "v2, AWS EFA through the aws-ofi-nccl plugin, or plain TCP); `nccl_env` entries win."
     )
     nccl_env: dict[str, str] = Field(
         default_factory=dict, description="NCCL_*/UCX_* variables exported on every node (over `nccl_preset`)."
