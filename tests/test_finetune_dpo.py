@@ -329,3 +329,33 @@ def test_dpo_under_fsdp_on_two_ranks_matches_one_process(prepared: tuple[Path, P
             for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margin", "rewards/accuracy"):
                 assert ours[key] == pytest.approx(theirs[key], abs=1e-5), (weights, ours["step"], key)
         assert sharded[-1]["rewards/margin"] > sharded[0]["rewards/margin"]
+
+
+def test_the_plan_counts_the_reference_model() -> None:
+    """LoRA DPO: the reference is the adapters-off base (no memory); full DPO: a frozen copy of the weights, sharded
+    like the policy. Both add the reference forward (2 FLOPs per parameter per token) to the step."""
+    from leantrain.plan.inputs import plan_inputs
+    from leantrain.plan.layout import Layout
+    from leantrain.plan.memory import memory_per_gpu
+
+    def inputs(method: str, weights: str = "lora") -> Any:
+        return plan_inputs(spec_from_dict({
+            "task": "finetune", "finetune": {"method": method, "dpo": {"weights": weights}},
+            "model": {"n_layers": 32, "d_model": 4096, "n_heads": 32, "vocab_size": 32000},
+            "data": {"tokens_total": 1e8, "seq_len": 1024},
+            "training": {"global_batch_tokens": 64 * 1024, "micro_batch": 2, "activation_checkpointing": "full"},
+            "precision": {"compute": "bf16"}, "hardware": {"accelerator": "A100-80GB", "gpus_per_node": 8},
+            "parallelism": {"data_parallel": 8, "zero_stage": 3}, "budget": {"target_days": None, "num_gpus": 8}}))
+
+    layout = Layout(dp=8, tp=1, pp=1, zero=3, micro_batch=2, recompute="full")
+    memory = {name: memory_per_gpu(i, layout, num_microbatches=4)
+              for name, i in (("lora", inputs("lora")), ("dpo_lora", inputs("dpo")), ("full", inputs("full")),
+                              ("dpo_full", inputs("dpo", "full")))}
+    assert memory["dpo_lora"].to_dict() == memory["lora"].to_dict()
+    # the copy: the policy's sharded weights once more (params also holds a small buffer that is not copied)
+    assert memory["dpo_full"].params - memory["full"].params == pytest.approx(memory["full"].params, rel=1e-3)
+    assert memory["dpo_full"].optimizer == memory["full"].optimizer and memory["dpo_full"].grads == memory["full"].grads
+    full, dpo_full = inputs("full"), inputs("dpo", "full")
+    recompute = layout.recompute
+    assert dpo_full.hardware_flops_per_token(recompute) - full.hardware_flops_per_token(recompute) == pytest.approx(
+        full.flops.matmul / 3)

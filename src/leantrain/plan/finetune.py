@@ -1,4 +1,4 @@
-"""Fine-tuning in the memory model (task: finetune; finetune.method full | lora | qlora).
+"""Fine-tuning in the memory model (task: finetune; finetune.method full | lora | qlora | dpo).
 
 - full: every weight trains — the pretraining arithmetic applies unchanged.
 - lora (Hu et al. 2021): the base is frozen in the compute dtype (no gradients, no optimizer states); each
@@ -10,6 +10,12 @@
   fp32 second-level scale per 256 blocks) — while embeddings and norms stay in the compute dtype.
 - activations: the base's own (its inputs still need gradients), plus per target the adapter's input after
   dropout (a new tensor when dropout > 0) and A's output (r values), both in the compute dtype.
+- dpo (train/dpo.py): a micro-batch's rows are the pairs' chosen and rejected sequences, so activations are
+  counted as for any micro_batch rows. Each step first runs the reference model's forward without gradients
+  (its activations and logits are freed before the policy's forward, so they add no peak) — 2 FLOPs per
+  parameter per token more (plan/inputs.py). With LoRA/QLoRA weights the reference is the frozen base with
+  the adapters off: no memory. Full DPO holds a frozen copy of the weights, sharded and stored as the
+  policy's (`reference_copies`: the parameter bytes twice, no gradients or optimizer states for the copy).
 """
 
 from __future__ import annotations
@@ -19,6 +25,11 @@ from leantrain.plan.inputs import PlanInputs
 from leantrain.spec.shapes import ModelShape
 
 NF4_BYTES_PER_PARAM = (4 + 0.127) / 8  # QLoRA §3 (Double Quantization): 4-bit values + 0.127 bits of scales
+
+
+def reference_copies(inputs: PlanInputs) -> float:
+    """Copies of the trained weights a GPU holds: 2 for full DPO (the policy and its frozen reference), else 1."""
+    return 2.0 if inputs.dpo_reference == "copy" else 1.0
 
 
 def adapter_params(inputs: PlanInputs) -> float:

@@ -105,6 +105,7 @@ class PlanInputs:
     lora_targets: tuple[str, ...] = ()
     lora_dropout: float = 0.0
     adapter_params: float = 0.0  # LoRA adapter parameters of the whole model (plan/finetune.py)
+    dpo_reference: str = "none"  # finetune.method dpo: none | base (LoRA, adapters off) | copy (full DPO)
     fp8_speedup: float = 1.0  # compute rate over bf16 for fp8 GEMMs (peak_flops stays the bf16 peak)
     moe_node_limit: int | None = None  # nodes a token's experts may span (node-limited routing, plan/dispatch.py)
     elementwise_passes: float = ELEMENTWISE_PASSES  # memory-bound passes over a layer's activations (timing.py)
@@ -132,6 +133,8 @@ class PlanInputs:
         flops = self.flops.hardware(recompute)
         if not self.trains_base:
             flops += -self.flops.matmul / 3 + 6.0 * self.adapter_params
+        if self.dpo_reference != "none":  # DPO: the reference model's forward (2 of the 6 FLOPs per parameter)
+            flops += self.flops.matmul / 3
         return flops
 
     def with_memory(self, memory_bytes: float) -> PlanInputs:
@@ -203,6 +206,8 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
         lora_rank=ft.lora.rank if ft.weights in ("lora", "qlora") else 0,
         lora_targets=tuple(ft.lora.targets),
         lora_dropout=ft.lora.dropout,
+        dpo_reference=("copy" if ft.weights == "full" else "base") if spec.task == "finetune" and ft.method == "dpo"
+        else "none",
         fp8_speedup=fp8_speedup,
         moe_node_limit=knobs.moe_node_limit,
         elementwise_passes=ELEMENTWISE_PASSES if knobs.elementwise_passes is None else knobs.elementwise_passes,

@@ -34,7 +34,7 @@ from leantrain.plan.activations import (
     layer_activation_bytes,
     stage_layers,
 )
-from leantrain.plan.finetune import adapter_activation_bytes, adapter_params, frozen_weight_bytes
+from leantrain.plan.finetune import adapter_activation_bytes, adapter_params, frozen_weight_bytes, reference_copies
 from leantrain.plan.inputs import PlanInputs
 from leantrain.plan.layout import Layout
 from leantrain.spec.shapes import ModelShape
@@ -140,6 +140,7 @@ def _states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, num_microbat
     grads = (unsharded if keeps_full_grads else sharded(z >= 2)) * inputs.grad_bytes
     opt_per_param = (0.0 if fsdp_master_is_param else inputs.master_bytes) + 2 * inputs.moment_bytes
     optimizer = sharded(z >= 1) * opt_per_param
+    params *= reference_copies(inputs)  # full DPO: a frozen reference copy of the weights (plan/finetune.py)
     if layout.schedule == "dualpipe" and layout.pp > 1:  # a stage of each direction: two copies of the weights
         params, grads = 2 * params, 2 * grads
     if inputs.cpu_offload:
