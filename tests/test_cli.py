@@ -172,3 +172,23 @@ def test_third_party_noise_is_quiet() -> None:
                           timeout=300)
     assert done.returncode == 0 and "imported" in done.stdout, done.stderr
     assert "Failed to load" not in done.stderr and "register_constant" not in done.stderr, done.stderr
+
+
+def test_the_source_entry_per_format_in_docs_data_md_is_a_valid_spec() -> None:
+    """docs/data.md shows one source entry per reader; the block must stay a valid `data.sources` list."""
+    import re
+
+    import yaml
+
+    from leantrain.spec import spec_from_dict
+
+    text = (ROOT / "docs" / "data.md").read_text(encoding="utf-8")
+    section = text.split("## A source entry per format", 1)[1].split("\n## ", 1)[0]
+    sources = yaml.safe_load(re.search(r"```yaml\n(.*?)```", section, flags=re.S).group(1))["data"]["sources"]
+    shown = {s.get("format", "jsonl") for s in sources}
+    assert shown == {"jsonl", "text", "parquet", "arrow", "chat", "preference"}
+    # A pretraining spec takes all but the preference pairs (those need a DPO fine-tune: docs/finetune.md).
+    spec = spec_from_dict({"model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 512},
+                           "data": {"tokens_total": 1e6,
+                                    "sources": [s for s in sources if s.get("format") != "preference"]}})
+    assert len(spec.data.sources) == len(sources) - 1
