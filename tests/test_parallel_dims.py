@@ -126,16 +126,3 @@ def test_comm_seconds_reads_profiler_events() -> None:
 
     events = [Event("aten::mm", 0, 10), Event("c10d::allreduce_", 10, 30), Event("gloo:all_reduce", 12, 28)]
     assert comm_seconds(events, device_type="cpu") == (pytest.approx(20e-6), 2)  # type: ignore[arg-type]
-
-
-def test_parallelize_refuses_what_an_auto_layout_cannot_build_before_allocating() -> None:
-    """`layout: auto` picks degrees at run time: parallelize repeats the spec rules' refusal, still on meta."""
-    from leantrain.model.transformer import Transformer, model_args_from_spec
-    from leantrain.parallel import parallelize
-
-    fp8 = make_spec(compute="fp8")
-    with torch.device("meta"):
-        dense = Transformer(model_args_from_spec(fp8.model, max_seq_len=16))
-    tp_dims = ParallelDims(dp_replicate=1, dp_shard=1, tp=2, pp=1, ep=1, world_size=2)
-    with pytest.raises(UserInputError, match="fp8 with tensor parallelism"):
-        parallelize(dense, tp_dims, fp8, mesh=None, device=torch.device("cpu"))

@@ -21,7 +21,6 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 from torch.distributed.tensor import DTensor
 
 from leantrain.dtypes import DTYPES
-from leantrain.errors import UserInputError
 from leantrain.model.init import init_buffers, init_parameters
 from leantrain.model.layers import ModelArgs
 from leantrain.model.moe import MoE
@@ -301,15 +300,6 @@ class ParallelModel:
         return tensor
 
 
-def _refuse_unbuildable(dims: ParallelDims, spec: JobSpec, args: ModelArgs) -> None:
-    """The spec rules' refusals again, for the degrees a `layout: auto` run chose (still on the meta device)."""
-    if spec.precision.compute == "fp8" and dims.tp > 1:
-        raise UserInputError(
-            f"precision.compute: fp8 with tensor parallelism ({dims.describe()}) is not supported; use compute: bf16 "
-            "or a layout with tensor_parallel: 1"
-        )
-
-
 def parallelize(
     model: Transformer, dims: ParallelDims, spec: JobSpec, *, mesh: LayoutMesh | None, device: torch.device,
     num_microbatches: int = 1,
@@ -322,7 +312,6 @@ def parallelize(
     allocated until `ParallelModel.initialize`.
     """
     par = spec.parallelism
-    _refuse_unbuildable(dims, spec, model.args)
     param_dtype = DTYPES[spec.precision.master_weights]
     for param in model.parameters():
         if param.dtype != param_dtype:

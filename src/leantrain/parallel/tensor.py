@@ -11,6 +11,9 @@ does (torchtitan/models/llama3/infra/parallelize.py): a 128k × 16k embedding wh
 4 GiB of fp32 master plus its Adam states. With tied embeddings it stays whole (the head multiplies by
 the same weight outside any TP style). The untied output projection is column-wise (vocab split); with loss
 parallel its logits stay vocab-sharded (a DTensor) and the cross-entropy runs under `loss_parallel()`.
+Under fp8 the block's float8 Linear layers take torchao's float8 styles (`Float8ColwiseParallel`,
+`Float8RowwiseParallel`, and `PrepareFloat8ModuleInput` for the sequence-parallel all-gathers, which then move
+float8 instead of bf16), as torchtitan's plan does; the head and the embedding keep the plain styles.
 MoE feed-forwards are not tensor-split (their experts are split by expert parallelism): their input is
 gathered to the full sequence and their output split again.
 """
@@ -20,6 +23,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
@@ -75,22 +79,42 @@ def apply_tensor_parallel(
         )
     if top:
         parallelize_module(model, tp_mesh, top)
+    float8_collectives = not sequence_parallel or dist.get_backend(tp_mesh.get_group()) != "gloo"
     for block in model.layers.values():  # type: ignore[union-attr]
-        parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel=sequence_parallel))
+        parallelize_module(block, tp_mesh, _block_plan(block, sequence_parallel=sequence_parallel,
+                                                        float8_collectives=float8_collectives))
 
 
-def _block_plan(block: nn.Module, *, sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def _styles(block: nn.Module, *, float8_collectives: bool) -> tuple[type[ParallelStyle], ...]:
+    """(colwise, rowwise, prepare-input) styles for a block: torchao's float8 ones when its Linears are float8.
+
+    gloo has no float8 dtypes: with sequence parallelism on gloo (CPU tests) the plain styles wrap the float8
+    Linears, whose GEMMs still run in float8 on their DTensor shards, while the activations' all-gathers and
+    reduce-scatters (forward and backward) stay in bf16; NCCL moves them in float8 (half the bytes)."""
+    if type(block.attention.wq).__name__ == "Float8Linear" and float8_collectives:  # type: ignore[union-attr]
+        from torchao.float8.float8_tensor_parallel import (
+            Float8ColwiseParallel,
+            Float8RowwiseParallel,
+            PrepareFloat8ModuleInput,
+        )
+
+        return Float8ColwiseParallel, Float8RowwiseParallel, PrepareFloat8ModuleInput
+    return ColwiseParallel, RowwiseParallel, PrepareModuleInput
+
+
+def _block_plan(block: nn.Module, *, sequence_parallel: bool, float8_collectives: bool) -> dict[str, ParallelStyle]:
     seq_layout = Shard(1) if sequence_parallel else Replicate()
+    colwise, rowwise, prepare_input = _styles(block, float8_collectives=float8_collectives)
     plan: dict[str, ParallelStyle] = {
-        "attention.wq": ColwiseParallel(),
-        "attention.wk": ColwiseParallel(),
-        "attention.wv": ColwiseParallel(),
-        "attention.wo": RowwiseParallel(output_layouts=seq_layout),
+        "attention.wq": colwise(),
+        "attention.wk": colwise(),
+        "attention.wv": colwise(),
+        "attention.wo": rowwise(output_layouts=seq_layout),
     }
     if sequence_parallel:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
-        plan["attention"] = PrepareModuleInput(
+        plan["attention"] = prepare_input(
             input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True
         )
     if getattr(block, "is_moe", False):
@@ -98,12 +122,12 @@ def _block_plan(block: nn.Module, *, sequence_parallel: bool) -> dict[str, Paral
             plan["feed_forward"] = _moe_gather_and_split()
         return plan
     plan.update({
-        "feed_forward.w1": ColwiseParallel(),
-        "feed_forward.w3": ColwiseParallel(),
-        "feed_forward.w2": RowwiseParallel(output_layouts=seq_layout),
+        "feed_forward.w1": colwise(),
+        "feed_forward.w3": colwise(),
+        "feed_forward.w2": rowwise(output_layouts=seq_layout),
     })
     if sequence_parallel:
-        plan["feed_forward"] = PrepareModuleInput(
+        plan["feed_forward"] = prepare_input(
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
         )
     return plan

@@ -22,7 +22,6 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
         *_layout_problems(spec),
         *_shape_problems(spec.parallelism, shape),
         *_moe_problems(spec.parallelism, shape),
-        *_unbuildable_layout_problems(spec),
         *_batch_and_node_problems(spec),
         *_finetune_problems(spec),
         *_size_problems(spec, shape),
@@ -86,17 +85,6 @@ def _finetune_problems(spec: JobSpec) -> list[str]:
                         "replace the adapted Linear layers)")
     if method == "qlora" and par.pipeline_parallel > 1:
         problems.append("finetune.method qlora runs without pipeline parallelism (parallelism.pipeline_parallel: 1)")
-    return problems
-
-
-def _unbuildable_layout_problems(spec: JobSpec) -> list[str]:
-    """Combinations the trainer cannot build, refused before any rank allocates memory."""
-    par, problems = spec.parallelism, []
-    if spec.precision.compute == "fp8" and par.tensor_parallel > 1:
-        problems.append(
-            "precision.compute: fp8 with parallelism.tensor_parallel > 1 is not supported (the float8 tensor-parallel "
-            "styles are not wired in); use compute: bf16 with tensor parallelism, or fp8 with tensor_parallel: 1"
-        )
     return problems
 
 

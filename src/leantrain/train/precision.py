@@ -11,9 +11,11 @@
   precision, or autocast without FSDP). Under FSDP2 the float8 weights are all-gathered in float8
   (`enable_fsdp_float8_all_gather`) and their scales are computed for all layers in one go after each
   optimizer step (`precompute_float8_dynamic_scale_for_fsdp`), as torchtitan does. MFU is measured against
-  the bf16 peak (torchtitan's convention: fp8 shows up as a higher MFU, not a moved goalpost). fp8 with
-  tensor parallelism is refused by the spec rules (the float8 TP styles are not wired in). Refused on other
-  devices, because an emulated fp8 is slower and says nothing about the result.
+  the bf16 peak (torchtitan's convention: fp8 shows up as a higher MFU, not a moved goalpost). Under tensor
+  parallelism the float8 Linear layers take torchao's float8 TP styles (parallel.tensor). The router gate and
+  the output head stay in bf16 (torchtitan's filter). On the CPU `torch._scaled_mm` has a kernel, so fp8 runs
+  there too (slowly: for tests and rehearsals, the numerics are the GPU's); other devices and GPUs below
+  compute capability 8.9 are refused.
 - fp16 needs loss scaling, which this trainer does not implement: refused, pointing to bf16.
 - On CUDA, fp32 matmuls (the fp32 compute mode, the optimizer's own math) use TF32 tensor cores.
 """
@@ -70,6 +72,8 @@ def resolve_precision(spec: PrecisionSpec, *, device: torch.device) -> Precision
 
 
 def _check_fp8_device(device: torch.device) -> None:
+    if device.type == "cpu":  # torch._scaled_mm's CPU kernel: the same float8 GEMMs, for tests and rehearsals
+        return
     if device.type != "cuda":
         raise UserInputError(
             f"precision.compute: fp8 needs a GPU with fp8 tensor cores (compute capability ≥ 8.9, e.g. H100); "
@@ -84,8 +88,9 @@ def _check_fp8_device(device: torch.device) -> None:
 
 
 def fp8_linear_filter(module: nn.Module, fqn: str) -> bool:
-    """Which Linear layers go to float8: dims divisible by 16 (the fp8 GEMM's rule), not the output head."""
-    if not isinstance(module, nn.Linear) or fqn == "output":
+    """Which Linear layers go to float8: dims divisible by 16 (the fp8 GEMM's rule), not the output head and not
+    an MoE router's gate (its logits pick the experts: torchtitan leaves both in bf16)."""
+    if not isinstance(module, nn.Linear) or fqn == "output" or fqn.endswith("router.gate"):
         return False
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
