@@ -1,7 +1,9 @@
 """Run a fine-tuning example end to end on the CPU, nothing downloaded: `.venv/bin/python scripts/tiny_hf_jobs.py JOB`.
 
-JOB is `continue-pretrain` (examples/continue-pretrain-cpu.yaml) or `finetune-lora`
-(examples/finetune-lora-cpu.yaml; `--qlora` swaps in finetune.method qlora). The script builds what the
+JOB is `continue-pretrain` (examples/continue-pretrain-cpu.yaml), `finetune-lora`
+(examples/finetune-lora-cpu.yaml; `--qlora` swaps in finetune.method qlora) or `dpo-lora`
+(examples/dpo-lora-cpu.yaml: DPO on generated arithmetic preference pairs, starting from the model that
+`finetune-lora` exported, so SFT then DPO is two commands). The script builds what the
 examples start from under demo-out/: a tiny Llama checkpoint with random weights (transformers'
 LlamaConfig, saved with save_pretrained, plus a byte-level tokenizer with a ChatML chat template), and for
 the LoRA job a generated arithmetic chat set and a multiple-choice eval file. Then it runs
@@ -31,7 +33,8 @@ from leantrain.model.tiny_hf import save_example_model  # noqa: E402
 
 OUT = ROOT / "demo-out"
 SPECS = {"continue-pretrain": ("continue-pretrain-cpu.yaml", "cp-run", "cp-hf"),
-         "finetune-lora": ("finetune-lora-cpu.yaml", "lora-run", "lora-hf")}
+         "finetune-lora": ("finetune-lora-cpu.yaml", "lora-run", "lora-hf"),
+         "dpo-lora": ("dpo-lora-cpu.yaml", "dpo-run", "dpo-hf")}
 
 
 def tiny_model(path: Path) -> None:
@@ -59,6 +62,20 @@ def arithmetic_chat(chat_path: Path, mc_path: Path, *, seed: int = 0) -> None:
                                   "answer": f"{a} + {b} = {a + b}."}) + "\n")
 
 
+def arithmetic_preferences(path: Path, *, seed: int = 1) -> None:
+    """Pairs for DPO: the same questions, a worked answer chosen over a refusal or a sum that is off by one."""
+    rng = random.Random(seed)
+    with open(path, "w", encoding="utf-8") as out:
+        for _ in range(300):
+            a, b = rng.randint(0, 20), rng.randint(0, 20)
+            rejected = "I cannot do arithmetic." if rng.random() < 0.7 else f"{a} + {b} = {a + b + 1}."
+            prompt = [{"role": "system", "content": "You add numbers."},
+                      {"role": "user", "content": f"What is {a} + {b}?"}]
+            out.write(json.dumps({"prompt": prompt,
+                                  "chosen": [{"role": "assistant", "content": f"{a} + {b} = {a + b}."}],
+                                  "rejected": [{"role": "assistant", "content": rejected}]}) + "\n")
+
+
 def run(job: str, *, qlora: bool) -> int:
     spec_name, run_name, export_name = SPECS[job]
     spec = str(ROOT / "examples" / spec_name)
@@ -71,6 +88,12 @@ def run(job: str, *, qlora: bool) -> int:
         tasks = ["--tasks", str(OUT / "arith-mc.jsonl")]
         if qlora:
             sets = ["--set", "finetune.method=qlora"]
+    if job == "dpo-lora":  # DPO starts from the SFT model that `finetune-lora` exported (merged) to lora-hf
+        if not (OUT / "lora-hf" / "config.json").is_file():
+            print("dpo-lora tunes the SFT model: run `scripts/tiny_hf_jobs.py finetune-lora` first")
+            return 2
+        arithmetic_preferences(OUT / "arith-prefs.jsonl")
+        tasks = ["--tasks", str(OUT / "arith-mc.jsonl")]
     for folder in (run_name, export_name):
         shutil.rmtree(OUT / folder, ignore_errors=True)
     steps = [["prepare", spec, *sets], ["train", spec, *sets],

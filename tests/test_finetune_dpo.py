@@ -9,6 +9,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 import yaml
@@ -93,6 +94,30 @@ def test_records_in_the_three_layouts() -> None:
         parse_preference({"prompt": "x", "chosen": "y"}, where="p.jsonl:4")
     with pytest.raises(UserInputError, match="f:5: field 'rejected' must end with an assistant turn"):
         parse_preference({"prompt": "x", "chosen": "y", "rejected": [{"role": "user", "content": "z"}]}, where="f:5")
+
+
+def test_a_long_pair_loses_the_start_of_its_prompt_first(tmp_path: Path) -> None:
+    from leantrain.data.chat import ChatRenderer, template_for
+    from leantrain.data.preference import encode_pair
+    from leantrain.model.tiny_hf import save_tokenizer
+
+    save_tokenizer(tmp_path)
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tokenizer.json"))
+    renderer = ChatRenderer(tokenizer, template=template_for(tmp_path / "tokenizer.json"),
+                            eos_id=tokenizer.token_to_id("<|endoftext|>"))
+    decode = lambda ids: tokenizer.decode(ids.tolist(), skip_special_tokens=False)  # noqa: E731
+    long_prompt = parse_preference({"prompt": "x" * 100 + " the question?", "chosen": "yes, indeed",
+                                    "rejected": "no"}, where="f:1")
+    ids, mask = encode_pair(renderer, long_prompt, seq_len=SEQ)
+    chosen, rejected = ids[: SEQ + 1], ids[SEQ + 1:]
+    assert decode(chosen[mask[: SEQ + 1] == 1]) == "yes, indeed<|im_end|>\n"  # whole responses
+    assert decode(rejected[mask[SEQ + 1:] == 1]) == "no<|im_end|>\n"
+    start = int(np.argmax(mask[: SEQ + 1]))
+    assert np.array_equal(chosen[:start], rejected[:start]) and decode(chosen[:start]).endswith(
+        "the question?<|im_end|>\n<|im_start|>assistant\n")
+    long_answer = parse_preference({"prompt": "q?", "chosen": "y" * 200, "rejected": "n"}, where="f:2")
+    ids, mask = encode_pair(renderer, long_answer, seq_len=SEQ)
+    assert decode(ids[: SEQ + 1]).startswith("<|im_start|>user\nq?") and mask[: SEQ + 1].sum() > SEQ // 2
 
 
 def test_prepare_writes_whole_pairs_with_masks_on_the_responses(prepared: tuple[Path, Path]) -> None:

@@ -13,9 +13,10 @@ the pair's joined text, as for chat sources.
 
 Encoding: prompt + chosen and prompt + rejected are rendered with the chat template (data/chat.py, the
 tokenizer's own BOS/EOS); the mask is 1 on the response's assistant tokens only (its end token included,
-never an earlier answer of a multi-turn prompt). Each sequence is cut to `seq_len + 1` tokens (keeping the
-start; a pair longer than that loses the end of its responses) and padded with EOS (mask 0) to exactly
-`seq_len + 1`: one pair is one document of `2 (seq_len + 1)` tokens, chosen then rejected. The manifest's
+never an earlier answer of a multi-turn prompt). A pair longer than `seq_len + 1` tokens loses the start of
+its prompt first (the same tokens on both sides, down to half the window: the turn before the response
+stays), then the end of its longer response; each sequence is padded with EOS (mask 0) to exactly `seq_len + 1`: one pair is one
+document of `2 (seq_len + 1)` tokens, chosen then rejected. The manifest's
 source entry says `preference: true`, `pair_seq_len` and `pad_multiple` = 2 (seq_len + 1).
 
 Sampling (`PairBatchSampler`): the packed sampler with windows of 2 (seq_len + 1) tokens starts every
@@ -127,12 +128,20 @@ def _fit(ids: np.ndarray, mask: np.ndarray, *, length: int, pad_id: int) -> tupl
 
 
 def encode_pair(renderer: ChatRenderer, pair: Pair, *, seq_len: int) -> tuple[np.ndarray, np.ndarray]:
-    """(ids, mask), both (2 (seq_len + 1),): chosen then rejected, masks on the responses' assistant tokens."""
+    """(ids, mask), both (2 (seq_len + 1),): chosen then rejected, masks on the responses' assistant tokens.
+
+    A sequence longer than seq_len + 1 first loses the start of the prompt (the same tokens in both, so the
+    prompts stay equal; at least half the window stays prompt), then the end of its response."""
     answers_before = sum(m["role"] == "assistant" for m in pair.prompt)
-    halves = []
-    for response in (pair.chosen, pair.rejected):
-        ids, mask = renderer.encode([*pair.prompt, *response], skip_answers=answers_before)
-        halves.append(_fit(ids, mask, length=seq_len + 1, pad_id=renderer.eos_id))
+    encoded = [renderer.encode([*pair.prompt, *response], skip_answers=answers_before)
+               for response in (pair.chosen, pair.rejected)]
+    length = seq_len + 1
+    overflow = max(len(ids) for ids, _ in encoded) - length
+    if overflow > 0:
+        prompt = min(int(np.argmax(mask)) if mask.any() else len(mask) for _, mask in encoded)
+        cut = min(overflow, max(0, prompt - length // 2))  # the prompt keeps at least half the window
+        encoded = [(ids[cut:], mask[cut:]) for ids, mask in encoded]
+    halves = [_fit(ids, mask, length=length, pad_id=renderer.eos_id) for ids, mask in encoded]
     return np.concatenate([halves[0][0], halves[1][0]]), np.concatenate([halves[0][1], halves[1][1]])
 
 
