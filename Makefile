@@ -12,35 +12,51 @@ TORCH ?= cpu
 TORCH_INDEX ?=
 PIP := $(PY) -m pip install --progress-bar on -c constraints.txt
 TORCH_SOURCE := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url https://pypi.org/simple,)
+# The lean install writes no bytecode up front (~290 MB for every module of every package): Python compiles
+# what the commands import, the first time they import it.
+LEAN := --no-compile
 
-.PHONY: install demo test lint unit bench docs clean
+.PHONY: install install-dev demo test lint unit bench docs clean
 
+# The lean install `make demo` needs: torch, the package and what the README's commands use (extra `demo`).
 $(VENV)/.installed: pyproject.toml Makefile constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	@echo "== [1/4] pip"; $(PY) -m pip install --upgrade pip
-	@echo "== [2/4] torch ($(TORCH) build, pinned by constraints.txt)"
-	$(PIP) $(TORCH_SOURCE) torch
-	@echo "== [3/4] leantrain and its dev/test extras"
+	@echo "== [1/3] pip"; $(PY) -m pip install --upgrade pip
+	@echo "== [2/3] torch ($(TORCH) build, pinned by constraints.txt)"
+	$(PIP) $(LEAN) $(TORCH_SOURCE) torch
+	@echo "== [3/3] leantrain and what the demo and the README's commands use"
+	$(PIP) $(LEAN) -e ".[demo]"
+	$(PY) scripts/check_torch.py --expect $(TORCH)
+	touch $@
+
+# `make test` adds the test tools, the peer implementations the tests compare against and the optional
+# extras (Ray, S3, tracking, interactive report): extra `dev`.
+$(VENV)/.installed-dev: $(VENV)/.installed
+	@echo "== [1/2] test tools, peers and optional extras"
 	$(PIP) -e ".[dev]"
-	@echo "== [4/4] megatron-core (peer reader for tests, no deps)"
+	@echo "== [2/2] megatron-core (peer reader for tests, no deps)"
 	$(PIP) --no-deps "megatron-core>=0.12"
 	$(PY) scripts/check_torch.py --expect $(TORCH)
 	touch $@
 
 install: $(VENV)/.installed
 
+install-dev: $(VENV)/.installed-dev
+
 demo: install
 	$(VENV)/bin/leantrain demo
 
-lint: install
-	$(VENV)/bin/ruff check src tests bench
+lint: install-dev
+	$(VENV)/bin/ruff check src tests bench scripts
 
-unit: install
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+# One line per test file as it runs (pytest's default progress), the slowest tests and the total at the end.
+unit: install-dev
+	@start=$$(date +%s); OMP_NUM_THREADS=1 $(PY) -m pytest --durations=10; code=$$?; \
+	echo "== make test: pytest took $$(( $$(date +%s) - start )) s (exit $$code)"; exit $$code
 
 test: lint unit
 
-bench: install
+bench: install-dev
 	@for script in bench/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done
 
 docs: install

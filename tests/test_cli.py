@@ -192,3 +192,21 @@ def test_the_source_entry_per_format_in_docs_data_md_is_a_valid_spec() -> None:
                            "data": {"tokens_total": 1e6,
                                     "sources": [s for s in sources if s.get("format") != "preference"]}})
     assert len(spec.data.sources) == len(sources) - 1
+
+
+def test_a_parquet_source_without_pyarrow_says_how_to_install_it(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    """`make demo` leaves pyarrow out (extra `parquet`): a parquet or Arrow source then fails up front, naming it."""
+    import importlib.util
+
+    from leantrain.data.readers import list_source
+    from leantrain.errors import UserInputError
+    from leantrain.spec.schema import DataSource
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "pyarrow" else real(name, *a))
+    for fmt in ("parquet", "arrow"):
+        with pytest.raises(UserInputError, match=rf"data.sources\[wiki\].format: {fmt} reads through pyarrow"):
+            list_source(DataSource(name="wiki", format=fmt, path=tmp_path))
+    (tmp_path / "a.jsonl").write_text('{"text": "x"}\n')
+    assert list_source(DataSource(name="web", format="jsonl", path=tmp_path))[0]  # other readers need nothing

@@ -87,6 +87,7 @@ def list_source(source: DataSource) -> tuple[list[str], list[str]]:
     (a README.md in a jsonl folder, a .csv). A single file is read with the source's format whatever its
     name, unless its suffix is another record format's."""
     assert source.path is not None, "builtin sources are materialised before reading"
+    _need_pyarrow(source)
     found = list_files(source.path)
     if found is None:
         raise UserInputError(f"data.sources[{source.name}].path: {source.path} does not exist")
@@ -106,6 +107,16 @@ def list_source(source: DataSource) -> tuple[list[str], list[str]]:
             f"optionally .gz/.zst)" + (f"; it holds {shown}" if unread else "")
         )
     return files, unread
+
+
+def _need_pyarrow(source: DataSource) -> None:
+    """parquet and arrow sources read through pyarrow, an extra (`make demo` leaves it out): say so up front."""
+    import importlib.util
+
+    if source.format in ("parquet", "arrow") and importlib.util.find_spec("pyarrow") is None:
+        raise UserInputError(
+            f"data.sources[{source.name}].format: {source.format} reads through pyarrow, which is not installed "
+            "here: `.venv/bin/python -m pip install -c constraints.txt -e \".[parquet]\"` (make test installs it)")
 
 
 def source_files(source: DataSource) -> list[str]:
