@@ -192,7 +192,7 @@ def test_ordinary_spec_plans_fast() -> None:
 def test_spec_layout_that_does_not_fit_is_replaced_with_a_note() -> None:
     spec = load_spec(EXAMPLES / "llama3-8b-h100.yaml",
                      overrides=["parallelism.zero_stage=0", "training.activation_checkpointing=none",
-                                "training.micro_batch=1", "hardware.memory_gb=40"])
+                                "training.micro_batch=1", "hardware.memory_gb=40 GB"])
     plan = make_plan(spec)
     assert plan["layout"]["source"] == "search" and plan["memory"]["fits"]
     assert any("spec's layout" in note and "GiB" in note for note in plan["notes"])

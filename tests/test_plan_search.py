@@ -45,13 +45,15 @@ def test_the_first_recompute_policy_that_fits_is_the_only_one_ranked() -> None:
 
 
 def test_llama3_405b_search_finds_over_35_percent_and_ranks_metas_layout_near_the_top() -> None:
-    """Measured: 22nd of 583 (top 4 %). It was 6th of 480 while ZeRO-2 was priced as one reduction per step; it
-    now reduce-scatters its gradient shards after each of its 16 micro-batches (plan/timing.py)."""
+    """Measured: 40th of 554 (top 7 %; 22nd of 583 before the memory followed the trainer). Meta's ZeRO-1 is
+    ranked as the trainer's ZeRO-2, which reduce-scatters its gradient shards after each of its 16 micro-batches
+    (plan/timing.py), and the trainer has no vocabulary-parallel loss under a pipeline: the last stage holds
+    the whole vocabulary's logits on each TP rank."""
     spec = load_spec(EXAMPLES / "llama3-405b.yaml")
     result = search_layouts(plan_inputs(spec), 16384)
     assert result.best is not None and result.best.time.mfu >= 0.35
     rank = result.rank_of(layout_from_spec(spec.parallelism, spec.training))
-    assert rank is not None and rank <= result.num_fitting / 20, (rank, result.num_fitting)
+    assert rank is not None and rank <= result.num_fitting / 10, (rank, result.num_fitting)
 
 
 def test_deepseek_v3_published_ep64_layout_ranks_near_the_top() -> None:
@@ -89,20 +91,14 @@ def test_a_padded_tp_layout_says_how_to_train_it() -> None:
     assert not _padding_notes(inputs, evaluate(inputs, Layout(dp=32, tp=1, pp=1, zero=2)))
 
 
-def test_zero1_is_a_candidate_only_where_it_differs_from_zero2() -> None:
-    """With accumulation (m > 1) ZeRO-2 reduce-scatters every micro-batch and ZeRO-1 once a step: both are
-    ranked, and rank_of finds ZeRO-1 itself (ZeRO-0 as ZeRO-1). With one micro-batch they move the same bytes:
-    only ZeRO-2 is listed and ZeRO-1 ranks as it."""
-    from leantrain.plan.inputs import sequences_per_step
-
+def test_zero1_is_never_a_candidate_and_ranks_as_zero2() -> None:
+    """The trainer's FSDP2 shards gradients at ZeRO-1 as at ZeRO-2 (parallel/fsdp.py): the search lists only
+    ZeRO-2 and -3, and rank_of finds a ZeRO-1 (or ZeRO-0) layout as its ZeRO-2 twin."""
     inputs = plan_inputs(load_spec(EXAMPLES / "llama3-8b-h100.yaml"))
-    seqs = sequences_per_step(inputs)
-    result = search_layouts(inputs, 64, top_k=1000)
-    assert all(c.layout.num_microbatches(seqs) > 1 for c in result.all_fitting if c.layout.zero == 1)
-    one = next(c.layout for c in result.all_fitting if c.layout.zero == 1)
-    rank = result.rank_of(one)
-    assert rank is not None and result.all_fitting[rank - 1].layout == one
-    assert result.rank_of(dataclasses.replace(one, zero=0)) == rank
     listed = candidate_layouts(inputs, 64, max_micro_batch=8)
-    assert not [lay for lay in listed if lay.zero == 1 and lay.num_microbatches(seqs) == 1]
-    assert [lay for lay in listed if lay.zero == 2 and lay.num_microbatches(seqs) == 1]
+    assert not [lay for lay in listed if lay.zero == 1] and [lay for lay in listed if lay.zero == 2]
+    result = search_layouts(inputs, 64, top_k=1000)
+    two = next(c.layout for c in result.all_fitting if c.layout.zero == 2)
+    rank = result.rank_of(two)
+    assert rank is not None and result.rank_of(dataclasses.replace(two, zero=1)) == rank
+    assert result.rank_of(dataclasses.replace(two, zero=0)) == rank

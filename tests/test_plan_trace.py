@@ -68,14 +68,14 @@ def test_moe_model_within_five_percent(recompute: str) -> None:
 
 @pytest.mark.slow
 def test_fused_count_matches_what_torch_compile_saves() -> None:
-    """`plan.activation_kernels: fused` against our blocks under torch.compile (real tensors, tiny bf16 model):
+    """`plan.kernels: fused` against our blocks under torch.compile (real tensors, tiny bf16 model):
     the compiled blocks save ~26 % less than eager, and the fused count follows them."""
     from leantrain.plan.trace import planned_single_gpu, trace_compiled_activations
 
     model = {"n_layers": 2, "d_model": 256, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 768, "vocab_size": 512,
              "tie_embeddings": True}
     spec = spec_for(model, seq_len=128, compute="bf16").model_copy()
-    fused = spec_from_dict({**spec.model_dump(mode="json", exclude_none=True), "plan": {"activation_kernels": "fused"}})
+    fused = spec_from_dict({**spec.model_dump(mode="json", exclude_none=True), "plan": {"kernels": "fused"}})
     eager = planned_single_gpu(spec, micro_batch=4, recompute="none")["activations"]
     planned = planned_single_gpu(fused, micro_batch=4, recompute="none")["activations"]
     traced = trace_compiled_activations(fused, micro_batch=4)

@@ -233,7 +233,9 @@ def host_memory_bytes() -> float:
 
 
 def accelerator_memory_bytes(hardware: Any) -> float:
-    """Memory per accelerator for a spec's `hardware` section: `memory_gb` when set, else the catalog's."""
-    if getattr(hardware, "memory_gb", None):
-        return float(hardware.memory_gb) * 1e9
+    """Memory per accelerator for a spec's `hardware` section: `memory_gb` / `memory_gib` when set, else the
+    catalog's."""
+    override = getattr(hardware, "memory_bytes", None)
+    if override:
+        return float(override)
     return float(get_accelerator(hardware.accelerator).memory_bytes)

@@ -147,6 +147,9 @@ def export_hf(
     (`tensors` overrides its state dict, e.g. with LoRA merged)."""
     if model.moe_layers():
         raise UserInputError("HF export: mixture-of-experts models have no Llama equivalent; export a dense model")
+    if model.args.shape.mlp != "swiglu":
+        raise UserInputError(f"HF export: model.mlp {model.args.shape.mlp} has no Llama equivalent (SwiGLU); "
+                             "export a SwiGLU model")
     state = {name: t.detach().to("cpu", dtype) for name, t in (tensors or model.state_dict().items())}
     sizes = {name: t.numel() * t.element_size() for name, t in state.items()}
     return write_hf_shards(out_dir, shards=plan_shards(sizes), load=lambda names: {n: state[n] for n in names},

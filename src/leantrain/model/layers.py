@@ -66,13 +66,23 @@ class RMSNorm(nn.Module):
 
 
 class FeedForward(nn.Module):
-    """SwiGLU MLP: w2(silu(w1 x) * w3 x)."""
+    """The dense MLP: SwiGLU w2(silu(w1 x) * w3 x) (Llama), or with `mlp` "gelu" w2(gelu(w1 x)) (GPT, MPT,
+    Falcon; tanh-free GeLU) or "squared_relu" w2(relu(w1 x)²) (Nemotron-4, Primer). The two-matrix variants have
+    no w3 (tensor parallelism's plan for w3 then matches nothing and is skipped)."""
 
-    def __init__(self, *, d_model: int, hidden: int) -> None:
+    def __init__(self, *, d_model: int, hidden: int, mlp: str = "swiglu") -> None:
         super().__init__()
+        if mlp not in ("swiglu", "gelu", "squared_relu"):
+            raise ValueError(f"model.mlp {mlp!r}: use swiglu, gelu or squared_relu")
+        self.mlp = mlp
         self.w1 = nn.Linear(d_model, hidden, bias=False)
         self.w2 = nn.Linear(hidden, d_model, bias=False)
-        self.w3 = nn.Linear(d_model, hidden, bias=False)
+        if mlp == "swiglu":
+            self.w3 = nn.Linear(d_model, hidden, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.mlp == "gelu":
+            return self.w2(F.gelu(self.w1(x)))
+        if self.mlp == "squared_relu":
+            return self.w2(torch.square(F.relu(self.w1(x))))
         return self.w2(F.silu(self.w1(x)) * self.w3(x))

@@ -80,7 +80,7 @@ class TransformerBlock(nn.Module):
         if self.is_moe:
             self.feed_forward: nn.Module = MoE(args)
         else:
-            self.feed_forward = FeedForward(d_model=shape.d_model, hidden=shape.ffn_hidden)
+            self.feed_forward = FeedForward(d_model=shape.d_model, hidden=shape.ffn_hidden, mlp=shape.mlp)
         self.recompute_full = False
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:

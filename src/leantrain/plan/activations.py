@@ -9,8 +9,8 @@ Large Transformer Models", arXiv 2205.05198, §4 and Table 2): every tensor auto
 Three kernel sets:
 - `gpt_style`: their GPT block (LayerNorm, 4h GeLU MLP, dropout, unfused softmax): reproduces Table 2 exactly.
 - eager (our block, model/transformer.py, as the FakeTensor trace sees it): RMSNorm keeps an fp32 copy of its
-  input, the normalised and the scaled tensor and an fp32 rstd; SwiGLU keeps gate, up, silu(gate), product;
-  RoPE's cos/sin tables are cast for q and k.
+  input, the normalised and the scaled tensor and an fp32 rstd; SwiGLU keeps gate, up, silu(gate), product
+  (`model.mlp: gelu` / `squared_relu`: two tensors of the hidden width); RoPE's cos/sin tables are cast for q and k.
 - fused (torch.compile, Transformer Engine, Megatron's fused kernels): a norm keeps its input, its output
   (the next matmul's input) and an fp32 rstd; SwiGLU keeps its input (gate and up) and its output (the down
   projection's input); RoPE is recomputed. With fp8 compute the Linear inputs are cached in fp8 (DeepSeek-V3
@@ -90,12 +90,15 @@ def activation_terms(shape: ModelShape, *, seq_len: int, act_bytes: float, flash
     elif fused:
         replicated = 2 * (e * h + lin * h + 4.0)  # two norms: input, output (the next matmul's input), rstd
         core = 4.0 * a if flash else e * a * seq_len
-        mlp = 2 * e * f + lin * f
+        # the activation's input (SwiGLU: gate and up; GeLU/squared ReLU: the up projection) and its output
+        mlp = (shape.mlp_matrices - 1) * e * f + lin * f
         rope = 0.0
     else:
         replicated = 2 * (norm_saved_bytes(act_bytes=e, gpt_style=False) * h + 4.0)
         core = 4.0 * a if flash else e * a * seq_len
-        mlp = 4 * e * f
+        # SwiGLU: gate, up, silu(gate), their product; GeLU: its input and output; squared ReLU: relu's output
+        # (which the square also keeps) and the square
+        mlp = (4 if shape.mlp == "swiglu" else 2) * e * f
         rope = 0.0 if e >= 4 else 2 * 2 * e * shape.head_dim
     if moe_layer and shape.moe is not None:
         mlp = _moe_mlp_bytes(shape, e=e, lin=lin, fused=fused or gpt_style)

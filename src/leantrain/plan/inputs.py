@@ -98,8 +98,10 @@ class PlanInputs:
     cpu_offload: bool
     accelerator: str
     fused_kernels: bool = False  # fused norm / SwiGLU / RoPE kernels (torch.compile, TE): fewer saved tensors
+    fused_loss: bool = False  # a fused cross-entropy: only the compute-dtype logits kept, gradient in place
     linear_input_bytes: float = 2.0  # bytes per cached Linear input (1 with fp8 storage, DeepSeek-V3 §3.3.3)
     grad_sync: str = "every_micro_batch"
+    loss_parallel: bool = True  # vocabulary-parallel loss under TP (the trainer's, without a pipeline)
     finetune: str = "none"  # none (pretraining) | full | lora | qlora
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()
@@ -168,8 +170,9 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
     else:  # fp8 runs: MFU against the bf16 peak (the trainer's and torchtitan's convention), run faster
         peak = acc.peak_for("bf16" if compute == "fp8" else compute)
         fp8_speedup = (knobs.fp8_speedup or FP8_STEP_SPEEDUP) if compute == "fp8" else 1.0
-    kernels = knobs.activation_kernels
+    kernels = knobs.kernels
     fused = spec.training.compile if kernels == "auto" else kernels == "fused"
+    fused_loss = kernels == "fused" if knobs.fused_loss is None else knobs.fused_loss
     ft = spec.finetune
     return _with_adapters(PlanInputs(
         shape=shape,
@@ -184,7 +187,7 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
         master_bytes=master_bytes,
         moment_bytes=MOMENT_BYTES[optimizer_state or prec.optimizer_state],
         peak_flops=peak,
-        memory_bytes=hw.memory_gb * GB if hw.memory_gb is not None else acc.memory_bytes,
+        memory_bytes=hw.memory_bytes if hw.memory_bytes is not None else acc.memory_bytes,
         intra_node_bytes_s=(hw.intra_node_bandwidth_gb_s * GB if hw.intra_node_bandwidth_gb_s
                             else acc.intra_node_bandwidth_bytes_s),
         inter_node_bytes_s=(hw.inter_node_bandwidth_gb_s * GB if hw.inter_node_bandwidth_gb_s
@@ -200,8 +203,10 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
         cpu_offload=spec.parallelism.cpu_offload,
         accelerator=acc.name,
         fused_kernels=fused,
+        fused_loss=fused_loss,
         linear_input_bytes=1.0 if compute == "fp8" and fused else act_bytes,
         grad_sync=spec.parallelism.grad_sync,
+        loss_parallel=spec.parallelism.loss_parallel,
         finetune=ft.weights if spec.task == "finetune" else "none",  # dpo: the weights it trains
         lora_rank=ft.lora.rank if ft.weights in ("lora", "qlora") else 0,
         lora_targets=tuple(ft.lora.targets),

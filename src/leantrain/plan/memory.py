@@ -3,15 +3,15 @@
 Conventions (docs/plan.md has the derivations; activation terms in plan/activations.py):
 - Every pipeline stage that can be the heaviest is evaluated (the first, the first full-size one and the
   last: stages differ in layers, embedding/loss and in-flight micro-batches) and the largest total reported.
-- Weights, gradients and optimizer states of the stage are divided by the ZeRO/FSDP shard degree
-  (dp / dp_replicate): ZeRO-1 shards optimizer states, ZeRO-2 also gradients, ZeRO-3 also weights
-  (Rajbhandari et al. 2020). Routed experts are split over ep and then sharded over shard / ep.
-  "Optimizer" holds the fp32 master copy (when weights train in 16-bit) and the two Adam moments.
-- At ZeRO-3 without a pipeline (FSDP2, parallel/fsdp.py) the sharded fp32 parameter is the master copy and
-  the compute-dtype copy exists per unit while gathered (buffers: two units prefetched + one unit's
-  unsharded gradient). Under a pipeline, FSDP does not reshard after the forward (each micro-batch would
-  gather again; torchtitan and Llama 3 §3.3.2 keep the stage's weights gathered): the stage's unsharded
-  compute-dtype weights stay resident.
+- As the trainer's FSDP2 holds them (parallel/fsdp.py): at every ZeRO level ≥ 1 the stage's parameters (in
+  the master dtype: the sharded fp32 parameter is the master copy), their gradients and both Adam moments are
+  divided by the shard degree (dp / dp_replicate); FSDP2 always shards gradients and optimizer states, so
+  ZeRO-1 and -2 are the same layout. ZeRO-0 replicates all three. Routed experts are split over ep and
+  sharded over shard / ep (their own FSDP mesh, as torchtitan). "Optimizer" is the two Adam moments (plus a
+  master copy only where the parameters themselves are 16-bit).
+- The compute-dtype copy exists only while gathered, a buffer: at ZeRO-3 per unit (resharded after forward:
+  two units in flight + one unit's unsharded gradient), at ZeRO-1/2 the whole stage (kept gathered from the
+  forward to the backward), with or without a pipeline (the trainer reshards at ZeRO-3 under a pipeline too).
 - DualPipe (planning only) holds a stage of each direction: two copies of the stage's weights and gradients
   (deepseek-ai/DualPipe: "Parameter 2×"; one optimizer state serves both copies) and p + 1 micro-batches.
 - `parallelism.grad_sync: last_micro_batch` with accumulation keeps every parameter's unsharded gradient
@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from leantrain.plan.activations import (
+    LOGIT_SAVED_BYTES,
     activation_terms,
     head_activation_bytes,
     in_flight_microbatches,
@@ -41,6 +42,11 @@ from leantrain.spec.shapes import ModelShape
 
 DDP_BUCKET_BYTES = 2 * 25 * 2**20  # two 25 MiB gradient buckets in flight (DDP's default bucket_cap_mb)
 LOGIT_TRANSIENT_BYTES = 4.0  # per logit: its fp32 gradient, live with the logits during backward (a buffer)
+# The trainer's step keeps the compute-dtype logits referenced until the backward has run (the loss upcasts a
+# copy: train/step_metrics.py), so they are live at the peak beside the fp32 log-probabilities: measured by
+# `leantrain rehearse` (bench/plan_vs_rehearsal.py: exactly 2 bytes per logit in bf16). torchtitan frees them
+# before the backward (`del pred`); the plan counts what this trainer holds.
+KEEPS_COMPUTE_LOGITS = True
 
 
 @dataclass(frozen=True)
@@ -54,6 +60,13 @@ class MemoryBreakdown:
     buffers: float
     capacity: float
     stage: int = 0  # which pipeline stage is the heaviest
+    reserve: float = 0.0  # the framework reserve inside `buffers` (CUDA context, NCCL, allocator slack)
+
+    @property
+    def temp(self) -> float:
+        """Buffers the step allocates (gathered weights, logits' gradient, buckets): `buffers` less the reserve,
+        what `leantrain rehearse` reports as temp."""
+        return self.buffers - self.reserve
 
     @property
     def total(self) -> float:
@@ -70,7 +83,8 @@ class MemoryBreakdown:
 
     def to_dict(self) -> dict[str, float]:
         return {"params": self.params, "grads": self.grads, "optimizer": self.optimizer,
-                "activations": self.activations, "buffers": self.buffers, "total": self.total}
+                "activations": self.activations, "buffers": self.buffers, "temp": self.temp,
+                "reserve": self.reserve, "total": self.total}
 
 
 @dataclass(frozen=True)
@@ -113,33 +127,34 @@ def _stage_params(shape: ModelShape, tp: int, ep: int, pipelined: bool, layers: 
 
 def _states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, num_microbatches: int
             ) -> tuple[float, float, float, float]:
-    """(params, grads, optimizer, gather buffers) bytes of a stage's parameters."""
-    shard = layout.dp_shard
+    """(params, grads, optimizer, gathered) bytes of a stage's parameters, as the trainer's FSDP2 holds them
+    (parallel/fsdp.py): at every ZeRO level ≥ 1 the parameter (in the master dtype: it is the master copy),
+    its gradient and both Adam moments are sharded over the data-parallel shard group (experts over theirs);
+    ZeRO-0 replicates them. The compute-dtype copy exists only while gathered (`gathered`, a temporary): per
+    unit at ZeRO-3 (resharded after forward), the whole stage at ZeRO-1/2 (kept from forward to backward)."""
+    shard = layout.dp_shard if layout.zero >= 1 else 1
     expert_shard = max(1, shard // layout.ep)
-    z = layout.zero
 
     def sharded(applies: bool) -> float:
         return sp.dense / shard + sp.experts / expert_shard if applies else sp.dense + sp.experts
 
     unsharded = sp.dense + sp.experts
     if not inputs.trains_base:  # LoRA/QLoRA: frozen base + trained adapters, sharded like the base
-        shares = tuple(sharded(z >= level) / max(unsharded, 1.0) for level in (1, 2, 3))
-        return _adapter_states(inputs, layout, sp, shares=shares)  # type: ignore[arg-type]
-    # FSDP2 keeps only the sharded fp32 parameter (the master copy); its compute-dtype copy exists while
-    # gathered. Without full sharding the compute-dtype weights stay resident beside the fp32 master.
-    fsdp_master_is_param = z >= 3 and inputs.master_bytes > 0
-    params = sharded(z >= 3) * (inputs.master_bytes if fsdp_master_is_param else inputs.weight_bytes)
+        share = sharded(True) / max(unsharded, 1.0)  # FSDP2 shards all three at every level ≥ 1
+        return _adapter_states(inputs, layout, sp, shares=(share, share, share))
+    master_is_param = inputs.master_bytes > 0
+    params = sharded(True) * (inputs.master_bytes if master_is_param else inputs.weight_bytes)
+    casts = master_is_param or shard > 1  # a gathered (or cast) compute copy exists during the step
     gather = 0.0
-    if z >= 3 and shard > 1:
-        if layout.pp > 1:  # not resharded after forward: the stage's compute copy stays gathered
-            params += unsharded * inputs.weight_bytes
-            gather = sp.largest_unit * inputs.grad_bytes
-        else:
+    if casts:
+        if layout.zero >= 3:  # two units in flight (one computing, one prefetched) + one unit's full gradient
             gather = sp.largest_unit * (2 * inputs.weight_bytes + inputs.grad_bytes)
+        else:  # the stage stays gathered from its forward to its backward
+            gather = unsharded * inputs.weight_bytes
     keeps_full_grads = inputs.grad_sync == "last_micro_batch" and num_microbatches > 1
-    grads = (unsharded if keeps_full_grads else sharded(z >= 2)) * inputs.grad_bytes
-    opt_per_param = (0.0 if fsdp_master_is_param else inputs.master_bytes) + 2 * inputs.moment_bytes
-    optimizer = sharded(z >= 1) * opt_per_param
+    grads = (unsharded if keeps_full_grads else sharded(True)) * inputs.grad_bytes
+    opt_per_param = (0.0 if master_is_param else inputs.master_bytes) + 2 * inputs.moment_bytes
+    optimizer = sharded(True) * opt_per_param
     params *= reference_copies(inputs)  # full DPO: a frozen reference copy of the weights (plan/finetune.py)
     if layout.schedule == "dualpipe" and layout.pp > 1:  # a stage of each direction: two copies of the weights
         params, grads = 2 * params, 2 * grads
@@ -197,7 +212,9 @@ def _per_microbatch(inputs: PlanInputs, *, layers: int, first_layer: int, tp: in
 
 def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first_layer: int, stage: int,
                        last: bool, num_microbatches: int) -> tuple[float, float]:
-    """(activations, logits buffer) of one stage at its peak."""
+    """(activations saved by the forward, temporaries of the backward) of one stage at its peak: the logits'
+    transients on the last stage, and under full recompute the one block rebuilt during its backward (tensors
+    the backward allocates: `leantrain rehearse` counts them as temp, not as activations)."""
     shape = inputs.shape
     tokens = layout.micro_batch * inputs.seq_len
     per_microbatch, one_layer_full = _per_microbatch(
@@ -205,12 +222,27 @@ def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first
         micro_batch=layout.micro_batch)
     held = per_microbatch * in_flight_microbatches(layout, num_microbatches, stage=stage)
     if not last:
-        return held + one_layer_full, 0.0
-    head = head_activation_bytes(shape, tokens=tokens, act_bytes=inputs.act_bytes, tp=layout.tp,
+        return held, one_layer_full
+    # Vocabulary-parallel loss (`parallelism.loss_parallel`, TP without a pipeline in the trainer) keeps 1/tp of
+    # the logits per rank; otherwise every TP rank holds the whole vocabulary's.
+    vocab_tp = layout.tp if inputs.loss_parallel and layout.pp == 1 else 1
+    logit_count = tokens * shape.vocab_size / vocab_tp
+    if inputs.fused_loss:  # the final norm, the compute-dtype logits the kernel keeps, its fp32 per-token lse
+        head = head_activation_bytes(shape, tokens=tokens, act_bytes=inputs.act_bytes, tp=vocab_tp,
+                                     fused=inputs.fused_kernels) - logit_count * LOGIT_SAVED_BYTES
+        return held + head + logit_count * inputs.act_bytes + 4.0 * tokens, one_layer_full
+    head = head_activation_bytes(shape, tokens=tokens, act_bytes=inputs.act_bytes, tp=vocab_tp,
                                  fused=inputs.fused_kernels)
+    if KEEPS_COMPUTE_LOGITS:
+        head += logit_count * inputs.act_bytes
     # Transient during the loss's backward: the logits in the compute dtype and their fp32 gradient.
-    logits = tokens * shape.vocab_size / layout.tp * (inputs.act_bytes + LOGIT_TRANSIENT_BYTES)
-    return held + head + one_layer_full, logits
+    logits = logit_count * (inputs.act_bytes + LOGIT_TRANSIENT_BYTES)
+    return held + head, logits + one_layer_full
+
+
+def rope_table_bytes(inputs: PlanInputs) -> float:
+    """The RoPE cos/sin tables every model part keeps as an fp32 buffer (model/transformer.py), unsharded."""
+    return 2 * inputs.seq_len * inputs.shape.head_dim * 4.0
 
 
 def _candidate_stages(layers: list[int]) -> list[int]:
@@ -239,10 +271,16 @@ def stage_memory(inputs: PlanInputs, layout: Layout, *, stage: int, num_microbat
     last = stage == layout.pp - 1
     sp = stage_params(shape, layout, layers=layers[stage], first=stage == 0, last=last, first_layer=first_layer)
     params, grads, optimizer, gather = _states(inputs, layout, sp, num_microbatches=num_microbatches)
-    activations, logits = _stage_activations(inputs, layout, layers=layers[stage], first_layer=first_layer,
-                                             stage=stage, last=last, num_microbatches=num_microbatches)
-    buffers = inputs.framework_reserve_bytes + logits + gather
-    if not gather and layout.dp > 1:
+    params += rope_table_bytes(inputs)
+    activations, transient = _stage_activations(inputs, layout, layers=layers[stage], first_layer=first_layer,
+                                                stage=stage, last=last, num_microbatches=num_microbatches)
+    if last and layout.zero >= 3:
+        # The last stage peaks in the loss's backward, when FSDP has resharded every unit (the root after its
+        # forward) and gathers nothing: measured by `leantrain rehearse` (bench/plan_vs_rehearsal.py).
+        gather = 0.0
+    buffers = inputs.framework_reserve_bytes + transient + gather
+    if layout.zero == 0 and layout.dp > 1:
         buffers += DDP_BUCKET_BYTES
     return MemoryBreakdown(params=params, grads=grads, optimizer=optimizer, activations=activations,
-                           buffers=buffers, capacity=inputs.memory_bytes, stage=stage)
+                           buffers=buffers, capacity=inputs.memory_bytes, stage=stage,
+                           reserve=inputs.framework_reserve_bytes)

@@ -64,7 +64,7 @@ class PublishedRun:
         return family(self.accelerator)
 
     def spec_dict(self) -> dict[str, Any]:
-        plan: dict[str, Any] = {"activation_kernels": self.kernels, **dict(self.plan)}
+        plan: dict[str, Any] = {"kernels": self.kernels, **dict(self.plan)}
         return {"model": self.model, "data": {"tokens_total": self.tokens or 1e12, "seq_len": self.seq_len},
                 "training": {"global_batch_tokens": self.global_batch_seqs * self.seq_len},
                 "precision": {"compute": self.compute},

@@ -6,8 +6,9 @@ Candidates: tp divides the GPUs per node and the query heads (KV heads split or 
 to a multiple of tp; Megatron's rule: TP stays on NVLink); pp divides GPUs / tp and is at most the layer
 count (uneven stages allowed); interleaving v ∈ {1, 2, 4, ...} and the most the layers allow (pp·v ≤ layers);
 ep divides dp and the expert count; micro-batch 1, 2, 4, ... up to `plan.max_micro_batch` and the sequences
-one replica gets; ZeRO-1 (where it differs from ZeRO-2), -2 and -3, HSDP (shards inside a node, replicas
-across nodes) for ZeRO-3 when dp spans nodes; recompute none → selective → full, stopping at the first that fits.
+one replica gets; ZeRO-2 and -3 (the trainer's FSDP2 shards gradients at ZeRO-1 too: the same layout as
+-2), HSDP (shards inside a node, replicas across nodes) for ZeRO-3 when dp spans nodes; recompute none →
+selective → full, stopping at the first that fits.
 """
 
 from __future__ import annotations
@@ -134,8 +135,7 @@ def candidate_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int
             for ep in eps:
                 for v in _virtual_stages(shape.n_layers, pp):
                     for mb in micro_batches:
-                        accumulates = math.ceil(per_replica / mb) > 1 and inputs.grad_sync == "every_micro_batch"
-                        zeros = [0] if dp == 1 else [2, 1, 3] if accumulates else [2, 3]
+                        zeros = [0] if dp == 1 else [2, 3]  # the trainer's ZeRO-1 is its ZeRO-2
                         for zero in zeros:
                             base = Layout(dp=dp, tp=tp, pp=pp, ep=ep, zero=zero, micro_batch=mb, virtual_stages=v,
                                           schedule="interleaved_1f1b" if v > 1 else "1f1b")

@@ -62,7 +62,14 @@ class ModelSpec(Section):
     d_model: PositiveInt | None = Field(None, description="Hidden size.")
     n_heads: PositiveInt | None = Field(None, description="Attention (query) heads.")
     n_kv_heads: PositiveInt | None = Field(None, description="Key/value heads (grouped-query attention).")
-    ffn_hidden: PositiveInt | None = Field(None, description="SwiGLU hidden size of the dense MLP.")
+    ffn_hidden: PositiveInt | None = Field(
+        None, description="Hidden size of the dense MLP; default Llama's SwiGLU rule, 4 × d_model for gelu and "
+        "squared_relu."
+    )
+    mlp: Literal["swiglu", "gelu", "squared_relu"] = Field(
+        "swiglu", description="Dense MLP: swiglu (three matrices, Llama), gelu (two, GPT/MPT/Falcon) or squared_relu "
+        "(two, Nemotron-4); experts and init_from checkpoints are SwiGLU."
+    )
     vocab_size: PositiveInt | None = Field(None, description="Vocabulary size (default 128256 for sized models).")
     tie_embeddings: bool = Field(False, description="Share the input embedding and output projection.")
     rope_theta: float = Field(500000.0, gt=0, description="RoPE base frequency.")
@@ -98,6 +105,9 @@ class ModelSpec(Section):
             self.moe = MoESpec()
         if self.architecture == "dense" and self.moe is not None:
             raise ValueError("moe settings given but architecture is 'dense' (set architecture: moe)")
+        if self.mlp != "swiglu" and (self.architecture == "moe" or self.init_from is not None):
+            what = "mixture-of-experts experts are" if self.architecture == "moe" else "init_from checkpoints are"
+            raise ValueError(f"mlp: {self.mlp} is for dense models built from scratch; {what} SwiGLU (mlp: swiglu)")
         return self
 
     @model_validator(mode="after")

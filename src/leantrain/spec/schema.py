@@ -11,9 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from leantrain.hardware import accelerator_names, canonical_name
 from leantrain.spec.base import MAX_STEPS, SECRET_REF_RE, Fraction, PositiveInt, SecretRef, Section
 from leantrain.spec.data_schema import (
     CleaningSpec,
@@ -24,6 +23,7 @@ from leantrain.spec.data_schema import (
     PIISpec,
     TokenizerSpec,
 )
+from leantrain.spec.hardware_schema import HardwareSpec
 from leantrain.spec.model_schema import FinetuneSpec, LoraSpec, ModelSpec, MoESpec
 from leantrain.spec.rules import cross_field_problems
 
@@ -197,36 +197,6 @@ class FaultSpec(Section):
         return self
 
 
-class HardwareSpec(Section):
-    """The cluster: accelerator model from the catalog and its count and links."""
-
-    accelerator: str = Field("H100-SXM", description=f"One of: {', '.join(accelerator_names())}.")
-    gpus_per_node: PositiveInt = Field(8, description="Accelerators per node.")
-    num_nodes: PositiveInt | None = Field(None, description="Nodes; None lets the planner choose.")
-    peak_flops: float | None = Field(
-        None, gt=0, description="Override the catalog's dense peak FLOP/s per GPU for the compute dtype."
-    )
-    memory_gb: float | None = Field(None, gt=0, description="Override the catalog's memory per GPU (GB).")
-    intra_node_bandwidth_gb_s: float | None = Field(
-        None, gt=0, description="GPU-to-GPU bandwidth inside a node, GB/s per direction (catalog default)."
-    )
-    inter_node_bandwidth_gb_s: float | None = Field(
-        None, gt=0, description="Per-GPU bandwidth across nodes, GB/s per direction (catalog default)."
-    )
-
-    @field_validator("accelerator")
-    @classmethod
-    def _known_accelerator(cls, name: str) -> str:
-        canon = canonical_name(name)
-        if canon is None:
-            raise ValueError(f"unknown accelerator {name!r}; allowed: {', '.join(accelerator_names())}")
-        return canon
-
-    @property
-    def num_gpus(self) -> int | None:
-        return None if self.num_nodes is None else self.num_nodes * self.gpus_per_node
-
-
 class BudgetSpec(Section):
     """What the run may cost in time and money."""
 
@@ -272,9 +242,15 @@ class PlanSpec(Section):
         "at most this many nodes, sent once per node over the inter-node link, forwarded inside it); null: a plain "
         "all-to-all of every top-k copy. Planning only: the router does not limit nodes."
     )
-    activation_kernels: Literal["auto", "eager", "fused"] = Field(
-        "auto", description="Which saved-tensor count the memory model uses: eager (our block as traced), fused "
-        "(fused norm/SwiGLU/RoPE kernels, as torch.compile or Transformer Engine), auto: fused with training.compile."
+    kernels: Literal["auto", "eager", "fused"] = Field(
+        "auto", description="Kernel set the plan assumes (saved tensors and parameter-free ops): eager (our block as "
+        "traced), fused (fused norm/activation/RoPE kernels, as torch.compile, Transformer Engine or LLM Foundry's "
+        "Triton kernels), auto: fused with training.compile, else eager (what the trainer runs)."
+    )
+    fused_loss: bool | None = Field(
+        None, description="Plan the cross-entropy as one fused kernel that keeps only the compute-dtype logits and "
+        "writes their gradient in place (flash-attn's xentropy, Liger; LLM Foundry's MPT runs); null: with "
+        "plan.kernels: fused. The trainer's loss is not fused (auto never assumes it)."
     )
     framework_reserve_gb: float = Field(
         3.0, ge=0, description="Memory per GPU the framework keeps (CUDA context, NCCL, allocator slack), GB."

@@ -71,6 +71,7 @@ class ModelShape:
     nominal_params: float  # size_billion × 1e9 when given, else the exact total
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
     mla: ResolvedMLA | None = None  # DeepSeek's latent attention (planning only)
+    mlp: str = "swiglu"  # dense MLP: swiglu (w1, w2, w3) | gelu | squared_relu (w1, w2)
 
     @property
     def head_dim(self) -> int:
@@ -120,8 +121,13 @@ class ModelShape:
         biases = d + 2 * self.kv_dim if self.qkv_bias else 0
         return 2 * d * d + 2 * d * self.kv_dim + biases
 
+    @property
+    def mlp_matrices(self) -> int:
+        """Weight matrices of the dense MLP: SwiGLU's gate, up and down; GeLU's and squared ReLU's up and down."""
+        return 3 if self.mlp == "swiglu" else 2
+
     def dense_mlp_params(self) -> int:
-        return 3 * self.d_model * self.ffn_hidden
+        return self.mlp_matrices * self.d_model * self.ffn_hidden
 
     def moe_layer_params(self, *, active: bool) -> int:
         """One MoE layer's router + experts (all, or the top-k + shared a token uses)."""
@@ -176,7 +182,7 @@ def _resolve_mla(mla: MLASpec | None) -> ResolvedMLA | None:
 
 def _shape_from(model: ModelSpec, *, n_layers: int, d_model: int, nominal: float | None) -> ModelShape:
     n_heads = model.n_heads or max(1, d_model // HEAD_DIM)
-    ffn = model.ffn_hidden or llama_ffn_hidden(d_model)
+    ffn = model.ffn_hidden or (llama_ffn_hidden(d_model) if model.mlp == "swiglu" else 4 * d_model)
     shape = ModelShape(
         n_layers=n_layers,
         d_model=d_model,
@@ -188,6 +194,7 @@ def _shape_from(model: ModelSpec, *, n_layers: int, d_model: int, nominal: float
         moe=_resolve_moe(model.moe, ffn_hidden=ffn),
         nominal_params=0.0,
         mla=_resolve_mla(model.mla),
+        mlp=model.mlp,
     )
     total = float(shape.total_params())
     return _with_nominal(shape, nominal if nominal is not None else total)
