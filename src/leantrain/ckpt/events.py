@@ -21,7 +21,7 @@ log = logging.getLogger("leantrain.ckpt")
 ALERT_EVENTS = frozenset(
     {"checkpoint_failed", "checkpoint_invalid", "checkpoint_fallback", "checkpoint_load_failed",
      "checkpoint_none_valid", "checkpoint_delete_failed", "checkpoint_abandoned", "checkpoint_misnamed",
-     "checkpoint_other_model"}
+     "checkpoint_other_model", "memory_checkpoint_failed", "memory_tier_disabled"}
 )
 
 # Events that change or use what is stored: also appended to the run's hash-chained audit.log.

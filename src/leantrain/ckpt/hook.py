@@ -47,7 +47,7 @@ from leantrain.ckpt.errors import CheckpointLoadError
 from leantrain.ckpt.fault import FaultInjector, FaultPlan, read_marker, restart_attempt
 from leantrain.ckpt.identity import MODEL_KEY, model_identity
 from leantrain.ckpt.manager import CheckpointManager, CheckpointSaveError
-from leantrain.ckpt.memory_tier import MemoryTier, memory_root
+from leantrain.ckpt.memory_tier import MemoryTier, capacity_problem, estimate_shard_bytes, memory_root
 from leantrain.ckpt.provenance import CheckpointProvenance
 from leantrain.ckpt.resume import (
     SCHEDULE_KEY,
@@ -225,17 +225,25 @@ class TrainerCheckpointer:
                            f"{self.manager.loaded_from}")
         return None
 
-    def _maybe_save_memory(self, trainer: Any, step: int) -> None:
-        """The fast tier every memory_interval_steps (not on a step the durable tier just saved)."""
+    def _maybe_save_memory(self, trainer: Any, step: int, *, durable_started: bool) -> None:
+        """The fast tier every memory_interval_steps, not on a step the durable tier saves. Decided from what
+        every rank knows the same on the main thread (the step, the agreed save decision, the agreed stop),
+        never from `last_saved_step`, which an async save's thread sets at its own time."""
         interval = trainer.spec.checkpoint.memory_interval_steps
-        if self.memory is None or step % interval or step == self.manager.last_saved_step or self.stop_reason:
+        if self.memory is None or step % interval or durable_started or self.stop_reason:
             return
         start = time.perf_counter()
         with self.watchdog.paused() if self.watchdog is not None else contextlib.nullcontext():
-            num_bytes = self.memory.save(step, build_state_dict(self.app_state(trainer)),
-                                         meta={SCHEDULE_KEY: self.schedule})
-        self.manager.events.emit("memory_checkpoint_saved", step=step, bytes=num_bytes,
-                                 duration_s=time.perf_counter() - start, peer=self.memory.peer)
+            outcome = self.memory.save(step, build_state_dict(self.app_state(trainer)),
+                                       meta={SCHEDULE_KEY: self.schedule})
+        if outcome.ok:
+            self.manager.events.emit("memory_checkpoint_saved", step=step, bytes=outcome.num_bytes,
+                                     duration_s=time.perf_counter() - start, peer=self.memory.peer)
+            return
+        self.manager.events.emit("memory_checkpoint_failed", step=step, failed_ranks=outcome.failed_ranks,
+                                 error=outcome.error, action="the job goes on with the durable tier")
+        if self.memory.disabled:
+            self.memory = None
 
     def _load_memory(self, trainer: Any, *, check: Any) -> int | None:
         """Resume from the fast tier when its newest complete step is newer than the durable tier's newest."""
@@ -303,7 +311,8 @@ class TrainerCheckpointer:
         due = self.manager.should_save(step, requested=asked)
         requested = self.manager.save_requested
         drill_save = self.fault is not None and self.fault.forced_save_step == step
-        if due or drill_save or (force and step != self.manager.last_saved_step):
+        durable_started = bool(due or drill_save or (force and step != self.manager.last_saved_step))
+        if durable_started:
             if self.fault is not None:
                 self.fault.before_save(step, self.manager)
             try:
@@ -313,7 +322,7 @@ class TrainerCheckpointer:
                 self._save_failed(err)
         if requested:
             self._serve_request(step)
-        self._maybe_save_memory(trainer, step)
+        self._maybe_save_memory(trainer, step, durable_started=durable_started)
         if force and self.memory is not None and self.manager.last_saved_step == step:
             self.memory.clear()  # the run's end is durable: give the node's memory back
         self._note_saves()
@@ -426,6 +435,18 @@ def _memory_tier(trainer: Any, manager: CheckpointManager) -> MemoryTier | None:
     group = dist.new_group(backend=control_backend()) if world > 1 and dist.is_initialized() else None
     if group is not None:
         manager._own_groups.append(group)
-    offset = ck.memory_peer_offset or int(os.environ.get("LOCAL_WORLD_SIZE", world))
-    return MemoryTier(root=memory_root(ck.memory_dir, trainer.run_dir), rank=int(trainer.runtime.rank),
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    offset = ck.memory_peer_offset or local_ranks
+    tier = MemoryTier(root=memory_root(ck.memory_dir, trainer.run_dir), rank=int(trainer.runtime.rank),
                       world_size=world, peer_offset=offset, process_group=group)
+    # Sized before the first step, on every rank, and agreed: the tier is on everywhere or nowhere.
+    shard_bytes = estimate_shard_bytes(trainer.model)
+    problem = capacity_problem(ck.memory_dir, shard_bytes=shard_bytes, local_ranks=min(local_ranks, world))
+    short = tier.agree_failures(problem)
+    if short:
+        reason = problem or f"checkpoint.memory_dir {ck.memory_dir} is too small on rank(s) {short}"
+        manager.events.emit("memory_tier_disabled", reason=reason, ranks=short, shard_bytes=shard_bytes)
+        if manager.rank == 0:
+            log.warning("fast tier off: %s; the job uses the durable tier only", reason)
+        return None
+    return tier

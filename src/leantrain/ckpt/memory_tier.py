@@ -5,33 +5,46 @@ besides the durable tier on the store every `interval_steps`.
 
 Layout, per run (`<memory_dir>/<run id>/`): `rank-R/step-S.pt` (R's own shard) and `peer-of-R/step-S.pt` (the
 copy R sent to the rank that holds it), each with a `.sha256` sidecar written after it, so a file without
-its sidecar is never trusted. Only the newest step is kept.
+its sidecar is never trusted. The format is ckpt/memory_format.py: a JSON header and raw tensor bytes, never
+a pickle, so nothing a peer sends can run code here.
 
-A save is one torch.save per rank into memory plus one point-to-point exchange of those bytes with the peers
-(gloo, on the manager's save group): no collective over the whole state and no full model anywhere. On a
-restart at the same world size the ranks agree on the newest step S for which every rank's shard exists,
-its own or at its peer (a replaced node lost the own copies of its ranks; the peers send them back), and
-resume from it when it is newer than the durable tier's newest checkpoint. A restart at another world size
-or layout uses the durable tier (shards are per rank).
+A save, on every rank together (the hook decides to save from the step number and agreed flags only, never
+from state a background thread writes): the previous step's files go first (the node never holds two steps:
+2 × shard per local rank), this rank's shard is written, the ranks agree that every write succeeded, then
+each rank sends its shard to its peer (its sha256 and sizes first, then the bytes straight from the
+tensors) and checks what it received against the sender's hash before keeping it, and the ranks agree again.
+Any failure (ENOSPC on tmpfs, a bad transfer) is caught, agreed (every rank learns which ranks failed), and
+returned as a failed `SaveOutcome`: that step is not a fast checkpoint anywhere and the job goes on with the
+durable tier. An exception inside a collective (a peer gone) disables the tier on the rank that saw it.
+Agreements are tensors (all_gather of flags and steps), never pickled objects.
+
+Restart (same world size and layout): the ranks agree on the newest step every rank can restore, its own file
+or the copy its peer holds; a rank that lost its own (a replaced node) gets it back from the peer, checked
+against the hash the holder announces. Another world size or layout uses the durable tier.
 """
 
 from __future__ import annotations
 
 import hashlib
-import io
 import logging
 import os
 import re
+import shutil
+import struct
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from leantrain.ckpt.errors import one_line
+from leantrain.ckpt.memory_format import MAGIC, Encoded, decode, encode, fill_tree, read_verified, write_chunks
 
 log = logging.getLogger("leantrain.ckpt")
 STEP_FILE_RE = re.compile(r"^step-(\d{8})\.pt$")
+FILES_PER_SHARD = 2  # its own shard and the copy it holds for a peer
 
 
 def memory_root(memory_dir: Path, run_dir: Path) -> Path:
@@ -40,32 +53,49 @@ def memory_root(memory_dir: Path, run_dir: Path) -> Path:
     return Path(memory_dir) / f"{Path(resolved).name}-{hashlib.sha256(resolved.encode()).hexdigest()[:12]}"
 
 
-def to_local_tree(value: Any) -> Any:
-    """A CPU copy of this rank's part of a state dict (a DTensor's local shard; other values as they are)."""
-    if isinstance(value, DTensor):
-        return value.to_local().detach().cpu().clone()
-    if isinstance(value, torch.Tensor):
-        return value.detach().cpu().clone()
-    if isinstance(value, dict):
-        return {k: to_local_tree(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [to_local_tree(v) for v in value]
-    return value
+def estimate_shard_bytes(model: torch.nn.Module, *, optimizer_bytes_per_param: int = 8) -> int:
+    """This rank's fast-tier shard before the first step (the optimizer's state does not exist yet): its local
+    parameters plus AdamW's two fp32 moments per trainable local element (an over-estimate for 8-bit states)."""
+    from torch.distributed.tensor import DTensor
+
+    total = 0
+    for param in model.parameters():
+        local = param.to_local() if isinstance(param, DTensor) else param
+        total += local.numel() * local.element_size()
+        if param.requires_grad:
+            total += local.numel() * optimizer_bytes_per_param
+    return total
 
 
-def fill_tree(template: Any, saved: Any) -> Any:
-    """Copy `saved` (from to_local_tree, same layout) into the live tensors of `template`; the filled tree."""
-    if isinstance(template, DTensor):
-        template.to_local().copy_(saved)
-        return template
-    if isinstance(template, torch.Tensor):
-        template.copy_(saved)
-        return template
-    if isinstance(template, dict):
-        return {k: fill_tree(template[k], saved[k]) if k in template else saved[k] for k in saved}
-    if isinstance(template, list):
-        return [fill_tree(t, s) for t, s in zip(template, saved, strict=True)]
-    return saved
+def capacity_problem(memory_dir: Path, *, shard_bytes: int, local_ranks: int) -> str | None:
+    """Why `memory_dir` cannot hold this node's fast tier (FILES_PER_SHARD × shard × local ranks), or None."""
+    need = FILES_PER_SHARD * shard_bytes * local_ranks
+    probe = Path(memory_dir)
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    try:
+        free = shutil.disk_usage(probe).free
+    except OSError as err:
+        return f"checkpoint.memory_dir {memory_dir}: cannot read its free space ({err.strerror or err})"
+    if need > free:
+        return (f"checkpoint.memory_dir {memory_dir} has {free / 2**30:.1f} GiB free, and the fast tier needs "
+                f"{need / 2**30:.1f} GiB on this node ({FILES_PER_SHARD} × {shard_bytes / 2**30:.2f} GiB shard × "
+                f"{local_ranks} local ranks)")
+    return None
+
+
+@dataclass
+class SaveOutcome:
+    """What one fast-tier save did, the same on every rank (the failure flags are agreed)."""
+
+    step: int
+    num_bytes: int = 0
+    failed_ranks: list[int] = field(default_factory=list)
+    error: str | None = None  # this rank's own failure, or the stage the ranks failed at
+
+    @property
+    def ok(self) -> bool:
+        return not self.failed_ranks and self.error is None
 
 
 class MemoryTier:
@@ -75,10 +105,11 @@ class MemoryTier:
                  process_group: dist.ProcessGroup | None) -> None:
         self.root, self.rank, self.world_size = Path(root), rank, world_size
         self.group = process_group
-        offset = peer_offset % world_size if world_size > 1 else 0
-        self.peer = (rank + offset) % world_size if offset else None  # who holds my copy
-        self.holds_for = (rank - offset) % world_size if offset else None  # whose copy I hold
+        self.offset = peer_offset % world_size if world_size > 1 else 0
+        self.peer = (rank + self.offset) % world_size if self.offset else None  # who holds my copy
+        self.holds_for = (rank - self.offset) % world_size if self.offset else None  # whose copy I hold
         self.last_step: int | None = None
+        self.disabled: str | None = None  # why this rank stopped using the tier (a failed collective)
 
     # ---- files ----------------------------------------------------------------------------------------
     def _own(self, rank: int) -> Path:
@@ -93,35 +124,43 @@ class MemoryTier:
 
     def clear(self) -> None:
         """Remove what this rank keeps (at the end of a run whose last step is on the durable tier)."""
-        import shutil
-
         for folder in self.node_folders():
             shutil.rmtree(folder, ignore_errors=True)
         if self.root.is_dir() and not any(self.root.iterdir()):
             self.root.rmdir()
 
     @staticmethod
-    def _write(folder: Path, step: int, data: bytes) -> None:
+    def _path(folder: Path, step: int) -> Path:
+        return folder / f"step-{step:08d}.pt"
+
+    def _write(self, folder: Path, step: int, chunks: Any) -> str:
         folder.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path = folder / f"step-{step:08d}.pt"
+        path = self._path(folder, step)
         tmp = path.with_suffix(".tmp")
-        tmp.write_bytes(data)
+        with open(tmp, "wb") as fh:
+            digest = write_chunks(fh, chunks)
         os.replace(tmp, path)
-        (folder / f"{path.name}.sha256").write_text(hashlib.sha256(data).hexdigest())
-        for old in folder.iterdir():  # only the newest step is kept
-            match = STEP_FILE_RE.match(old.name.removesuffix(".sha256"))
-            if match and int(match.group(1)) != step:
-                old.unlink(missing_ok=True)
+        (folder / f"{path.name}.sha256").write_text(digest)
+        return digest
 
     @staticmethod
-    def _read(folder: Path, step: int) -> bytes | None:
-        path = folder / f"step-{step:08d}.pt"
+    def _forget(folder: Path, *, keep: int | None = None) -> None:
+        if not folder.is_dir():
+            return
+        for old in folder.iterdir():
+            match = STEP_FILE_RE.match(old.name.removesuffix(".sha256").removesuffix(".tmp") + (
+                ".pt" if old.name.endswith(".tmp") else ""))
+            if match and int(match.group(1)) != keep:
+                old.unlink(missing_ok=True)
+
+    def _read(self, folder: Path, step: int) -> tuple[bytearray, str] | None:
+        path = self._path(folder, step)
         try:
-            data = path.read_bytes()
             digest = (folder / f"{path.name}.sha256").read_text().strip()
         except OSError:
             return None
-        return data if hashlib.sha256(data).hexdigest() == digest else None
+        buffer = read_verified(path, digest)
+        return None if buffer is None else (buffer, digest)
 
     @staticmethod
     def _steps(folder: Path) -> list[int]:
@@ -131,96 +170,177 @@ class MemoryTier:
         return sorted(int(m.group(1)) for n in names if (m := STEP_FILE_RE.match(n)) and f"{n}.sha256" in names)
 
     # ---- save -----------------------------------------------------------------------------------------
-    def save(self, step: int, state: dict[str, Any], *, meta: dict[str, Any]) -> int:
-        """Keep this rank's shard of `state` at `step` here and at the peer; returns the bytes kept here."""
-        buffer = io.BytesIO()
-        torch.save({"step": step, "meta": meta, "state": to_local_tree(state)}, buffer)
-        data = buffer.getvalue()
-        self._write(self._own(self.rank), step, data)
-        if self.peer is not None and self.holds_for is not None:
-            received = self._exchange(data)
-            self._write(self._copy(self.holds_for), step, received)
-        self.last_step = step
-        return len(data)
+    def save(self, step: int, state: dict[str, Any], *, meta: dict[str, Any]) -> SaveOutcome:
+        """Keep this rank's shard of `state` at `step` here and at the peer (see the module docstring)."""
+        if self.disabled:
+            return SaveOutcome(step=step, error=self.disabled)
+        outcome = SaveOutcome(step=step)
+        try:
+            self._save_agreed(step, state, meta=meta, outcome=outcome)
+        except (RuntimeError, dist.DistBackendError) as err:  # a collective failed: the peers may be gone
+            self.disabled = f"the fast tier stopped on rank {self.rank} after a failed collective: {one_line(err)}"
+            outcome.error = self.disabled
+        if not outcome.ok:
+            for folder in self.node_folders():
+                self._forget(folder)  # a step that is not complete everywhere is no fast checkpoint
+        else:
+            self.last_step = step
+        return outcome
 
-    def _exchange(self, data: bytes) -> bytes:
-        """Send my bytes to my peer, receive the bytes of the rank I hold a copy for (sizes first; one leading
-        byte so that no message is empty)."""
-        assert self.peer is not None and self.holds_for is not None
-        payload = torch.frombuffer(bytearray(b"\x01" + data), dtype=torch.uint8)
-        size_out, size_in = torch.tensor([payload.numel()], dtype=torch.int64), torch.zeros(1, dtype=torch.int64)
-        self._send_recv(size_out, size_in)
-        incoming = torch.empty(int(size_in.item()), dtype=torch.uint8)
-        self._send_recv(payload, incoming)
-        return incoming.numpy().tobytes()[1:]
+    def _save_agreed(self, step: int, state: dict[str, Any], *, meta: dict[str, Any], outcome: SaveOutcome) -> None:
+        error = None
+        encoded = None
+        try:
+            encoded = encode(step=step, meta=meta, state=state)
+            for folder in self.node_folders():
+                self._forget(folder)  # never two steps in memory at once
+            encoded.sha256 = self._write(self._own(self.rank), step, encoded.chunks())  # hashed once, as written
+            outcome.num_bytes = encoded.num_bytes
+        except (OSError, TypeError, ValueError) as err:
+            error = f"rank {self.rank}: writing {self._own(self.rank)}: {one_line(err)}"
+        outcome.failed_ranks = self.agree_failures(error)
+        if outcome.failed_ranks or self.peer is None or self.holds_for is None:
+            outcome.error = error or (f"writing the shards failed on rank(s) {outcome.failed_ranks}"
+                                      if outcome.failed_ranks else None)
+            return
+        assert encoded is not None
+        error = None
+        try:
+            received = self._exchange(encoded, to=self.peer, source=self.holds_for)
+            if received is None:
+                raise ValueError(f"the copy from rank {self.holds_for} does not match the sha256 it sent")
+            self._write(self._copy(self.holds_for), step, iter([received]))
+        except (OSError, ValueError) as err:
+            error = f"rank {self.rank}: keeping rank {self.holds_for}'s copy: {one_line(err)}"
+        outcome.failed_ranks = self.agree_failures(error)
+        if outcome.failed_ranks:
+            outcome.error = error or f"the peer copy failed on rank(s) {outcome.failed_ranks}"
 
-    def _send_recv(self, out: torch.Tensor, into: torch.Tensor) -> None:
-        ops = [dist.P2POp(dist.isend, out, self._global(self.peer), group=self.group),
-               dist.P2POp(dist.irecv, into, self._global(self.holds_for), group=self.group)]
-        for work in dist.batch_isend_irecv(ops):
-            work.wait()
+    def _exchange(self, outgoing: Encoded | None, *, to: int, source: int) -> bytearray | None:
+        """Send `outgoing` to `to` and receive `source`'s stream: its sha256 and sizes first, then the header and
+        the tensors' bytes (no copy on the sending side). The received stream when it matches the hash the
+        sender announced; None when it does not; an empty bytearray when the sender had nothing."""
+        views = [] if outgoing is None else [v for v in outgoing.views if v.numel()]
+        digest = bytes.fromhex(outgoing.digest()) if outgoing is not None else bytes(32)
+        prefix = b"" if outgoing is None else outgoing.prefix
+        sizes_out = torch.tensor([len(prefix), len(views), *[v.numel() for v in views]], dtype=torch.int64)
+        count_out = torch.tensor([sizes_out.numel()], dtype=torch.int64)
+        count_in = torch.zeros(1, dtype=torch.int64)
+        self._send_recv([count_out], [count_in], to=to, source=source)
+        sizes_in = torch.zeros(int(count_in.item()), dtype=torch.int64)
+        digest_in = torch.zeros(32, dtype=torch.uint8)
+        self._send_recv([sizes_out, torch.frombuffer(bytearray(digest), dtype=torch.uint8)], [sizes_in, digest_in],
+                        to=to, source=source)
+        prefix_len, num_views = int(sizes_in[0]), int(sizes_in[1])
+        buffer = bytearray(int(sizes_in[0] + sizes_in[2:].sum()))
+        if not buffer:
+            received: list[torch.Tensor] = []
+        else:
+            whole = torch.frombuffer(buffer, dtype=torch.uint8)
+            received = [whole[:prefix_len]]
+            offset = prefix_len
+            for size in sizes_in[2: 2 + num_views].tolist():
+                received.append(whole[offset: offset + size])
+                offset += size
+        sent = ([torch.frombuffer(bytearray(prefix), dtype=torch.uint8)] if prefix else []) + views
+        self._send_recv(sent, received, to=to, source=source)
+        if not buffer:
+            return bytearray()
+        ok = hashlib.sha256(buffer).digest() == bytes(digest_in.tolist()) and bytes(buffer[:len(MAGIC)]) == MAGIC
+        return buffer if ok else None
 
-    def _global(self, group_rank: int | None) -> int:
-        assert group_rank is not None
+    def _send_recv(self, out: list[torch.Tensor], into: list[torch.Tensor], *, to: int, source: int) -> None:
+        # One tag per message: the i-th non-empty send meets the peer's i-th non-empty receive.
+        sends, recvs = [t for t in out if t.numel()], [t for t in into if t.numel()]
+        ops = [dist.P2POp(dist.isend, t, self._global(to), group=self.group, tag=i) for i, t in enumerate(sends)]
+        ops += [dist.P2POp(dist.irecv, t, self._global(source), group=self.group, tag=i)
+                for i, t in enumerate(recvs)]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+
+    def _global(self, group_rank: int) -> int:
         return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+
+    # ---- agreement (tensors, never pickles) ------------------------------------------------------------
+    def _all_gather(self, values: list[int]) -> list[list[int]]:
+        mine = torch.tensor(values, dtype=torch.int64)
+        if self.world_size == 1 or not dist.is_initialized():
+            return [mine.tolist()]
+        out = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self.group)
+        return [t.tolist() for t in out]
+
+    def agree_failures(self, error: str | None) -> list[int]:
+        """The ranks whose step failed (every rank gets the same list); this rank's error goes to its log."""
+        if error is not None:
+            log.error("fast tier: %s", error)
+        return [r for r, (flag,) in enumerate(self._all_gather([int(error is not None)])) if flag]
 
     # ---- restart ----------------------------------------------------------------------------------------
     def best_step(self) -> int | None:
         """The newest step every rank can restore (its own file, or the copy its peer holds); all ranks agree."""
-        own = set(self._steps(self._own(self.rank)))
-        held = set(self._steps(self._copy(self.holds_for))) if self.holds_for is not None else set()
-        reports = self._gather((sorted(own), sorted(held)))
+        own = self._steps(self._own(self.rank))
+        held = self._steps(self._copy(self.holds_for)) if self.holds_for is not None else []
+        reports = self._all_gather([own[-1] if own else -1, held[-1] if held else -1])
         usable: set[int] | None = None
         for rank, (mine, _) in enumerate(reports):
-            at_peer = set()
-            if self.peer is not None:
-                holder = (rank + (self.peer - self.rank)) % self.world_size
-                at_peer = set(reports[holder][1])
-            have = set(mine) | at_peer
+            have = {mine}
+            if self.offset:
+                have.add(reports[(rank + self.offset) % self.world_size][1])
+            have.discard(-1)
             usable = have if usable is None else usable & have
         return max(usable) if usable else None
 
     def load(self, step: int, template: dict[str, Any], *, check: Callable[[dict], str | None] | None = None
              ) -> dict[str, Any] | None:
         """This rank's state at `step` filled into `template` (its own file, else the peer sends its copy back);
-        None on every rank when any rank's copy is missing or damaged, or `check(meta)` refuses (raised)."""
-        data = self._read(self._own(self.rank), step)
-        need = self._gather(data is None)
-        if self.peer is not None and any(need):
-            data = self._restore_from_peer(step, data, need)
-        ok = self._gather(data is not None)
-        if not all(ok):
+        None on every rank when any rank's copy is missing or damaged; {"refusal": ...} when `check(meta)`
+        refuses."""
+        found = self._read(self._own(self.rank), step)
+        need = [bool(flag) for (flag,) in self._all_gather([int(found is None)])]
+        buffer = None if found is None else found[0]
+        if self.peer is not None and self.holds_for is not None and any(need):
+            buffer = self._restore_from_peer(step, buffer, need)
+        decoded = None
+        if buffer is not None:
+            try:
+                decoded = decode(buffer)
+            except (ValueError, KeyError, TypeError, struct.error) as err:
+                log.error("fast tier: rank %d: %s is unreadable: %s", self.rank, self._own(self.rank), err)
+        if self.agree_failures(None if decoded is not None else "no usable shard"):
             return None
-        saved = torch.load(io.BytesIO(data), map_location="cpu", weights_only=False)  # our own file, checksummed
-        refusal = check(saved["meta"]) if check is not None else None
+        assert decoded is not None
+        refusal = check(decoded.meta) if check is not None else None
         if refusal:
             return {"refusal": refusal}
-        return fill_tree(template, saved["state"])
+        return fill_tree(template, decoded.state)
 
-    def _restore_from_peer(self, step: int, data: bytes | None, need: list[bool]) -> bytes | None:
-        """Ranks that lost their own file get the copy back from the rank that holds it."""
+    def _restore_from_peer(self, step: int, buffer: bytearray | None, need: list[bool]) -> bytearray | None:
+        """Ranks that lost their own file get the copy back from the rank that holds it (checked by its hash)."""
         assert self.peer is not None and self.holds_for is not None
-        outgoing = b""
+        outgoing = None
         if need[self.holds_for]:
-            outgoing = self._read(self._copy(self.holds_for), step) or b""
-        incoming = self._swap_back(outgoing)
-        if data is None and incoming:
-            data = incoming
-            self._write(self._own(self.rank), step, data)  # the replaced node has its copy again
-        return data
+            held = self._read(self._copy(self.holds_for), step)
+            if held is not None:
+                outgoing = _RawStream(held[0])
+        incoming = self._exchange(outgoing, to=self.holds_for, source=self.peer)
+        if buffer is None and incoming:
+            buffer = incoming
+            self._write(self._own(self.rank), step, iter([incoming]))  # the replaced node has its copy again
+        return buffer
 
-    def _swap_back(self, outgoing: bytes) -> bytes:
-        """The reverse of `_exchange`: the holder sends a copy back to its owner."""
-        peer, holds_for = self.peer, self.holds_for
-        self.peer, self.holds_for = holds_for, peer
-        try:
-            return self._exchange(outgoing)
-        finally:
-            self.peer, self.holds_for = peer, holds_for
 
-    def _gather(self, value: Any) -> list[Any]:
-        if self.world_size == 1 or not dist.is_initialized():
-            return [value]
-        out: list[Any] = [None] * self.world_size
-        dist.all_gather_object(out, value, group=self.group)
-        return out
+class _RawStream(Encoded):
+    """A stream already in memory (a held copy, header included) sent back unchanged."""
+
+    def __init__(self, data: bytearray) -> None:
+        super().__init__(header=b"", views=[torch.frombuffer(data, dtype=torch.uint8)] if data else [])
+        self._data = data
+
+    @property
+    def prefix(self) -> bytes:
+        return b""
+
+    def digest(self) -> str:
+        return hashlib.sha256(self._data).hexdigest()
