@@ -28,6 +28,8 @@ TWO_RANK: dict[str, dict[str, Any]] = {
     "pp_interleaved": {"pipeline_parallel": 2, "pipeline_schedule": "interleaved_1f1b", "virtual_stages": 2,
                        "n_layers": 4},
     "ep_moe": {"moe": True, "data_parallel": 2, "expert_parallel": 2},
+    # no EP: every expert (and the shared one) split over TP instead of computed whole on both ranks
+    "tp_moe": {"moe": True, "tensor_parallel": 2},
     # The MoE aux loss carried by each pipeline stage (a large coefficient, so a dropped term would show).
     "pp_moe_aux_loss": {"moe": True, "pipeline_parallel": 2, "pipeline_schedule": "1f1b", "aux_loss_coef": 1.0},
 }
@@ -76,6 +78,7 @@ def test_fsdp_bf16_mixed_precision_keeps_fp32_masters(two_rank: dict[str, dict[s
 @pytest.mark.slow
 def test_expert_parallel_really_splits_experts(two_rank: dict[str, dict[str, Any]]) -> None:
     assert two_rank["ep_moe"]["local_experts"] == 2  # 4 experts over ep 2
+    assert two_rank["tp_moe"]["local_experts"] == 4 and two_rank["tp_moe"]["expert_share"] == 0.5  # half of each
     assert two_rank["fsdp"]["local_experts"] is None
 
 

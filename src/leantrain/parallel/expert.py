@@ -90,3 +90,70 @@ def _combine(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch
 def local_weight(weight: torch.Tensor) -> torch.Tensor:
     """This rank's experts of a stacked weight (the whole tensor when not expert-parallel)."""
     return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+def apply_expert_tensor_parallel(model: nn.Module, *, tp_mesh: DeviceMesh) -> None:
+    """Without expert parallelism, under TP: each expert's SwiGLU split over `tp_mesh` as Megatron splits an MLP
+    (w1/w3 column-wise on the hidden dim, w2 row-wise), as torchtitan's TensorParallel style for experts does.
+    Each TP rank then computes 1/tp of every expert instead of every expert whole; the routed rows are the
+    same on all TP ranks (the router is replicated), the output's partial sums are all-reduced."""
+    tp = tp_mesh.size()
+    for experts in expert_modules(model):
+        hidden = experts.w1.shape[2]
+        if hidden % tp:
+            raise ValueError(f"model.moe.expert_hidden ({hidden}) must be divisible by tensor_parallel ({tp})")
+        distribute_module(experts, tp_mesh, partition_fn=_shard_expert_hidden, input_fn=_tp_input,
+                          output_fn=_tp_output)
+
+
+def _shard_expert_hidden(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+    if module is not None and not isinstance(module, nn.Module):
+        return
+    rank, tp = mesh.get_local_rank(), mesh.size()
+    for param_name, dim in (("w1", 2), ("w3", 2), ("w2", 1)):
+        param = getattr(module, param_name, None)
+        if param is None:
+            return
+        local = param.detach().chunk(tp, dim=dim)[rank].contiguous()
+        module.register_parameter(param_name, nn.Parameter(
+            DTensor.from_local(local, mesh, [Shard(dim)], run_check=False), requires_grad=param.requires_grad))
+
+
+def _tp_input(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> tuple[Any, ...]:
+    """The rows are the same on every TP rank; their gradient is a partial sum, all-reduced in backward."""
+    x_sorted, expert_ids, counts = inputs
+    return _CopyToTP.apply(x_sorted, mesh.get_group()), expert_ids, counts
+
+
+def _tp_output(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+    """Each rank's partial sum over its hidden slice → the sum, on every TP rank (one all-reduce)."""
+    return _ReduceFromTP.apply(output, mesh.get_group())
+
+
+class _CopyToTP(torch.autograd.Function):
+    """Identity forward, all-reduce of the gradient backward (Megatron's copy_to_tensor_model_parallel_region)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    """All-reduce forward, identity backward (Megatron's reduce_from_tensor_model_parallel_region)."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:  # type: ignore[override]
+        out = x.contiguous().clone()
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:  # type: ignore[override]
+        return grad, None

@@ -18,7 +18,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.pipelining import PipelineStage
 from torch.distributed.pipelining.schedules import _PipelineSchedule
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from leantrain.dtypes import DTYPES
 from leantrain.model.init import init_buffers, init_parameters
@@ -26,7 +26,7 @@ from leantrain.model.layers import ModelArgs
 from leantrain.model.moe import MoE
 from leantrain.model.transformer import Transformer
 from leantrain.parallel.dims import LayoutMesh, ParallelDims
-from leantrain.parallel.expert import apply_expert_parallel
+from leantrain.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel
 from leantrain.parallel.fsdp import ExpertSharding, apply_fsdp, uses_bf16_compute
 from leantrain.parallel.pipeline import (
     StageGroup,
@@ -181,6 +181,8 @@ class ParallelModel:
             with maybe_loss_parallel(self.loss_parallel):
                 loss = loss_fn(logits, targets.to(self.device))
                 aux = model.auxiliary_loss() if hasattr(model, "auxiliary_loss") else None
+                if aux is not None and isinstance(loss, DTensor):  # loss parallel: a replicated DTensor scalar
+                    aux = DTensor.from_local(aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim)
                 ((loss if aux is None else loss + aux) / len(micro_batches)).backward()
             total += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
             if aux is not None:
@@ -340,6 +342,8 @@ def parallelize(
                                   loss_parallel_enabled=loss_parallel, seq_len=spec.data.seq_len,
                                   tied_embeddings=model.args.shape.tie_embeddings)
         experts = None
+        if dims.tp > 1 and dims.ep == 1 and model.args.moe is not None:
+            apply_expert_tensor_parallel(part, tp_mesh=mesh["tp"])
         if dims.ep > 1:
             apply_expert_parallel(part, ep_mesh=mesh["ep"])
             assert model.args.moe is not None

@@ -14,8 +14,9 @@ parallel its logits stay vocab-sharded (a DTensor) and the cross-entropy runs un
 Under fp8 the block's float8 Linear layers take torchao's float8 styles (`Float8ColwiseParallel`,
 `Float8RowwiseParallel`, and `PrepareFloat8ModuleInput` for the sequence-parallel all-gathers, which then move
 float8 instead of bf16), as torchtitan's plan does; the head and the embedding keep the plain styles.
-MoE feed-forwards are not tensor-split (their experts are split by expert parallelism): their input is
-gathered to the full sequence and their output split again.
+MoE feed-forwards run on the whole sequence (their input is gathered, their output split again); their
+shared experts are split like a dense MLP, and their routed experts are split by expert parallelism, or
+without it by `parallel.expert.apply_expert_tensor_parallel` (each expert's hidden dim over TP).
 """
 
 from __future__ import annotations
@@ -120,6 +121,12 @@ def _block_plan(block: nn.Module, *, sequence_parallel: bool, float8_collectives
     if getattr(block, "is_moe", False):
         if sequence_parallel:
             plan["feed_forward"] = _moe_gather_and_split()
+        if getattr(block.feed_forward, "shared_experts", None) is not None:  # a plain SwiGLU: Megatron's split
+            plan.update({
+                "feed_forward.shared_experts.w1": colwise(),
+                "feed_forward.shared_experts.w3": colwise(),
+                "feed_forward.shared_experts.w2": rowwise(),
+            })
         return plan
     plan.update({
         "feed_forward.w1": colwise(),

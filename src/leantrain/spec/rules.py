@@ -25,7 +25,21 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
         *_batch_and_node_problems(spec),
         *_finetune_problems(spec),
         *_size_problems(spec, shape),
+        *_hang_problems(spec),
     ]
+
+
+HANG_POLL_MAX_S = 2.0  # the hang watchdog's longest look interval (ckpt/watchdog.py POLL_MAX_S)
+
+
+def _hang_problems(spec: JobSpec) -> list[str]:
+    """The hang watchdog must fire (and label the restart a hang) before a collective times out."""
+    hang_s, collective_s = spec.monitoring.hang_timeout_s, spec.fault.collective_timeout_s
+    if spec.fault.hang_action != "abort" or hang_s + HANG_POLL_MAX_S < collective_s:
+        return []
+    return [f"monitoring.hang_timeout_s ({hang_s:g} s) must be at least {HANG_POLL_MAX_S:g} s shorter than "
+            f"fault.collective_timeout_s ({collective_s:g} s), so a frozen rank is found by the hang watchdog before "
+            f"a collective times out; e.g. fault.collective_timeout_s: {hang_s + 30:g}, or fault.hang_action: alert"]
 
 
 SIZE_MISFIT = 1.5  # a sized model whose shape misses size_billion by more than this factor is refused
@@ -132,6 +146,13 @@ def _moe_problems(par: ParallelismSpec, shape: ModelShape) -> list[str]:
     if shape.moe is None:
         return ["parallelism.expert_parallel > 1 needs model.architecture: moe"] if par.expert_parallel > 1 else []
     moe, problems = shape.moe, []
+    tp = par.tensor_parallel
+    if tp > 1 and par.expert_parallel == 1 and moe.expert_hidden % tp:
+        problems.append(f"parallelism.tensor_parallel ({tp}) must divide model.moe.expert_hidden ({moe.expert_hidden}) "
+                        "when expert_parallel is 1 (each expert is then split over TP)")
+    if tp > 1 and (moe.num_shared_experts * moe.expert_hidden) % tp:
+        problems.append(f"parallelism.tensor_parallel ({tp}) must divide the shared experts' hidden size "
+                        f"({moe.num_shared_experts} × {moe.expert_hidden})")
     if moe.top_k > moe.num_experts:
         problems.append(f"model.moe.top_k ({moe.top_k}) must be ≤ num_experts ({moe.num_experts})")
     if moe.num_experts % par.expert_parallel:
