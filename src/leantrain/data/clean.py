@@ -4,7 +4,9 @@ Words: a Han or kana character is one word; any other run of letters/digits is o
 n-gram and stop-word rules work on Chinese/Japanese text (no spaces) the same way as on English; the
 n-gram rules use n-grams of 2n characters for CJK-dominant text (a Chinese word averages about two
 characters), so "2-gram" and "5-gram" mean roughly the same amount of text in both scripts.
-Each filter returns the name of the first rule a document breaks (the drop reason), or None.
+Each filter returns the name of the first rule a document breaks (the drop reason), or None. Code and
+documentation with code blocks: `kind` (data.sources[].kind) chooses the code rules or leaves code-like
+lines out of the prose rules (code_rules.py).
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import unicodedata
 from collections import Counter
 from dataclasses import dataclass
 
+from leantrain.data.code_rules import code_problem, code_share, prose_part
 from leantrain.spec.schema import CleaningSpec
 
 CJK_CLASS = r"\u3040-\u30ff\u3400-\u4dbf\u4e00-\u9fff\uf900-\ufaff"
@@ -23,6 +26,8 @@ ASCII_WORD_RE = re.compile(r"[A-Za-z0-9]+")  # WORD_RE on ASCII text
 NON_WORD_RE = re.compile(r"[^\w\s]")
 SPACES_RE = re.compile(r"[^\S\n]+")  # whitespace other than newline
 MANY_NEWLINES_RE = re.compile(r"\n{3,}")
+# a whitespace-separated token with at least one letter (Gopher: 80 % of words contain one)
+ALPHA_TOKEN_RE = re.compile(r"\S*[^\W\d_]\S*")
 # Gopher's English stop words; for Chinese, frequent function characters (particles, pronouns, prepositions,
 # conjunctions), without those that mostly occur inside nouns (中, 上, 时, 可, 能: 中国, 上海, 时间 …), so a
 # keyword list still has none. Calibrated on the bundled demo-zh sentences (docs/data.md): the 13-character
@@ -42,13 +47,18 @@ _CONTROL_TABLE = {
     **{ord(c): None for c in _ZERO_WIDTH},
     ord("\t"): " ",
 }
+_CODE_CONTROL_TABLE = {k: v for k, v in _CONTROL_TABLE.items() if k != ord("\t")}
 
 
-def normalize(text: str, *, form: str) -> str:
-    """Unicode normal form, control/zero-width characters removed, spaces collapsed, line ends unified."""
+def normalize(text: str, *, form: str, keep_indent: bool = False) -> str:
+    """Unicode normal form, control/zero-width characters removed, spaces collapsed, line ends unified.
+    `keep_indent` (code): tabs and leading spaces stay, only trailing spaces go."""
     text = text.replace("\r\n", "\n").replace("\r", "\n")
     if form != "none":
         text = unicodedata.normalize(form, text)
+    if keep_indent:
+        text = "\n".join(line.rstrip() for line in text.translate(_CODE_CONTROL_TABLE).split("\n"))
+        return MANY_NEWLINES_RE.sub("\n\n", text).strip("\n")
     text = text.translate(_CONTROL_TABLE)
     text = SPACES_RE.sub(" ", text)
     text = "\n".join(line.strip() for line in text.split("\n"))
@@ -117,28 +127,51 @@ def _stop_words_present(stats: TextStats) -> int:
     return len(EN_STOP_WORDS.intersection(w.lower() for w in stats.words))
 
 
-def quality_problem(text: str, spec: CleaningSpec, stats: TextStats | None = None) -> str | None:
-    """The first quality rule `text` breaks (a drop reason), or None when it passes all of them."""
+def _alpha_word_fraction(text: str, stats: TextStats) -> float:
+    """Share of words with a letter: whitespace-separated tokens for Latin script (as Gopher counts them,
+    so "=" or "3.14" is a word without one), the character words of CJK-dominant text."""
+    if stats.cjk_share >= 0.5:
+        return sum(1 for w in stats.words if not w.isdigit()) / max(len(stats.words), 1)
+    tokens = len(text.split())
+    return len(ALPHA_TOKEN_RE.findall(text)) / tokens if tokens else 1.0
+
+
+def quality_problem(text: str, spec: CleaningSpec, stats: TextStats | None = None, *, code: bool = False
+                    ) -> str | None:
+    """The first quality rule `text` breaks (a drop reason), or None when it passes all of them. `code`: the
+    document is judged by the code rules (code_rules.py); otherwise its code-like lines are left out of the
+    symbol, alphabetic-word and repetition rules."""
     stats = stats if stats is not None else text_stats(text)
     num_words = len(stats.words)
     if num_words < spec.min_words:
         return "too_short"
     if num_words > spec.max_words:
         return "too_long"
+    if code:
+        return code_problem(text, max_line_chars=spec.max_code_line_chars,
+                            max_mean_line_chars=spec.max_code_mean_line_chars,
+                            min_alnum_fraction=spec.min_code_alnum_fraction,
+                            max_duplicate_line_fraction=spec.max_code_duplicate_line_fraction)
     if stats.cjk_share < 0.5:
         num_latin = num_words - stats.num_cjk
         mean_length = (sum(map(len, stats.words)) - stats.num_cjk) / max(num_latin, 1)
         if not spec.min_mean_word_length <= mean_length <= spec.max_mean_word_length:
             return "mean_word_length"
-    if _symbol_ratio(text, num_words) > spec.max_symbol_ratio:
+    prose, prose_stats = text, stats
+    if code_share(text) > 0:  # documentation with code blocks: the rules below judge its prose
+        prose = prose_part(text)
+        prose_stats = text_stats(prose)
+    if _symbol_ratio(prose, len(prose_stats.words)) > spec.max_symbol_ratio:
         return "symbol_ratio"
-    if _duplicate_line_fraction(text) > spec.max_duplicate_line_fraction:
+    if _alpha_word_fraction(prose, prose_stats) < spec.min_alpha_word_fraction:
+        return "few_alpha_words"
+    if _duplicate_line_fraction(prose) > spec.max_duplicate_line_fraction:
         return "duplicate_lines"
     # A Chinese word is about two characters, so CJK text uses n-grams of twice as many characters.
     scale = CJK_NGRAM_SCALE if stats.cjk_share >= 0.5 else 1
-    if _top_ngram_fraction(stats.words, 2 * scale) > spec.max_top_2gram_fraction:
+    if _top_ngram_fraction(prose_stats.words, 2 * scale) > spec.max_top_2gram_fraction:
         return "top_2gram"
-    if _duplicate_ngram_fraction(stats.words, 5 * scale) > spec.max_duplicate_5gram_fraction:
+    if _duplicate_ngram_fraction(prose_stats.words, 5 * scale) > spec.max_duplicate_5gram_fraction:
         return "duplicate_5grams"
     if _stop_words_present(stats) < spec.min_stop_words:
         return "no_stop_words"

@@ -36,6 +36,7 @@ from leantrain.data.chat import MASKED_FORMATS, ChatRenderer
 from leantrain.data.chat_prepare import chat_candidate, encode_rows
 from leantrain.data.clean import normalize, quality_problem, text_stats
 from leantrain.data.clusters import KEEP, write_hashes
+from leantrain.data.code_rules import is_code
 from leantrain.data.dedup import MinHasher, add_candidate_hashes
 from leantrain.data.inputs import BadInputError, file_size
 from leantrain.data.layout import SPLITS
@@ -108,13 +109,14 @@ def clean_task(task: InputTask, spec: DataSpec, work: Path, salt: bytes) -> dict
     keys: list[bytes] = []
     signatures: list[np.ndarray] = []
     valid_cut = int(spec.valid_fraction * 2**64)
+    prose_or_code = functools.partial(_candidate, kind=task.source.kind)
     with open(out / "docs.jsonl.tmp", "w", encoding="utf-8") as docs:
         try:
             for raw in read_file(task.source, task.path, read, start=task.start, end=task.end,
                                  first_line=task.first_line):
                 counts["docs_in"] += 1
                 counts["chars_in"] += len(raw.text)
-                candidate = chat_candidate if task.source.format in MASKED_FORMATS else _candidate
+                candidate = chat_candidate if task.source.format in MASKED_FORMATS else prose_or_code
                 row = candidate(raw.text, spec=spec, counts=counts, hasher=hasher, keys=keys,
                                 signatures=signatures, redactor=redactor, valid_cut=valid_cut)
                 if row is not None:
@@ -148,14 +150,17 @@ def _partial_docs(err: BadInputError, read: ReadStats) -> int:
 
 
 def _candidate(text: str, *, spec: DataSpec, counts: dict[str, Any], hasher: MinHasher, keys: list[bytes],
-               signatures: list[np.ndarray], redactor: PIIRedactor | None, valid_cut: int) -> dict[str, Any] | None:
-    """The row of a document that passes the filters (its hashes appended to keys/signatures), else None."""
-    cleaned = normalize(text, form=spec.cleaning.normalization)
-    if not cleaned:
+               signatures: list[np.ndarray], redactor: PIIRedactor | None, valid_cut: int, kind: str = "prose"
+               ) -> dict[str, Any] | None:
+    """The row of a document that passes the filters (its hashes appended to keys/signatures), else None.
+    `kind` (data.sources[].kind): a code document keeps its indentation and meets the code rules."""
+    code = is_code(text, kind)
+    cleaned = normalize(text, form=spec.cleaning.normalization, keep_indent=code)
+    if not cleaned.strip():
         counts["drops"]["empty"] += 1
         return None
     stats = text_stats(cleaned)
-    reason = quality_problem(cleaned, spec.cleaning, stats)
+    reason = quality_problem(cleaned, spec.cleaning, stats, code=code)
     if reason is not None:
         counts["drops"][reason] += 1
         return None
@@ -256,4 +261,3 @@ def kept_texts(work: Path, task: InputTask, *, split: str) -> Any:
                 row = json.loads(line)
                 if row["split"] == split:
                     yield row["text"] or "\n".join(m["content"] for m in row.get("messages", []))
-

@@ -30,6 +30,12 @@ class DataSource(Section):
         "({prompt, chosen, rejected} as strings or messages, or {chosen, rejected} conversations) for "
         "finetune.method: dpo (docs/finetune.md).",
     )
+    kind: Literal["auto", "prose", "code"] = Field(
+        "auto", description="What the quality filters expect: prose (Gopher rules; code-like lines are left "
+        "out of the symbol, alphabetic-word and repetition rules), code (line-length, alphanumeric and "
+        "repeated-long-line rules; indentation kept), or auto (code rules for a document whose lines mostly "
+        "look like code). docs/data.md.",
+    )
     text_field: str = Field("text", description="Field holding the text (jsonl, parquet).")
     id_field: str | None = Field("id", description="Field holding a document id (jsonl, parquet); else file:line.")
     text_unit: Literal["file", "line", "paragraph"] = Field(
@@ -100,6 +106,24 @@ class CleaningSpec(Section):
     )
     min_stop_words: int = Field(
         2, ge=0, description="Drop if fewer distinct stop words occur (English or Chinese list by script)."
+    )
+    min_alpha_word_fraction: float = Field(
+        0.8, ge=0, le=1, description="Drop if fewer of the whitespace-separated words contain a letter (Gopher: "
+        "80 %); code-like lines are not counted.",
+    )
+    max_code_line_chars: PositiveInt = Field(
+        1000, description="Code documents: drop if a line is longer (minified or generated; StarCoder: 1000)."
+    )
+    max_code_mean_line_chars: float = Field(
+        100.0, gt=0, description="Code documents: drop if the mean line length is above this (StarCoder: 100)."
+    )
+    min_code_alnum_fraction: float = Field(
+        0.25, ge=0, le=1, description="Code documents: drop if fewer non-space characters are letters or digits "
+        "(StarCoder: 0.25).",
+    )
+    max_code_duplicate_line_fraction: float = Field(
+        0.5, ge=0, le=1, description="Code documents: drop if this share of the characters of long lines "
+        "(>= 20 characters) repeats an earlier line; short lines (}, end, pass) do not count.",
     )
 
 
