@@ -169,3 +169,57 @@ def test_scores_equal_lm_evaluation_harness_on_the_same_model_and_items(
         assert lls == pytest.approx([ll for ll, _ in sample["filtered_resps"]], abs=1e-4)
     # the items tell the metrics apart (otherwise this test could not catch a wrong normalisation)
     assert len({(s["acc"], s["acc_norm"], s["acc_bytes"]) for s in samples}) > 1
+
+
+def test_qlora_eval_and_export_with_the_base_as_trained(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--base-as-trained`: a QLoRA run is evaluated and exported on its NF4-rounded base — the held-out loss equals
+    the trainer's own evaluation, and transformers' logits from the export equal that model's; the stored base
+    gives other numbers. Non-QLoRA runs and adapter-only exports are refused (exit 2)."""
+    pytest.importorskip("torchao")
+    from leantrain.ckpt.export import export_run
+    from leantrain.golive.eval import _load_model
+    from leantrain.spec import load_spec, spec_from_dict
+    from leantrain.train.command import train
+
+    hf_dir = save_tiny_hf(tmp_path / "hf", vocab_size=300, hidden_size=128, intermediate_size=256)
+    rng = np.random.default_rng(1)
+    docs = [[int((s + i) % 200) + 1 for i in range(60)] for s in rng.integers(0, 200, 30)]
+    write_token_data_dir(tmp_path / "data", {"counting": docs}, vocab_size=259, eos_id=256,
+                         valid_docs_by_source={"counting": docs[:6]})
+    raw = {
+        "task": "finetune", "finetune": {"method": "qlora", "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.0}},
+        "model": {"init_from": str(hf_dir)}, "precision": {"compute": "fp32", "optimizer_state": "fp32"},
+        "data": {"tokens_total": 1e5, "seq_len": SEQ, "dir": str(tmp_path / "data")},
+        "training": {"global_batch_tokens": 4 * SEQ, "micro_batch": 4, "lr": 1e-2, "warmup_steps": 1, "max_steps": 3,
+                     "device": "cpu", "log_every": 1, "eval_every": 3, "eval_batches": 2},
+        "checkpoint": {"interval_steps": 3}, "hardware": {"accelerator": "cpu", "gpus_per_node": 1},
+        "budget": {"num_gpus": 1, "target_days": None}, "monitoring": {"tensorboard": False},
+    }
+    run_dir = tmp_path / "run"
+    train(spec_from_dict(raw), run_dir=run_dir, max_steps=None, console=None)
+    trained = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()
+               if "eval_loss" in line][-1]["eval_loss"]
+    as_trained = evaluate(run_dir, tasks=[], base_as_trained=True)
+    stored = evaluate(run_dir, tasks=[])
+    assert as_trained["base_as_trained"] and not stored["base_as_trained"]
+    assert as_trained["held_out"]["counting"]["loss"] == pytest.approx(trained, abs=1e-5)
+    assert abs(stored["held_out"]["counting"]["loss"] - trained) > 1e-4  # the stored base is another model
+    model, _ = _load_model(load_spec(run_dir / "spec.yaml"), run_dir, step=None, base_as_trained=True)
+    tokens = torch.tensor([docs[0][:SEQ]])
+    with torch.no_grad():
+        ours = model(tokens)
+    for flag in (True, False):
+        out = tmp_path / f"export_{flag}"
+        export_run(run_dir, out, base_as_trained=flag)
+        theirs = transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+        with torch.no_grad():
+            gap = float((theirs(tokens).logits - ours).abs().max())
+        assert (gap < 1e-4) if flag else (gap > 1e-3), (flag, gap)
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "x"), "--adapter-only", "--base-as-trained"]) == 2
+    assert "a PEFT adapter (--adapter-only) carries no base" in capsys.readouterr().err
+    lora_run = tmp_path / "lora_run"
+    raw["finetune"]["method"] = "lora"
+    raw["training"]["max_steps"] = 1
+    train(spec_from_dict(raw), run_dir=lora_run, max_steps=None, console=None)
+    assert main(["eval", str(lora_run), "--base-as-trained"]) == 2
+    assert "is not a QLoRA run (finetune weights lora)" in capsys.readouterr().err

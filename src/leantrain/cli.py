@@ -314,12 +314,15 @@ def export(
     step: Annotated[int | None, typer.Option("--step", min=0, help="Checkpoint step (default: the newest).")] = None,
     adapter_only: Annotated[bool, typer.Option(
         "--adapter-only", help="LoRA runs: write a PEFT adapter instead of the merged model.")] = False,
+    base_as_trained: Annotated[bool, typer.Option(
+        "--base-as-trained", help="QLoRA runs: merge onto the NF4-rounded base the run trained on.")] = False,
 ) -> None:
     """Export a run's checkpoint as a Hugging Face model dir (config.json, safetensors, tokenizer).
 
     Reads RUN_DIR (spec.yaml, checkpoints, base_model.json for LoRA); writes --out only.
     """
-    _stage("leantrain.ckpt.export", run_dir=run_dir, out=out, step=step, adapter_only=adapter_only)
+    _stage("leantrain.ckpt.export", run_dir=run_dir, out=out, step=step, adapter_only=adapter_only,
+           base_as_trained=base_as_trained)
 
 
 @app.command("eval")
@@ -329,12 +332,14 @@ def eval_(
     tasks: Annotated[list[Path] | None, typer.Option(
         "--tasks", help="Multiple-choice JSONL {question, choices, answer} (repeatable).")] = None,
     step: Annotated[int | None, typer.Option("--step", min=0, help="Checkpoint step (default: the newest).")] = None,
+    base_as_trained: Annotated[bool, typer.Option(
+        "--base-as-trained", help="QLoRA runs: the adapters on the NF4 base the run trained on.")] = False,
 ) -> None:
     """Held-out loss/perplexity per source and multiple-choice accuracy (log-likelihood, lm-eval style).
 
     Reads RUN_DIR (spec.yaml, checkpoint) or SPEC, the data dir and the task files; writes eval.json in the run dir.
     """
-    _stage("leantrain.golive.eval", target=target, tasks=tasks or [], step=step)
+    _stage("leantrain.golive.eval", target=target, tasks=tasks or [], step=step, base_as_trained=base_as_trained)
 
 
 @app.command()

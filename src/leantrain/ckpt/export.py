@@ -33,7 +33,7 @@ from leantrain.ckpt.storage import open_store
 from leantrain.errors import UserInputError
 from leantrain.model.hf import CONFIG_FILE, from_hf_name, hf_config, plan_shards, to_hf_name, write_hf_shards
 from leantrain.model.hf_load import weight_files
-from leantrain.model.lora import is_adapter
+from leantrain.model.lora import is_adapter, nf4_round
 from leantrain.model.transformer import model_args_from_spec
 from leantrain.spec import JobSpec, load_spec
 
@@ -82,9 +82,10 @@ def _base_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
 
 
 def _lora_loader(
-    spec: JobSpec, dcp_tensors: DcpTensors, base: Path, dtype: torch.dtype
+    spec: JobSpec, dcp_tensors: DcpTensors, base: Path, dtype: torch.dtype, *, base_as_trained: bool = False
 ) -> tuple[Any, dict[str, int]]:
-    """(load(names), sizes): base weights from safetensors with (alpha / rank) · B A merged into adapted ones."""
+    """(load(names), sizes): base weights from safetensors with (alpha / rank) · B A merged into adapted ones;
+    `base_as_trained` (QLoRA): the adapted base weights NF4-rounded first, as the run trained on them."""
     files = weight_files(base)
     scale = spec.finetune.lora.alpha / spec.finetune.lora.rank
     tie = model_args_from_spec(spec.model, max_seq_len=1).shape.tie_embeddings
@@ -103,6 +104,8 @@ def _lora_loader(
             weight = _base_tensor(files, name).float()
             prefix = name.removesuffix(".weight")
             if f"{prefix}.lora_a" in dcp_tensors.meta:
+                if base_as_trained:  # QLoRA quantised exactly the adapted Linears' weights (model/lora.py)
+                    weight = nf4_round(weight)
                 adapters = dcp_tensors.load([f"{prefix}.lora_a", f"{prefix}.lora_b"], dtype=torch.float32)
                 weight = weight + scale * (adapters[f"{prefix}.lora_b"] @ adapters[f"{prefix}.lora_a"])
             out[name] = weight.to(dtype)
@@ -146,9 +149,10 @@ def _write_adapter(spec: JobSpec, dcp_tensors: DcpTensors, out: Path, *, base: P
 
 def export_run(
     run_dir: Path, out_dir: Path, *, step: int | None = None, adapter_only: bool = False,
-    dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype = torch.float32, base_as_trained: bool = False,
 ) -> ExportResult:
-    """Export RUN_DIR's checkpoint (newest committed, or `step`) to `out_dir` as a HF directory."""
+    """Export RUN_DIR's checkpoint (newest committed, or `step`) to `out_dir` as a HF directory;
+    `base_as_trained`: a QLoRA run merged onto its NF4-rounded base (what it trained against)."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
     spec_path = run_dir / "spec.yaml"
     if not spec_path.is_file():
@@ -161,6 +165,11 @@ def export_run(
     if adapter_only and not lora:
         raise UserInputError(f"--adapter-only: the checkpoint in {run_dir} has no LoRA adapters (task "
                              f"{spec.task}, finetune.method {spec.finetune.method})")
+    if base_as_trained:
+        check_base_as_trained(spec, run_dir)
+        if adapter_only:
+            raise UserInputError("--base-as-trained rounds the base of a merged export; a PEFT adapter "
+                                 "(--adapter-only) carries no base")
     args = model_args_from_spec(spec.model, max_seq_len=spec.data.seq_len)
     base_config = (json.loads((Path(spec.model.init_from) / CONFIG_FILE).read_text(encoding="utf-8"))
                    if spec.model.init_from else None)
@@ -174,7 +183,7 @@ def export_run(
             count = _write_adapter(spec, dcp_tensors, tmp, base=base)
         else:
             if lora:
-                load, sizes = _lora_loader(spec, dcp_tensors, base, dtype)
+                load, sizes = _lora_loader(spec, dcp_tensors, base, dtype, base_as_trained=base_as_trained)
             else:
                 sizes = dcp_tensors.sizes()
 
@@ -195,9 +204,17 @@ def export_run(
                         adapter_only, adapter_only=adapter_only)
 
 
-def run(*, console: Any, run_dir: Path, out: Path, step: int | None, adapter_only: bool) -> None:
+def check_base_as_trained(spec: JobSpec, run_dir: Path) -> None:
+    """`--base-as-trained` is for QLoRA runs (their base was trained in NF4); anything else is refused."""
+    if spec.task != "finetune" or spec.finetune.weights != "qlora":
+        raise UserInputError(f"--base-as-trained: {run_dir} is not a QLoRA run (finetune weights "
+                             f"{spec.finetune.weights}): its base was trained as stored, there is nothing to round")
+
+
+def run(*, console: Any, run_dir: Path, out: Path, step: int | None, adapter_only: bool,
+        base_as_trained: bool = False) -> None:
     """The `leantrain export` command."""
-    result = export_run(run_dir, out, step=step, adapter_only=adapter_only)
+    result = export_run(run_dir, out, step=step, adapter_only=adapter_only, base_as_trained=base_as_trained)
     what = ("a PEFT LoRA adapter" if result.adapter_only else
             "a Hugging Face model (LoRA merged)" if result.merged_lora else "a Hugging Face model")
     console.print(f"[green]exported[/green] step {result.step} of {run_dir} as {what}: {result.num_tensors} "

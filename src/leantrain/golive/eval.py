@@ -1,8 +1,10 @@
-"""`leantrain eval RUN_DIR|SPEC [--step N] --tasks FILE...`: held-out loss per source and multiple-choice accuracy.
+"""`leantrain eval RUN_DIR|SPEC [--step N] [--base-as-trained] --tasks FILE...`: held-out loss per source and
+multiple-choice accuracy.
 
 The model: a run dir's checkpoint (newest committed, or `--step`; a LoRA run's adapters on its hash-checked
-base), or a spec's `model.init_from` weights. Evaluation runs in this one process (the whole model in memory):
-it is for the checkpoints one machine can hold; bigger ones are evaluated after export by an inference stack.
+base, with `--base-as-trained` a QLoRA run's base in NF4 as it trained), or a spec's `model.init_from`
+weights. Evaluation runs in this one process (the whole model in memory): it is for the checkpoints one
+machine can hold; bigger ones are evaluated after export by an inference stack.
 
 - Held-out loss and perplexity per source: the data dir's `valid` split, the first `training.eval_batches`
   micro-batches of each source's stream (as the trainer's evaluation, chat sources on assistant tokens only).
@@ -32,12 +34,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from leantrain.ckpt.base_ref import verify_base
-from leantrain.ckpt.export import DcpTensors
+from leantrain.ckpt.export import DcpTensors, check_base_as_trained
 from leantrain.data.sampler import PackedBatchSampler
 from leantrain.errors import UserInputError
 from leantrain.model.hf_load import fill_from_hf
 from leantrain.model.init import init_buffers
-from leantrain.model.lora import is_adapter
+from leantrain.model.lora import is_adapter, quantize_base
 from leantrain.model.transformer import Transformer, model_args_from_spec
 from leantrain.spec import JobSpec, load_spec
 from leantrain.spec.hf_config import read_hf_config
@@ -78,7 +80,8 @@ def read_task(path: Path) -> list[Choice]:
     return items
 
 
-def _load_model(spec: JobSpec, run_dir: Path | None, *, step: int | None) -> tuple[nn.Module, int | None]:
+def _load_model(spec: JobSpec, run_dir: Path | None, *, step: int | None, base_as_trained: bool = False
+                ) -> tuple[nn.Module, int | None]:
     max_len = spec.data.seq_len  # questions may be longer than training windows: the checkpoint's own limit
     if spec.model.init_from is not None:
         max_len = max(max_len, read_hf_config(spec.model.init_from).max_position_embeddings)
@@ -97,6 +100,8 @@ def _load_model(spec: JobSpec, run_dir: Path | None, *, step: int | None) -> tup
     names = [n for n, _ in model.named_parameters() if n in checkpoint.meta]
     if uses_adapters(spec):
         fill_from_hf(model, verify_base(run_dir), args=args, skip=is_adapter)
+        if base_as_trained:  # QLoRA: the adapted Linears' base in NF4, exactly as the run trained on it
+            quantize_base(model)
     elif len(names) != len(list(model.parameters())):
         raise UserInputError(f"{run_dir}: checkpoint step {checkpoint.entry.step} lacks model weights")
     loaded = checkpoint.load(names, dtype=torch.float32)
@@ -192,14 +197,21 @@ def multiple_choice(model: nn.Module, items: list[Choice], tokenizer: Any) -> di
     return {**{metric: count / len(items) for metric, count in correct.items()}, "num_questions": len(items)}
 
 
-def evaluate(target: Path, *, tasks: list[Path], step: int | None = None) -> dict[str, Any]:
-    """Evaluate a run dir (its checkpoint) or a spec (its init_from weights); writes eval.json; returns it."""
+def evaluate(target: Path, *, tasks: list[Path], step: int | None = None, base_as_trained: bool = False
+             ) -> dict[str, Any]:
+    """Evaluate a run dir (its checkpoint) or a spec (its init_from weights); writes eval.json; returns it.
+    `base_as_trained`: a QLoRA run's adapters on its NF4 base, as it trained (else on the stored base)."""
     target = Path(target)
     run_dir = target if target.is_dir() else None
     spec = load_spec(target / "spec.yaml" if run_dir else target)
+    if base_as_trained:
+        if run_dir is None:
+            raise UserInputError("--base-as-trained evaluates a QLoRA run dir's checkpoint; give RUN_DIR")
+        check_base_as_trained(spec, run_dir)
     items = {Path(t).stem: read_task(Path(t)) for t in tasks}  # bad task files fail before the model loads
-    model, loaded_step = _load_model(spec, run_dir, step=step)
-    result: dict[str, Any] = {"step": loaded_step, "held_out": held_out_loss(model, spec), "tasks": {}}
+    model, loaded_step = _load_model(spec, run_dir, step=step, base_as_trained=base_as_trained)
+    result: dict[str, Any] = {"step": loaded_step, "base_as_trained": base_as_trained,
+                              "held_out": held_out_loss(model, spec), "tasks": {}}
     if items:
         tokenizer = _tokenizer(spec)
         result["tasks"] = {name: multiple_choice(model, task, tokenizer) for name, task in items.items()}
@@ -210,9 +222,9 @@ def evaluate(target: Path, *, tasks: list[Path], step: int | None = None) -> dic
     return result
 
 
-def run(*, console: Any, target: Path, tasks: list[Path], step: int | None) -> None:
+def run(*, console: Any, target: Path, tasks: list[Path], step: int | None, base_as_trained: bool = False) -> None:
     """The `leantrain eval` command."""
-    result = evaluate(target, tasks=tasks, step=step)
+    result = evaluate(target, tasks=tasks, step=step, base_as_trained=base_as_trained)
     for source, values in result["held_out"].items():
         console.print(f"held-out {source:<16} loss {values['loss']:.4f}  ppl {values['perplexity']:.2f}",
                       highlight=False)

@@ -98,6 +98,15 @@ def nf4_scaler_block(numel: int) -> int:
 
 
 @torch.no_grad()
+def nf4_round(weight: torch.Tensor) -> torch.Tensor:
+    """A base weight as QLoRA trains on it (`quantize_base`'s NF4 blocks), dequantised to fp32."""
+    from torchao.quantization import to_nf4
+
+    nf4 = to_nf4(weight.detach().to(torch.bfloat16), NF4_BLOCK, nf4_scaler_block(weight.numel()))
+    return nf4.get_original_weight().float()
+
+
+@torch.no_grad()
 def quantize_base(model: nn.Module) -> int:
     """QLoRA: replace each LoRALinear's frozen base weight by an NF4 tensor; returns the bytes it now takes."""
     from torchao.quantization import to_nf4  # torchao is imported only by QLoRA runs
