@@ -15,8 +15,8 @@ Encoding: prompt + chosen and prompt + rejected are rendered with the chat templ
 tokenizer's own BOS/EOS); the mask is 1 on the response's assistant tokens only (its end token included,
 never an earlier answer of a multi-turn prompt). A pair longer than `seq_len + 1` tokens loses the start of
 its prompt first (the same tokens on both sides, down to half the window: the turn before the response
-stays), then the end of its longer response; each sequence is padded with EOS (mask 0) to exactly `seq_len + 1`: one pair is one
-document of `2 (seq_len + 1)` tokens, chosen then rejected. The manifest's
+stays), then the end of its longer response; each sequence is padded with EOS (mask 0) to exactly
+`seq_len + 1`: one pair is one document of `2 (seq_len + 1)` tokens, chosen then rejected. The manifest's
 source entry says `preference: true`, `pair_seq_len` and `pad_multiple` = 2 (seq_len + 1).
 
 Sampling (`PairBatchSampler`): the packed sampler with windows of 2 (seq_len + 1) tokens starts every
