@@ -61,7 +61,7 @@ from leantrain.ckpt.resume import (
 )
 from leantrain.ckpt.rng import RankRNGState
 from leantrain.ckpt.storage import LocalStore
-from leantrain.ckpt.watchdog import HangWatchdog, read_hang, under_elastic_agent
+from leantrain.ckpt.watchdog import HangWatchdog, read_hangs, under_elastic_agent
 
 log = logging.getLogger("leantrain.ckpt")
 COUNTERS = ("step", "tokens_seen", "skipped_steps")
@@ -283,20 +283,26 @@ class TrainerCheckpointer:
             console.print(line, markup=False, highlight=False, soft_wrap=True)
 
     def _record_restart(self, *, resumed_from: int | None) -> None:
-        """The `restart` event of a worker group torchrun restarted (rank 0 writes it)."""
+        """The `restart` event of a worker group torchrun restarted (rank 0 reads the records and writes it)."""
+        if self.manager.rank != 0:
+            return
         marker = read_marker(self.manager.run_dir)
         planned = marker is not None and int(marker.get("attempt", -1)) == self.attempt - 1
         failed_at = float(marker["time"]) if planned and marker else self.last_alive_s
-        hang = read_hang(self.manager.run_dir)
-        hung = hang is not None and int(hang.get("attempt", -1)) == self.attempt - 1
-        if hung and hang and hang.get("last_step_time") is not None:  # lost: from the last step, not the abort
-            failed_at = min(float(hang["last_step_time"]), failed_at or math.inf)
+        hangs = read_hangs(self.manager.run_dir, attempt=self.attempt - 1)
+        last_steps = [float(h["last_step_time"]) for h in hangs if h.get("last_step_time") is not None]
+        if last_steps:  # lost: from the last step, not the abort
+            failed_at = min(min(last_steps), failed_at or math.inf)
         recovery_s = None if failed_at is None else max(0.0, time.time() - failed_at)
+        aborted = sorted({int(h["rank"]) for h in hangs})
+        hang_fields = {} if not hangs else {
+            "hang_ranks": aborted, "last_step": max(int(h.get("last_step") or 0) for h in hangs),
+            "frozen_ranks": sorted(set(range(self.manager.world_size)) - set(aborted))}
         self.manager.events.emit(
             "restart", attempt=self.attempt, resumed_from=resumed_from, recovery_s=recovery_s, planned=planned,
-            cause="hang" if hung else "drill" if planned else "worker failure", host=socket.gethostname(),
+            cause="hang" if hangs else "drill" if planned else "worker failure", host=socket.gethostname(),
             killed_step=marker.get("step") if planned and marker else None,
-            startup_s=time.time() - self.started_s,
+            startup_s=time.time() - self.started_s, **hang_fields,
         )
         if self.manager.rank == 0:
             log.warning("restart %d: resumed from step %s, %s s after the failure", self.attempt, resumed_from,

@@ -2,11 +2,15 @@
 agent restarts the whole group from the newest checkpoint instead of idling until a collective timeout.
 
 Every rank runs one (a daemon thread). A frozen rank (a stuck GPU, NIC or a SIGSTOP) cannot act; the healthy
-ones are blocked in a collective waiting for it, so their own steps stop too: their watchdogs fire, write a
-`hang_abort` event and RUN_DIR/hang.json (the last step and its wall time), and end the process with
-HANG_EXIT_CODE. torchrun then tears the group down (SIGKILL for the frozen one) and restarts it; the next
-attempt's `restart` event has cause `hang` and counts the recovery from the last step, i.e. the time lost.
-`fault.collective_timeout_s` (train/runtime.py) is the backstop for a collective that never returns.
+ones are blocked in a collective waiting for it, so their own steps stop too: their watchdogs fire, each
+writes its own record RUN_DIR/hang/rank-R-attempt-A.json (ckpt/rank_records.py: the last step and its wall
+time; rank 0 also appends the `hang_abort` event, as the one writer of events.jsonl), and ends the process
+with HANG_EXIT_CODE. torchrun then tears the group down (SIGKILL for the frozen one) and restarts it; the next
+attempt's `restart` event has cause `hang`, names the ranks that aborted and the ones that did not (the
+frozen suspects), and counts the recovery from the last step, i.e. the time lost.
+`fault.collective_timeout_s` (train/runtime.py) is the backstop for a collective that never returns; the spec
+requires it to be longer than `monitoring.hang_timeout_s` + POLL_MAX_S, so the watchdog always fires first
+and the restart is labelled a hang, not a worker failure.
 
 It only aborts under an elastic agent with `fault.auto_restart` and `fault.hang_action: abort`; otherwise the
 hang alert (observe/alerts.py) reports it and nothing is killed. Time inside a checkpoint save is not counted
@@ -16,7 +20,6 @@ hang alert (observe/alerts.py) reports it and nothing is killed. Time inside a c
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import os
 import socket
@@ -26,10 +29,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from leantrain.ckpt.rank_records import HANG, read_rank_records, write_rank_record
+
 log = logging.getLogger("leantrain.ckpt")
 
-HANG_FILE = "hang.json"
 HANG_EXIT_CODE = 75  # EX_TEMPFAIL: try again (the agent restarts the group)
+POLL_MAX_S = 2.0  # the watchdog looks at most this long after the timeout passed
 ELASTIC_ENV = ("TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT")
 
 
@@ -38,11 +43,10 @@ def under_elastic_agent(environ: dict[str, str] | os._Environ[str] | None = None
     return any(name in env for name in ELASTIC_ENV)
 
 
-def read_hang(run_dir: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads((Path(run_dir) / HANG_FILE).read_text(encoding="utf-8"))
-    except (OSError, json.JSONDecodeError):
-        return None
+def read_hangs(run_dir: Path, *, attempt: int | None = None) -> list[dict[str, Any]]:
+    """The ranks' hang records (of one attempt when given)."""
+    records = read_rank_records(run_dir, HANG)
+    return [r for r in records if attempt is None or int(r.get("attempt", -1)) == attempt]
 
 
 class HangWatchdog:
@@ -60,7 +64,7 @@ class HangWatchdog:
         self._paused = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hang-watchdog", daemon=True)
-        self._poll_s = max(0.05, min(2.0, timeout_s / 40))
+        self._poll_s = max(0.05, min(POLL_MAX_S, timeout_s / 40))
 
     def start(self) -> HangWatchdog:
         self._thread.start()
@@ -110,12 +114,11 @@ class HangWatchdog:
         log.error("rank %d: no training step for %.0f s after step %s (monitoring.hang_timeout_s=%g): aborting so "
                   "the elastic agent restarts the group from the newest checkpoint", self.rank, idle_s, self.step,
                   self.timeout_s)
-        try:
-            append_event(self.run_dir, "hang_abort", **record)
-            path = self.run_dir / HANG_FILE
-            path.write_text(json.dumps({**record, "time": time.time()}) + "\n", encoding="utf-8")
-        except OSError as err:  # the abort matters more than its record
-            log.error("could not record the hang: %s", err)
+        if write_rank_record(self.run_dir, HANG, rank=self.rank, attempt=self.attempt, record=record) is None:
+            log.error("could not record the hang under %s", self.run_dir / HANG)  # the abort matters more
+        if self.rank == 0:
+            with contextlib.suppress(OSError):
+                append_event(self.run_dir, "hang_abort", **record)
         for handler in logging.getLogger().handlers + log.handlers:
             with contextlib.suppress(Exception):
                 handler.flush()

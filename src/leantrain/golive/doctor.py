@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from leantrain.ckpt.rank_records import HANG, OOM, merged_events, read_rank_records
 from leantrain.observe.alerts import AlertRules, replay
 from leantrain.observe.logs import log_errors
 from leantrain.observe.report_data import (
@@ -166,6 +167,7 @@ def stuck_findings(run: RunData) -> list[Finding]:
             "open MASTER_PORT and the NCCL/Gloo port range between nodes, check that hostnames resolve on every "
             "node, set NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME to the right interface; `leantrain launch --preflight` "
             "names the rank that cannot join"))
+    out += watchdog_hang_findings(run)
     hangs = [a for a in replay(run.metrics, rules=AlertRules(), hang_timeout_s=_hang_timeout(run))
              if a.rule == "hang" and a.state == "firing"]
     for alert in hangs[:3]:
@@ -173,6 +175,28 @@ def stuck_findings(run: RunData) -> list[Finding]:
                            "a rank blocked in a collective, in data loading, or on storage",
                            "look at the rank logs at that time (py-spy dump on the stuck rank); set "
                            "monitoring.hang_timeout_s so the watchdog alerts while it happens"))
+    return out
+
+
+def watchdog_hang_findings(run: RunData) -> list[Finding]:
+    """One finding per attempt the hang watchdog aborted, from the ranks' own records (ckpt/rank_records.py)."""
+    by_attempt: dict[int, list[dict[str, Any]]] = {}
+    for record in read_rank_records(run.run_dir, HANG):
+        by_attempt.setdefault(int(record.get("attempt", 0)), []).append(record)
+    out = []
+    world = run.world_size()
+    for attempt, records in sorted(by_attempt.items()):
+        aborted = sorted({int(r["rank"]) for r in records})
+        suspects = sorted(set(range(world)) - set(aborted)) if world > 1 else []
+        idle = max(float(r.get("idle_s") or 0.0) for r in records)
+        step = max(int(r.get("last_step") or 0) for r in records)
+        out.append(Finding(
+            "problem", "hang", "hang (watchdog abort)",
+            f"attempt {attempt}: ranks {aborted} saw no step for {idle:.0f} s after step {step} and aborted "
+            f"(monitoring.hang_timeout_s={records[0].get('timeout_s')}); ranks that did not: {suspects or 'none'}",
+            "a rank froze (stuck GPU, NIC, or a stopped process): the others waited for it in a collective",
+            "check the suspect ranks' hosts (dmesg, nvidia-smi, py-spy dump); the job restarted from its newest "
+            "checkpoint, see the `restart` event with cause hang"))
     return out
 
 
@@ -232,7 +256,7 @@ def _tokens_per_step_per_gpu(run: RunData) -> float:
 
 
 def oom_findings(run: RunData) -> list[Finding]:
-    events = run.events_of("oom")
+    events = merged_events(run.events_of("oom"), read_rank_records(run.run_dir, OOM))  # every rank's record
     lines = [f"{log.label}: {line.strip()[:160]}" for log in run.logs for line in log.error_lines
              if OOM_RE.search(line)]
     if not events and not lines:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from leantrain.ckpt.rank_records import HANG, OOM, merged_events, read_rank_records
 from leantrain.errors import CheckFailed, UserInputError
 from leantrain.observe.alerts import AlertRules, load_rules, replay
 from leantrain.observe.logs import log_errors
@@ -97,7 +98,8 @@ def health_checks(run: RunData) -> list[Check]:
     unexpected = max(len(restarts), len(jumps)) - planned
     checks.append(Check("health", "no unexpected restarts", "FAIL" if unexpected > 0 else "PASS",
                         f"{len(restarts)} restart event(s), {len(jumps)} resume(s) in metrics, {planned} planned "
-                        f"(fault drill)" + (f"; {unexpected} unexpected" if unexpected > 0 else "")))
+                        f"(fault drill)" + (f"; {unexpected} unexpected" if unexpected > 0 else "")
+                        + restart_causes(restarts, read_rank_records(run.run_dir, HANG))))
     errors = [f"{e.get('kind')} at step {e.get('step')}: {e.get('message', e.get('error', ''))}"
               for e in run.events_of("error", "oom", "node_lost")]
     errors += [f"alert still firing: {a.get('rule')} ({a.get('message')})" for a in _still_firing(run)]
@@ -106,6 +108,27 @@ def health_checks(run: RunData) -> list[Check]:
     if run.bad_lines:
         checks.append(Check("health", "run files readable", "WARN", "; ".join(run.bad_lines[:3])))
     return checks
+
+
+def restart_causes(restarts: list[dict[str, Any]], hangs: list[dict[str, Any]]) -> str:
+    """`; causes: 1 hang (ranks [0] aborted after step 3, suspect frozen: [1]), 1 worker failure` ('' if none).
+    A restart whose earlier attempt left hang records is a hang even when its event predates the label."""
+    hung_attempts = {int(h.get("attempt", -1)) + 1 for h in hangs}
+    labels = []
+    for event in restarts:
+        cause = event.get("cause") or "worker failure"
+        if cause != "hang" and int(as_float(event.get("attempt", -1))) in hung_attempts:
+            cause = "hang"
+        if cause == "hang":
+            ranks = event.get("hang_ranks") or sorted({h.get("rank") for h in hangs
+                                                       if int(h.get("attempt", -1)) + 1 == event.get("attempt")})
+            cause += (f" (ranks {ranks} aborted after step {event.get('last_step', '?')}, suspect frozen: "
+                      f"{event.get('frozen_ranks', '?')})")
+        labels.append(cause)
+    counts: dict[str, int] = {}
+    for label in labels:
+        counts[label] = counts.get(label, 0) + 1
+    return ("; causes: " + ", ".join(f"{n} {label}" for label, n in counts.items())) if counts else ""
 
 
 def _log_check(run: RunData, *, errors: list[str], planned: int) -> Check:
@@ -238,8 +261,8 @@ def throughput_checks(run: RunData, plan: dict[str, Any] | None) -> list[Check]:
 
 def memory_check(run: RunData, plan: dict[str, Any] | None) -> Check:
     _, mem = run.series("mem_bytes")
-    ooms = run.events_of("oom") + [{"step": None} for log in run.logs for line in log.error_lines
-                                   if OOM_RE.search(line)]
+    ooms = merged_events(run.events_of("oom"), read_rank_records(run.run_dir, OOM))  # every rank's record
+    ooms += [{"step": None} for log in run.logs for line in log.error_lines if OOM_RE.search(line)]
     limit, source = run.memory_limit_bytes()
     predicted = as_float((((plan or {}).get("memory") or {}).get("per_gpu") or {}).get("total"))
     note = f"; plan predicted {predicted / 2**30:.2f} GiB" if math.isfinite(predicted) else ""

@@ -176,8 +176,8 @@ class FaultSpec(Section):
         description="Signals that trigger an immediate checkpoint and a clean exit (SIGINT/SIGTERM exit 130/143).",
     )
     collective_timeout_s: float = Field(
-        600.0, gt=0, le=86400,
-        description="Process-group timeout: a collective stuck this long aborts the job so it restarts, seconds.",
+        120.0, gt=0, le=86400, description="Process-group timeout, seconds: a stuck collective aborts the job so it "
+        "restarts; longer than monitoring.hang_timeout_s (the watchdog finds a hang first); saves/loads get 30 min.",
     )
     hang_action: Literal["abort", "alert"] = Field(
         "abort", description="No step on a rank for monitoring.hang_timeout_s: abort so the elastic agent restarts "
@@ -298,7 +298,8 @@ class MonitoringSpec(Section):
     webhook_url_env: str | None = Field(None, description="Env var holding the alert webhook URL.")
     webhook_token: SecretRef | None = Field(None, description="Alert webhook bearer token, as `${VAR}`.")
     alert_rules: Path | None = Field(None, description="Alert rules file; built-in defaults when absent.")
-    hang_timeout_s: float = Field(600.0, gt=0, description="No step for this long raises a hang alert.")
+    hang_timeout_s: float = Field(90.0, gt=0, description="No step for this long: a hang alert, and with "
+                                  "fault.hang_action: abort a restart (first step and saves not counted), seconds.")
 
 
 class SecuritySpec(Section):

@@ -150,10 +150,16 @@ def record_ranks_joined(run_dir: Path, *, rank: int, world_size: int, distribute
 
 
 def record_oom(run_dir: Path, *, rank: int, mem_bytes: int, error: BaseException) -> None:
-    """An out-of-memory error, as an event every rank can write before it dies (doctor's OOM diagnosis)."""
+    """An out-of-memory error, recorded before the rank dies: its own RUN_DIR/oom/rank-R-attempt-A.json
+    (ckpt/rank_records.py; validate and doctor aggregate them), and on rank 0 also the `oom` event, so many
+    ranks failing at once never write one shared file together."""
     import socket
 
+    from leantrain.ckpt.fault import restart_attempt
+    from leantrain.ckpt.rank_records import OOM, write_rank_record
     from leantrain.observe.report_data import append_event
 
-    append_event(run_dir, "oom", rank=rank, host=socket.gethostname(), mem_bytes=mem_bytes,
-                 error=str(error).splitlines()[0][:300])
+    record = {"host": socket.gethostname(), "mem_bytes": mem_bytes, "error": str(error).splitlines()[0][:300]}
+    write_rank_record(run_dir, OOM, rank=rank, attempt=restart_attempt(), record=record)
+    if rank == 0:
+        append_event(run_dir, "oom", rank=rank, attempt=restart_attempt(), **record)
