@@ -136,7 +136,8 @@ def test_checkpoint_interval_young_daly() -> None:
     plan = make_plan(spec)
     ck, gpus = plan["checkpoint"], plan["resources"]["layout_gpus"]
     inputs = plan_inputs(spec)
-    save_s = checkpoint_bytes(inputs) / 2e9
+    nodes = math.ceil(gpus / spec.hardware.gpus_per_node)
+    save_s = checkpoint_bytes(inputs) / (1e9 * nodes)  # 1 GB/s per node writing in parallel (the default)
     mtbf_s = 86400 / (DEFAULT_FAILURES_PER_GPU_DAY * gpus)
     assert pytest.approx(419 / (54 * 16384)) == DEFAULT_FAILURES_PER_GPU_DAY
     assert ck["save_s"] == pytest.approx(save_s)
@@ -184,9 +185,9 @@ def test_demo_stage(tmp_path: Path) -> None:
 
 def test_ordinary_spec_plans_fast() -> None:
     spec = load_spec(EXAMPLES / "seed-10b.yaml")
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: the machine's load is not the planner's (measured 0.09 s)
     make_plan(spec)
-    assert time.perf_counter() - start < 1.0
+    assert time.process_time() - start < 1.0
 
 
 def test_spec_layout_that_does_not_fit_is_replaced_with_a_note() -> None:

@@ -36,7 +36,9 @@ def test_qlora_70b_checkpoint_is_the_adapters_and_their_states() -> None:
     spec = load_spec(QLORA_70B)
     assert plan["storage"]["checkpoints_kept_bytes"] == pytest.approx(ckpt * spec.checkpoint.keep_last)
     # The save time and what it drives (the save stall, Daly's interval, goodput) use the adapters' bytes.
-    bandwidth = spec.checkpoint.write_bandwidth_gb_s * GB
+    from leantrain.plan.budget import write_bandwidth_gb_s
+
+    bandwidth = write_bandwidth_gb_s(spec, num_gpus=plan["resources"]["layout_gpus"]) * GB
     assert plan["checkpoint"]["save_s"] == pytest.approx(ckpt / bandwidth)
     assert full["checkpoint"]["save_s"] == pytest.approx(full["storage"]["checkpoint_bytes"] / bandwidth)
     assert plan["checkpoint"]["recommended_interval_s"] < full["checkpoint"]["recommended_interval_s"] / 5

@@ -8,6 +8,9 @@
   Megatron's IndexedDataset), else 4; times `data.replicas`; plus the raw text (`bytes_per_token_raw`).
   A checkpoint holds the trained weights at master precision and both Adam moments: every parameter, or for
   LoRA/QLoRA only the adapters (the frozen base is referenced by hash, not saved: ckpt/base_ref.py).
+- Checkpoint save time: the checkpoint over the job's write bandwidth, `checkpoint.write_bandwidth_gb_s` or
+  by default 1 GB/s per node writing in parallel (`write_bandwidth_gb_s_per_node`; Llama 3 §3.3.1: Tectonic
+  sustained 2 TB/s for 2,048 nodes).
 - Checkpoint interval: Daly (2006) higher-order optimum (Young's √(2·δ·M) when δ ≪ M), δ the time a save
   blocks training (the full write, or only the device-to-host copy when saving asynchronously), M the job's
   mean time between failures. Default failure rate from Llama 3 (Dubey et al. 2024, §3.3.4): 419 unexpected
@@ -139,10 +142,19 @@ def expected_goodput(*, interval_s: float, blocking_s: float, mtbf_s: float, res
     return 1.0 / ratio
 
 
+def write_bandwidth_gb_s(spec: JobSpec, *, num_gpus: int) -> float:
+    """The job's checkpoint write bandwidth: `checkpoint.write_bandwidth_gb_s` when given, else the per-node
+    figure times the nodes writing in parallel (each rank writes its own shards: ckpt/)."""
+    ck = spec.checkpoint
+    if ck.write_bandwidth_gb_s is not None:
+        return ck.write_bandwidth_gb_s
+    return ck.write_bandwidth_gb_s_per_node * max(1, math.ceil(num_gpus / spec.hardware.gpus_per_node))
+
+
 def checkpoint_interval(spec: JobSpec, inputs: PlanInputs, *, num_gpus: int, step_s: float) -> dict[str, float]:
     """Daly interval in seconds and steps, the save time, the job MTBF and the expected goodput."""
     ckpt = checkpoint_bytes(inputs)
-    save_s = ckpt / (spec.checkpoint.write_bandwidth_gb_s * GB)
+    save_s = ckpt / (write_bandwidth_gb_s(spec, num_gpus=num_gpus) * GB)
     blocking_s = ckpt / num_gpus / HOST_COPY_BYTES_S if spec.checkpoint.async_save else save_s
     rate = spec.fault.failures_per_gpu_day or DEFAULT_FAILURES_PER_GPU_DAY
     mtbf_s = SECONDS_PER_DAY / (rate * num_gpus)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from leantrain.plan.budget import SECONDS_PER_DAY, checkpoint_interval
+from leantrain.plan.budget import SECONDS_PER_DAY, checkpoint_interval, write_bandwidth_gb_s
 from leantrain.plan.inputs import DEFAULT_WHOLE_RUN_EFFICIENCY, PlanInputs
 from leantrain.spec.schema import JobSpec
 
@@ -60,10 +60,11 @@ def _low_goodput_warning(spec: JobSpec, inputs: PlanInputs, *, num_gpus: int, st
     if not ck.async_save:
         options.append(("checkpoint.async_save: true", spec.model_copy(update={
             "checkpoint": ck.model_copy(update={"async_save": True, "interval_steps": "auto"})})))
+    bandwidth = write_bandwidth_gb_s(spec, num_gpus=num_gpus)
     options.append((f"a {FASTER_STORE:.0f}× faster store (checkpoint.write_bandwidth_gb_s: "
-                    f"{ck.write_bandwidth_gb_s * FASTER_STORE:g})", spec.model_copy(update={
-                        "checkpoint": ck.model_copy(update={"write_bandwidth_gb_s": ck.write_bandwidth_gb_s
-                                                            * FASTER_STORE, "interval_steps": "auto"})})))
+                    f"{bandwidth * FASTER_STORE:g})", spec.model_copy(update={
+                        "checkpoint": ck.model_copy(update={"write_bandwidth_gb_s": bandwidth * FASTER_STORE,
+                                                            "interval_steps": "auto"})})))
     options.append(("in-memory checkpoints (async staging, restore from a peer's memory)", spec.model_copy(
         update={"checkpoint": ck.model_copy(update={"async_save": True, "interval_steps": "auto"}),
                 "fault": fault.model_copy(update={"restart_s": fault.restart_s * IN_MEMORY_RESTART_SHARE})})))
@@ -71,6 +72,14 @@ def _low_goodput_warning(spec: JobSpec, inputs: PlanInputs, *, num_gpus: int, st
     for label, alt in options:
         g = checkpoint_interval(alt, inputs, num_gpus=num_gpus, step_s=step_s)["expected_goodput"]
         parts.append(f"{label} → {g:.0%}")
+    causes = [name for name, is_default in (
+        ("checkpoint.async_save: false", not ck.async_save and "async_save" not in ck.model_fields_set),
+        (f"checkpoint.write_bandwidth_gb_s_per_node: {ck.write_bandwidth_gb_s_per_node:g}",
+         ck.write_bandwidth_gb_s is None and "write_bandwidth_gb_s_per_node" not in ck.model_fields_set),
+        (f"fault.restart_s: {fault.restart_s:g}", "restart_s" not in fault.model_fields_set),
+        ("fault.failures_per_gpu_day (Llama 3's rate)", fault.failures_per_gpu_day is None)) if is_default]
+    blame = f" Defaults in play: {', '.join(causes)}." if causes else ""
     return (f"expected goodput {checkpoint['expected_goodput']:.0%} (save blocks {checkpoint['blocking_s']:.0f} s "
             f"against an MTBF of {checkpoint['mtbf_s'] / 3600:.1f} h, δ/M = {checkpoint['delta_over_mtbf']:.2f}): "
-            "checkpointing and failures take more than 10 % of the run. Would raise it: " + "; ".join(parts))
+            "checkpointing and failures take more than 10 % of the run." + blame + " Would raise it: "
+            + "; ".join(parts))
