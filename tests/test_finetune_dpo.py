@@ -384,3 +384,42 @@ def test_the_plan_counts_the_reference_model() -> None:
     recompute = layout.recompute
     assert dpo_full.hardware_flops_per_token(recompute) - full.hardware_flops_per_token(recompute) == pytest.approx(
         full.flops.matmul / 3)
+
+
+def test_orpo_matches_trls_odds_ratio_loss_and_trains_without_a_reference(prepared: tuple[Path, Path],
+                                                                          tmp_path: Path) -> None:
+    """loss: orpo against TRL's ORPOTrainer.odds_ratio_loss (and its NLL, the chosen responses' token mean) on the
+    same log-probabilities; a full-weights ORPO run holds no reference copy and its margins rise."""
+    from leantrain.train.dpo import orpo_loss
+
+    trl_orpo = pytest.importorskip("trl.experimental.orpo.orpo_trainer")
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.tensor([3.0, 7.0, 5.0, 4.0, 2.0, 6.0])  # rows: 3 chosen, then 3 rejected
+    policy = -torch.rand(6, generator=generator) * counts * 2  # summed log-probabilities
+    ours, chosen, rejected = orpo_loss(policy, counts, beta=0.25)
+
+    class Stub:
+        beta = 0.25
+        accelerator = type("Accelerator", (), {"device": torch.device("cpu")})()
+
+    mean_logps = policy / counts
+    losses, their_chosen, their_rejected, _, _ = trl_orpo.ORPOTrainer.odds_ratio_loss(
+        Stub(), mean_logps[:3], mean_logps[3:])
+    nll = -policy[:3].sum() / counts[:3].sum()
+    torch.testing.assert_close(ours.mean(), nll - losses.mean(), rtol=0, atol=1e-6)
+    torch.testing.assert_close(chosen, their_chosen)
+    torch.testing.assert_close(rejected, their_rejected)
+
+    from leantrain.train.trainer import Trainer
+
+    root, hf_dir = prepared
+    raw = dpo_spec(root, hf_dir, weights="full", loss="orpo", beta=0.5)
+    raw["training"].update(lr=1e-3)
+    trainer = Trainer(spec_from_dict(raw), run_dir=tmp_path / "run")
+    try:
+        assert trainer.objective is not None and trainer.objective.reference is None  # no frozen copy
+        records = [r for r in trainer.train() if "loss" in r]
+    finally:
+        trainer.close()
+    margins = [r["rewards/margin"] for r in records]
+    assert records[-1]["loss"] < records[0]["loss"] and margins[-1] > margins[0] + 0.1, margins

@@ -212,7 +212,7 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
         lora_targets=tuple(ft.lora.targets),
         lora_dropout=ft.lora.dropout,
         dpo_reference=("copy" if ft.weights == "full" else "base") if spec.task == "finetune" and ft.method == "dpo"
-        else "none",
+        and ft.dpo.loss != "orpo" else "none",  # ORPO has no reference model
         fp8_speedup=fp8_speedup,
         moe_node_limit=knobs.moe_node_limit,
         elementwise_passes=ELEMENTWISE_PASSES if knobs.elementwise_passes is None else knobs.elementwise_passes,

@@ -146,8 +146,9 @@ class DpoSpec(Section):
         "reference model: no extra memory) or full (a frozen copy of the init_from weights is the reference).",
     )
     beta: float = Field(0.1, gt=0, description="beta: the strength of the pull towards the reference model.")
-    loss: Literal["sigmoid", "ipo"] = Field(
-        "sigmoid", description="sigmoid: DPO's -log σ(β·Δ); ipo: (Δ/|y| − 1/(2β))², Δ per response token (TRL's).",
+    loss: Literal["sigmoid", "ipo", "orpo"] = Field(
+        "sigmoid", description="sigmoid: DPO's -log σ(β·Δ); ipo: (Δ/|y| − 1/(2β))², Δ per response token (TRL's); "
+        "orpo: chosen NLL − β·log σ(log odds ratio), no reference model (TRL's ORPOTrainer).",
     )
 
 

@@ -17,6 +17,10 @@ per response token (TRL's normalisation). Metrics, means over the log window's p
 `rewards/chosen` = β (log π(y_c) − log π_ref(y_c)), `rewards/rejected` likewise, `rewards/margin` = their
 difference, `rewards/accuracy` = the share of pairs with chosen reward > rejected reward.
 
+`orpo` (Hong et al. 2024, TRL's ORPOTrainer) uses no reference model (no reference pass, no copy): the chosen
+responses' token-mean NLL − β · log σ(log odds(ȳ_c) − log odds(ȳ_r)), ȳ the per-token mean log-probability;
+its rewards are β · ȳ.
+
 Runs on one process and under FSDP2 / data parallelism (the reference pass is one more forward of the same
 sharded model); tensor and pipeline parallelism are refused (spec/rules.py). Nothing here has state: a
 resumed run rebuilds the reference from init_from and continues bit for bit.
@@ -25,6 +29,7 @@ resumed run rebuilds the reference from init_from and continues bit for bit.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -66,10 +71,30 @@ def sequence_logps(logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.T
     return token_logps.sum(dim=1), (targets != IGNORE_INDEX).sum(dim=1).float()
 
 
-def pair_loss(policy: torch.Tensor, reference: torch.Tensor, counts: torch.Tensor, *, beta: float, loss: str
+def log1mexp(x: torch.Tensor) -> torch.Tensor:
+    """log(1 − exp(x)) for x < 0, without cancellation (switching at −ln 2)."""
+    return torch.where(x < -math.log(2), torch.log1p(-torch.exp(x)), torch.log(-torch.expm1(x)))
+
+
+def orpo_loss(policy: torch.Tensor, counts: torch.Tensor, *, beta: float
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ORPO (Hong et al. 2024), as TRL's ORPOTrainer: the chosen responses' token-mean NLL minus β · log σ of the
+    log odds ratio of the per-token mean log-probabilities. Returns (per-pair loss whose mean is the loss,
+    chosen rewards β·mean log p(y_c), rejected rewards), each (pairs,)."""
+    chosen_count, _ = counts.chunk(2)
+    mean_chosen, mean_rejected = (policy / counts.clamp(min=1.0)).chunk(2)
+    nll = -policy.chunk(2)[0].sum() / chosen_count.sum().clamp(min=1.0)
+    log_odds = (mean_chosen - mean_rejected) - (log1mexp(mean_chosen) - log1mexp(mean_rejected))
+    per_pair = nll - beta * F.logsigmoid(log_odds)
+    return per_pair, beta * mean_chosen.detach(), beta * mean_rejected.detach()
+
+
+def pair_loss(policy: torch.Tensor, reference: torch.Tensor | None, counts: torch.Tensor, *, beta: float,
+              loss: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(per-pair loss, chosen rewards, rejected rewards), each (pairs,), from per-row log-probabilities
     (rows = chosen rows then rejected rows) and response token counts."""
+    if loss == "orpo" or reference is None:
+        return orpo_loss(policy, counts, beta=beta)
     chosen_ratio, rejected_ratio = (policy - reference).chunk(2)
     if loss == "ipo":
         chosen_count, rejected_count = counts.chunk(2)
@@ -85,7 +110,7 @@ class DpoLoss:
     reference log-probabilities of those micro-batches were computed before. Keeps, like SourceLoss,
     `loss_sum` and `tokens` per source (here: DPO loss summed over pairs, and pairs) and the reward sums."""
 
-    def __init__(self, reference: list[torch.Tensor], *, beta: float, loss: str, num_sources: int,
+    def __init__(self, reference: list[torch.Tensor | None], *, beta: float, loss: str, num_sources: int,
                  device: torch.device) -> None:
         self.reference, self.beta, self.loss = reference, beta, loss
         self.loss_sum = torch.zeros(num_sources, device=device)
@@ -127,7 +152,9 @@ class DpoObjective:
         return sequence_logps(logits, targets[..., 0].to(device))[0]
 
     def loss_fn(self, micro_batches: list[tuple[torch.Tensor, torch.Tensor]]) -> DpoLoss:
-        reference = [self.reference_logps(inputs, targets) for inputs, targets in micro_batches]
+        reference: list[torch.Tensor | None] = [None] * len(micro_batches)  # ORPO needs no reference model
+        if self.loss != "orpo":
+            reference = [self.reference_logps(inputs, targets) for inputs, targets in micro_batches]
         return DpoLoss(reference, beta=self.beta, loss=self.loss, num_sources=self.num_sources,
                        device=self.policy.device)
 
@@ -145,7 +172,7 @@ def build_objective(trainer: Any) -> DpoObjective | None:
     if not enabled(spec):
         return None
     reference = None
-    if spec.finetune.dpo.weights == "full":
+    if spec.finetune.dpo.weights == "full" and spec.finetune.dpo.loss != "orpo":
         from leantrain.train.build import build_parallel_model
         from leantrain.train.finetune import weights_loader
 
