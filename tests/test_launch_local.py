@@ -119,7 +119,8 @@ def test_excluded_host_is_refused_and_a_crash_is_recorded(
     run_dir = tmp_path / "run"
     data = f"data.dir={tmp_path / 'data'}"
 
-    def crash(argv: object, *, console: object, timeout_s: object = None, failed_ranks: list[int] | None = None) -> int:
+    def crash(argv: object, *, console: object, timeout_s: object = None, failed_ranks: list[int] | None = None,
+              **_: object) -> int:
         assert failed_ranks is not None
         failed_ranks.append(1)  # what torchrun's failure summary would say
         return 1

@@ -45,10 +45,11 @@ def test_report_is_self_contained_with_every_section(tmp_path: Path) -> None:
     text = out.read_text()
     assert not re.search(r"(src|href)=['\"](?!data:)", text), "report must not reference external files"
     ids = set(re.findall(r"id='plot-(\w+)'", text))
-    assert ids == {"loss", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s", "mem_bytes", "data_wait_s",
-                   "comm_s", "timeline"}
-    for heading in ("Plan vs actual", "Cost and idle time", "Alerts", "Checkpoints and restarts"):
+    assert ids == {"loss", "loss_by_source", "grad_norm", "lr", "tokens_per_s", "mfu", "step_time_s", "mem_bytes",
+                   "data_wait_s", "comm_s", "timeline"}
+    for heading in ("Plan vs actual", "Cost and idle time", "Alerts", "Checkpoints and restarts", "Fault drill"):
         assert f"<h2>{heading}</h2>" in text
+    assert "<h2 id=\"run\">Run</h2>" in text and "id='run-card'" in text
     assert "loss 9 vs 3" in text and "20 s" in text  # alert message and how long it lasted
     assert "<td>tokens/s per GPU</td><td>2.048e+04</td><td>2.048e+04</td><td>1.00×</td>" in text
     assert "step-00000040" in text and "restart" in text
@@ -174,3 +175,106 @@ def test_events_are_described_in_words(tmp_path: Path) -> None:
     assert describe_event({"kind": "restart", "planned": True, "recovery_s": 3.1}) == \
         "restart after a planned drill kill, recovered in 3.1 s"
     assert describe_event({"kind": "rank_joined", "rank": 1, "host": "node1"}) == "rank 1 joined on node1"
+
+
+def _story_run(tmp_path: Path) -> Path:
+    """A healthy run with what the story sections read: per-source held-out losses, a model_ready event with
+    per-rank records, a drill result, a sub-second planned checkpoint save."""
+    import json
+
+    run_dir = make_run(tmp_path, "healthy")
+    with (run_dir / "metrics.jsonl").open("a") as f:
+        for step, (en, zh) in ((50, (3.1, 3.6)), (100, (2.4, 2.9))):
+            f.write(json.dumps({"step": step, "eval_loss": (en + zh) / 2, "eval_perplexity": 20.0,
+                                "eval_loss_by_source": {"en": en, "zh": zh}}) + "\n")
+    with (run_dir / "events.jsonl").open("a") as f:
+        f.write(json.dumps({"time": 1800000001.0, "kind": "model_ready", "world_size": 2, "param_bytes_total": 2**30,
+                            "ranks": [{"rank": r, "device_mem_peak_bytes": 3 * 2**30, "param_bytes_local": 2**29}
+                                      for r in range(2)], "layout": "dp_shard 2"}) + "\n")
+    (run_dir / "drill.json").write_text(json.dumps({
+        "passed": True, "reason": None, "recovery_s": 20.9, "steps_lost": 1, "goodput": 0.3, "max_loss_diff": 0.0,
+        "loss_tolerance": 0.0, "num_restarts": 1, "resumed_from": 2, "kill_at": 3, "kill_rank": 1, "num_ranks": 2,
+        "max_steps": 6, "max_restarts": 1, "during_save": False, "corrupt_latest": False}))
+    import yaml
+
+    spec = yaml.safe_load((run_dir / "spec.yaml").read_text())
+    spec.setdefault("data", {})["sources"] = [{"name": "en", "path": "raw/en.jsonl", "weight": 3.0},
+                                              {"name": "zh", "format": "text", "path": "raw/zh", "weight": 1.0}]
+    spec["data"]["tokens_total"] = 2.0e6
+    (run_dir / "spec.yaml").write_text(yaml.safe_dump(spec))
+    plan = json.loads((run_dir / "plan.json").read_text())
+    plan.setdefault("checkpoint", {})["save_s"] = 0.002  # a tiny model: the measured save is all fixed costs
+    (run_dir / "plan.json").write_text(json.dumps(plan))
+    return run_dir
+
+
+def test_report_tells_the_story_run_card_held_out_by_source_drill_readable_events(tmp_path: Path) -> None:
+    from leantrain.observe.report_card import run_card_rows
+    from leantrain.observe.report_data import load_run
+    from leantrain.observe.report_plots import held_out_by_source
+
+    run_dir = _story_run(tmp_path)
+    run = load_run(run_dir)
+    card = dict(run_card_rows(run))
+    assert {"task", "model", "layout", "precision", "data mixture", "tokens", "batch"} <= set(card)
+    assert card["data mixture"] == "en 75% (jsonl), zh 25% (text)"
+    assert card["tokens"] == "1.64M trained, 2M planned (data.tokens_total): 81.9% done"
+    by_source = held_out_by_source(run)
+    assert list(by_source) == ["en", "zh"] and by_source["zh"][1].tolist() == [3.6, 2.9]
+    text = write_report(run_dir).read_text()
+    assert "id='plot-loss_by_source'" in text
+    drill = text.split("<h2>Fault drill</h2>")[1].split("<h2>")[0]
+    assert "PASSED" in drill and "rank 1 of 2 at step 3 of 6" in drill and "20.9 s" in drill
+    events = text.split("<h2>Checkpoints and restarts</h2>")[1].split("<h2>")[0]
+    assert "model built and sharded: 1 GiB of parameters over 2 rank(s), peak memory 3 GiB" in events
+    assert "{'" not in events and "[{" not in events  # no raw Python/JSON in the events table
+    plan_table = text.split("<h2>Plan vs actual</h2>")[1].split("<h2>")[0]
+    save_row = next(row for row in plan_table.split("<tr>") if "checkpoint save time" in row)
+    assert "×" not in save_row and "fixed costs dominate" in save_row
+
+
+def test_events_without_a_sentence_are_listed_with_units() -> None:
+    from leantrain.observe.report import describe_event
+
+    text = describe_event({"kind": "data_stall", "step": 5, "wait_s": 1.25, "buffer_bytes": 3 * 2**20,
+                           "ranks": [{"rank": 1, "host": "n1"}], "hosts": ["n1", "n2"]})
+    assert text == "wait s: 1.25 s; buffer bytes: 3 MiB; ranks: 1 (rank 1, host n1); hosts: n1, n2"
+
+
+VISIBILITY_SCRIPT = """<script>
+window.addEventListener('load', () => {
+  const seen = el => { const r = el.getBoundingClientRect(), s = getComputedStyle(el);
+    return r.width > 0 && r.height > 0 && s.visibility !== 'hidden' && s.display !== 'none'; };
+  const out = {headings: {}, images: {}};
+  document.querySelectorAll('h2').forEach(h => { out.headings[h.textContent.trim()] = seen(h); });
+  document.querySelectorAll('img.plot').forEach(i => {
+    out.images[i.id] = seen(i) && i.complete && i.naturalWidth > 0; });
+  out.card = seen(document.getElementById('run-card'));
+  const pre = document.createElement('pre'); pre.id = 'visibility';
+  pre.textContent = JSON.stringify(out); document.body.appendChild(pre);
+});
+</script>"""
+
+
+def test_report_sections_are_present_and_visible_in_headless_chromium(tmp_path: Path) -> None:
+    """The page as a browser lays it out: every section heading and the run card visible, every plot image
+    decoded (a broken data: URI has no natural width)."""
+    import html
+    import json
+
+    chromium = _chromium()
+    page = write_report(_story_run(tmp_path)).read_text()
+    probe = tmp_path / "probe.html"
+    probe.write_text(page.replace("</body>", VISIBILITY_SCRIPT + "</body>"))
+    command = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1200,2400",
+               "--virtual-time-budget=5000", "--dump-dom", probe.as_uri()]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+    found = re.search(r"<pre id=\"visibility\">(.*?)</pre>", result.stdout, flags=re.S)
+    assert found, f"chromium ran no script (exit {result.returncode}): {result.stderr[-2000:]}"
+    seen = json.loads(html.unescape(found.group(1)))
+    for heading in ("Run", "Training curves", "Plan vs actual", "Cost and idle time", "Alerts",
+                    "Checkpoints and restarts", "Fault drill"):
+        assert seen["headings"].get(heading) is True, (heading, seen["headings"])
+    assert seen["card"] is True
+    assert {"plot-loss", "plot-loss_by_source", "plot-timeline"} <= set(seen["images"])
+    assert all(seen["images"].values()), seen["images"]

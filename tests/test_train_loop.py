@@ -105,6 +105,9 @@ def test_metrics_records_per_source_loss_eval_and_tensorboard(data_dir: Path, tm
     last = steps[-1]["loss_by_source"]
     assert set(last) == {"easy", "noise"} and last["easy"] < last["noise"]  # the bad source shows up
     assert math.isclose(evals[-1]["eval_perplexity"], math.exp(evals[-1]["eval_loss"]), rel_tol=1e-9)
+    held_out = evals[-1]["eval_loss_by_source"]  # each source's held-out loss, which the report plots over steps
+    assert set(held_out) == {"easy", "noise"} and held_out["easy"] < held_out["noise"]
+    assert min(held_out.values()) <= evals[-1]["eval_loss"] <= max(held_out.values())
     info = json.loads((tmp_path / "run" / TRAIN_INFO_FILE).read_text())
     assert info["num_params"] == info["planner_total_params"] and info["peak_flops"] == 1e11
     assert any((tmp_path / "run" / "tb").glob("events.out.tfevents.*"))

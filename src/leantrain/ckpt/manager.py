@@ -218,18 +218,22 @@ class CheckpointManager:
 
     def _save_now(self, step: int, state: dict[str, Any], *, start: float, stall_s: float | None) -> None:
         """One save with `checkpoint.save_retries` retries after `retry_backoff_s`, doubling (all ranks fail
-        and retry together: every failure below is agreed). Only the last failure is `checkpoint_failed`."""
+        and retry together: every failure below is agreed), and no retry that would start after
+        `checkpoint.save_timeout_s` (rank 0's clock decides for all). Only the last failure is
+        `checkpoint_failed`."""
         ck = self.spec.checkpoint
         for attempt in range(ck.save_retries + 1):
             try:
                 self._save_once(step, state, start=start, stall_s=stall_s)
                 return
             except CheckpointSaveError as err:
-                if attempt == ck.save_retries:
-                    self.events.emit("checkpoint_failed", step=step, error=str(err), operation=err.operation,
-                                     attempts=attempt + 1, duration_s=self.clock() - start)
-                    raise
                 wait_s = ck.retry_backoff_s * 2**attempt
+                in_time = self._agree(self.clock() - start + wait_s < ck.save_timeout_s, self._save_pg)
+                if attempt == ck.save_retries or not in_time:
+                    timed_out = {} if in_time else {"save_timeout_s": ck.save_timeout_s}
+                    self.events.emit("checkpoint_failed", step=step, error=str(err), operation=err.operation,
+                                     attempts=attempt + 1, duration_s=self.clock() - start, **timed_out)
+                    raise
                 self.events.emit("checkpoint_retry", step=step, error=str(err), operation=err.operation,
                                  attempt=attempt + 1, wait_s=wait_s)
                 time.sleep(wait_s)

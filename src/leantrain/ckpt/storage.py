@@ -21,6 +21,10 @@ if TYPE_CHECKING:
     from leantrain.spec import JobSpec
 
 
+S3_CONNECT_TIMEOUT_S = 10
+S3_READ_TIMEOUT_S = 60
+
+
 class Store:
     """Operations the checkpoint layer needs, on '/'-separated paths relative to the store's root."""
 
@@ -201,7 +205,11 @@ def open_store(spec: JobSpec, *, run_dir: str | Path) -> Store:
         return LocalStore(root, owner_only=spec.security.owner_only)
     if not ck.url:
         raise UserInputError("checkpoint.url must be s3://bucket/prefix when checkpoint.storage is object_store")
-    options: dict[str, Any] = {}
+    # Bounded client: a dead endpoint or wrong credentials fail in seconds, not after minutes of botocore's and
+    # s3fs's own retries (the save's retries and checkpoint.save_timeout_s are the retry policy).
+    options: dict[str, Any] = {"config_kwargs": {
+        "connect_timeout": S3_CONNECT_TIMEOUT_S, "read_timeout": S3_READ_TIMEOUT_S,
+        "retries": {"max_attempts": 2, "mode": "standard"}}}
     if ck.endpoint_url:
         options["endpoint_url"] = ck.endpoint_url
     key, secret = resolve_secret(ck.access_key), resolve_secret(ck.secret_key)

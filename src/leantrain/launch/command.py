@@ -182,6 +182,9 @@ def _launch_leased(
     console: Console, host: str,
 ) -> None:
     make_private_dir(run_dir, owner_only=spec.security.owner_only)
+    from leantrain.ckpt.preflight import preflight_storage
+
+    preflight_storage(spec, run_dir=run_dir)  # before any rank starts: a broken store is exit 2 here
     _stage_data(spec, console=console)
     failed_ranks: list[int] = []
     received: list[str] = []

@@ -106,12 +106,66 @@ def torchrun_env() -> dict[str, str]:
     return {**os.environ, **TORCHRUN_ENV, **quiet}
 
 
+class TraceFilter:
+    """Keeps Python tracebacks and torchrun's failure summary off the console (they are in the rank logs):
+    `keep(line)` says whether to echo a line; `failures` collects one record per failed rank from the
+    summary (rank, local_rank, host, exitcode) and `last_errors` the final line of each suppressed trace."""
+
+    PREFIX = re.compile(r"^(\[(?:default|rank)\d+\]:)?")  # torchrun's --tee prefix of a rank's lines
+    FIELD = re.compile(r"^\s*(rank|host|exitcode)\s*:\s*(\S+)(?:\s*\((?:local_rank|pid):\s*(\d+)\))?")
+
+    def __init__(self) -> None:
+        self.failures: list[dict[str, str]] = []
+        self.last_errors: list[str] = []
+        self._trace: set[str] = set()
+        self._in_summary = self._root = False
+        self._rules_seen = 0  # "====" lines seen inside the failure summary (it has two)
+
+    def keep(self, line: str) -> bool:
+        prefix = self.PREFIX.match(line).group(0)  # type: ignore[union-attr]
+        body = line[len(prefix):].rstrip("\n")
+        if self._in_summary:
+            return self._summary_line(body)
+        if body.startswith("Traceback (most recent call last):"):
+            self._trace.add(prefix)
+            return False
+        if prefix in self._trace:
+            if not body.strip() or body[:1].isspace():
+                return False
+            if body.startswith(("During handling of the above exception", "The above exception was")):
+                return False
+            self._trace.discard(prefix)
+            self.last_errors.append(body.strip()[:300])
+            if "ChildFailedError" in body:
+                self._in_summary, self._rules_seen = True, 0  # the summary follows, between two rules of "="
+            return False
+        return True
+
+    def _summary_line(self, body: str) -> bool:
+        if body.startswith("====="):
+            self._rules_seen += 1
+            self._in_summary = self._rules_seen < 2
+            return False
+        if body.startswith("Root Cause"):
+            self._root = True
+        if re.match(r"^\[\d+\]:\s*$", body):  # one failure's block starts: time, host, rank, exitcode, ...
+            self.failures.append({"root": "yes" if self._root else ""})
+        match = self.FIELD.match(body)
+        if match and self.failures:
+            self.failures[-1][match.group(1)] = match.group(2)
+            if match.group(1) == "rank":
+                self.failures[-1]["local_rank"] = match.group(3) or "?"
+        return False
+
+
 def run_torchrun(
-    argv: Sequence[str], *, console: Console, timeout_s: float | None = None, failed_ranks: list[int] | None = None
+    argv: Sequence[str], *, console: Console, timeout_s: float | None = None, failed_ranks: list[int] | None = None,
+    trace_filter: TraceFilter | None = None,
 ) -> int:
     """Run torchrun in its own session, echo its output, return its exit code (killing the group on timeout).
 
-    `failed_ranks`, when given, receives the global ranks torchrun's failure summary reports.
+    `failed_ranks`, when given, receives the global ranks torchrun's failure summary reports. `trace_filter`,
+    when given, keeps tracebacks off the console and collects the failures (`rank_failure_lines`).
     """
     proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=torchrun_env(), start_new_session=True)
@@ -119,7 +173,8 @@ def run_torchrun(
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
-            console.print(line.rstrip("\n"), markup=False, highlight=False, soft_wrap=True)
+            if trace_filter is None or trace_filter.keep(line):
+                console.print(line.rstrip("\n"), markup=False, highlight=False, soft_wrap=True)
             match = FAILED_RANK_LINE.match(line)
             if match and failed_ranks is not None and int(match.group(1)) not in failed_ranks:
                 failed_ranks.append(int(match.group(1)))
@@ -178,9 +233,30 @@ def launch_local(
     argv = torchrun_argv(spec, train=train, run_dir=run_dir, nproc=nproc, nnodes=nnodes,
                          max_restarts=max_restarts, max_steps=max_steps)
     console.print("torchrun: " + " ".join(argv[1:]), markup=False, soft_wrap=True)
-    code = run_torchrun(argv, console=console, timeout_s=timeout_s, failed_ranks=failed_ranks)
+    traces = TraceFilter()
+    code = run_torchrun(argv, console=console, timeout_s=timeout_s, failed_ranks=failed_ranks, trace_filter=traces)
+    for line in rank_failure_lines(traces, run_dir=run_dir):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
     console.print(f"per-rank logs: {Path(run_dir) / LOGS_DIR}; exit code {code}")
     return code
+
+
+def rank_failure_lines(traces: TraceFilter, *, run_dir: Path) -> list[str]:
+    """One line per failed rank (torchrun's summary): where, how it ended, and the log that holds its trace."""
+    lines = []
+    failed = [f for f in traces.failures if "rank" in f]
+    for failure in sorted(failed, key=lambda f: not f.get("root")):  # the first failure first
+        local = failure.get("local_rank", "?")
+        host = failure.get("host", socket.gethostname())
+        logs = sorted((Path(run_dir) / LOGS_DIR).glob(f"**/attempt_*/{local}/stderr.log"),
+                      key=lambda p: p.stat().st_mtime)
+        where = str(logs[-1]) if logs else str(Path(run_dir) / LOGS_DIR)
+        how = "failed first" if failure.get("root") else "stopped"
+        lines.append(f"rank {failure['rank']} (local rank {local}, host {host}) {how}: exit code "
+                     f"{failure.get('exitcode', '?')}; its log: {where}")
+    if not failed and traces.last_errors:
+        lines.append(f"error: {traces.last_errors[-1]} (trace in the rank logs under {Path(run_dir) / LOGS_DIR})")
+    return lines
 
 
 @dataclass(frozen=True)

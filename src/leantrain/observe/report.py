@@ -19,9 +19,10 @@ from typing import Any
 import numpy as np
 
 from leantrain.errors import UserInputError
+from leantrain.observe.report_card import drill_section, fields_text, human_bytes, run_card
 from leantrain.observe.report_cost import CostSummary, cost_and_idle
 from leantrain.observe.report_data import METRICS_FILE, RunData, as_float, load_run, steady
-from leantrain.observe.report_plots import XAxis, metric_plots, plotly_available, timeline_plot
+from leantrain.observe.report_plots import XAxis, metric_plots, plotly_available, source_loss_plot, timeline_plot
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#1b1f24;max-width:1600px}
@@ -31,7 +32,8 @@ th,td{border:1px solid #d0d7de;padding:4px 8px;text-align:left;vertical-align:to
 .grid{display:grid;grid-template-columns:repeat(auto-fit,minmax(560px,1fr));gap:14px}
 .grid img{width:100%;border:1px solid #eee}
 .cards{display:flex;gap:12px;flex-wrap:wrap} .card{border:1px solid #d0d7de;border-radius:6px;padding:8px 14px}
-.card b{display:block;font-size:18px} .critical{color:#cf222e;font-weight:600} .warning{color:#9a6700}
+.card b{display:block;font-size:18px} #run-card th{width:140px}
+.critical{color:#cf222e;font-weight:600} .warning{color:#9a6700}
 .resolved{color:#1a7f37} td.num{text-align:right;font-variant-numeric:tabular-nums}
 """
 
@@ -88,10 +90,17 @@ def plan_vs_actual(run: RunData) -> list[list[str]]:
     rows = []
     for name, planned, actual, unit in rows_spec:
         plan_value = as_float(planned)
-        ratio = f"{actual / plan_value:.2f}×" if math.isfinite(actual) and math.isfinite(plan_value) and plan_value \
-            else "—"
+        if not (math.isfinite(actual) and math.isfinite(plan_value) and plan_value):
+            ratio = "—"
+        elif unit == "s" and plan_value < MEANINGFUL_SAVE_S:  # a tiny save is all fixed costs: no ratio to read
+            ratio = f"— (plan under {MEANINGFUL_SAVE_S:g} s: fixed costs dominate)"
+        else:
+            ratio = f"{actual / plan_value:.2f}×"
         rows.append([name, _fmt(planned, unit), _fmt(actual, unit), ratio])
     return rows
+
+
+MEANINGFUL_SAVE_S = 1.0  # below this the planned save time is bandwidth-bound noise next to per-file costs
 
 
 def _cost_section(cost: CostSummary) -> str:
@@ -151,7 +160,18 @@ def describe_event(event: dict[str, Any]) -> str:
         return f"rank {f.get('rank')} joined" + (f" on {f['host']}" if f.get("host") else "")
     if kind == "checkpoint_failed":
         return f"checkpoint FAILED: {f.get('error', 'unknown error')}"
-    return ", ".join(f"{k}={v}" for k, v in f.items())
+    if kind == "start":
+        return f"training started on {f.get('world_size', '?')} rank(s)"
+    if kind == "model_ready":
+        ranks = [r for r in f.get("ranks") or [] if isinstance(r, dict)]
+        peak = max((as_float(r.get("device_mem_peak_bytes")) for r in ranks), default=math.nan)
+        total = as_float(f.get("param_bytes_total"))
+        return (f"model built and sharded: {human_bytes(total) if math.isfinite(total) else '?'} of parameters over "
+                f"{len(ranks) or f.get('world_size', '?')} rank(s)"
+                + (f", peak memory {human_bytes(peak)} on the fullest rank" if math.isfinite(peak) else "")
+                + (f", layout {f['layout']}" if f.get("layout") else "")
+                + (f", resuming at step {f['resumed_step']}" if f.get("resumed_step") else ""))
+    return fields_text(f)
 
 
 def _events_table(run: RunData) -> str:
@@ -226,6 +246,9 @@ def render_html(run: RunData | list[RunData], *, x: XAxis = "step", interactive:
     runs = [run] if isinstance(run, RunData) else run
     run = runs[0]
     plots = metric_plots(runs, x=x, interactive=interactive)
+    by_source = source_loss_plot(run) if len(runs) == 1 else None
+    if by_source is not None:
+        plots.insert(1, by_source)
     timeline = timeline_plot(run)
     images = "".join(_figure(p) for p in plots)
     timeline_img = "" if timeline is None else (
@@ -248,6 +271,8 @@ def render_html(run: RunData | list[RunData], *, x: XAxis = "step", interactive:
 <h1>leantrain run report: {html.escape(str(title))}</h1>
 <p class="muted">{html.escape(str(run.run_dir))} · {len(run.metrics)} metric records · generated {generated}</p>
 {_cards(run)}
+<h2 id="run">Run</h2>
+{run_card(run)}
 {compare}
 <h2>Training curves</h2>
 <p class="muted">{legend}</p>
@@ -261,6 +286,8 @@ def render_html(run: RunData | list[RunData], *, x: XAxis = "step", interactive:
 <h2>Checkpoints and restarts</h2>
 {timeline_img}
 {_events_table(run)}
+<h2>Fault drill</h2>
+{drill_section(run)}
 {_eval_section(run)}
 {problems}
 </body></html>

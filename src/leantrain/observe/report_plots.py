@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 import numpy as np
+from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 
 from leantrain.observe.report_data import RunData, as_float
@@ -135,8 +136,9 @@ def _matplotlib_plot(runs: list[RunData], spec: tuple[str, str, str, float, bool
     main = runs[0]
     if key == "loss" and main.evals and len(runs) == 1:
         eval_steps, eval_losses = main.series("eval_loss", main.evals)
-        if x == "step":
-            ax.plot(eval_steps, eval_losses, "o", color="tab:orange", markersize=4, label="held-out eval")
+        if x == "step" and np.any(np.isfinite(eval_losses)):
+            ax.plot(eval_steps, eval_losses, "o", color="tab:orange", markersize=4, label="held-out loss")
+            _label_last(ax, eval_steps, eval_losses, "held-out")
     reference = plan_reference(main, key)
     if reference is not None:
         ax.axhline(reference, color="0.3", linestyle=":", linewidth=1.4, label=f"plan {reference:.4g} {unit}")
@@ -160,6 +162,66 @@ def _matplotlib_plot(runs: list[RunData], spec: tuple[str, str, str, float, bool
     return Plot(key=key, title=title, png_base64=_to_base64(fig))
 
 
+def _label_last(ax: Axes, xs: np.ndarray, ys: np.ndarray, name: str) -> None:
+    """Write the newest finite point's value beside it (held-out points would otherwise be bare dots)."""
+    finite = np.flatnonzero(np.isfinite(ys) & np.isfinite(xs))
+    if finite.size:
+        i = int(finite[-1])
+        ax.annotate(f"{name} {ys[i]:.3f} (step {xs[i]:.0f})", (float(xs[i]), float(ys[i])),
+                    textcoords="offset points", xytext=(-6, 8), ha="right", fontsize=8)
+
+
+def held_out_by_source(run: RunData) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """Source name → (steps, held-out loss) from the eval records' eval_loss_by_source (every source, every eval)."""
+    names: list[str] = []
+    for record in run.evals:
+        for name in record.get("eval_loss_by_source") or {}:
+            if name not in names:
+                names.append(name)
+    out = {}
+    for name in names:
+        points = [(as_float(r.get("step")), as_float((r.get("eval_loss_by_source") or {}).get(name)))
+                  for r in run.evals]
+        steps, losses = (np.array(v, dtype=float) for v in zip(*points, strict=True))
+        out[name] = (steps, losses)
+    return out
+
+
+def source_loss_plot(run: RunData) -> Plot | None:
+    """Held-out loss per source over steps (lines with points, each labelled with its newest value); training
+    loss per source thin behind them. None when the run has neither."""
+    held = held_out_by_source(run)
+    steps, _ = run.series("loss")
+    trained: dict[str, np.ndarray] = {}
+    for record in run.metrics:
+        for name in record.get("loss_by_source") or {}:
+            trained.setdefault(name, np.full(len(run.metrics), np.nan))
+    for i, record in enumerate(run.metrics):
+        for name, value in (record.get("loss_by_source") or {}).items():
+            trained[name][i] = as_float(value)
+    if not held and len(trained) < 2:
+        return None
+    fig = Figure(figsize=(7.0, 3.5))
+    ax = fig.subplots()
+    names = list(dict.fromkeys([*held, *trained]))
+    for index, name in enumerate(names):
+        colour = COLOURS[index % len(COLOURS)]
+        if name in trained:
+            ax.plot(steps, trained[name], color=colour, linewidth=0.8, alpha=0.45, label=f"{name} (training)")
+        if name in held:
+            xs, ys = held[name]
+            ax.plot(xs, ys, "o-", color=colour, markersize=4, linewidth=1.6, label=f"{name} (held-out)")
+            _label_last(ax, xs, ys, name)
+    ax.set_title("Held-out loss per source" if held else "Training loss per source", fontsize=11)
+    ax.set_xlabel("step", fontsize=9)
+    ax.set_ylabel("nats", fontsize=9)
+    ax.tick_params(labelsize=8)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="best", fontsize=8)
+    fig.tight_layout()
+    return Plot(key="loss_by_source", title="Held-out loss per source", png_base64=_to_base64(fig))
+
+
 def _plotly_plot(runs: list[RunData], spec: tuple[str, str, str, float, bool], lines: list[Line], *,
                  x: XAxis, include_js: bool) -> Plot:
     import plotly.graph_objects as go
@@ -171,6 +233,12 @@ def _plotly_plot(runs: list[RunData], spec: tuple[str, str, str, float, bool], l
         fig.add_trace(go.Scatter(x=line.x, y=line.y, mode="lines", name=line.label or title,
                                  line={"color": line.colour, "dash": "dash" if line.dashed else "solid"},
                                  hovertemplate=f"%{{x:.4g}}: %{{y:.4g}} {unit}<extra>{line.label}</extra>"))
+    main = runs[0]
+    if key == "loss" and main.evals and len(runs) == 1 and x == "step":
+        eval_steps, eval_losses = main.series("eval_loss", main.evals)
+        fig.add_trace(go.Scatter(x=eval_steps, y=eval_losses, mode="markers+text", name="held-out loss",
+                                 marker={"color": "orange", "size": 7},
+                                 text=[f"{v:.3f}" for v in eval_losses], textposition="top center"))
     reference = plan_reference(runs[0], key)
     if reference is not None:
         fig.add_hline(y=reference, line_dash="dot", line_color="#555", annotation_text=f"plan {reference:.4g}")

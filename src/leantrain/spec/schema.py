@@ -135,14 +135,7 @@ class CheckpointSpec(Section):
     access_key: SecretRef | None = Field(None, description="Object-store access key, as `${VAR}`.")
     secret_key: SecretRef | None = Field(None, description="Object-store secret key, as `${VAR}`.")
     async_save: bool = Field(False, description="Stage to CPU and write while training continues.")
-    write_bandwidth_gb_s: float | None = Field(
-        None, gt=0, description="Storage write bandwidth of the whole job, GB/s (planning); default "
-        "write_bandwidth_gb_s_per_node × nodes (every node writes its shards in parallel)."
-    )
-    write_bandwidth_gb_s_per_node: float = Field(
-        1.0, gt=0, description="Storage write bandwidth per node, GB/s (planning): Llama 3's store sustained 2 TB/s "
-        "for 2,048 nodes (report §3.3.1), about 1 GB/s each."
-    )
+    write_bandwidth_gb_s: float = Field(2.0, gt=0, description="Storage write bandwidth per job, GB/s (planning).")
     max_consecutive_failures: PositiveInt = Field(
         3, description="Failed saves in a row after which the run stops (exit 1) instead of training unprotected."
     )
@@ -158,6 +151,8 @@ class CheckpointSpec(Section):
     retry_backoff_s: float = Field(
         1.0, ge=0, le=600, description="Wait before the first retry of a failed save, doubling each retry, seconds."
     )
+    save_timeout_s: float = Field(600.0, gt=0, le=86400, description="One save with its retries, seconds: no "
+                                  "retry starts after it (the ranks agree), so a dead store fails the save.")
 
     @model_validator(mode="after")
     def _object_store_needs_url(self) -> CheckpointSpec:

@@ -75,6 +75,7 @@ def train(
     """Build a trainer for the spec, train to the end (or a signal), close it; rank 0 holds the run dir's lease
     (ckpt/lease.py) throughout, so a second job into the same run dir exits 2 naming this one."""
     from leantrain.ckpt.lease import acquire_lease
+    from leantrain.ckpt.preflight import preflight_storage
 
     target = Path(run_dir or spec.run.dir)
     if int(os.environ.get("RANK", "0")) != 0:
@@ -82,6 +83,7 @@ def train(
     existed = target.exists()
     lease = acquire_lease(target, command="train", owner_only=spec.security.owner_only)
     try:
+        preflight_storage(spec, run_dir=target)
         return _train_leased(spec, run_dir=run_dir, max_steps=max_steps, console=console, resume=resume)
     except BaseException:
         if not existed:  # a start refused before it wrote anything leaves no empty run dir behind

@@ -390,7 +390,7 @@ class Trainer:
         return record
 
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self) -> dict[str, Any]:
         """Mean loss over the first `eval_batches` held-out micro-batches per rank (the same ones every time)."""
         assert self.eval_sampler is not None
         self.parallel.train(False)
@@ -405,9 +405,17 @@ class Trainer:
         self.parallel.evaluate(micro_batches, loss_fn=recorder, autocast=self.autocast)
         self.parallel.train()
         # Summed over every rank: TP peers add the same numbers to both sums, other PP stages add zeros.
-        total = self.parallel.sum_over_ranks(torch.stack([recorder.loss_sum.sum(), recorder.tokens.sum()]))
-        eval_loss = float(total[0] / total[1])
-        return {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50.0))}
+        by_source = isinstance(recorder, SourceLoss) and recorder.num_sources > 1  # and each source's, one reduce
+        sums = torch.stack([recorder.loss_sum.sum(), recorder.tokens.sum()])
+        total = self.parallel.sum_over_ranks(torch.cat([sums, recorder.loss_sum, recorder.tokens]) if by_source
+                                             else sums).tolist()
+        eval_loss = total[0] / total[1]
+        out: dict[str, Any] = {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50.0))}
+        if by_source:
+            n, names = recorder.num_sources, self.eval_sampler.source_names
+            out["eval_loss_by_source"] = {name: total[2 + i] / total[2 + n + i] for i, name in enumerate(names)
+                                          if total[2 + n + i] > 0}
+        return out
 
     def _log_eval(self) -> dict[str, Any]:
         synchronize(self.device)
