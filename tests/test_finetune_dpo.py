@@ -414,7 +414,7 @@ def test_orpo_matches_trls_odds_ratio_loss_and_trains_without_a_reference(prepar
 
     root, hf_dir = prepared
     raw = dpo_spec(root, hf_dir, weights="full", loss="orpo", beta=0.5)
-    raw["training"].update(lr=1e-3)
+    raw["training"].update(lr=1e-3, max_steps=5)
     trainer = Trainer(spec_from_dict(raw), run_dir=tmp_path / "run")
     try:
         assert trainer.objective is not None and trainer.objective.reference is None  # no frozen copy
