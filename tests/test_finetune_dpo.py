@@ -423,3 +423,28 @@ def test_orpo_matches_trls_odds_ratio_loss_and_trains_without_a_reference(prepar
         trainer.close()
     margins = [r["rewards/margin"] for r in records]
     assert records[-1]["loss"] < records[0]["loss"] and margins[-1] > margins[0] + 0.1, margins
+
+
+@pytest.mark.parametrize("weights", ["lora", "full"])
+def test_leantrain_eval_scores_held_out_pairs_as_the_trainer_does(tmp_path: Path, weights: str) -> None:
+    from leantrain.cli import main
+    from leantrain.golive.eval import evaluate
+    from leantrain.model.tiny_hf import save_tiny_hf
+
+    hf_dir = save_tiny_hf(tmp_path / "hf", vocab_size=320, hidden_size=64, intermediate_size=128)
+    write_jsonl(tmp_path / "prefs.jsonl", preference_records(40))
+    raw = dpo_spec(tmp_path, hf_dir, weights=weights)
+    raw["data"]["valid_fraction"] = 0.3
+    raw["training"].update(max_steps=4, eval_every=4, eval_batches=2, lr=1e-2 if weights == "lora" else 1e-3)
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump(raw))
+    assert main(["prepare", str(tmp_path / "spec.yaml")]) == 0
+    assert main(["train", str(tmp_path / "spec.yaml")]) == 0
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    trained = [json.loads(line) for line in lines if "eval_loss" in line][-1]["eval_loss"]
+    held_out = evaluate(tmp_path / "run", tasks=[])["held_out"]["prefs"]
+    assert held_out["loss"] == pytest.approx(trained, abs=1e-5) and held_out["pairs"] == 2 * 2
+    assert held_out["loss"] < math.log(2) - 0.01 and 0 <= held_out["rewards/accuracy"] <= 1
+    from leantrain.observe.report import render_html
+    from leantrain.observe.report_data import load_run
+
+    assert f"reward margin {held_out['rewards/margin']:.3f}" in render_html(load_run(tmp_path / "run"))

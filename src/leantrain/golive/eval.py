@@ -7,7 +7,8 @@ weights. Evaluation runs in this one process (the whole model in memory): it is 
 machine can hold; bigger ones are evaluated after export by an inference stack.
 
 - Held-out loss and perplexity per source: the data dir's `valid` split, the first `training.eval_batches`
-  micro-batches of each source's stream (as the trainer's evaluation, chat sources on assistant tokens only).
+  micro-batches of each source's stream (as the trainer's evaluation, chat sources on assistant tokens only);
+  for a DPO run, the valid pairs' preference loss, `rewards/margin` and `rewards/accuracy` per source.
 - Multiple choice (a task FILE is JSONL, one `{"question", "choices": [...], "answer"}` per line, the answer
   an index or the text of the right choice), scored as lm-evaluation-harness scores its multiple-choice tasks
   (`output_type: multiple_choice`, `target_delimiter: " "`): context `Question: {question}\\nAnswer:`,
@@ -22,6 +23,7 @@ Results go to RUN_DIR/eval.json (SPEC: its run.dir) and are printed; `leantrain 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 from dataclasses import dataclass
@@ -35,6 +37,7 @@ from torch import nn
 
 from leantrain.ckpt.base_ref import verify_base
 from leantrain.ckpt.export import DcpTensors, check_base_as_trained
+from leantrain.data.preference import PairBatchSampler
 from leantrain.data.sampler import PackedBatchSampler
 from leantrain.errors import UserInputError
 from leantrain.model.hf_load import fill_from_hf
@@ -43,7 +46,10 @@ from leantrain.model.lora import is_adapter, quantize_base
 from leantrain.model.transformer import Transformer, model_args_from_spec
 from leantrain.spec import JobSpec, load_spec
 from leantrain.spec.hf_config import read_hf_config
+from leantrain.train.dpo import adapters_off, pair_loss, sequence_logps
+from leantrain.train.dpo import enabled as dpo_enabled
 from leantrain.train.finetune import prepare_model, uses_adapters
+from leantrain.train.step_metrics import IGNORE_INDEX
 
 EVAL_FILE = "eval.json"
 
@@ -136,6 +142,40 @@ def held_out_loss(model: nn.Module, spec: JobSpec) -> dict[str, dict[str, float]
             for i, name in enumerate(sampler.source_names) if counts[i] > 0}
 
 
+@torch.no_grad()
+def held_out_preferences(model: nn.Module, spec: JobSpec) -> dict[str, dict[str, float]]:
+    """DPO runs: the valid pairs' preference loss, reward margin and accuracy per source over the first
+    `eval_batches` micro-batches, the reference as in training (train/dpo.py): the adapters-off base, the
+    init_from weights for full DPO, none for ORPO."""
+    try:
+        sampler = PairBatchSampler(spec.data.dir, seq_len=spec.data.seq_len, micro_batch=spec.training.micro_batch,
+                                   dp_rank=0, dp_size=1, seed=spec.training.seed, split="valid")
+    except UserInputError:
+        return {}
+    settings = spec.finetune.dpo
+    reference = None
+    if settings.loss != "orpo" and not uses_adapters(spec):
+        reference = _load_model(spec.model_copy(update={"finetune": spec.finetune.model_copy(update={
+            "method": "full"})}), None, step=None)[0]
+    sums = torch.zeros(4, len(sampler.source_names), dtype=torch.float64)  # loss, margin, correct, pairs
+    for _ in range(spec.training.eval_batches):
+        batch = sampler.next_batch()
+        assert batch.loss_mask is not None
+        inputs, targets = batch.tokens[:, :-1], batch.tokens[:, 1:].masked_fill(~batch.loss_mask[:, 1:], IGNORE_INDEX)
+        policy, counts = sequence_logps(model(inputs), targets)
+        reference_logps = None
+        if settings.loss != "orpo":
+            with adapters_off([model]) if reference is None else contextlib.nullcontext():
+                reference_logps = sequence_logps((reference or model)(inputs), targets)[0]
+        per_pair, chosen, rejected = pair_loss(policy, reference_logps, counts, beta=settings.beta, loss=settings.loss)
+        sources = batch.source_ids[: len(per_pair), 0]
+        values = torch.stack([per_pair, chosen - rejected, (chosen > rejected).float(), torch.ones_like(per_pair)])
+        sums.index_add_(1, sources, values.double())
+    return {name: {"loss": float(sums[0, i] / sums[3, i]), "rewards/margin": float(sums[1, i] / sums[3, i]),
+                   "rewards/accuracy": float(sums[2, i] / sums[3, i]), "pairs": int(sums[3, i])}
+            for i, name in enumerate(sampler.source_names) if sums[3, i] > 0}
+
+
 def _tokenizer(spec: JobSpec) -> Any:
     from tokenizers import Tokenizer
 
@@ -211,7 +251,8 @@ def evaluate(target: Path, *, tasks: list[Path], step: int | None = None, base_a
     items = {Path(t).stem: read_task(Path(t)) for t in tasks}  # bad task files fail before the model loads
     model, loaded_step = _load_model(spec, run_dir, step=step, base_as_trained=base_as_trained)
     result: dict[str, Any] = {"step": loaded_step, "base_as_trained": base_as_trained,
-                              "held_out": held_out_loss(model, spec), "tasks": {}}
+                              "held_out": (held_out_preferences if dpo_enabled(spec) else held_out_loss)(model, spec),
+                              "tasks": {}}
     if items:
         tokenizer = _tokenizer(spec)
         result["tasks"] = {name: multiple_choice(model, task, tokenizer) for name, task in items.items()}
@@ -226,8 +267,9 @@ def run(*, console: Any, target: Path, tasks: list[Path], step: int | None, base
     """The `leantrain eval` command."""
     result = evaluate(target, tasks=tasks, step=step, base_as_trained=base_as_trained)
     for source, values in result["held_out"].items():
-        console.print(f"held-out {source:<16} loss {values['loss']:.4f}  ppl {values['perplexity']:.2f}",
-                      highlight=False)
+        detail = (f"ppl {values['perplexity']:.2f}" if "perplexity" in values else
+                  f"margin {values['rewards/margin']:.3f}  accuracy {values['rewards/accuracy']:.3f} (pairs)")
+        console.print(f"held-out {source:<16} loss {values['loss']:.4f}  {detail}", highlight=False)
     for name, values in result["tasks"].items():
         console.print(f"task {name:<20} acc {values['acc']:.3f}  acc_norm {values['acc_norm']:.3f}  "
                       f"acc_bytes {values['acc_bytes']:.3f}  ({values['num_questions']} questions)", highlight=False)

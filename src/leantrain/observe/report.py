@@ -193,7 +193,8 @@ def _eval_section(run: RunData) -> str:
     result = run.eval_results
     if not result:
         return ""
-    rows = [[f"held-out {name}", f"loss {v['loss']:.4f}, perplexity {v['perplexity']:.2f}"]
+    rows = [[f"held-out {name}", f"loss {v['loss']:.4f}, " + (f"perplexity {v['perplexity']:.2f}" if "perplexity" in v
+             else f"reward margin {v['rewards/margin']:.3f}, accuracy {v['rewards/accuracy']:.3f}")]  # DPO: pairs
             for name, v in result.get("held_out", {}).items()]
     rows += [[f"task {name}", f"acc {v['acc']:.3f}, acc_norm {v['acc_norm']:.3f} ({v['num_questions']} questions)"]
              for name, v in result.get("tasks", {}).items()]
