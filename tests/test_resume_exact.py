@@ -19,6 +19,7 @@ import pytest
 import yaml
 
 from leantrain.ckpt.fault import (
+    ENV_COMMIT_POINT,
     ENV_CORRUPT_LATEST,
     ENV_DURING_SAVE,
     ENV_KILL_AT_STEP,
@@ -112,6 +113,38 @@ def test_one_rank_killed_mid_async_save_resumes_bit_for_bit(tmp_path: Path) -> N
     assert [e["step"] for e in loaded] == [2]
     assert [e["from_step"] for e in events if e["kind"] == "resume"] == [2]
     assert not [e for e in events if e["kind"] == "restart"]  # restarted by hand, not by torchrun
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("point", ["before_marker", "before_retention"])
+def test_killed_inside_the_commit_resumes_bit_for_bit(tmp_path: Path, point: str) -> None:
+    """SIGKILL inside step 4's commit (ckpt/fault.py LEANTRAIN_FAULT_COMMIT_POINT): with the manifest written
+    and no COMMIT marker the step does not exist and the rerun resumes from step 2; after the publish and
+    before retention step 4 is good and the rerun resumes from it. Either way the losses are the reference's,
+    bit for bit, and the dead process's run-dir lease is taken over (same host, pid gone)."""
+    spec_file = write_resume_spec(tmp_path)
+    reference = reference_losses(load_spec(spec_file), tmp_path / "reference")
+    run_dir = tmp_path / "faulted"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", ENV_KILL_AT_STEP: "4", ENV_COMMIT_POINT: point}
+    command = [sys.executable, "-m", "leantrain.cli", "train", str(spec_file), "--run-dir", str(run_dir)]
+    killed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    assert (run_dir / "run.lock").exists()  # SIGKILL: nothing released it
+    root = run_dir / "checkpoints"
+    if point == "before_marker":
+        half = {p.name for p in (root / ".tmp-step-00000004").iterdir()}
+        assert "manifest.json" in half and "COMMIT" not in half
+        assert not (root / "step-00000004").exists()
+    else:
+        assert (root / "step-00000004" / "COMMIT").is_file() and (root / "step-00000002" / "COMMIT").is_file()
+    resumed = subprocess.run(command, env=env, capture_output=True, text=True, timeout=240)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    logged = logged_losses(run_dir)
+    assert {step: values[-1] for step, values in logged.items()} == reference  # bit for bit, every step
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events if e["kind"] == "checkpoint_loaded"] == [2 if point == "before_marker" else 4]
+    assert not (run_dir / "run.lock").exists()
+    assert not [p for p in root.iterdir() if p.name.startswith(".tmp-")]  # retention cleared the half-written
 
 
 def test_restarted_worker_records_restart_with_recovery_time(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -12,6 +12,9 @@ Set in the environment of every rank (torchrun passes it on to the workers it re
                                        others' hang watchdog (ckpt/watchdog.py) must abort so the group restarts
     LEANTRAIN_FAULT_LOSE_NODE=1        the rank's node is lost with it: its fast-tier files (its own shard and
                                        the peer copy it held, ckpt/memory_tier.py) are deleted before the kill
+    LEANTRAIN_FAULT_COMMIT_POINT=P     every rank saves at step k and rank 0 (it commits) dies inside the
+                                       commit: `before_marker` (shards and manifest written, no COMMIT marker
+                                       yet) or `before_retention` (committed and published, retention not run)
 
 Before dying, rank r writes `run_dir/fault-injected.json` (step, rank, wall time, restart attempt) and fsyncs
 it. The marker makes the fault fire once: workers restarted by torchrun find it and train on, and the restart
@@ -39,6 +42,8 @@ ENV_DURING_SAVE = "LEANTRAIN_FAULT_DURING_SAVE"
 ENV_CORRUPT_LATEST = "LEANTRAIN_FAULT_CORRUPT_LATEST"
 ENV_FREEZE = "LEANTRAIN_FAULT_FREEZE"
 ENV_LOSE_NODE = "LEANTRAIN_FAULT_LOSE_NODE"
+ENV_COMMIT_POINT = "LEANTRAIN_FAULT_COMMIT_POINT"
+COMMIT_POINTS = ("before_marker", "before_retention")
 MARKER_FILE = "fault-injected.json"
 RESTART_COUNT_ENV = "TORCHELASTIC_RESTART_COUNT"
 
@@ -53,6 +58,7 @@ class FaultPlan:
     corrupt_latest: bool = False
     freeze: bool = False
     lose_node: bool = False
+    commit_point: str | None = None  # one of COMMIT_POINTS: rank 0 dies there, inside step k's commit
 
     @classmethod
     def from_env(cls, environ: dict[str, str] | os._Environ[str] | None = None) -> FaultPlan | None:
@@ -62,7 +68,11 @@ class FaultPlan:
             return None
         if not step.isdigit() or int(step) <= 0:
             raise ValueError(f"{ENV_KILL_AT_STEP} must be a positive step number, got {step!r}")
+        point = env.get(ENV_COMMIT_POINT, "").strip() or None
+        if point is not None and point not in COMMIT_POINTS:
+            raise ValueError(f"{ENV_COMMIT_POINT} must be one of {', '.join(COMMIT_POINTS)}, got {point!r}")
         return cls(
+            commit_point=point,
             kill_at_step=int(step), kill_rank=int(env.get(ENV_KILL_RANK, "0") or 0),
             during_save=env.get(ENV_DURING_SAVE, "") in ("1", "true", "yes"),
             corrupt_latest=env.get(ENV_CORRUPT_LATEST, "") in ("1", "true", "yes"),
@@ -75,7 +85,7 @@ class FaultPlan:
         return {ENV_KILL_AT_STEP: str(self.kill_at_step), ENV_KILL_RANK: str(self.kill_rank),
                 ENV_DURING_SAVE: "1" if self.during_save else "0",
                 ENV_CORRUPT_LATEST: "1" if self.corrupt_latest else "0", ENV_FREEZE: "1" if self.freeze else "0",
-                ENV_LOSE_NODE: "1" if self.lose_node else "0"}
+                ENV_LOSE_NODE: "1" if self.lose_node else "0", ENV_COMMIT_POINT: self.commit_point or ""}
 
 
 def restart_attempt() -> int:
@@ -117,7 +127,8 @@ class FaultInjector:
     @property
     def forced_save_step(self) -> int | None:
         """The step at which every rank must save so that the kill lands in the middle of a save."""
-        return self.plan.kill_at_step if self.plan.during_save and not self.fired else None
+        mid_save = self.plan.during_save or self.plan.commit_point is not None
+        return self.plan.kill_at_step if mid_save and not self.fired else None
 
     def _is_victim(self, step: int) -> bool:
         return not self.fired and self.rank == self.plan.kill_rank and step == self.plan.kill_at_step
@@ -125,6 +136,9 @@ class FaultInjector:
     def before_save(self, step: int, manager: Any) -> None:
         """Mid-save kill: corrupt first if asked, then die once this rank's files of step k are written and
         before the commit, so the checkpoint is left half-written (from the saving thread when async)."""
+        if self.plan.commit_point is not None:
+            self._arm_commit_point(step, manager)
+            return
         if not (self.plan.during_save and self._is_victim(step)):
             return
         corrupted = self._maybe_corrupt(manager)
@@ -135,9 +149,20 @@ class FaultInjector:
 
         manager.before_commit = die_before_commit
 
+    def _arm_commit_point(self, step: int, manager: Any) -> None:
+        """Rank 0 (the committer) dies at the plan's point inside step k's commit (manager.commit_point)."""
+        if self.fired or self.rank != 0 or step != self.plan.kill_at_step:
+            return
+
+        def die_inside_commit(saving_step: int, point: str) -> None:
+            if saving_step == step and point == self.plan.commit_point:
+                self._die(step, corrupted=None, during_save=True)
+
+        manager.commit_point = die_inside_commit
+
     def after_step(self, step: int, manager: Any) -> None:
         """Plain kill: right after step k and its checkpoint decision (a save at k has been issued)."""
-        if self.plan.during_save or not self._is_victim(step):
+        if self.plan.during_save or self.plan.commit_point is not None or not self._is_victim(step):
             return
         corrupted = self._maybe_corrupt(manager)
         self._die(step, corrupted=corrupted, during_save=False)

@@ -185,10 +185,13 @@ def build_manifest(
     }
 
 
-def write_commit(store: Store, folder: str, manifest: dict) -> None:
-    """Write the manifest, then the commit marker naming its hash; both fsync'd, then the folder itself."""
+def write_commit(store: Store, folder: str, manifest: dict, *, before_marker: Callable[[], None] | None = None) -> None:
+    """Write the manifest, then the commit marker naming its hash; both fsync'd, then the folder itself.
+    `before_marker` runs between the two (a fault-injection point, ckpt/fault.py)."""
     manifest_bytes = json.dumps(manifest, indent=1, sort_keys=True).encode()
     store.write_bytes(f"{folder}/{MANIFEST_NAME}", manifest_bytes)
+    if before_marker is not None:
+        before_marker()
     marker = {"format": FORMAT, "step": manifest["step"], "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest()}
     store.write_bytes(f"{folder}/{COMMIT_NAME}", json.dumps(marker).encode())
     store.sync_dir(folder)

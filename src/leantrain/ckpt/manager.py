@@ -104,6 +104,9 @@ class CheckpointManager:
         # Called with the step after this rank's files are written and before the commit (the fault drill's
         # mid-save kill: the checkpoint is then half-written on disk, deterministically).
         self.before_commit: Callable[[int], None] | None = None
+        # Rank 0, with the step and the point inside the commit ("before_marker": manifest written, no COMMIT;
+        # "before_retention": published, retention not run): the drill's kill inside the commit.
+        self.commit_point: Callable[[int, str], None] | None = None
         # Rank 0, with the step and the published folder, after a commit (from the saving thread when async):
         # e.g. indexing the checkpoint in the run registry. Its errors are logged, never fail the save.
         self.after_commit: Callable[[int, str], None] | None = None
@@ -286,6 +289,8 @@ class CheckpointManager:
             next_interval_s=None if self.auto is None else self.auto.interval_s,
         )
         if self.rank == 0:
+            if self.commit_point is not None:
+                self.commit_point(step, "before_retention")
             self._apply_retention(committed_step=step)
             if self.after_commit is not None:
                 try:
@@ -342,7 +347,9 @@ class CheckpointManager:
                 files[name] = write_sealed(self._fs, f"{folder}/{name}", data)  # encrypted like DCP's files
             manifest = integ.build_manifest(step=step, files=files, world_size=self.world_size, cipher=self.cipher,
                                             extra=self.manifest_extra(step) if self.manifest_extra else None)
-            integ.write_commit(self.store, folder, manifest)
+            point = self.commit_point
+            integ.write_commit(self.store, folder, manifest,
+                               before_marker=None if point is None else lambda: point(step, "before_marker"))
             integ.publish(self.store, step=step)
         except Exception as err:  # noqa: BLE001 - any storage error: the save fails cleanly
             return f"committing {self.store.describe(folder)}: {one_line(err)}"
