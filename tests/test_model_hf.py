@@ -120,3 +120,57 @@ def test_sharded_checkpoint_with_an_index_is_written_and_read(tmp_path: Path) ->
     tokens = torch.randint(0, 101, (1, 32), generator=torch.Generator().manual_seed(2))
     with torch.no_grad():
         torch.testing.assert_close(again(tokens), ours(tokens), rtol=0, atol=0)
+
+
+def test_a_stage_opens_only_the_files_of_its_layers_once_the_headers_are_checked(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 checks names and shapes once (`check_hf_dir`, reading headers); with that owner map a pipeline
+    stage reads no header again and opens only the safetensors files holding its own layers."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    from leantrain.model.hf import INDEX_FILE, args_from_hf_config
+    from leantrain.model.hf_load import check_hf_dir, fill_from_hf
+    from leantrain.model.init import init_buffers
+    from leantrain.model.tiny_hf import save_tiny_hf
+    from leantrain.model.transformer import Transformer
+    from leantrain.parallel.pipeline import build_stage_modules
+
+    hf = save_tiny_hf(tmp_path / "hf", vocab_size=320, num_layers=4, tokenizer=False)
+    tensors = {}
+    for file in sorted(hf.glob("*.safetensors")):
+        tensors.update(load_file(file))
+        file.unlink()
+    weight_map = {}
+    for name in tensors:  # one file per layer, one for the rest (a sharded export's shape)
+        part = f"layer{name.split('.')[2]}" if name.startswith("model.layers.") else "rest"
+        weight_map[name] = f"model-{part}.safetensors"
+    for file in sorted(set(weight_map.values())):
+        save_file({n: t.contiguous() for n, t in tensors.items() if weight_map[n] == file}, str(hf / file))
+    (hf / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    args = args_from_hf_config(hf, max_seq_len=16)
+    owners = check_hf_dir(hf, args=args)
+    assert set(owners.values()) == set(weight_map.values())
+    whole = import_hf(hf, max_seq_len=16)
+    with torch.device("meta"):
+        meta = Transformer(args)
+    (_, stage), = build_stage_modules(meta, pp_rank=1, pp=2, virtual_stages=1)  # layers 2, 3 and the head
+    stage.to_empty(device=torch.device("cpu"))
+    init_buffers(stage, args=args, device=torch.device("cpu"))
+    import leantrain.model.hf_load as hf_load
+
+    opened: list[str] = []
+    real_open = hf_load.safe_open
+
+    def spied(path: str, *a: object, **k: object) -> object:  # safetensors opens files in Rust: spy on the call
+        opened.append(os.path.basename(path))
+        return real_open(path, *a, **k)
+
+    monkeypatch.setattr(hf_load, "safe_open", spied)
+    fill_from_hf(stage, hf, args=args, owners=owners)
+    assert sorted(opened) == ["model-layer2.safetensors", "model-layer3.safetensors", "model-rest.safetensors"]
+    reference = dict(whole.named_parameters())
+    for name, param in stage.named_parameters():
+        assert torch.equal(param, reference[name]), name

@@ -14,7 +14,7 @@ missing tensor, or a shape that differs, is a UserInputError naming the file and
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -112,24 +112,34 @@ def local_box(param: torch.Tensor) -> tuple[slice, ...]:
 @torch.no_grad()
 def fill_from_hf(
     module: nn.Module, hf_dir: Path, *, args: ModelArgs, skip: Callable[[str], bool] = lambda name: False,
+    owners: Mapping[str, str] | None = None,
 ) -> int:
     """Fill the (allocated) parameters of `module` from `hf_dir`, each rank its own slices; returns bytes read.
 
     `module` is the model or a pipeline stage after parallelize and `to_empty`; `skip(name)` marks parameters
-    that are not in the checkpoint (LoRA adapters), left for the caller to fill.
+    that are not in the checkpoint (LoRA adapters), left for the caller to fill. `owners` (our name → file
+    name, from `check_hf_dir`, e.g. checked once by rank 0 and broadcast): the headers are not read again and
+    only the files holding this module's parameters are opened (a pipeline stage opens its layers' files).
     """
     params = {name: p for name, p in module.named_parameters() if not skip(name)}
-    files = weight_files(Path(hf_dir))
-    expected = {name: tuple(p.shape) for name, p in params.items()}
-    if _is_stage(module, args):
-        owners = check_names_and_shapes(expected, _restrict(files, params), tie_embeddings=False)
+    if owners is not None:
+        missing = sorted(set(params) - set(owners))
+        if missing:
+            raise UserInputError(f"{hf_dir}: the checkpoint lacks {to_hf_name(missing[0])!r}")
+        files_of = {name: Path(hf_dir) / owners[name] for name in params}
     else:
-        owners = check_names_and_shapes(expected, files, tie_embeddings=args.shape.tie_embeddings)
+        files = weight_files(Path(hf_dir))
+        expected = {name: tuple(p.shape) for name, p in params.items()}
+        if _is_stage(module, args):
+            files_of = check_names_and_shapes(expected, _restrict(files, params), tie_embeddings=False)
+        else:
+            files_of = check_names_and_shapes(expected, files, tie_embeddings=args.shape.tie_embeddings)
+    owners_paths = files_of
     read_bytes = 0
     handles: dict[Path, Any] = {}
     try:
         for name, param in params.items():
-            file = owners[name]
+            file = owners_paths[name]
             if file not in handles:
                 handles[file] = safe_open(str(file), framework="pt").__enter__()
             piece = handles[file].get_slice(to_hf_name(name))[local_box(param)]
@@ -142,13 +152,14 @@ def fill_from_hf(
     return read_bytes
 
 
-def check_hf_dir(hf_dir: Path, *, args: ModelArgs) -> None:
+def check_hf_dir(hf_dir: Path, *, args: ModelArgs) -> dict[str, str]:
     """Names and shapes of `hf_dir` against the model `args` describes, reading only headers (before any rank
-    allocates anything)."""
+    allocates anything); returns our name → the file (name in `hf_dir`) holding it, for `fill_from_hf`."""
     with torch.device("meta"):
         model = Transformer(args)
     expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    check_names_and_shapes(expected, weight_files(Path(hf_dir)), tie_embeddings=args.shape.tie_embeddings)
+    found = check_names_and_shapes(expected, weight_files(Path(hf_dir)), tie_embeddings=args.shape.tie_embeddings)
+    return {name: path.name for name, path in found.items()}
 
 
 def _is_stage(module: nn.Module, args: ModelArgs) -> bool:

@@ -30,6 +30,7 @@ from leantrain.model.init import fill_parameter, param_seed
 from leantrain.model.lora import apply_lora, init_adapter, is_adapter, quantize_base
 from leantrain.model.transformer import model_args_from_spec
 from leantrain.spec.schema import JobSpec
+from leantrain.train.shared_reads import from_rank0
 
 
 def uses_adapters(spec: JobSpec) -> bool:
@@ -57,7 +58,8 @@ def weights_loader(spec: JobSpec) -> Callable[[Any], None] | None:
                                  "Face checkpoint dir (plan works without it)")
         return None
     args = model_args_from_spec(spec.model, max_seq_len=spec.data.seq_len)
-    check_hf_dir(Path(hf_dir), args=args)  # names and shapes, from the headers, before anything is allocated
+    # names and shapes from the headers, before anything is allocated: by rank 0 alone, the result broadcast
+    owners = from_rank0(partial(check_hf_dir, Path(hf_dir), args=args))
     seed, qlora = spec.training.seed, uses_adapters(spec) and spec.finetune.weights == "qlora"
 
     @torch.no_grad()
@@ -66,7 +68,7 @@ def weights_loader(spec: JobSpec) -> Callable[[Any], None] | None:
             raise UserInputError("finetune.method qlora runs in one process for now (the NF4 base is not sharded "
                                  "across ranks); use method lora with FSDP for several ranks")
         for part in parallel.parts:
-            fill_from_hf(part, Path(hf_dir), args=args, skip=is_adapter)
+            fill_from_hf(part, Path(hf_dir), args=args, skip=is_adapter, owners=owners)
             for name, param in part.named_parameters():
                 if is_adapter(name):
                     fill_parameter(param, partial(init_adapter, name), seed=param_seed(seed, name))

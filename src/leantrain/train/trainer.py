@@ -50,13 +50,13 @@ from leantrain.plan.flops import flops_per_token
 from leantrain.spec.schema import JobSpec
 from leantrain.train import dpo, finetune
 from leantrain.train.build import WeightsLoader, build_parallel_model
-from leantrain.train.data_setup import shared_manifest
 from leantrain.train.model_ready import rank_memory, record_model_ready
 from leantrain.train.optim import build_optimizer, step_if_finite
 from leantrain.train.precision import enable_tf32, float8_post_step, resolve_precision
 from leantrain.train.run_setup import record_oom, record_ranks_joined
 from leantrain.train.runtime import close_runtime, init_runtime, load_rng_state, rng_state
 from leantrain.train.schedule import build_scheduler
+from leantrain.train.shared_reads import shared_manifest
 from leantrain.train.step_metrics import (
     IGNORE_INDEX,
     LogWindow,
@@ -186,8 +186,7 @@ class Trainer:
     # ----- setup helpers -------------------------------------------------------------------------------
     def _sampler(self, *, split: str) -> PackedBatchSampler:
         if self._manifest is None:  # rank 0 reads the data dir's metadata; the others get it from rank 0
-            self._manifest = shared_manifest(self.spec.data.dir, rank=self.runtime.rank,
-                                             distributed=self.runtime.distributed)
+            self._manifest = shared_manifest(self.spec.data.dir)
         sampler_class = PairBatchSampler if dpo.enabled(self.spec) else PackedBatchSampler  # DPO: whole pairs
         return sampler_class(
             self.spec.data.dir, seq_len=self.spec.data.seq_len, micro_batch=self.spec.training.micro_batch,
