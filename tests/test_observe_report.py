@@ -239,6 +239,8 @@ def test_events_without_a_sentence_are_listed_with_units() -> None:
     text = describe_event({"kind": "data_stall", "step": 5, "wait_s": 1.25, "buffer_bytes": 3 * 2**20,
                            "ranks": [{"rank": 1, "host": "n1"}], "hosts": ["n1", "n2"]})
     assert text == "wait s: 1.25 s; buffer bytes: 3 MiB; ranks: 1 (rank 1, host n1); hosts: n1, n2"
+    assert describe_event({"kind": "checkpoint_deleted", "event": "checkpoint_deleted", "folder": "step-00000020",
+                           "reason": "beyond keep_last=2"}) == "checkpoint step-00000020 deleted: beyond keep_last=2"
 
 
 VISIBILITY_SCRIPT = """<script>

@@ -142,7 +142,7 @@ def describe_event(event: dict[str, Any]) -> str:
     """An event in words: `saved in 2.0 s (0.5 s stall, async)`, `restart after a planned drill kill, recovered
     in 3.1 s`; other kinds list their fields."""
     kind = str(event.get("kind", "?"))
-    f = {k: v for k, v in event.items() if k not in ("time", "kind", "step")}
+    f = {k: v for k, v in event.items() if k not in ("time", "kind", "step", "event")}
     seconds = {k: _fmt(f.get(k), "s") for k in ("duration_s", "stall_s", "recovery_s")}
     if kind == "checkpoint_saved":
         extra = ", ".join(x for x in (f"{seconds['stall_s']} stall" if "stall_s" in f else "",
@@ -162,6 +162,10 @@ def describe_event(event: dict[str, Any]) -> str:
         return f"checkpoint FAILED: {f.get('error', 'unknown error')}"
     if kind == "start":
         return f"training started on {f.get('world_size', '?')} rank(s)"
+    if kind == "checkpoint_save_started":
+        return f"checkpoint save started ({'async' if f.get('async') else 'blocking'})"
+    if kind == "checkpoint_deleted":
+        return f"checkpoint {f.get('folder', '?')} deleted" + (f": {f['reason']}" if f.get("reason") else "")
     if kind == "model_ready":
         ranks = [r for r in f.get("ranks") or [] if isinstance(r, dict)]
         peak = max((as_float(r.get("device_mem_peak_bytes")) for r in ranks), default=math.nan)
