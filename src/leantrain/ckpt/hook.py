@@ -251,7 +251,7 @@ class TrainerCheckpointer:
         fast = self.memory.best_step()
         durable = [e.step for e in integ.list_steps(self.manager.store) if e.good_candidate] \
             if self.manager.rank == 0 else None
-        durable = self.manager._agree(durable, self.manager._control_pg)
+        durable = self.manager.agree(durable)
         if fast is None or (durable and fast <= durable[-1]):
             return None
         start = time.perf_counter()
@@ -272,7 +272,7 @@ class TrainerCheckpointer:
 
     def _own_steps(self) -> list[int]:
         steps = [e.step for e in integ.list_steps(self.manager.store)] if self.manager.rank == 0 else None
-        return list(self.manager._agree(steps, self.manager._control_pg))
+        return list(self.manager.agree(steps))
 
     def _say(self, trainer: Any, line: str) -> None:
         if self.manager.rank != 0:
@@ -440,7 +440,7 @@ def _memory_tier(trainer: Any, manager: CheckpointManager) -> MemoryTier | None:
     world = int(trainer.runtime.world_size)
     group = dist.new_group(backend=control_backend()) if world > 1 and dist.is_initialized() else None
     if group is not None:
-        manager._own_groups.append(group)
+        manager.adopt_group(group)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     offset = ck.memory_peer_offset or local_ranks
     tier = MemoryTier(root=memory_root(ck.memory_dir, trainer.run_dir), rank=int(trainer.runtime.rank),

@@ -8,6 +8,9 @@ has loaded, so when every checkpoint fails the store is left exactly as it was a
 Options: `step` loads that step only (no fallback); `source` reads another store (a checkpoint named by
 path, e.g. another run's) where nothing is ever marked; `check(entry, manifest)` returns a reason to refuse
 before anything is loaded (e.g. the schedule changed, ckpt/resume.py).
+
+It uses the manager only through its public interface (`agree`, `gather`, `load_group`, `sealed_fs`,
+`events`, `store`, `foreign`, `model_identity`), as the trainer's hook does.
 """
 
 from __future__ import annotations
@@ -48,7 +51,7 @@ def _list(m: CheckpointManager, store: Store) -> list[integ.StepEntry]:
             listed = [(e, _counts_as_checkpoint(store, e)) for e in integ.list_steps(store)]
         except Exception as err:  # noqa: BLE001 - botocore/fsspec errors are not OSErrors
             listed = f"cannot list the checkpoints in {store.url}: {one_line(err)}"
-    listed = m._agree(listed, m._control_pg)
+    listed = m.agree(listed)
     if isinstance(listed, str):
         raise CheckpointLoadError(listed)
     return [e for e, counts in listed if counts]
@@ -89,9 +92,7 @@ def load(m: CheckpointManager, app_state: dict[str, Any], *, step: int | None = 
         if problem is None:
             try:
                 state = build_state_dict(app_state, skip=skip)
-                # The save group: its timeout is the saves' (at least SAVE_GROUP_TIMEOUT_S), not the short agreement
-                # timeout, so one slow shard read does not time every rank out and fall back a checkpoint.
-                load_state(state, fs=fs(manifest), folder=entry.name, process_group=m._save_pg)
+                load_state(state, fs=fs(manifest), folder=entry.name, process_group=m.load_group)
             except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises on all ranks together
                 partly_loaded = True
                 problem = (f"load failed: {one_line(err)}", False, False, None)
@@ -173,7 +174,7 @@ def _reader_fs(m: CheckpointManager, store: Store) -> Callable[[dict], SealedFil
     """Plaintext checkpoints written before encryption was switched on stay readable."""
     def pick(manifest: dict) -> SealedFileSystem:
         if store is m.store and manifest.get("encryption"):
-            return m._fs
+            return m.sealed_fs
         return SealedFileSystem(store, cipher=m.cipher if manifest.get("encryption") else None)
     return pick
 
@@ -192,7 +193,7 @@ def _verify(
         foreign = identity_problem(folder_step=entry.step, manifest=manifest, expected=m.model_identity)
         if foreign is not None:  # decided from the manifest alone: no shard is read
             kind, message = foreign
-            problems = [p for p in m._gather((message, False, False, kind), m._control_pg) if p is not None]
+            problems = [p for p in m.gather((message, False, False, kind)) if p is not None]
             return problems[0], manifest, skip
         integ.verify_share(store, entry.name, manifest, rank=m.rank, world_size=m.world_size, cipher=m.cipher)
         skip = _missing_rank_entries(m, app_state, entry.name, fs=fs(manifest))
@@ -202,7 +203,7 @@ def _verify(
         problem = (str(err), err.permanent, False, None)
     except Exception as err:  # noqa: BLE001 - e.g. unreadable DCP metadata; decided together below
         problem = (one_line(err), not isinstance(err, OSError), False, None)
-    problems = [p for p in m._gather(problem, m._control_pg) if p is not None]
+    problems = [p for p in m.gather(problem) if p is not None]
     return (problems[0] if problems else None), manifest, skip
 
 

@@ -382,6 +382,30 @@ class CheckpointManager:
         self.wait()
         return load_checkpoint(self, app_state, step=step, source=source, check=check)
 
+    # ---- the interface of the loader (loading.py) and the trainer's hook (hook.py) ----------------------
+    def agree(self, value: Any) -> Any:
+        """Rank 0's value on every rank, on the main thread's agreement group (all ranks call it together)."""
+        return self._agree(value, self._control_pg)
+
+    def gather(self, value: Any) -> list[Any]:
+        """Every rank's value, on the main thread's agreement group (all ranks call it together)."""
+        return self._gather(value, self._control_pg)
+
+    @property
+    def load_group(self) -> dist.ProcessGroup | None:
+        """The group DCP loads on: the save group, whose timeout is the saves' (one slow shard read must not time
+        every rank out and fall back a checkpoint)."""
+        return self._save_pg
+
+    @property
+    def sealed_fs(self) -> SealedFileSystem:
+        """The file system this store's checkpoints are written and read through (hashing, encryption)."""
+        return self._fs
+
+    def adopt_group(self, group: dist.ProcessGroup) -> None:
+        """A group another checkpoint component made (the fast tier's): destroyed with the manager's own."""
+        self._own_groups.append(group)
+
     # ---- collectives (no-ops in one process) ------------------------------------------------------------
     def _agree(self, value: Any, group: dist.ProcessGroup | None) -> Any:
         """Rank 0's value on every rank."""
