@@ -170,15 +170,16 @@ def run_dpo(root: Path, hf_dir: Path, run_dir: Path, **overrides: Any) -> list[d
             if "loss" in json.loads(line)]
 
 
-@pytest.mark.parametrize("weights", ["lora", "full"])
+@pytest.mark.parametrize("weights", ["lora", "qlora", "full"])
 def test_step_zero_is_ln2_and_margins_rise_on_a_learnable_preference(prepared: tuple[Path, Path], tmp_path: Path,
                                                                      weights: str) -> None:
     root, hf_dir = prepared
-    lr = 1e-2 if weights == "lora" else 1e-3
+    lr = 1e-3 if weights == "full" else 1e-2
     records = run_dpo(root, hf_dir, tmp_path / "run", weights=weights, lr=lr)
     assert len(records) == 10
     first, last = records[0], records[-1]
-    # LoRA starts with B = 0 and full DPO's reference is the init: policy = reference at step 0
+    # LoRA/QLoRA start with B = 0 (the reference: the same NF4 base, adapters off); full DPO's reference is the
+    # init: policy = reference at step 0
     assert first["loss"] == pytest.approx(math.log(2), abs=1e-6)
     assert first["rewards/margin"] == pytest.approx(0.0, abs=1e-6)
     assert first["rewards/chosen"] == pytest.approx(0.0, abs=1e-6)
@@ -328,7 +329,7 @@ def test_dpo_under_fsdp_on_two_ranks_matches_one_process(prepared: tuple[Path, P
     single: dict[str, list[dict[str, Any]]] = {}
     procs = {}
     for weights in ("lora", "full"):
-        lr = 1e-2 if weights == "lora" else 1e-3
+        lr = 1e-3 if weights == "full" else 1e-2
         single[weights] = run_dpo(root, hf_dir, tmp_path / f"single_{weights}", weights=weights, lr=lr,
                                   global_batch_tokens=8 * SEQ, max_steps=4)
         raw = dpo_spec(root, hf_dir, weights=weights)
