@@ -33,8 +33,12 @@ def _steps(store: Store, probe: str, data: bytes) -> list[tuple[str, Any]]:
         bucket = store.root.split("/", 1)[0]
 
         def bucket_exists() -> None:
-            if not store.fs.exists(bucket):
-                raise FileNotFoundError(f"bucket {bucket!r} does not exist (create it, or fix checkpoint.url)")
+            # HEAD on the bucket, not fs.exists(): exists() answers False for a dead endpoint or bad credentials.
+            try:
+                store.fs.call_s3("head_bucket", Bucket=bucket)
+            except FileNotFoundError:
+                missing = f"bucket {bucket!r} does not exist (create it, or fix checkpoint.url)"
+                raise FileNotFoundError(missing) from None
 
         steps.append(("bucket exists", bucket_exists))
     steps += [
