@@ -235,8 +235,10 @@ def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first
                                  fused=inputs.fused_kernels)
     if KEEPS_COMPUTE_LOGITS:
         head += logit_count * inputs.act_bytes
-    # Transient during the loss's backward: the logits in the compute dtype and their fp32 gradient.
-    logits = logit_count * (inputs.act_bytes + LOGIT_TRANSIENT_BYTES)
+    # Transient during the loss's backward: the logits in the compute dtype and their fp32 gradient — of the
+    # whole vocabulary on every TP rank even with the vocabulary-parallel loss: `leantrain rehearse` measures
+    # the same temp at TP 1, 2, 4 and 8 (bench/plan_vs_rehearsal.py), a trainer finding (docs/plan.md).
+    logits = tokens * shape.vocab_size * (inputs.act_bytes + LOGIT_TRANSIENT_BYTES)
     return held + head, logits + one_layer_full
 
 
