@@ -9,8 +9,8 @@ Near duplicates (Broder 1997; Leskovec et al., Mining of Massive Datasets ch. 3)
   split (runs of letters and digits) already removes punctuation and whitespace. So copies that differ
   only in case ("to" → "TO"), accents ("café" → "cafe") or numbers are caught at the same threshold.
   (datatrove keeps "3.14" as one number; here it is two words "0 0".) `data.dedup.normalize_numbers: false`
-  keeps the digits, for data whose numbers are the content (arithmetic problems, tables); chat sources
-  always keep them (templated prompts that differ only in a number are different examples). The exact
+  keeps the digits, for data whose numbers are the content (arithmetic problems, tables); chat and
+  preference sources always keep them (templated prompts that differ only in a number are different examples). The exact
   key is not simplified: two documents that differ only in a number are near, not exact, duplicates.
 - Signature: k = bands × rows MinHash values. Each shingle is hashed once to 64 bits (token hashes from
   blake2b, combined polynomially in numpy); permutation i is the multiply-shift hash

@@ -101,7 +101,7 @@ def clean_task(task: InputTask, spec: DataSpec, work: Path, salt: bytes) -> dict
     out.mkdir(parents=True, exist_ok=True)
     hasher = MinHasher(num_perm=spec.dedup.num_bands * spec.dedup.rows_per_band, seed=spec.dedup.seed,
                        shingle_words=spec.dedup.shingle_words, shingle_chars=spec.dedup.shingle_chars,
-                       normalize_numbers=spec.dedup.normalize_numbers and task.source.format != "chat")
+                       normalize_numbers=spec.dedup.normalize_numbers and task.source.format not in MASKED_FORMATS)
     redactor = PIIRedactor(types=spec.pii.types, salt=salt) if spec.pii.enabled else None
     read = ReadStats(max_doc_bytes=spec.max_doc_bytes)
     counts: dict[str, Any] = {"docs_in": 0, "chars_in": 0, "drops": Counter(), "bad_input": None,

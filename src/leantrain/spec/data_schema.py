@@ -145,7 +145,7 @@ class DedupSpec(Section):
     normalize_numbers: bool = Field(
         True, description="Near-dedup compares every digit run as 0 (as datatrove's simplify_text does; case, "
         "accents and punctuation are always normalised). Turn off for data whose numbers are the content "
-        "(arithmetic problems, tables); chat sources always keep their digits.",
+        "(arithmetic problems, tables); chat and preference sources always keep their digits.",
     )
     seed: int = Field(42, ge=0, description="Seed of the MinHash permutations.")
     bucket_records: PositiveInt = Field(
