@@ -2,8 +2,8 @@
 PyTorchJob models and the Kubernetes client's ConfigMap/DaemonSet models (a manifest passes only when it
 deserializes into the models and serializes back unchanged: an unknown or misspelled field would be dropped,
 a missing required field or a wrong type raises), and every emitted object against the API server's schemas:
-the PyTorchJob CRD's openAPIV3Schema (vendored in tests/schemas/, source in the file) and Kubernetes' own
-OpenAPI schemas (kubernetes-validate, strict)."""
+the PyTorchJob and PodMonitor CRDs' openAPIV3Schema (vendored in tests/schemas/, sources in the files) and
+Kubernetes' own OpenAPI schemas (kubernetes-validate, strict)."""
 
 from __future__ import annotations
 
@@ -205,8 +205,9 @@ def strict(schema: Any) -> Any:
 
 def schema_errors(doc: dict[str, Any]) -> list[str]:
     """Problems of one emitted object: the PyTorchJob against the training operator's CRD schema (vendored,
-    tests/schemas/pytorchjob-v1.json) with each replica's pod template against Kubernetes' PodTemplateSpec;
-    core objects against Kubernetes' OpenAPI schemas (kubernetes-validate, strict)."""
+    tests/schemas/pytorchjob-v1.json) with each replica's pod template against Kubernetes' PodTemplateSpec; the
+    PodMonitor against the prometheus-operator CRD's (tests/schemas/podmonitor-v1.json); core objects against
+    Kubernetes' OpenAPI schemas (kubernetes-validate, strict)."""
     import json
 
     import jsonschema
@@ -219,11 +220,14 @@ def schema_errors(doc: dict[str, Any]) -> list[str]:
             return [f"{obj['kind']}: {err.message} at {'.'.join(map(str, err.path))}"]
         return []
 
-    if doc["kind"] != "PyTorchJob":
+    crds = {"PyTorchJob": "pytorchjob-v1.json", "PodMonitor": "podmonitor-v1.json"}
+    if doc["kind"] not in crds:
         return core(doc)
-    crd = strict(json.loads((SCHEMAS / "pytorchjob-v1.json").read_text()))
-    errors = [f"PyTorchJob: {e.message} at {'.'.join(map(str, e.path))}"
+    crd = strict(json.loads((SCHEMAS / crds[doc["kind"]]).read_text()))
+    errors = [f"{doc['kind']}: {e.message} at {'.'.join(map(str, e.path))}"
               for e in jsonschema.Draft7Validator(crd).iter_errors(doc)]
+    if doc["kind"] == "PodMonitor":
+        return errors
     for name, replica in doc["spec"]["pytorchReplicaSpecs"].items():
         errors += core({"apiVersion": "v1", "kind": "PodTemplate", "metadata": {"name": name.lower()},
                         "template": replica["template"]})
@@ -241,6 +245,11 @@ def test_schema_check_catches_a_misspelled_field_in_the_job_and_in_its_pods(tmp_
     pod_typo["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["imagePolicy"] = "x"
     assert any("imagePolicy" in e for e in schema_errors(pod_typo))
     assert schema_errors({**daemonset, "spec": {**daemonset["spec"], "replicas": 3}})
+    monitor = emitted(tmp_path, "cluster.k8s_pod_monitor=true")[3]
+    assert schema_errors(monitor) == []
+    bad = yaml.safe_load(yaml.safe_dump(monitor))
+    bad["spec"]["podMetricsEndpoints"][0]["intervall"] = "15s"
+    assert any("intervall" in e for e in schema_errors(bad))
 
 
 @pytest.mark.parametrize("overrides", [
@@ -248,11 +257,10 @@ def test_schema_check_catches_a_misspelled_field_in_the_job_and_in_its_pods(tmp_
     ["cluster.data_url=s3://bucket/prepared", "cluster.nccl_preset=efa",
      "cluster.k8s_rdma_resource=vpc.amazonaws.com/efa", "cluster.k8s_rdma_per_node=4"],
     ["fault.min_nodes=2", "fault.max_nodes=4", "cluster.k8s_queue=research", "cluster.k8s_priority_class=high",
-     "cluster.nccl_preset=infiniband", "cluster.k8s_gang_scheduler=scheduler-plugins"],
+     "cluster.nccl_preset=infiniband", "cluster.k8s_gang_scheduler=scheduler-plugins", "cluster.k8s_pod_monitor=true"],
 ])
 def test_every_emitted_object_passes_its_schema(tmp_path: Path, overrides: list[str]) -> None:
-    """The job file and the setup file of `--emit k8s`, every object (the PodMonitor's prometheus-operator CRD
-    is not vendored: it is emitted only with cluster.k8s_pod_monitor)."""
+    """The job file and the setup file of `--emit k8s`, every object (the PodMonitor with k8s_pod_monitor)."""
     pytest.importorskip("kubernetes_validate")
     from leantrain.launch.k8s import setup_documents
 
