@@ -185,3 +185,52 @@ def test_the_document_index_is_built_once_and_memory_mapped(tmp_path: Path, monk
     assert not ensure_sample_index(tmp_path / "d", manifest, split="train")
     memory = PackedBatchSampler(tmp_path / "d", seq_len=SEQ_LEN, micro_batch=2, dp_rank=0, dp_size=1, seed=0)
     assert np.array_equal(memory.next_batch().tokens.numpy(), first.numpy())
+
+
+def test_the_prefetching_loader_hands_out_the_samplers_batches_and_its_consumed_state(tmp_path: Path) -> None:
+    """Read-ahead on a thread changes nothing a run sees: the same batches in the same order, a state that is the
+    position after the last batch handed out (not the read-ahead one), a resume from it continuing exactly, and an
+    error in the producer raised in the consumer."""
+    from leantrain.data.prefetch import PrefetchingSampler
+
+    rng = np.random.default_rng(1)
+    docs = {"web": [rng.integers(1, 100, 30).tolist() for _ in range(64)]}
+    write_token_data_dir(tmp_path / "d", docs, vocab_size=128, eos_id=0)
+
+    def plain() -> PackedBatchSampler:
+        return PackedBatchSampler(tmp_path / "d", seq_len=SEQ_LEN, micro_batch=2, dp_rank=1, dp_size=2, seed=3)
+
+    reference = plain()
+    expected = [reference.next_batch().tokens.numpy().copy() for _ in range(12)]
+    loader = PrefetchingSampler(plain(), depth=4)
+    try:
+        for i in range(5):
+            assert np.array_equal(loader.next_batch().tokens.numpy(), expected[i])
+        import time
+
+        time.sleep(0.2)  # let the producer read ahead
+        after_five = plain()
+        for _ in range(5):
+            after_five.next_batch()
+        assert loader.state_dict() == after_five.state_dict() == {"global_sample_index": 5 * 2 * 2}
+        assert loader.global_sample_index == 20 and loader.source_names == ["web"]
+        resumed = PrefetchingSampler(plain(), depth=3)
+        resumed.load_state_dict(loader.state_dict())
+        for i in range(5, 12):
+            assert np.array_equal(resumed.next_batch().tokens.numpy(), expected[i])
+        resumed.close()
+    finally:
+        loader.close()
+
+    class Broken:
+        def state_dict(self) -> dict:
+            return {}
+
+        def next_batch(self) -> None:
+            raise UserInputError("shard 3: the .mask is missing")
+
+    failing = PrefetchingSampler(Broken())
+    for _ in range(2):
+        with pytest.raises(UserInputError, match="mask is missing"):
+            failing.next_batch()
+    failing.close()

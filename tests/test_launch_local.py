@@ -74,7 +74,8 @@ def test_launch_demo_spec_on_two_ranks_trains_one_metrics_stream(tmp_path: Path)
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in lines if "grad_norm" in r]
     assert [r["step"] for r in steps] == [1, 2, 3]  # one stream: rank 0 alone writes, each step once
-    assert all(r["comm_s"] > 0 for r in steps)  # measured in the collectives of each logged step
+    # measured in the collectives of one logging window in monitoring.comm_profile_every (10): the first here
+    assert steps[0]["comm_s"] > 0 and all(r["comm_s"] is None for r in steps[1:]), steps
     assert json.loads((run_dir / "train_info.json").read_text())["world_size"] == 2
     assert {p.parent.name for p in torchrun.rank_logs(run_dir) if p.name == "stdout.log"} == {"0", "1"}
 

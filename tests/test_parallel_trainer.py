@@ -88,7 +88,9 @@ def test_trainer_layouts_match_one_process(tmp_path: Path) -> None:
         assert got == pytest.approx([r["loss"] for r in ref_steps], rel=1e-4), name
         assert [r["grad_norm"] for r in steps] == pytest.approx([r["grad_norm"] for r in ref_steps], rel=1e-4), name
         assert evals[-1]["eval_loss"] == pytest.approx(ref_eval[-1]["eval_loss"], rel=1e-4), name
-        assert all(0 < r["comm_s"] < r["step_time_s"] * 2 for r in steps), name  # measured, not a constant
+        # measured, not a constant, in one logging window of monitoring.comm_profile_every (10): the first here
+        assert 0 < steps[0]["comm_s"] < steps[0]["step_time_s"] * 2, name
+        assert all(r["comm_s"] is None for r in steps[1:]), name  # STEPS < 10 windows
         # Memory: every rank's peak, and the heaviest one as mem_bytes.
         assert all(len(r["rank_mem_bytes"]) == 2 and r["mem_bytes"] == max(r["rank_mem_bytes"]) > 0
                    for r in steps), name

@@ -290,6 +290,9 @@ class MonitoringSpec(Section):
     """Metrics, sinks and alert delivery."""
 
     log_every: PositiveInt | None = Field(None, description="Overrides training.log_every when set.")
+    comm_profile_every: PositiveInt = Field(
+        10, description="Profile the collectives (`comm_s`) in one logging window of N, on the first rank of each "
+        "node (the profiler costs a step's timing); the other windows log comm_s: null. 1: every window.")
     tensorboard: bool = Field(True, description="Write TensorBoard events under run dir/tb.")
     wandb: WandbSpec | None = Field(None, description="Log metrics to Weights & Biases (offline by default).")
     mlflow: MlflowSpec | None = Field(None, description="Log metrics to MLflow (a local store by default).")

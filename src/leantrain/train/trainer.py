@@ -31,6 +31,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from leantrain.data.layout import Manifest
 from leantrain.data.preference import PairBatchSampler
+from leantrain.data.prefetch import PrefetchingSampler
 from leantrain.data.sampler import Batch, PackedBatchSampler
 from leantrain.dtypes import DTYPES
 from leantrain.errors import LeantrainError, UserInputError
@@ -155,9 +156,10 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, training, spec.precision, device=self.device)
         self.after_optimizer_step = float8_post_step(self.parallel.parts, self.precision, fsdp=self.parallel.fsdp)
         self.scheduler = build_scheduler(self.optimizer, training, max_steps=max(1, self.max_steps))
-        # 7. data
+        # 7. data (training batches read ahead on a thread, pinned on CUDA: data.prefetch)
         self._manifest: Manifest | None = None
-        self.sampler = self._sampler(split="train")
+        self.sampler = PrefetchingSampler(self._sampler(split="train"), depth=2 * self.accum_steps,
+                                          pin_memory=self.device.type == "cuda")
         self.eval_sampler = self._eval_sampler()
         self.objective = dpo.build_objective(self)  # finetune.method dpo: the reference and the pairs' loss
         if self.sampler.vocab_size > self.model_args.shape.vocab_size:
@@ -213,12 +215,14 @@ class Trainer:
         return tokens[:, :-1], torch.stack([targets, sources], dim=-1)
 
     def _comm_measured(self) -> bool:
-        """Profile the collectives of this step? Only steps that get logged, only with several ranks, and only on
-        the first rank of each node (the profiler's cost is paid where `comm_s` is read: rank 0 logs it, one rank
-        per node keeps a per-node view for a future straggler report)."""
+        """Profile the collectives of this step? Only logged steps of one window in `comm_profile_every`, only
+        with several ranks, and only on the first rank of each node (the profiler's cost is paid where `comm_s`
+        is read: rank 0 logs it, one rank per node keeps a per-node view for a future straggler report)."""
         next_step = self.step + 1
         logged = next_step % self.log_every == 0 or next_step == self.max_steps
-        return self.runtime.distributed and self.runtime.local_rank == 0 and logged
+        window = (next_step - 1) // self.log_every  # one logging window in monitoring.comm_profile_every
+        return (self.runtime.distributed and self.runtime.local_rank == 0 and logged
+                and window % self.spec.monitoring.comm_profile_every == 0)
 
     def train_step(self) -> StepResult:
         """One optimizer step over `accum_steps` micro-batches (mean of their losses = one big batch's)."""
@@ -358,7 +362,7 @@ class Trainer:
                        tokens_per_s_per_device=tokens_per_s / self.runtime.world_size),
             **timing,
             "data_wait_s": window.data_wait_s / window.steps,
-            "comm_s": window.comm_s,
+            "comm_s": window.comm_s if window.profiled_steps or not self.runtime.distributed else None,
             "mem_bytes": peak_memory_bytes(self.device),
             "tokens_seen": self.tokens_seen,
             "skipped_steps": num_skipped,
@@ -479,11 +483,12 @@ class Trainer:
             load_rng_state(rng, self.device)
 
     def close(self) -> None:
-        """Close the checkpointer, then always the metrics and the runtime (a failed last save re-raises)."""
+        """Close the checkpointer, then always the loader, the metrics and the runtime (a failed save re-raises)."""
         try:
             if self.checkpointer is not None:
                 self.checkpointer.close()
         finally:
+            getattr(self.sampler, "close", lambda: None)()
             try:
                 self.metrics.close()
             finally:
