@@ -240,7 +240,8 @@ class Trainer:
             data_wait_s += time.perf_counter() - start
             micro_batches.append(self._micro_batch(batch))
         token_scale = None
-        if self.sampler.has_loss_mask:  # masked loss: normalised by the step's global count of valid tokens
+        # masked loss: normalised by the step's global count of valid tokens (DPO: a mean over pairs, no count)
+        if self.sampler.has_loss_mask and self.objective is None:
             valid = self.parallel.sum_over_dp(valid_target_count(micro_batches, device=self.device))
             token_scale = self.parallel.dims.dp * len(micro_batches) / valid.clamp(min=1.0)
         source_loss = SourceLoss(len(self.sampler.source_names), device=self.device,
