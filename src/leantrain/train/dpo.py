@@ -93,8 +93,9 @@ def pair_loss(policy: torch.Tensor, reference: torch.Tensor | None, counts: torc
               loss: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(per-pair loss, chosen rewards, rejected rewards), each (pairs,), from per-row log-probabilities
     (rows = chosen rows then rejected rows) and response token counts."""
-    if loss == "orpo" or reference is None:
+    if loss == "orpo":
         return orpo_loss(policy, counts, beta=beta)
+    assert reference is not None, "sigmoid and ipo compare with the reference model's log-probabilities"
     chosen_ratio, rejected_ratio = (policy - reference).chunk(2)
     if loss == "ipo":
         chosen_count, rejected_count = counts.chunk(2)
