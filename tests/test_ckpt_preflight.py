@@ -115,3 +115,12 @@ def test_save_timeout_bounds_the_retries_of_one_save(tmp_path: Path) -> None:
     failed = [e for e in events(run_dir) if e["event"] == "checkpoint_failed"]
     assert failed[0]["attempts"] == 1 and failed[0]["save_timeout_s"] == 0.1  # no retry would end in time
     assert not [e for e in events(run_dir) if e["event"] == "checkpoint_retry"]
+
+
+def test_wrong_credentials_are_one_line(tmp_path: Path, s3_env: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    import moto.settings
+
+    monkeypatch.setattr(moto.settings, "INITIAL_NO_AUTH_ACTION_COUNT", 0)  # the server checks keys from now on
+    monkeypatch.setenv("LT_TEST_S3_KEY", "not-a-known-key")
+    with pytest.raises(UserInputError, match=r"s3://ckpt-bucket/runs/demo: bucket exists failed: PermissionError"):
+        preflight_storage(s3_spec(s3_env), run_dir=tmp_path)
