@@ -136,6 +136,9 @@ print("exit", code, "heavy", ",".join(heavy) or "none")
     (["launch", "examples/tiny-cpu.yaml", "--max-steps", "-1"], "--max-steps"),
     (["check", "examples/tiny-cpu.yaml", "--set", "model.size_billion=0.0001"], "model.size_billion"),
     (["train", "examples/tiny-cpu.yaml", "--set", "training.max_steps=-3"], "training.max_steps"),
+    (["launch", "examples/seed-10b.yaml", "--emit", "k8s", "--out", "/nonexistent/job.yaml"], "cluster.image"),
+    (["launch", "examples/seed-10b.yaml", "--emit", "slurm", "--out", "/nonexistent/job.sbatch"],
+     "cluster.slurm_venv"),
 ])
 def test_bad_numbers_are_refused_before_heavy_imports(args: list[str], names: str) -> None:
     done = subprocess.run([sys.executable, "-c", BEFORE_HEAVY_IMPORTS, *args], capture_output=True, text=True,

@@ -206,6 +206,10 @@ def launch(
     Reads SPEC; writes the run dir (one log per rank) or the --emit job file.
     """
     job = _spec(spec, set_, profile)  # spec errors first: before parse_resume's module imports torch
+    if emit is not None:  # a job file without an image or node set-up: refused before torch is imported too
+        from leantrain.launch.job_spec import check_emit
+
+        check_emit(job, kind=emit, dry_run=dry_run)
     from leantrain.ckpt.resume import parse_resume
 
     request = parse_resume(resume, weights_only=weights_only, extend_schedule=extend_schedule)

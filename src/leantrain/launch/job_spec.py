@@ -84,3 +84,22 @@ def job_image(spec: JobSpec, *, dry_run: bool, why: str) -> str:
         f"{f' ({image})' if image else ''}: build and push docker/Dockerfile (docker/README.md), then set "
         "cluster.image to it, pinned by digest (registry/leantrain-train@sha256:...); `--dry-run` writes the job "
         "file with a placeholder to read")
+
+
+NO_RUNTIME = ("cluster.slurm_runtime is host and neither cluster.env_hook nor cluster.slurm_venv is set: the nodes "
+              "need leantrain from somewhere other than the submit host's venv. Set cluster.slurm_runtime: pyxis "
+              "or apptainer (with cluster.image), cluster.slurm_venv (a venv on storage every node mounts), or "
+              "cluster.env_hook (a shell file that sets one up)")
+
+
+def check_emit(spec: JobSpec, *, kind: str, dry_run: bool) -> None:
+    """What a job file needs from the spec to run on a cluster (an image, or the Slurm nodes' set-up), checked
+    before anything heavy is imported; a dry run writes placeholders instead. Unknown kinds are left to --emit."""
+    if dry_run:
+        return
+    if kind == "k8s":
+        job_image(spec, dry_run=False, why="a Kubernetes job")
+    elif kind == "slurm" and spec.cluster.slurm_runtime != "host":
+        job_image(spec, dry_run=False, why=f"cluster.slurm_runtime: {spec.cluster.slurm_runtime}")
+    elif kind == "slurm" and not (spec.cluster.env_hook or spec.cluster.slurm_venv):
+        raise UserInputError(NO_RUNTIME)

@@ -21,7 +21,7 @@ from leantrain.ckpt.control import CHECKPOINT_REQUEST_NAME
 from leantrain.errors import UserInputError
 from leantrain.launch.fabric import nccl_env
 from leantrain.launch.health import HEALTH_FILE_NAME, excluded_hosts
-from leantrain.launch.job_spec import job_image
+from leantrain.launch.job_spec import NO_RUNTIME, job_image
 from leantrain.launch.resources import (
     TORCHRUN_ENV,
     JobResources,
@@ -122,12 +122,6 @@ def _runtime_prefix(spec: JobSpec, *, mounts: list[str], image: str | None) -> t
         sif = image if image.endswith(".sif") or "://" in image else f"docker://{image}"
         return [], ["apptainer", "exec", "--nv", "--cleanenv", "--bind", ",".join(mounts), sif]
     return [], []
-
-
-NO_RUNTIME = ("cluster.slurm_runtime is host and neither cluster.env_hook nor cluster.slurm_venv is set: the nodes "
-              "need leantrain from somewhere other than the submit host's venv. Set cluster.slurm_runtime: pyxis "
-              "or apptainer (with cluster.image), cluster.slurm_venv (a venv on storage every node mounts), or "
-              "cluster.env_hook (a shell file that sets one up)")
 
 
 def _environment_lines(spec: JobSpec, *, image: str | None, dry_run: bool) -> list[str]:
