@@ -80,7 +80,9 @@ def run_card_rows(run: RunData) -> list[tuple[str, str]]:
         if math.isfinite(trainable) and trainable < params:
             text += f", {human_count(trainable)} trainable ({trainable / params:.2%}: {spec('finetune.method')})"
         rows.append(("parameters", text))
-    layout = info.get("layout") or run.plan_get("layout.source")
+    dims = [f"{axis} {run.plan_get(f'layout.{axis}')}" for axis in ("dp", "tp", "pp", "ep")
+            if run.plan_get(f"layout.{axis}") is not None]
+    layout = info.get("layout") or (" × ".join(dims) if dims else None)
     zero = run.plan_get("layout.zero")
     rows.append(("layout", f"{layout or '—'}; {run.world_size()} rank(s)" + (f", ZeRO-{zero}" if zero is not None
                                                                                 else "")))
