@@ -81,7 +81,8 @@ def test_an_moe_step_syncs_only_for_the_all_to_all_sizes(jobs: dict[str, dict[st
     # micro-batch (as torchtitan's dispatch), nothing else.
     report = jobs["DeepSeek-V3/2048"]
     counts = report["ranks"][0]["host_sync_counts"]["step"]
-    assert list(counts) == ["leantrain/parallel/expert.py:63 expert split sizes (.tolist)"], counts
+    assert len(counts) == 1 and "leantrain/parallel/expert.py:" in next(iter(counts)) and next(iter(counts)).endswith(
+        "expert split sizes (.tolist)"), counts
     assert sum(counts.values()) == report["num_microbatches"]  # one MoE layer on this stage
 
 

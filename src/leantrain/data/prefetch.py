@@ -7,7 +7,8 @@ One producer thread calls the wrapped sampler in order, so the sequence of batch
 The state a checkpoint sees is the state after the last batch *handed out* (each queued batch carries the
 sampler state that follows it), never the producer's read-ahead position: a resume continues at the first
 batch the trainer did not take, bit for bit. `load_state_dict` stops the producer, drops what it read ahead,
-moves the sampler and starts again.
+moves the sampler; the next `next_batch` starts it again. Nothing is read before the first `next_batch`, so
+building the trainer (and a rehearsal's startup) opens no shard.
 """
 
 from __future__ import annotations
@@ -27,8 +28,7 @@ class PrefetchingSampler:
         self._sampler = sampler
         self._depth, self._pin = max(1, depth), pin_memory
         self._state = copy.deepcopy(sampler.state_dict())
-        self._thread: threading.Thread | None = None
-        self._start()
+        self._thread: threading.Thread | None = None  # started by the first next_batch (nothing read at startup)
 
     def __getattr__(self, name: str) -> Any:  # source_names, vocab_size, has_loss_mask, ...
         if name.startswith("_"):
@@ -41,6 +41,8 @@ class PrefetchingSampler:
         return int(self._state["global_sample_index"])
 
     def next_batch(self) -> Any:
+        if self._thread is None:
+            self._start()
         batch, state, error = self._queue.get()
         if error is not None:
             self._queue.put((None, None, error))  # every later call fails the same way
@@ -55,7 +57,6 @@ class PrefetchingSampler:
         self._halt()
         self._sampler.load_state_dict(state)
         self._state = copy.deepcopy(self._sampler.state_dict())
-        self._start()
 
     def close(self) -> None:
         """Stop the producer thread (idempotent)."""
