@@ -131,6 +131,9 @@ def rehearse(
     ranks: Annotated[str | None, typer.Option(
         "--ranks", help="Ranks to rehearse, e.g. 0,last,17 (default: 0, the last, the first of each stage).")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Where to write rehearsal.json.")] = None,
+    depth: Annotated[str, typer.Option(
+        "--depth", help="auto: a deep model at 1 and 2 layers per pipeline chunk, extended to its depth; "
+        "full: every layer.")] = "auto",
 ) -> None:
     """Run the real job's ranks at the real world size on this CPU (fake process group, fake tensors).
 
@@ -138,7 +141,7 @@ def rehearse(
     calls and host syncs per step, files read at startup, plan vs rehearsal. Exit 1 when a rank does not fit.
     """
     job = _spec(spec, set_, profile)
-    _stage("leantrain.golive.rehearse", spec=job, world=world, ranks=ranks, json_out=json_out)
+    _stage("leantrain.golive.rehearse", spec=job, world=world, ranks=ranks, json_out=json_out, depth=depth)
 
 
 @app.command()

@@ -52,6 +52,7 @@ from leantrain.golive.rehearse_report import (
 )
 from leantrain.hardware import accelerator_memory_bytes
 from leantrain.spec.schema import JobSpec
+from leantrain.spec.shapes import resolve_shape
 
 CONTROL_WINDOW_STEPS = 100  # the checkpoint manager's per-step control plane is watched over this many steps
 
@@ -390,10 +391,19 @@ def _resident_bytes(trainer: Any) -> dict[str, int]:
 
 
 def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] | None = None,
-             data_dir: Path | None = None, isolated: bool = True) -> dict[str, Any]:
+             data_dir: Path | None = None, isolated: bool = True, depth: str = "auto") -> dict[str, Any]:
     """rehearsal.json for `spec` (see docs/rehearse.md). `isolated`: each rank in a fresh spawned process (the
-    default); False runs them in this process one after another (tests that patch the trainer)."""
+    default); False runs them in this process one after another (tests that patch the trainer). `depth`: `auto`
+    rehearses a deep model at one and two layers per pipeline chunk and extends it (golive.rehearse_depth),
+    `full` runs every layer."""
+    from leantrain.golive import rehearse_depth
+
+    if depth not in ("auto", "full"):
+        raise UserInputError(f"--depth must be auto or full, not {depth!r}")
     target = resolve_target(spec, world_size=world_size, ranks=ranks)
+    n_layers = resolve_shape(target.spec_run.model).n_layers
+    full_reason = rehearse_depth.why_not_extended(target.spec_run, n_layers=n_layers) if depth == "auto" else (
+        "--depth full")
     capacity = accelerator_memory_bytes(spec.hardware)
     if capacity <= 0:
         raise UserInputError(f"hardware.accelerator {spec.hardware.accelerator} has no known memory: set "
@@ -404,8 +414,17 @@ def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] |
     with tempfile.TemporaryDirectory(prefix="leantrain-rehearse-") as scratch:
         synthetic = data_dir is None
         data = synthetic_data_dir(target.spec, root=Path(scratch)) if data_dir is None else data_dir
-        rank_reports = _rehearse_ranks(target, ranks=sorted({0, *target.ranks}), data_dir=data,
-                                       scratch=Path(scratch), isolated=isolated)
+        chosen = sorted({0, *target.ranks})
+        if full_reason is None:
+            chunks = rehearse_depth.chunks_of(target.spec_run)
+            short = [resolve_target(rehearse_depth.with_layers(target.spec, chunks * d), world_size=target.world_size,
+                                    ranks=chosen) for d in rehearse_depth.SHORT_DEPTHS]
+            one, two = (_rehearse_ranks(t, ranks=chosen, data_dir=data, scratch=Path(scratch), isolated=isolated)
+                        for t in short)
+            rank_reports = rehearse_depth.extend_reports(target.spec_run, n_layers=n_layers, one=one, two=two)
+        else:
+            rank_reports = _rehearse_ranks(target, ranks=chosen, data_dir=data, scratch=Path(scratch),
+                                           isolated=isolated)
     num_microbatches = rank_reports[0]["num_microbatches"]  # the trainer's own accumulation count
     plan = planned_memory(run_spec, world_size=target.world_size, num_microbatches=num_microbatches)
     for report in rank_reports:  # each rank against the plan of its own pipeline stage
@@ -423,6 +442,8 @@ def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] |
         "accelerator_memory_bytes": capacity,
         "data": "synthetic (the spec's data dir is not here)" if synthetic else str(data_dir),
         "num_microbatches": num_microbatches,
+        "depth": {"n_layers": n_layers, "extended_from_layers_per_chunk": list(rehearse_depth.SHORT_DEPTHS)}
+        if full_reason is None else {"n_layers": n_layers, "full": full_reason},
         "ranks": rank_reports,
         "plan": plan,
         "plan_vs_rehearsal": ratios,
@@ -431,10 +452,11 @@ def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] |
     }
 
 
-def run(*, console: Any, spec: JobSpec, world: int | None, ranks: str | None, json_out: Path | None) -> None:
+def run(*, console: Any, spec: JobSpec, world: int | None, ranks: str | None, json_out: Path | None,
+        depth: str = "auto") -> None:
     """The CLI entry point: exit 0 when every rehearsed rank fits the accelerator, 1 when one does not."""
     world_size = resolve_target(spec, world_size=world, ranks=[0]).world_size
-    report = rehearse(spec, world_size=world, ranks=parse_ranks(ranks, world_size=world_size))
+    report = rehearse(spec, world_size=world, ranks=parse_ranks(ranks, world_size=world_size), depth=depth)
     render(report, console=console)
     target = json_out or Path("rehearsal.json")
     write_json(report, target)

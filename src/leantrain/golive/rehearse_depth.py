@@ -1,0 +1,116 @@
+"""A deep model rehearsed at two depths and extended to its own: what `leantrain rehearse` does by default
+when a pipeline chunk holds more than three layers (below that the two short runs cost as much as one whole).
+
+A fake tensor costs about as much host time as a small real op (the dispatch, not the data), so a rank of
+Llama 3.1 405B on 16,384 GPUs (8 of 126 layers per PP16 stage, 16 micro-batches, 3 steps) is minutes of
+Python per layer. Everything the rehearsal records is, per rank, a sum over that rank's layers plus what the
+rest of the model adds (embedding, head, loss, optimizer and framework overhead): states, activations (1F1B
+keeps the same micro-batches in flight whatever the depth), the collectives of each block, its host syncs.
+So the trainer's own path runs twice, with one and with two layers per pipeline chunk (same widths,
+vocabulary, world, layout, batch), and each number is extended linearly to the rank's real layer count:
+f(L) = f(1) + (f(2) − f(1)) × (L − 1) per chunk. The FSDP detail that the last block keeps its gathered
+parameters is the same at every depth ≥ 1, and so is the loss's temporary at the peak.
+
+Not extended (run at full depth instead, `--depth full`): a model whose layers differ (MoE with leading dense
+layers, where depth changes the mix) or whose weights come from a checkpoint (`init_from`: the files are the
+checkpoint's). Checked against full-depth rehearsals in tests/scale/test_scale_pins.py.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from leantrain.spec.schema import JobSpec
+
+SHORT_DEPTHS = (1, 2)  # layers per pipeline chunk in the two short rehearsals
+
+
+def split_layers_count(n_layers: int, chunks: int) -> list[int]:
+    """Layers per pipeline chunk, earlier chunks taking the remainder (parallel.pipeline.split_layers' rule)."""
+    base, extra = divmod(n_layers, chunks)
+    return [base + (1 if i < extra else 0) for i in range(chunks)]
+
+
+def chunks_of(spec: JobSpec) -> int:
+    par = spec.parallelism
+    return par.pipeline_parallel * par.virtual_stages
+
+
+def why_not_extended(spec: JobSpec, *, n_layers: int) -> str | None:
+    """None when the spec can be rehearsed at two depths and extended; else the reason to run it whole."""
+    moe = spec.model.moe
+    if spec.model.n_layers is None:
+        return "model.n_layers is not given (the shape comes from size_billion)"
+    if spec.model.init_from is not None:
+        return "model.init_from: the checkpoint's files are read as they are"
+    if spec.model.architecture == "moe" and moe is not None and (moe.first_dense_layers or 0) > 0:
+        return "model.moe.first_dense_layers: the depth changes the mix of dense and MoE layers"
+    if max(split_layers_count(n_layers, chunks_of(spec))) <= sum(SHORT_DEPTHS):
+        return "at most three layers per pipeline chunk: rehearsed whole (as cheap as the two short runs)"
+    return None
+
+
+def with_layers(spec: JobSpec, n_layers: int) -> JobSpec:
+    return spec.model_copy(update={"model": spec.model.model_copy(update={"n_layers": n_layers})})
+
+
+def rank_layers(spec: JobSpec, *, n_layers: int, stage: int) -> int:
+    """Layers pipeline rank `stage` holds at full depth (its chunks stage, stage + pp, ...)."""
+    pp = spec.parallelism.pipeline_parallel
+    counts = split_layers_count(n_layers, chunks_of(spec))
+    return sum(counts[stage::pp])
+
+
+def _line(one: float, two: float, units: float) -> float:
+    return one + (two - one) * units
+
+
+def _num(one: float, two: float, units: float, *, whole: bool) -> float:
+    value = _line(one, two, units)
+    return max(0, round(value)) if whole else max(0.0, value)
+
+
+def _collectives(one: list[dict[str, Any]], two: list[dict[str, Any]], units: float) -> list[dict[str, Any]]:
+    by_key_one = {(c["op"], c["group"]): c for c in one}
+    by_key_two = {(c["op"], c["group"]): c for c in two}
+    out = []
+    for key in sorted(set(by_key_one) | set(by_key_two)):
+        a, b = by_key_one.get(key, {}), by_key_two.get(key, {})
+        count = _num(a.get("count", 0), b.get("count", 0), units, whole=True)
+        if count:
+            out.append({"op": key[0], "group": key[1], "count": count,
+                        "bytes": _num(a.get("bytes", 0), b.get("bytes", 0), units, whole=True)})
+    return out
+
+
+def _counts(one: dict[str, int], two: dict[str, int], units: float) -> dict[str, int]:
+    merged = {site: _num(one.get(site, 0), two.get(site, 0), units, whole=True) for site in {*one, *two}}
+    return {site: n for site, n in sorted(merged.items()) if n}
+
+
+def extend_rank(one: dict[str, Any], two: dict[str, Any], *, layers: int, virtual_stages: int) -> dict[str, Any]:
+    """One rank's report at full depth from its reports at one and two layers per chunk."""
+    units = (layers - virtual_stages) / virtual_stages  # extra layers per chunk beyond the first
+    out = dict(two)
+    out["memory_bytes"] = {k: _num(one["memory_bytes"][k], v, units, whole=True)
+                           for k, v in two["memory_bytes"].items()}
+    out["collectives_per_step"] = _collectives(one["collectives_per_step"], two["collectives_per_step"], units)
+    out["host_sync_counts"] = {phase: _counts(one["host_sync_counts"].get(phase, {}), counts, units)
+                               for phase, counts in two["host_sync_counts"].items()}
+    for key in ("host_syncs_per_step", "host_syncs_per_logging_step"):
+        out[key] = _num(one[key], two[key], units, whole=True)
+    if isinstance(two.get("checkpoint_save"), dict) and isinstance(one.get("checkpoint_save"), dict):
+        out["checkpoint_save"] = dict(two["checkpoint_save"]) | {
+            k: _num(one["checkpoint_save"][k], two["checkpoint_save"][k], units, whole=True)
+            for k in ("write_items", "bytes") if k in two["checkpoint_save"]}
+    out["rehearsal_s"] = {k: round(one["rehearsal_s"].get(k, 0.0) + v, 3) for k, v in two["rehearsal_s"].items()}
+    out["layers"] = layers
+    return out
+
+
+def extend_reports(spec: JobSpec, *, n_layers: int, one: list[dict[str, Any]],
+                   two: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every rank's report at full depth (ranks in the same order in both short rehearsals)."""
+    vs = spec.parallelism.virtual_stages
+    return [extend_rank(a, b, layers=rank_layers(spec, n_layers=n_layers, stage=b["pipeline_stage"]),
+                        virtual_stages=vs) for a, b in zip(one, two, strict=True)]
