@@ -30,15 +30,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from leantrain.data.chat import ROLES, ChatRenderer, parse_record
 from leantrain.data.layout import Manifest, load_manifest
-from leantrain.data.sampler import Batch, PackedBatchSampler
 from leantrain.errors import UserInputError
+
+if TYPE_CHECKING:  # the pair sampler is the trainer's (torch); `prepare` imports this module without torch
+    import torch
+
+    from leantrain.data.sampler import Batch
 
 Messages = list[dict[str, str]]
 
@@ -164,6 +167,8 @@ class PairBatchSampler:
             if entry.get("pair_seq_len") != seq_len:
                 raise UserInputError(f"{data_dir}: source {entry['name']} was prepared for data.seq_len "
                                      f"{entry.get('pair_seq_len')}, the run has {seq_len}; re-run `leantrain prepare`")
+        from leantrain.data.sampler import PackedBatchSampler
+
         self.seq_len, self.micro_batch = seq_len, micro_batch
         self.pairs = PackedBatchSampler(data_dir, seq_len=pair_window(seq_len), micro_batch=micro_batch // 2,
                                         dp_rank=dp_rank, dp_size=dp_size, seed=seed, split=split, **given)
@@ -179,6 +184,10 @@ class PairBatchSampler:
         return self.pairs.tokens_per_epoch()
 
     def next_batch(self) -> Batch:
+        import torch
+
+        from leantrain.data.sampler import Batch
+
         batch = self.pairs.next_batch()  # (pairs, 2 (seq_len + 1) + 1): one pair and the next pair's first token
         half = self.seq_len + 1
 
