@@ -39,3 +39,24 @@ def test_missing_dtype_and_unknown_name_are_user_errors() -> None:
 
 def test_cpu_peak_is_measured() -> None:
     assert measure_cpu_peak_flops(size=128, repeats=2) > 1e8
+
+
+def test_the_cpu_peak_is_measured_with_real_matmuls_under_fake_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rehearsal's trainer asks for the host peak inside FakeTensorMode: the measurement must still time real
+    matmuls (a fake one takes no time, and the cache would keep a peak thousands of times the host's)."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from leantrain.hardware import measure_cpu_peak_flops
+
+    kinds: list[bool] = []
+    matmul = torch.matmul
+
+    def recorded(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        kinds.append(isinstance(a, FakeTensor))
+        return matmul(a, b)
+
+    monkeypatch.setattr(torch, "matmul", recorded)
+    with FakeTensorMode():
+        measure_cpu_peak_flops(size=64, repeats=2)
+    assert kinds and not any(kinds)  # every timed matmul was on real tensors

@@ -140,18 +140,22 @@ def get_accelerator(name: str) -> Accelerator:
 def measure_cpu_peak_flops(*, size: int = 512, repeats: int = 5, dtype: str = "fp32") -> float:
     """Measure the host's matmul FLOP/s with torch (best of `repeats`): the CPU 'peak' used for MFU."""
     import torch
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
 
     from leantrain.dtypes import DTYPES
 
     torch_dtype = DTYPES[dtype]
-    a = torch.randn(size, size, dtype=torch_dtype)
-    b = torch.randn(size, size, dtype=torch_dtype)
-    torch.matmul(a, b)  # warm-up: first call pays for thread-pool start
-    best_s = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        torch.matmul(a, b)
-        best_s = min(best_s, time.perf_counter() - start)
+    # Real matmuls even when called under a FakeTensorMode (a `leantrain rehearse` trainer): a fake matmul takes
+    # no time, and a peak measured so would be cached as thousands of times the host's.
+    with unset_fake_temporarily():
+        a = torch.randn(size, size, dtype=torch_dtype)
+        b = torch.randn(size, size, dtype=torch_dtype)
+        torch.matmul(a, b)  # warm-up: first call pays for thread-pool start
+        best_s = float("inf")
+        for _ in range(repeats):
+            start = time.perf_counter()
+            torch.matmul(a, b)
+            best_s = min(best_s, time.perf_counter() - start)
     return 2.0 * size**3 / max(best_s, 1e-9)
 
 
