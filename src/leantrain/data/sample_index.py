@@ -50,13 +50,31 @@ def build_index(data_dir: Path, shards: list[ShardInfo]) -> np.ndarray:
 
 
 def write_index(data_dir: Path, *, split: str, shards: list[ShardInfo]) -> Path:
-    """Build and write one source's index (atomically: a reader sees the old file or the whole new one)."""
+    """Build and write one source's index (atomically: a reader sees the old file or the whole new one).
+
+    Written shard by shard into a memory-mapped `.npy` sized from the `.idx` headers, so memory stays one shard's
+    documents whatever the corpus (a billion documents are 24 GB of index on disk, not in memory)."""
     path = index_path(data_dir, split=split, shards=shards)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, build_index(data_dir, shards))
-        f.flush()
+    indices = [read_index((Path(data_dir) / shard.path).with_suffix(".idx")) for shard in shards]
+    total = sum(len(index.sequence_lengths) for index in indices)
+    if total == 0:
+        with open(tmp, "wb") as f:
+            np.save(f, np.zeros((3, 0), np.int64))
+    else:
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(3, total))
+        start = 0
+        for number, index in enumerate(indices):
+            count = len(index.sequence_lengths)
+            itemsize = np.dtype(index.dtype).itemsize
+            out[0, start:start + count] = number
+            out[1, start:start + count] = index.sequence_pointers // itemsize
+            out[2, start:start + count] = index.sequence_lengths
+            start += count
+        out.flush()
+        del out
+    with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path

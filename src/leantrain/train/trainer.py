@@ -489,7 +489,7 @@ class Trainer:
             if self.checkpointer is not None:
                 self.checkpointer.close()
         finally:
-            getattr(self.sampler, "close", lambda: None)()
+            getattr(getattr(self, "sampler", None), "close", lambda: None)()  # none when setup failed early
             try:
                 self.metrics.close()
             finally:
