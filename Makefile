@@ -16,7 +16,7 @@ TORCH_SOURCE := $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX) --extra-index-url
 # what the commands import, the first time they import it.
 LEAN := --no-compile
 
-.PHONY: install install-dev demo test lint unit bench docs clean
+.PHONY: install install-dev demo test test-heavy lint unit bench docs clean
 
 # The lean install `make demo` needs: torch, the package and what the README's commands use (extra `demo`).
 $(VENV)/.installed: pyproject.toml Makefile constraints.txt
@@ -51,10 +51,15 @@ lint: install-dev
 
 # One line per test file as it runs (pytest's default progress), the slowest tests and the total at the end.
 unit: install-dev
-	@start=$$(date +%s); OMP_NUM_THREADS=1 $(PY) -m pytest --durations=10; code=$$?; \
+	@start=$$(date +%s); OMP_NUM_THREADS=1 $(PY) -m pytest -m "not heavy" --durations=10; code=$$?; \
 	echo "== make test: pytest took $$(( $$(date +%s) - start )) s (exit $$code)"; exit $$code
 
 test: lint unit
+
+# The few tests that take minutes each (marked `heavy`): CI runs them after `make test`.
+test-heavy: install-dev
+	@start=$$(date +%s); OMP_NUM_THREADS=1 $(PY) -m pytest -m heavy --durations=10; code=$$?; \
+	echo "== make test-heavy: pytest took $$(( $$(date +%s) - start )) s (exit $$code)"; exit $$code
 
 bench: install-dev
 	@for script in bench/*.py; do echo "== $$script"; $(PY) $$script || exit 1; done

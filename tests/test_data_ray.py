@@ -101,6 +101,7 @@ prepare_data(DataSpec.model_validate_json(Path(sys.argv[1]).read_text()), data_d
 """
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_two_node_cluster_with_token_auth_and_a_node_killed_mid_prepare(tmp_path: Path,
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:

@@ -22,6 +22,7 @@ def _bench():
     return module
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp8 zero2 selective", "fsdp4 tp2", "fsdp4 pp2 1f1b"])
 def test_plan_matches_the_rehearsal_per_category(name: str) -> None:

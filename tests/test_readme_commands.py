@@ -77,6 +77,7 @@ def _files(folder: Path) -> set[str]:
     return {str(p.relative_to(folder)) for p in folder.rglob("*") if "__pycache__" not in p.parts}
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_readme_commands_run_as_written(tmp_path: Path) -> None:
     work = tmp_path / "repo"

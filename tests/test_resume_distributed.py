@@ -177,6 +177,7 @@ def _launch_with_fault(drilled: dict[str, Any], *, plan: FaultPlan, train: Train
             os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
 
 
+@pytest.mark.heavy
 @pytest.mark.slow
 def test_frozen_rank_aborts_the_group_restarts_it_and_loses_nothing(drilled: dict[str, Any]) -> None:
     """With the shipped defaults (monitoring.hang_timeout_s 90 s, fault.collective_timeout_s 120 s): rank 1 is
