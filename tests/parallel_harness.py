@@ -173,3 +173,23 @@ def spawn_layouts(
 ) -> dict[str, dict[str, list[float]]]:
     """Run each (name, make_spec kwargs) layout on `world_size` fresh processes; rank 0's results by name."""
     return spawn_gloo(functools.partial(_run_layouts, jobs, steps), world_size=world_size, out_dir=out_dir)
+
+
+def torchrun_train(raw: dict[str, Any], run_dir: Path, *, nproc: int = 2, timeout_s: float = 300) -> None:
+    """`leantrain train` on `nproc` gloo ranks through torchrun's command line, for the job dict `raw` (its spec
+    file is written beside `run_dir`); fails the test with the end of the output when it does not exit 0."""
+    import subprocess
+
+    import yaml
+
+    from leantrain.launch import torchrun
+    from leantrain.launch.resources import TrainCommand
+    from leantrain.spec import spec_from_dict
+
+    spec_path = run_dir.with_suffix(".yaml")
+    spec_path.write_text(yaml.safe_dump(raw))
+    argv = torchrun.torchrun_argv(spec_from_dict(raw), train=TrainCommand(spec_path=spec_path), run_dir=run_dir,
+                                  nproc=nproc, max_restarts=0)
+    proc = subprocess.run(argv, env=torchrun.torchrun_env() | {"OMP_NUM_THREADS": "1"}, capture_output=True,
+                          text=True, timeout=timeout_s)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

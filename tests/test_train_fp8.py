@@ -4,20 +4,17 @@ and fp8 under tensor parallelism (torchao's float8 TP styles) equal to fp8 on on
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from leantrain.data.layout import write_token_data_dir
-from leantrain.launch import torchrun
-from leantrain.launch.resources import TrainCommand
 from leantrain.spec import spec_from_dict
 from leantrain.train.trainer import Trainer
+from parallel_harness import torchrun_train
 
 pytest.importorskip("torchao")
 VOCAB, SEQ = 128, 32
@@ -103,13 +100,7 @@ def test_fp8_with_tensor_parallel_matches_one_process(data_dir: Path, tmp_path: 
     steps = 8
     _, reference = train(job(data_dir, compute="fp8", steps=steps), tmp_path / "one")
     raw = job(data_dir, compute="fp8", steps=steps, tensor_parallel=2, sequence_parallel=sequence_parallel)
-    spec_path = tmp_path / "tp.yaml"
-    spec_path.write_text(yaml.safe_dump(raw))
-    argv = torchrun.torchrun_argv(spec_from_dict(raw), train=TrainCommand(spec_path=spec_path),
-                                  run_dir=tmp_path / "tp", nproc=2, max_restarts=0)
-    proc = subprocess.run(argv, env=torchrun.torchrun_env() | {"OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun_train(raw, tmp_path / "tp")
     lines = (tmp_path / "tp" / "metrics.jsonl").read_text().splitlines()
     got = [json.loads(line)["loss"] for line in lines if '"grad_norm"' in line]
     # float8 scales are global (amax over the DTensor), so the layouts differ by reduction order and bf16 rounding:

@@ -5,19 +5,16 @@ with micro_batch 4), where a per-micro-batch mean would weigh a token by how man
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-import yaml
 
 from leantrain.data.chat import write_chat_data_dir
-from leantrain.launch import torchrun
-from leantrain.launch.resources import TrainCommand
 from leantrain.spec import spec_from_dict
 from leantrain.train.trainer import Trainer
+from parallel_harness import torchrun_train
 
 VOCAB, SEQ, STEPS = 64, 16, 4
 
@@ -102,11 +99,5 @@ def test_micro_batch_size_does_not_change_the_loss(data_dir: Path, tmp_path: Pat
 def test_two_ranks_with_micro_batch_4_match_one_process_with_micro_batch_1(data_dir: Path, tmp_path: Path) -> None:
     reference = train_one_process(data_dir, tmp_path / "mb1", micro_batch=1)
     raw = job(data_dir, micro_batch=4, data_parallel=2)
-    spec_path = tmp_path / "fsdp.yaml"
-    spec_path.write_text(yaml.safe_dump(raw))
-    argv = torchrun.torchrun_argv(spec_from_dict(raw), train=TrainCommand(spec_path=spec_path),
-                                  run_dir=tmp_path / "fsdp", nproc=2, max_restarts=0)
-    proc = subprocess.run(argv, env=torchrun.torchrun_env() | {"OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    torchrun_train(raw, tmp_path / "fsdp")
     assert losses(tmp_path / "fsdp") == pytest.approx(reference, rel=1e-5, abs=1e-6)
