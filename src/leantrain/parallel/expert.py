@@ -23,6 +23,8 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_module
 
+from leantrain.errors import UserInputError
+
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
     """The GroupedExperts of every MoE layer of `model` (a Transformer or a pipeline stage)."""
@@ -101,7 +103,8 @@ def apply_expert_tensor_parallel(model: nn.Module, *, tp_mesh: DeviceMesh) -> No
     for experts in expert_modules(model):
         hidden = experts.w1.shape[2]
         if hidden % tp:
-            raise ValueError(f"model.moe.expert_hidden ({hidden}) must be divisible by tensor_parallel ({tp})")
+            raise UserInputError(f"model.moe.expert_hidden ({hidden}) must be divisible by parallelism.tensor_parallel "
+                                 f"({tp}) when expert_parallel is 1")
         distribute_module(experts, tp_mesh, partition_fn=_shard_expert_hidden, input_fn=_tp_input,
                           output_fn=_tp_output)
 
