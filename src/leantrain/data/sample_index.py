@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from leantrain.data.shards import ShardInfo, read_index
+from leantrain.data.shards import ShardIndex, ShardInfo, read_index
 
 if TYPE_CHECKING:  # the manifest's writer calls this module: no import back at run time
     from leantrain.data.layout import Manifest
@@ -37,16 +37,26 @@ def index_path(data_dir: Path, *, split: str, shards: list[ShardInfo]) -> Path:
     return Path(data_dir) / INDEX_DIR / f"{split}-{digest}.npy"
 
 
+def _shard_indices(data_dir: Path, shards: list[ShardInfo]) -> list[ShardIndex]:
+    return [read_index((Path(data_dir) / shard.path).with_suffix(".idx")) for shard in shards]
+
+
+def _fill(out: np.ndarray, indices: list[ShardIndex]) -> np.ndarray:
+    """Write the rows (shard number, first token, length) of every shard's documents into `out` (3, documents)."""
+    start = 0
+    for number, index in enumerate(indices):
+        count = len(index.sequence_lengths)
+        out[0, start:start + count] = number
+        out[1, start:start + count] = index.sequence_pointers // np.dtype(index.dtype).itemsize
+        out[2, start:start + count] = index.sequence_lengths
+        start += count
+    return out
+
+
 def build_index(data_dir: Path, shards: list[ShardInfo]) -> np.ndarray:
-    """(3, documents) int64 from the shards' `.idx` files: shard number, first token, length."""
-    parts = []
-    for number, shard in enumerate(shards):
-        index = read_index((Path(data_dir) / shard.path).with_suffix(".idx"))
-        itemsize = np.dtype(index.dtype).itemsize
-        starts = index.sequence_pointers.astype(np.int64) // itemsize
-        parts.append(np.stack([np.full(len(starts), number, np.int64), starts,
-                               index.sequence_lengths.astype(np.int64)]))
-    return np.concatenate(parts, axis=1) if parts else np.zeros((3, 0), np.int64)
+    """(3, documents) int64 from the shards' `.idx` files, in memory: shard number, first token, length."""
+    indices = _shard_indices(data_dir, shards)
+    return _fill(np.empty((3, sum(len(i.sequence_lengths) for i in indices)), np.int64), indices)
 
 
 def write_index(data_dir: Path, *, split: str, shards: list[ShardInfo]) -> Path:
@@ -57,21 +67,13 @@ def write_index(data_dir: Path, *, split: str, shards: list[ShardInfo]) -> Path:
     path = index_path(data_dir, split=split, shards=shards)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    indices = [read_index((Path(data_dir) / shard.path).with_suffix(".idx")) for shard in shards]
+    indices = _shard_indices(data_dir, shards)
     total = sum(len(index.sequence_lengths) for index in indices)
-    if total == 0:
+    if total == 0:  # an empty array cannot be memory-mapped
         with open(tmp, "wb") as f:
             np.save(f, np.zeros((3, 0), np.int64))
     else:
-        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(3, total))
-        start = 0
-        for number, index in enumerate(indices):
-            count = len(index.sequence_lengths)
-            itemsize = np.dtype(index.dtype).itemsize
-            out[0, start:start + count] = number
-            out[1, start:start + count] = index.sequence_pointers // itemsize
-            out[2, start:start + count] = index.sequence_lengths
-            start += count
+        out = _fill(np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(3, total)), indices)
         out.flush()
         del out
     with open(tmp, "rb+") as f:
