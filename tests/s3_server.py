@@ -6,6 +6,8 @@ import contextlib
 import urllib.request
 from collections.abc import Iterator
 
+import pytest
+
 
 @contextlib.contextmanager
 def moto_s3() -> Iterator[str]:
@@ -23,3 +25,16 @@ def moto_s3() -> Iterator[str]:
         yield endpoint
     finally:
         server.stop()
+
+
+@contextlib.contextmanager
+def moto_s3_with_test_credentials(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """`moto_s3` with the tests' credentials only in the environment (LT_TEST_S3_KEY/SECRET, which specs name as
+    `${...}`), and none of AWS's own variables that could leak in from the host."""
+    monkeypatch.setenv("LT_TEST_S3_KEY", "testing-key")
+    monkeypatch.setenv("LT_TEST_S3_SECRET", "testing-secret")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    with moto_s3() as endpoint:
+        yield endpoint

@@ -14,7 +14,7 @@ from leantrain.ckpt import CheckpointManager, CheckpointSaveError
 from leantrain.ckpt.preflight import preflight_storage, probe_store
 from leantrain.ckpt.storage import FsspecStore, LocalStore, open_store
 from leantrain.errors import UserInputError
-from s3_server import moto_s3
+from s3_server import moto_s3_with_test_credentials
 from test_ckpt_manager import FailingStore, events, make_app, make_spec, train
 
 pytest.importorskip("s3fs")
@@ -23,12 +23,7 @@ pytest.importorskip("moto.moto_server.threaded_moto_server")
 
 @pytest.fixture
 def s3_env(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    monkeypatch.setenv("LT_TEST_S3_KEY", "testing-key")
-    monkeypatch.setenv("LT_TEST_S3_SECRET", "testing-secret")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
-    with moto_s3() as endpoint:
+    with moto_s3_with_test_credentials(monkeypatch) as endpoint:
         yield endpoint
 
 

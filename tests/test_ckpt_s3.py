@@ -13,7 +13,7 @@ from leantrain.ckpt import CheckpointManager, CheckpointSaveError
 from leantrain.ckpt.storage import FsspecStore, open_store
 from leantrain.errors import UserInputError
 from leantrain.spec.schema import SecuritySpec
-from s3_server import moto_s3
+from s3_server import moto_s3_with_test_credentials
 from test_ckpt_manager import assert_same, events, make_app, make_spec, resume, snapshot, train
 
 moto_server = pytest.importorskip("moto.moto_server.threaded_moto_server")
@@ -23,12 +23,7 @@ pytest.importorskip("s3fs")
 @pytest.fixture
 def s3_endpoint(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
     """An S3 HTTP server on 127.0.0.1 (any free port) with credentials only in the environment."""
-    monkeypatch.setenv("LT_TEST_S3_KEY", "testing-key")
-    monkeypatch.setenv("LT_TEST_S3_SECRET", "testing-secret")
-    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
-    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_PROFILE"):
-        monkeypatch.delenv(name, raising=False)
-    with moto_s3() as endpoint:
+    with moto_s3_with_test_credentials(monkeypatch) as endpoint:
         yield endpoint
 
 
