@@ -31,13 +31,10 @@ def expert_modules(model: nn.Module) -> list[nn.Module]:
     return [block.feed_forward.experts for block in model.layers.values() if getattr(block, "is_moe", False)]  # type: ignore[union-attr]
 
 
-def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh) -> list[nn.Parameter]:
-    """Split every MoE layer's experts over `ep_mesh` in place; returns the expert parameters (kept out of FSDP)."""
-    params: list[nn.Parameter] = []
+def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh) -> None:
+    """Split every MoE layer's experts over `ep_mesh` in place (`parallel.fsdp` then shards them over dp_mod_ep)."""
     for experts in expert_modules(model):
         distribute_module(experts, ep_mesh, partition_fn=_shard_experts, input_fn=_dispatch, output_fn=_combine)
-        params.extend(experts.parameters())
-    return params
 
 
 def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
