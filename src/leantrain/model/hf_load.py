@@ -134,12 +134,11 @@ def fill_from_hf(
             files_of = check_names_and_shapes(expected, _restrict(files, params), tie_embeddings=False)
         else:
             files_of = check_names_and_shapes(expected, files, tie_embeddings=args.shape.tie_embeddings)
-    owners_paths = files_of
     read_bytes = 0
     handles: dict[Path, Any] = {}
     try:
         for name, param in params.items():
-            file = owners_paths[name]
+            file = files_of[name]
             if file not in handles:
                 handles[file] = safe_open(str(file), framework="pt").__enter__()
             piece = handles[file].get_slice(to_hf_name(name))[local_box(param)]
