@@ -28,6 +28,14 @@ SPACES_RE = re.compile(r"[^\S\n]+")  # whitespace other than newline
 MANY_NEWLINES_RE = re.compile(r"\n{3,}")
 # a whitespace-separated token with at least one letter (Gopher: 80 % of words contain one)
 ALPHA_TOKEN_RE = re.compile(r"\S*[^\W\d_]\S*")
+# Gopher's list and ellipsis rules (Rae et al. 2021, App. A: drop a document with more than 90 % of its lines
+# starting with a bullet point, or more than 30 % ending with an ellipsis). Defaults as datatrove's
+# GopherQualityFilter (datatrove/pipeline/filters/gopher_quality_filter.py, 0.10: max_bullet_lines_ratio 0.9,
+# max_ellipsis_lines_ratio 0.3; it counts "•" and "-" as bullets, over all lines). Here: non-blank lines, Unicode
+# bullet characters, and -, *, +, – or — when a space follows (a Markdown list item, not "-5" or "**bold**").
+BULLET_LINE_RE = re.compile(r"^[^\S\n]*(?:[•‣◦⁃∙●○▪▫■□►▸◆◇]|[-*+–—](?=\s|$))", re.MULTILINE)
+ELLIPSIS_LINE_RE = re.compile(r"(?:\.\.\.|…)[^\S\n]*$", re.MULTILINE)
+NON_BLANK_LINE_RE = re.compile(r"^[^\S\n]*\S", re.MULTILINE)
 # Gopher's English stop words; for Chinese, frequent function characters (particles, pronouns, prepositions,
 # conjunctions), without those that mostly occur inside nouns (中, 上, 时, 可, 能: 中国, 上海, 时间 …), so a
 # keyword list still has none. Calibrated on the bundled demo-zh sentences (docs/data.md): the 13-character
@@ -121,6 +129,16 @@ def _duplicate_ngram_fraction(words: list[str], n: int) -> float:
     return sum(len(w) for w, c in zip(words, covered, strict=True) if c) / total
 
 
+def _line_fractions(text: str) -> tuple[float, float]:
+    """(share of non-blank lines starting with a bullet, share ending with an ellipsis `...`/`…`)."""
+    bullets = len(BULLET_LINE_RE.findall(text))
+    ellipses = len(ELLIPSIS_LINE_RE.findall(text)) if ("..." in text or "…" in text) else 0
+    if not bullets and not ellipses:
+        return 0.0, 0.0
+    lines = max(len(NON_BLANK_LINE_RE.findall(text)), 1)
+    return bullets / lines, ellipses / lines
+
+
 def _stop_words_present(stats: TextStats) -> int:
     if stats.cjk_share >= 0.5:
         return len(ZH_STOP_WORDS.intersection(stats.words))
@@ -140,7 +158,7 @@ def quality_problem(text: str, spec: CleaningSpec, stats: TextStats | None = Non
                     ) -> str | None:
     """The first quality rule `text` breaks (a drop reason), or None when it passes all of them. `code`: the
     document is judged by the code rules (code_rules.py); otherwise its code-like lines are left out of the
-    symbol, alphabetic-word and repetition rules."""
+    symbol, bullet/ellipsis-line, alphabetic-word and repetition rules."""
     stats = stats if stats is not None else text_stats(text)
     num_words = len(stats.words)
     if num_words < spec.min_words:
@@ -163,6 +181,11 @@ def quality_problem(text: str, spec: CleaningSpec, stats: TextStats | None = Non
         prose_stats = text_stats(prose)
     if _symbol_ratio(prose, len(prose_stats.words)) > spec.max_symbol_ratio:
         return "symbol_ratio"
+    bullet_share, ellipsis_share = _line_fractions(prose)
+    if bullet_share > spec.max_bullet_line_fraction:
+        return "bullet_lines"
+    if ellipsis_share > spec.max_ellipsis_line_fraction:
+        return "ellipsis_lines"
     if _alpha_word_fraction(prose, prose_stats) < spec.min_alpha_word_fraction:
         return "few_alpha_words"
     if _duplicate_line_fraction(prose) > spec.max_duplicate_line_fraction:

@@ -4,8 +4,8 @@ Gopher's rules were written for web prose: on source code or on documentation wi
 drop good documents (operators are "symbols", `}` and `return None` are "duplicate lines", a grammar rule
 repeats its 5-grams). Two modes, by `data.sources[].kind`:
 - `prose`: Gopher's rules, but lines that look like code (see `code_like`) are left out of the symbol,
-  duplicate-line, n-gram repetition and alphabetic-word rules (they still count as words for the length
-  and stop-word rules), so a tutorial with code blocks is judged by its prose;
+  bullet/ellipsis-line, duplicate-line, n-gram repetition and alphabetic-word rules (they still count as
+  words for the length and stop-word rules), so a tutorial with code blocks is judged by its prose;
 - `code`: rules as code datasets use them (StarCoder/The Stack preprocessing: maximum and mean line
   length, alphanumeric share) and one repetition rule that knows code: the share of characters in long
   lines (>= 20 characters) that repeat an earlier line — generated tables and copy-paste, not the short

@@ -107,6 +107,14 @@ class CleaningSpec(Section):
     min_stop_words: int = Field(
         2, ge=0, description="Drop if fewer distinct stop words occur (English or Chinese list by script)."
     )
+    max_bullet_line_fraction: float = Field(
+        0.9, ge=0, le=1, description="Drop if more of the non-blank lines start with a bullet (•, ◦, ▪ …, or - * + "
+        "– — before a space) (Gopher: 0.9); code-like lines are not counted.",
+    )
+    max_ellipsis_line_fraction: float = Field(
+        0.3, ge=0, le=1, description="Drop if more of the non-blank lines end with an ellipsis (... or …) "
+        "(Gopher: 0.3); code-like lines are not counted.",
+    )
     min_alpha_word_fraction: float = Field(
         0.8, ge=0, le=1, description="Drop if fewer of the whitespace-separated words contain a letter (Gopher: "
         "80 %); code-like lines are not counted.",
