@@ -39,16 +39,23 @@ SEED = 7
 
 def make_spec(
     *, moe: bool = False, tie: bool = False, n_layers: int = 2, compute: str = "fp32", aux_loss_coef: float = 0.01,
-    **parallelism: Any
+    mla: bool = False, **parallelism: Any
 ) -> JobSpec:
-    """A tiny fp32 job; `parallelism` sets spec.parallelism fields."""
+    """A tiny fp32 job; `parallelism` sets spec.parallelism fields. `mla`: DeepSeek-style latent attention, and
+    with `moe` DeepSeek-V3's routing (sigmoid scores, 2 expert groups of which a token uses 1, weights × 2.5)."""
     model: dict[str, Any] = {
-        "architecture": "moe" if moe else "dense", "n_layers": n_layers, "d_model": 32, "n_heads": 4, "n_kv_heads": 2,
-        "ffn_hidden": 64, "vocab_size": 64, "tie_embeddings": tie,
+        "architecture": "moe" if moe else "dense", "n_layers": n_layers, "d_model": 32, "n_heads": 4,
+        "n_kv_heads": 4 if mla else 2, "ffn_hidden": 64, "vocab_size": 64, "tie_embeddings": tie,
     }
     if moe:
         model["moe"] = {"num_experts": 4, "top_k": 2, "expert_hidden": 32, "num_shared_experts": 1,
                         "aux_loss_coef": aux_loss_coef}
+    if mla:
+        model["mla"] = {"q_lora_rank": 16, "kv_lora_rank": 8, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+                        "v_head_dim": 8}
+        if moe:
+            model["moe"].update({"router": "sigmoid", "n_group": 2, "topk_group": 1, "routed_scaling_factor": 2.5,
+                                 "first_dense_layers": 1})
     return JobSpec.model_validate({
         "model": model,
         "parallelism": {"zero_stage": 3, **parallelism},

@@ -14,6 +14,7 @@ missing tensor, or a shape that differs, is a UserInputError naming the file and
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -25,13 +26,24 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
 from leantrain.errors import UserInputError
-from leantrain.model.hf import INDEX_FILE, WEIGHTS_FILE, args_from_hf_config, from_hf_name, to_hf_name
+from leantrain.model.hf import (
+    INDEX_FILE,
+    WEIGHTS_FILE,
+    args_from_hf_config,
+    expert_hf_name,
+    from_hf_expert_name,
+    from_hf_name,
+    is_expert_stack,
+    to_hf_name,
+)
 from leantrain.model.init import init_buffers
 from leantrain.model.layers import ModelArgs
 from leantrain.model.transformer import Transformer
+from leantrain.spec.hf_config import read_hf_config
 
 # Tensors some exports carry that our model derives (RoPE inverse frequencies).
 _DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
+_HF_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def weight_files(hf_dir: Path) -> dict[str, Path]:
@@ -54,9 +66,16 @@ def weight_files(hf_dir: Path) -> dict[str, Path]:
     return mapping
 
 
-def _checkpoint_shapes(files: dict[str, Path]) -> dict[str, tuple[Path, tuple[int, ...]]]:
-    """Our name -> (file, shape) for every tensor, reading only the safetensors headers."""
-    shapes: dict[str, tuple[Path, tuple[int, ...]]] = {}
+Owner = Path | list[Path]  # the file holding a tensor, or one per expert for a stack of routed experts
+
+
+def _checkpoint_shapes(files: dict[str, Path], *, mtp_from: int | None = None) -> dict[str, tuple[Owner, tuple]]:
+    """Our name -> (file, shape) for every tensor, reading only the safetensors headers. Per-expert HF weights
+    (out, in) are gathered into our stacked (experts, in, out) shape, with the file of each expert. Layers from
+    `mtp_from` on are DeepSeek-V3's multi-token-prediction modules, which the model does not have (skipped, as
+    transformers skips them)."""
+    shapes: dict[str, tuple[Owner, tuple[int, ...]]] = {}
+    experts: dict[str, dict[int, tuple[Path, tuple[int, ...], str]]] = {}
     by_file: dict[Path, list[str]] = {}
     for name, file in files.items():
         by_file.setdefault(file, []).append(name)
@@ -65,40 +84,75 @@ def _checkpoint_shapes(files: dict[str, Path]) -> dict[str, tuple[Path, tuple[in
             raise UserInputError(f"{file}: listed in {INDEX_FILE} but missing")
         with safe_open(str(file), framework="pt") as handle:
             for name in names:
-                if name.endswith(_DERIVED_SUFFIXES):
+                if name.endswith(_DERIVED_SUFFIXES) or _is_mtp(name, mtp_from):
+                    continue
+                shape = tuple(handle.get_slice(name).get_shape())
+                stacked = from_hf_expert_name(name)
+                if stacked is not None:
+                    experts.setdefault(stacked[0], {})[stacked[1]] = (file, shape, name)
                     continue
                 try:
                     ours = from_hf_name(name)
                 except KeyError:
                     raise UserInputError(f"{file}: tensor {name!r} has no counterpart in this model "
                                          "(unsupported architecture or a config.json that does not match)") from None
-                shapes[ours] = (file, tuple(handle.get_slice(name).get_shape()))
+                shapes[ours] = (file, shape)
+    for ours, members in experts.items():
+        shapes[ours] = _stack_shape(members)
     return shapes
 
 
+def _is_mtp(name: str, mtp_from: int | None) -> bool:
+    match = _HF_LAYER_INDEX.match(name)
+    return mtp_from is not None and match is not None and int(match.group(1)) >= mtp_from
+
+
+def _stack_shape(members: dict[int, tuple[Path, tuple[int, ...], str]]) -> tuple[list[Path], tuple[int, ...]]:
+    """The files and the stacked (experts, in, out) shape of one layer's per-expert weights, checked whole."""
+    count = max(members) + 1
+    absent = sorted(set(range(count)) - set(members))
+    if absent:
+        file, _, name = members[min(members)]
+        raise UserInputError(f"{file.parent}: the checkpoint lacks expert {absent[0]} of {name!r}'s layer "
+                             f"(experts 0..{count - 1} expected)")
+    first = members[0][1]
+    for file, shape, name in members.values():
+        if shape != first or len(shape) != 2:
+            raise UserInputError(f"{file}: tensor {name!r} has shape {list(shape)}, unlike expert 0's {list(first)}")
+    return [members[e][0] for e in range(count)], (count, first[1], first[0])
+
+
+def _display_name(name: str) -> str:
+    return expert_hf_name(name, 0) if is_expert_stack(name) else to_hf_name(name)
+
+
 def check_names_and_shapes(
-    expected: dict[str, tuple[int, ...]], files: dict[str, Path], *, tie_embeddings: bool
-) -> dict[str, Path]:
-    """Compare the model's parameter shapes (single-process names) with the checkpoint's; our name -> file."""
-    found = _checkpoint_shapes(files)
+    expected: dict[str, tuple[int, ...]], files: dict[str, Path], *, tie_embeddings: bool,
+    mtp_from: int | None = None,
+) -> dict[str, Owner]:
+    """Compare the model's tensor shapes (single-process names) with the checkpoint's; our name -> file(s)."""
+    found = _checkpoint_shapes(files, mtp_from=mtp_from)
     if tie_embeddings:
         found.pop("output.weight", None)  # some tied exports still write the head
     hf_dir = next(iter(files.values())).parent if files else Path(".")
     missing = sorted(set(expected) - set(found))
     if missing:
-        raise UserInputError(f"{hf_dir}: the checkpoint lacks {to_hf_name(missing[0])!r}"
+        raise UserInputError(f"{hf_dir}: the checkpoint lacks {_display_name(missing[0])!r}"
                              + (f" and {len(missing) - 1} more" if len(missing) > 1 else "")
                              + " (config.json and the safetensors files do not match)")
     extra = sorted(set(found) - set(expected))
     if extra:
-        raise UserInputError(f"{found[extra[0]][0]}: tensor {to_hf_name(extra[0])!r} is not in the model "
+        owner = found[extra[0]][0]
+        raise UserInputError(f"{owner[0] if isinstance(owner, list) else owner}: tensor "
+                             f"{_display_name(extra[0])!r} is not in the model "
                              "(config.json and the safetensors files do not match)")
     for name, shape in expected.items():
-        file, theirs = found[name]
+        owner, theirs = found[name]
         if theirs != shape:
-            raise UserInputError(f"{file}: tensor {to_hf_name(name)!r} has shape {list(theirs)}, but config.json "
-                                 f"implies {list(shape)}")
-    return {name: file for name, (file, _) in found.items()}
+            where = owner[0] if isinstance(owner, list) else owner
+            raise UserInputError(f"{where}: tensor {_display_name(name)!r} has shape {list(theirs)}, but "
+                                 f"config.json implies {list(shape)}")
+    return {name: owner for name, (owner, _) in found.items()}
 
 
 def local_box(param: torch.Tensor) -> tuple[slice, ...]:
@@ -112,53 +166,93 @@ def local_box(param: torch.Tensor) -> tuple[slice, ...]:
 @torch.no_grad()
 def fill_from_hf(
     module: nn.Module, hf_dir: Path, *, args: ModelArgs, skip: Callable[[str], bool] = lambda name: False,
-    owners: Mapping[str, str] | None = None,
+    owners: Mapping[str, str | list[str]] | None = None,
 ) -> int:
     """Fill the (allocated) parameters of `module` from `hf_dir`, each rank its own slices; returns bytes read.
 
     `module` is the model or a pipeline stage after parallelize and `to_empty`; `skip(name)` marks parameters
     that are not in the checkpoint (LoRA adapters), left for the caller to fill. `owners` (our name → file
-    name, from `check_hf_dir`, e.g. checked once by rank 0 and broadcast): the headers are not read again and
-    only the files holding this module's parameters are opened (a pipeline stage opens its layers' files).
+    name(s), from `check_hf_dir`, e.g. checked once by rank 0 and broadcast): the headers are not read again and
+    only the files holding this module's tensors are opened (a pipeline stage opens its layers' files; an
+    expert-parallel rank the files of its experts). A DeepSeek-V3 checkpoint's selection bias is read too.
     """
-    params = {name: p for name, p in module.named_parameters() if not skip(name)}
+    tensors = {name: p for name, p in _loadable(module, args) if not skip(name)}
     if owners is not None:
-        missing = sorted(set(params) - set(owners))
+        missing = sorted(set(tensors) - set(owners))
         if missing:
-            raise UserInputError(f"{hf_dir}: the checkpoint lacks {to_hf_name(missing[0])!r}")
-        files_of = {name: Path(hf_dir) / owners[name] for name in params}
+            raise UserInputError(f"{hf_dir}: the checkpoint lacks {_display_name(missing[0])!r}")
+        files_of: dict[str, Owner] = {
+            name: [Path(hf_dir) / f for f in owners[name]] if isinstance(owners[name], list)
+            else Path(hf_dir) / owners[name] for name in tensors}  # type: ignore[operator]
     else:
         files = weight_files(Path(hf_dir))
-        expected = {name: tuple(p.shape) for name, p in params.items()}
+        expected = {name: tuple(p.shape) for name, p in tensors.items()}
+        mtp_from = _mtp_from(Path(hf_dir))
         if _is_stage(module, args):
-            files_of = check_names_and_shapes(expected, _restrict(files, params), tie_embeddings=False)
+            files_of = check_names_and_shapes(expected, _restrict(files, tensors), tie_embeddings=False)
         else:
-            files_of = check_names_and_shapes(expected, files, tie_embeddings=args.shape.tie_embeddings)
-    read_bytes = 0
-    handles: dict[Path, Any] = {}
+            files_of = check_names_and_shapes(expected, files, tie_embeddings=args.shape.tie_embeddings,
+                                              mtp_from=mtp_from)
+    reader = _Reader()
     try:
-        for name, param in params.items():
-            file = files_of[name]
-            if file not in handles:
-                handles[file] = safe_open(str(file), framework="pt").__enter__()
-            piece = handles[file].get_slice(to_hf_name(name))[local_box(param)]
-            local = param.to_local() if isinstance(param, DTensor) else param
-            local.copy_(piece.to(device=local.device, dtype=local.dtype))
-            read_bytes += piece.numel() * piece.element_size()
+        for name, tensor in tensors.items():
+            box = local_box(tensor)
+            owner = files_of[name]
+            if isinstance(owner, list):  # (experts, in, out) from each expert's (out, in) weight
+                experts = range(box[0].start, box[0].stop)
+                piece = torch.stack([reader.read(owner[e], expert_hf_name(name, e), (box[2], box[1])).t()
+                                     for e in experts]) if len(experts) else torch.empty(0)
+            else:
+                piece = reader.read(owner, to_hf_name(name), box)
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            local.copy_(piece.reshape(local.shape).to(device=local.device, dtype=local.dtype))
     finally:
-        for handle in handles.values():
+        reader.close()
+    return reader.bytes
+
+
+class _Reader:
+    """Lazily opened safetensors files, and the bytes read from them."""
+
+    def __init__(self) -> None:
+        self.handles: dict[Path, Any] = {}
+        self.bytes = 0
+
+    def read(self, file: Path, hf_name: str, box: tuple[slice, ...]) -> torch.Tensor:
+        if file not in self.handles:
+            self.handles[file] = safe_open(str(file), framework="pt").__enter__()
+        piece = self.handles[file].get_slice(hf_name)[box]
+        self.bytes += piece.numel() * piece.element_size()
+        return piece
+
+    def close(self) -> None:
+        for handle in self.handles.values():
             handle.__exit__(None, None, None)
-    return read_bytes
 
 
-def check_hf_dir(hf_dir: Path, *, args: ModelArgs) -> dict[str, str]:
+def _loadable(module: nn.Module, args: ModelArgs) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a checkpoint fills: every parameter, and the selection bias when the routing uses one."""
+    tensors = list(module.named_parameters())
+    if args.balance == "aux_free":
+        tensors += [(name, b) for name, b in module.named_buffers() if name.endswith("expert_bias")]
+    return tensors
+
+
+def _mtp_from(hf_dir: Path) -> int | None:
+    """First layer index of DeepSeek-V3's multi-token-prediction modules in the files, None without them."""
+    config = read_hf_config(hf_dir)
+    return config.n_layers if config.mtp_layers else None
+
+
+def check_hf_dir(hf_dir: Path, *, args: ModelArgs) -> dict[str, str | list[str]]:
     """Names and shapes of `hf_dir` against the model `args` describes, reading only headers (before any rank
-    allocates anything); returns our name → the file (name in `hf_dir`) holding it, for `fill_from_hf`."""
+    allocates anything); returns our name → the file(s) (names in `hf_dir`) holding it, for `fill_from_hf`."""
     with torch.device("meta"):
         model = Transformer(args)
-    expected = {name: tuple(p.shape) for name, p in model.named_parameters()}
-    found = check_names_and_shapes(expected, weight_files(Path(hf_dir)), tie_embeddings=args.shape.tie_embeddings)
-    return {name: path.name for name, path in found.items()}
+    expected = {name: tuple(p.shape) for name, p in _loadable(model, args)}
+    found = check_names_and_shapes(expected, weight_files(Path(hf_dir)), tie_embeddings=args.shape.tie_embeddings,
+                                   mtp_from=_mtp_from(Path(hf_dir)))
+    return {name: [p.name for p in owner] if isinstance(owner, list) else owner.name for name, owner in found.items()}
 
 
 def _is_stage(module: nn.Module, args: ModelArgs) -> bool:
@@ -168,8 +262,10 @@ def _is_stage(module: nn.Module, args: ModelArgs) -> bool:
 
 
 def _restrict(files: dict[str, Path], params: dict[str, torch.Tensor]) -> dict[str, Path]:
-    wanted = {to_hf_name(name) for name in params}
-    return {name: file for name, file in files.items() if name in wanted}
+    wanted = {to_hf_name(name) for name in params if not is_expert_stack(name)}
+    stacks = {name for name in params if is_expert_stack(name)}
+    return {name: file for name, file in files.items()
+            if name in wanted or (from_hf_expert_name(name) or ("",))[0] in stacks}
 
 
 def import_hf(hf_dir: Path, *, device: torch.device | None = None, max_seq_len: int | None = None) -> Transformer:

@@ -7,8 +7,9 @@ pipeline stage, expert-parallel slice). Each parameter is generated in blocks of
 from its own stream; a rank generates only the blocks its shard overlaps and keeps its slice (no
 communication), so the transient cost is one block (≤ 64 MiB), never a whole parameter.
 
-The rules (torchtitan's Llama init): embeddings normal(0, 0.02); q/k/v, w1/w3, router and expert up
-projections truncated normal(0, 0.02) (cut at ±2, torch's default); the output projections of each block
+The rules (torchtitan's Llama init): embeddings normal(0, 0.02); q/k/v (MLA's latent and up projections
+too), w1/w3, router and expert up projections truncated normal(0, 0.02) (cut at ±2, torch's default); the
+output projections of each block
 (`attention.wo`, `w2`) 0.02/√(2·n_layers), which keeps the residual stream's variance flat with depth (GPT-2);
 the untied head 1/√d cut at ±3/√d; norm gains 1; biases 0. Buffers: RoPE tables computed, MoE bias and counts zero.
 """
@@ -70,6 +71,8 @@ def init_rule(name: str, args: ModelArgs) -> Fill:
     if name.endswith(("attention.wo.weight", ".w2.weight", "experts.w2")):
         return partial(_trunc_normal, std=out_std)
     if name.endswith(("attention.wq.weight", "attention.wk.weight", "attention.wv.weight", "router.gate.weight",
+                      "attention.wq_a.weight", "attention.wq_b.weight", "attention.wkv_a.weight",
+                      "attention.wkv_b.weight",
                       ".w1.weight", ".w3.weight", "experts.w1", "experts.w3")):
         return partial(_trunc_normal, std=INIT_STD)
     raise KeyError(f"no init rule for parameter {name!r}: add one to leantrain.model.init.init_rule")
@@ -154,7 +157,7 @@ def init_buffers(module: nn.Module, *, args: ModelArgs, device: torch.device) ->
         for name, buffer in list(owner.named_buffers(recurse=False)):
             if name == "rope":
                 owner.register_buffer(name, rope_tables(
-                    head_dim=args.shape.head_dim, max_seq_len=args.max_seq_len, theta=args.rope_theta,
+                    head_dim=args.shape.rope_dim, max_seq_len=args.max_seq_len, theta=args.rope_theta,
                     device=device, scaling=args.rope_scaling), persistent=False)
             elif name in ("expert_bias", "tokens_per_expert"):
                 persistent = name not in owner._non_persistent_buffers_set

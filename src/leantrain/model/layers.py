@@ -31,6 +31,14 @@ class ModelArgs:
     aux_loss_coef: float = 0.01
     bias_update_rate: float = 1e-3
     rope_scaling: tuple[tuple[str, Any], ...] | None = None  # Hugging Face rope_scaling as sorted pairs
+    # Routing refinements (DeepSeek-V2/V3; model.moe's fields of the same names): group-limited selection,
+    # the weights' scale, and whether the top-k weights are renormalised (None: when top_k > 1).
+    n_group: int = 1
+    topk_group: int = 1
+    group_score: Literal["max", "top2"] = "top2"
+    routed_scaling_factor: float = 1.0
+    norm_topk_prob: bool | None = None
+    rope_interleave: bool = True  # MLA's RoPE on interleaved pairs (DeepSeek's layout) or rotate-half
 
     @property
     def moe(self) -> ResolvedMoE | None:

@@ -36,12 +36,18 @@ if TYPE_CHECKING:
 
 
 class Router(nn.Module):
-    """Scores each token against every expert and picks the top k."""
+    """Scores each token against every expert and picks the top k (within its best groups when n_group > 1)."""
 
-    def __init__(self, *, d_model: int, num_experts: int, top_k: int, score: str) -> None:
+    def __init__(
+        self, *, d_model: int, num_experts: int, top_k: int, score: str, n_group: int = 1, topk_group: int = 1,
+        group_score: str = "top2", scale: float = 1.0, norm_topk_prob: bool | None = None,
+    ) -> None:
         super().__init__()
         self.gate = nn.Linear(d_model, num_experts, bias=False)
         self.top_k, self.score = top_k, score
+        self.n_group, self.topk_group, self.group_score, self.scale = n_group, topk_group, group_score, scale
+        # Top-1 keeps the raw probability by default so the router still gets a gradient.
+        self.norm_topk_prob = top_k > 1 if norm_topk_prob is None else norm_topk_prob
 
     def forward(
         self, x: torch.Tensor, *, selection_bias: torch.Tensor | None
@@ -50,11 +56,26 @@ class Router(nn.Module):
         logits = self.gate(x).float()  # (tokens, experts)
         probs = logits.softmax(dim=-1) if self.score == "softmax" else logits.sigmoid()
         selection = probs if selection_bias is None else probs + selection_bias
+        if self.n_group > 1:
+            selection = self._limit_to_groups(selection)
         top_idx = selection.topk(self.top_k, dim=-1).indices  # (tokens, k)
         top_weights = probs.gather(-1, top_idx)
-        if self.top_k > 1:  # top-1 keeps the raw probability so the router still gets a gradient
-            top_weights = top_weights / top_weights.sum(dim=-1, keepdim=True)
-        return probs, top_idx, top_weights
+        if self.norm_topk_prob:
+            top_weights = top_weights / (top_weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return probs, top_idx, top_weights * self.scale if self.scale != 1.0 else top_weights
+
+    def _limit_to_groups(self, selection: torch.Tensor) -> torch.Tensor:
+        """Group-limited routing (DeepSeek-V2 §2.1.2 device-limited, V3 §2.1.2 node-limited): rank the n_group
+        groups of experts by their best score (V2, "max") or their two best (V3, "top2"), keep the topk_group
+        best groups and mask the rest out of the selection. All on the device, static shapes."""
+        tokens, experts = selection.shape
+        grouped = selection.view(tokens, self.n_group, experts // self.n_group)
+        if self.group_score == "max":
+            group_scores = grouped.max(dim=-1).values
+        else:
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)
+        keep = torch.zeros_like(group_scores).scatter_(1, group_scores.topk(self.topk_group, dim=-1).indices, 1.0)
+        return grouped.masked_fill(keep.unsqueeze(-1) == 0, float("-inf")).view(tokens, experts)
 
 
 class GroupedExperts(nn.Module):
@@ -139,7 +160,9 @@ class MoE(nn.Module):
         assert moe is not None
         d_model = args.shape.d_model
         self.num_experts, self.top_k, self.balance = moe.num_experts, moe.top_k, args.balance
-        self.router = Router(d_model=d_model, num_experts=moe.num_experts, top_k=moe.top_k, score=args.router)
+        self.router = Router(d_model=d_model, num_experts=moe.num_experts, top_k=moe.top_k, score=args.router,
+                             n_group=args.n_group, topk_group=args.topk_group, group_score=args.group_score,
+                             scale=args.routed_scaling_factor, norm_topk_prob=args.norm_topk_prob)
         self.experts = GroupedExperts(num_experts=moe.num_experts, d_model=d_model, hidden=moe.expert_hidden)
         # All shared experts see every token, so they are one SwiGLU of num_shared × expert_hidden.
         self.shared_experts = (

@@ -1,5 +1,6 @@
 """RoPE frequencies with the scalings Hugging Face checkpoints use: none, linear (position interpolation) and
-Llama 3.1's wavelength-dependent rule, computed as transformers computes them so loaded models match.
+Llama 3.1's wavelength-dependent rule, computed as transformers computes them so loaded models match; and the
+two ways of applying them: rotate-half (Llama, Hugging Face) and interleaved pairs (DeepSeek).
 """
 
 from __future__ import annotations
@@ -38,3 +39,22 @@ def _llama3(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:
     smoothed = (1 - smooth) * scaled / factor + smooth * scaled
     medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
     return torch.where(medium, smoothed, scaled)
+
+
+def rotate_interleaved(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """RoPE on interleaved pairs of (..., seq, dim), with the rotate-half tables of `rope_tables` (2, seq, dim):
+    pair i turns by angle i, whose cos/sin sit in the tables' first dim / 2 columns. Computed in fp32."""
+    seq_len, dim = x.shape[-2], x.shape[-1]
+    cos, sin = tables[0, :seq_len, : dim // 2], tables[1, :seq_len, : dim // 2]
+    pairs = x.float().unflatten(-1, (dim // 2, 2))
+    even, odd = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack([even * cos - odd * sin, even * sin + odd * cos], dim=-1)
+    return rotated.flatten(-2).to(x.dtype)
+
+
+def rotate_half(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE (Llama's layout) of (..., seq, dim) by the first `seq` rows of the tables."""
+    seq_len = x.shape[-2]
+    cos, sin = tables[0, :seq_len].to(x.dtype), tables[1, :seq_len].to(x.dtype)
+    half = x.shape[-1] // 2
+    return x * cos + torch.cat([-x[..., half:], x[..., :half]], dim=-1) * sin

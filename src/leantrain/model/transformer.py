@@ -1,4 +1,5 @@
-"""A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention through SDPA, tied or untied embeddings.
+"""A Llama-style decoder: RMSNorm, RoPE, SwiGLU, grouped-query attention through SDPA, tied or untied embeddings;
+with `model.mla` DeepSeek's multi-head latent attention (`leantrain.model.mla`) takes the attention's place.
 
 The model is built on the meta device and materialised by `init_weights` (see `build_model`), so a
 parallelize step can shard it before any memory is allocated; `leantrain.model.init` gives each parameter
@@ -18,24 +19,16 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from leantrain.errors import UserInputError
 from leantrain.model.init import init_buffers, init_parameters
 from leantrain.model.layers import FeedForward, ModelArgs, RMSNorm, rope_tables  # noqa: F401 (re-exported)
+from leantrain.model.mla import LatentAttention
 from leantrain.model.moe import MoE
-from leantrain.spec.hf_config import read_hf_config
+from leantrain.model.rope import rotate_half
+from leantrain.spec.hf_config import HFModelConfig, read_hf_config
 from leantrain.spec.schema import ModelSpec
 from leantrain.spec.shapes import ModelShape, resolve_shape
 
 Recompute = Literal["none", "selective", "full"]
-
-
-def apply_rope(x: torch.Tensor, tables: torch.Tensor) -> torch.Tensor:
-    """Rotate (batch, heads, seq, head_dim) by the first `seq` rows of the cos/sin tables."""
-    seq_len = x.shape[-2]
-    cos, sin = tables[0, :seq_len].to(x.dtype), tables[1, :seq_len].to(x.dtype)
-    half = x.shape[-1] // 2
-    rotated = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
-    return x * cos + rotated * sin
 
 
 class Attention(nn.Module):
@@ -57,7 +50,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)  # (b, h, s, hd)
         k = self.wk(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)  # (b, kv, s, hd)
         v = self.wv(x).view(batch, seq_len, -1, self.head_dim).transpose(1, 2)
-        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k = rotate_half(q, rope), rotate_half(k, rope)
         out = checkpoint(_causal_sdpa, q, k, v, use_reentrant=False) if self.recompute_core else _causal_sdpa(q, k, v)
         out = out.transpose(1, 2).reshape(batch, seq_len, -1)
         return self.wo(out)
@@ -73,7 +66,7 @@ class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs, *, layer_id: int) -> None:
         super().__init__()
         shape = args.shape
-        self.attention = Attention(shape)
+        self.attention: nn.Module = Attention(shape) if shape.mla is None else LatentAttention(args)
         self.attention_norm = RMSNorm(shape.d_model, eps=args.norm_eps)
         self.ffn_norm = RMSNorm(shape.d_model, eps=args.norm_eps)
         self.is_moe = shape.moe is not None and layer_id >= shape.moe.first_dense_layers
@@ -106,8 +99,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(shape.d_model, eps=args.norm_eps)
         # Tied embeddings reuse tok_embeddings.weight in forward: no second parameter to keep tied.
         self.output = None if shape.tie_embeddings else nn.Linear(shape.d_model, shape.vocab_size, bias=False)
-        head_dim = shape.head_dim
-        self.register_buffer("rope", torch.empty(2, args.max_seq_len, head_dim), persistent=False)
+        self.register_buffer("rope", torch.empty(2, args.max_seq_len, shape.rope_dim), persistent=False)
         self._aux_loss: torch.Tensor | None = None
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -161,15 +153,9 @@ class Transformer(nn.Module):
 
 def model_args_from_spec(model: ModelSpec, *, max_seq_len: int) -> ModelArgs:
     """ModelArgs from the spec's model section, with the planner's resolved shape (one source of truth)."""
-    if model.mla is not None:
-        raise UserInputError("model.mla (multi-head latent attention) is planning only: the trainer's attention is "
-                             "multi-head/grouped-query; drop model.mla to train (n_heads/n_kv_heads set its shape)")
     moe = model.moe
-    if model.init_from is not None:  # the checkpoint's config.json decides RoPE and the norm epsilon
-        config = read_hf_config(model.init_from)
-        return ModelArgs(shape=resolve_shape(model), rope_theta=config.rope_theta, norm_eps=config.norm_eps,
-                         max_seq_len=max_seq_len, balance="none", aux_loss_coef=0.0, bias_update_rate=0.0,
-                         rope_scaling=config.rope_scaling)
+    if model.init_from is not None:  # the checkpoint's config.json decides RoPE, the norm epsilon and routing
+        return args_from_config(read_hf_config(model.init_from), shape=resolve_shape(model), max_seq_len=max_seq_len)
     return ModelArgs(
         shape=resolve_shape(model),
         rope_theta=model.rope_theta,
@@ -179,7 +165,26 @@ def model_args_from_spec(model: ModelSpec, *, max_seq_len: int) -> ModelArgs:
         balance=moe.balance if moe else "none",
         aux_loss_coef=moe.aux_loss_coef if moe else 0.0,
         bias_update_rate=moe.bias_update_rate if moe else 0.0,
+        n_group=moe.n_group if moe else 1,
+        topk_group=moe.topk_group if moe else 1,
+        routed_scaling_factor=moe.routed_scaling_factor if moe else 1.0,
+        norm_topk_prob=moe.norm_topk_prob if moe else None,
     )
+
+
+def args_from_config(config: HFModelConfig, *, shape: ModelShape, max_seq_len: int) -> ModelArgs:
+    """ModelArgs for a model loaded from a Hugging Face config.json: its RoPE, epsilon and routing; no balancing
+    (a DeepSeek-V3 checkpoint's selection bias is loaded and used, and stays fixed)."""
+    experts = config.moe
+    routing = {} if experts is None else {
+        "router": experts.router, "balance": "aux_free" if experts.selection_bias else "none",
+        "n_group": experts.n_group, "topk_group": experts.topk_group, "group_score": experts.group_score,
+        "routed_scaling_factor": experts.routed_scaling_factor, "norm_topk_prob": experts.norm_topk_prob,
+    }
+    return ModelArgs(shape=shape, rope_theta=config.rope_theta, norm_eps=config.norm_eps, max_seq_len=max_seq_len,
+                     aux_loss_coef=0.0, bias_update_rate=0.0, rope_scaling=config.rope_scaling,
+                     rope_interleave=config.mla.rope_interleave if config.mla else True,
+                     **{"balance": "none", **routing})
 
 
 def build_model(args: ModelArgs, *, device: torch.device, seed: int | None = None) -> Transformer:

@@ -1,4 +1,5 @@
 """Tensor parallelism (Megatron-style, with DTensor): attention and MLP split over the `tp` axis.
+Multi-head latent attention splits its per-head up-projections and keeps its latents whole on each rank.
 
 Per block: wq/wk/wv and w1/w3 column-wise (each rank holds n_heads/tp heads and ffn_hidden/tp hidden
 units), wo and w2 row-wise (partial sums reduced). With sequence parallelism the residual stream between
@@ -24,10 +25,11 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -92,7 +94,7 @@ def _styles(block: nn.Module, *, float8_collectives: bool) -> tuple[type[Paralle
     gloo has no float8 dtypes: with sequence parallelism on gloo (CPU tests) the plain styles wrap the float8
     Linears, whose GEMMs still run in float8 on their DTensor shards, while the activations' all-gathers and
     reduce-scatters (forward and backward) stay in bf16; NCCL moves them in float8 (half the bytes)."""
-    if type(block.attention.wq).__name__ == "Float8Linear" and float8_collectives:  # type: ignore[union-attr]
+    if type(block.attention.wo).__name__ == "Float8Linear" and float8_collectives:  # type: ignore[union-attr]
         from torchao.float8.float8_tensor_parallel import (
             Float8ColwiseParallel,
             Float8RowwiseParallel,
@@ -106,12 +108,23 @@ def _styles(block: nn.Module, *, float8_collectives: bool) -> tuple[type[Paralle
 def _block_plan(block: nn.Module, *, sequence_parallel: bool, float8_collectives: bool) -> dict[str, ParallelStyle]:
     seq_layout = Shard(1) if sequence_parallel else Replicate()
     colwise, rowwise, prepare_input = _styles(block, float8_collectives=float8_collectives)
-    plan: dict[str, ParallelStyle] = {
-        "attention.wq": colwise(),
-        "attention.wk": colwise(),
-        "attention.wv": colwise(),
-        "attention.wo": rowwise(output_layouts=seq_layout),
-    }
+    if hasattr(block.attention, "wkv_a"):
+        # Multi-head latent attention (torchtitan's deepseek_v3 plan): the latents (wq_a, wkv_a and their norms)
+        # are computed whole on every rank, the up-projections split by heads, the output row-wise. The latents'
+        # gradients come back whole from the column-wise inputs' backward all-reduce, so every rank holds the same.
+        plan: dict[str, ParallelStyle] = {
+            "attention.wq": colwise(), "attention.wq_b": colwise(), "attention.wkv_b": colwise(),
+            "attention.wo": rowwise(output_layouts=seq_layout),
+            "attention.shared_rope_key": _SumGradient(),
+        }
+        plan = {key: style for key, style in plan.items() if _has(block, key)}
+    else:
+        plan = {
+            "attention.wq": colwise(),
+            "attention.wk": colwise(),
+            "attention.wv": colwise(),
+            "attention.wo": rowwise(output_layouts=seq_layout),
+        }
     if sequence_parallel:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
@@ -138,6 +151,27 @@ def _block_plan(block: nn.Module, *, sequence_parallel: bool, float8_collectives
             input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
         )
     return plan
+
+
+def _has(block: nn.Module, path: str) -> bool:
+    try:
+        block.get_submodule(path)
+    except AttributeError:
+        return False
+    return True
+
+
+class _SumGradient(ParallelStyle):
+    """Identity forward, all-reduce of the gradient over TP in backward (Megatron's copy-to-region "f"): for a
+    replicated activation that each rank's heads consume only in part (MLA's shared RoPE key)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def hook(_: nn.Module, inputs: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+            return tuple(DTensor.from_local(x, device_mesh, (Replicate(),), run_check=False).to_local(
+                grad_placements=(Partial(),)) for x in inputs)
+
+        module.register_forward_pre_hook(hook)
+        return module
 
 
 class _GatherThenSplit(ParallelStyle):

@@ -1,9 +1,12 @@
-"""Read a Hugging Face `config.json` (Llama, Mistral, Qwen2) into the fields of our model shape.
+"""Read a Hugging Face `config.json` (Llama, Mistral, Qwen2, DeepSeek-V2/V3) into the fields of our model shape.
 
 Pure JSON, no torch: `spec/shapes.py` calls `read_hf_config` when `model.init_from` is set, so the planner, the
 spec checks and the trainer all see the checkpoint's shape. What our model cannot express (sliding-window
 attention, YaRN/dynamic RoPE, MLP biases, a head_dim other than hidden_size / num_attention_heads) is refused
-with the file and the field named, never silently approximated.
+with the file and the field named, never silently approximated. DeepSeek-V2/V3 bring multi-head latent
+attention (`mla`) and their mixture of experts (`moe`, with the routing transformers' modeling code applies:
+V2 softmax scores, greedy or group-limited by the group's best score, no renormalisation; V3 sigmoid scores
+with the `e_score_correction_bias` for selection, groups ranked by their two best scores, `norm_topk_prob`).
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from typing import Any
 from leantrain.errors import UserInputError
 
 CONFIG_FILE = "config.json"
-SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                         "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
 # RoPE variants whose frequencies model/rope.py computes exactly as transformers does.
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 # Fields of ModelSpec that config.json decides; an explicit spec value must agree with it.
@@ -29,6 +34,36 @@ SHAPE_FIELDS = {
 
 class HFConfigError(UserInputError, ValueError):
     """config.json is missing, malformed, or describes a model this trainer cannot build."""
+
+
+@dataclass(frozen=True)
+class HFLatentAttention:
+    """DeepSeek's multi-head latent attention dimensions (q_lora_rank 0: a full-rank query projection)."""
+
+    q_lora_rank: int
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    rope_interleave: bool  # RoPE on interleaved pairs (DeepSeek's layout; V3's `rope_interleave`)
+
+
+@dataclass(frozen=True)
+class HFExperts:
+    """DeepSeek's mixture of experts and its routing, as transformers computes it."""
+
+    num_experts: int
+    top_k: int
+    num_shared_experts: int
+    expert_hidden: int
+    first_dense_layers: int
+    router: str  # softmax (V2) | sigmoid (V3)
+    selection_bias: bool  # V3: e_score_correction_bias added to the scores for selection only
+    n_group: int
+    topk_group: int
+    group_score: str  # max (V2 group_limited_greedy) | top2 (V3)
+    norm_topk_prob: bool
+    routed_scaling_factor: float
 
 
 @dataclass(frozen=True)
@@ -51,6 +86,9 @@ class HFModelConfig:
     rope_scaling: tuple[tuple[str, Any], ...] | None  # sorted (key, value) pairs; None for plain RoPE
     sliding_window: int | None
     raw: tuple[tuple[str, Any], ...]  # the JSON as sorted pairs (hashable), for export
+    mla: HFLatentAttention | None = None
+    moe: HFExperts | None = None
+    mtp_layers: int = 0  # DeepSeek-V3's multi-token-prediction layers after the last block (not loaded)
 
     @property
     def head_dim(self) -> int:
@@ -113,6 +151,9 @@ def _architecture(data: dict[str, Any], *, path: Path) -> str:
     if archs != [SUPPORTED_MODEL_TYPES[model_type]]:
         raise HFConfigError(f"{path}: field 'architectures' {archs!r} is not supported "
                             f"(expected [{SUPPORTED_MODEL_TYPES[model_type]!r}])")
+    if data.get("quantization_config"):
+        raise HFConfigError(f"{path}: field 'quantization_config' is set (e.g. DeepSeek-V3's fp8 block-scaled "
+                            "weights); dequantize the checkpoint to bf16 first")
     if data.get("mlp_bias") or (model_type != "qwen2" and data.get("attention_bias")):
         raise HFConfigError(f"{path}: fields 'attention_bias'/'mlp_bias' are set; only Qwen2's q/k/v biases are "
                             "supported")
@@ -128,12 +169,70 @@ def _sliding_window(data: dict[str, Any], model_type: str) -> int | None:
     return int(window) if isinstance(window, int) and not isinstance(window, bool) else None
 
 
+def _latent_attention(data: dict[str, Any], *, path: Path, n_heads: int) -> HFLatentAttention:
+    q_rank = data.get("q_lora_rank")
+    if q_rank is not None:
+        q_rank = _int_field(data, "q_lora_rank", path=path)
+    n_kv = data.get("num_key_value_heads", n_heads)
+    if n_kv != n_heads:
+        raise HFConfigError(f"{path}: field 'num_key_value_heads' ({n_kv}) must equal num_attention_heads "
+                            f"({n_heads}) for multi-head latent attention")
+    return HFLatentAttention(
+        q_lora_rank=q_rank or 0, kv_lora_rank=_int_field(data, "kv_lora_rank", path=path),
+        qk_nope_head_dim=_int_field(data, "qk_nope_head_dim", path=path),
+        qk_rope_head_dim=_int_field(data, "qk_rope_head_dim", path=path),
+        v_head_dim=_int_field(data, "v_head_dim", path=path),
+        rope_interleave=bool(data.get("rope_interleave", True)),
+    )
+
+
+def _deepseek_experts(data: dict[str, Any], *, path: Path, model_type: str, n_layers: int) -> HFExperts | None:
+    """The MoE of a DeepSeek config (None when every layer is dense)."""
+    first_dense = data.get("first_k_dense_replace", 0)
+    if not isinstance(first_dense, int) or first_dense < 0:
+        raise HFConfigError(f"{path}: field 'first_k_dense_replace' must be a non-negative integer")
+    if data.get("n_routed_experts") is None or first_dense >= n_layers:
+        return None
+    if data.get("moe_layer_freq", 1) != 1:
+        raise HFConfigError(f"{path}: field 'moe_layer_freq' {data.get('moe_layer_freq')!r} is not supported "
+                            "(every layer after first_k_dense_replace is MoE, as transformers builds it)")
+    experts = _int_field(data, "n_routed_experts", path=path)
+    n_group = _int_field(data, "n_group", path=path, default=1)
+    topk_group = _int_field(data, "topk_group", path=path, default=1)
+    v3 = model_type == "deepseek_v3"
+    method = data.get("topk_method", "noaux_tc" if v3 else "greedy")
+    allowed = ("noaux_tc",) if v3 else ("greedy", "group_limited_greedy")
+    if method not in allowed:
+        raise HFConfigError(f"{path}: field 'topk_method' {method!r} is not supported for {model_type} "
+                            f"(supported: {', '.join(allowed)})")
+    if method == "greedy":
+        n_group = topk_group = 1
+    if experts % n_group or topk_group > n_group:
+        raise HFConfigError(f"{path}: fields 'n_group' ({n_group}) and 'topk_group' ({topk_group}) must divide "
+                            f"n_routed_experts ({experts}) and be ordered")
+    scale = data.get("routed_scaling_factor", 1.0)
+    if isinstance(scale, bool) or not isinstance(scale, int | float) or scale <= 0:
+        raise HFConfigError(f"{path}: field 'routed_scaling_factor' must be a positive number, got {scale!r}")
+    return HFExperts(
+        num_experts=experts, top_k=_int_field(data, "num_experts_per_tok", path=path),
+        num_shared_experts=int(data.get("n_shared_experts") or 0),
+        expert_hidden=_int_field(data, "moe_intermediate_size", path=path), first_dense_layers=first_dense,
+        router="sigmoid" if v3 else "softmax", selection_bias=v3, n_group=n_group, topk_group=topk_group,
+        group_score="top2" if v3 else "max",
+        # transformers' DeepseekV2 never renormalises (its config field is unused); V3 follows the field.
+        norm_topk_prob=bool(data.get("norm_topk_prob", True)) if v3 else False,
+        routed_scaling_factor=float(scale),
+    )
+
+
 def read_hf_config(model_dir: Path | str) -> HFModelConfig:
     """Parse `model_dir/config.json`; HFConfigError names the file and the field on any problem."""
     path = Path(model_dir) / CONFIG_FILE
     data = _load_json(path)
     model_type = _architecture(data, path=path)
     d_model, n_heads = _int_field(data, "hidden_size", path=path), _int_field(data, "num_attention_heads", path=path)
+    if model_type in DEEPSEEK_TYPES:
+        return _read_deepseek(data, path=path, model_type=model_type, d_model=d_model, n_heads=n_heads)
     head_dim = data.get("head_dim") or d_model // n_heads
     if d_model % n_heads or head_dim != d_model // n_heads:
         raise HFConfigError(f"{path}: field 'head_dim' ({head_dim}) must equal hidden_size / num_attention_heads "
@@ -156,6 +255,25 @@ def read_hf_config(model_dir: Path | str) -> HFModelConfig:
         max_position_embeddings=_int_field(data, "max_position_embeddings", path=path, default=4096),
         rope_scaling=scaling, sliding_window=_sliding_window(data, model_type),
         raw=tuple(sorted((k, json.dumps(v)) for k, v in data.items())),
+    )
+
+
+def _read_deepseek(data: dict[str, Any], *, path: Path, model_type: str, d_model: int, n_heads: int) -> HFModelConfig:
+    n_layers = _int_field(data, "num_hidden_layers", path=path)
+    theta, scaling = _rope(data, path=path)
+    eps = data.get("rms_norm_eps", 1e-6)
+    if not isinstance(eps, int | float) or eps <= 0:
+        raise HFConfigError(f"{path}: field 'rms_norm_eps' must be a positive number, got {eps!r}")
+    return HFModelConfig(
+        path=path, model_type=model_type, n_layers=n_layers, d_model=d_model, n_heads=n_heads, n_kv_heads=n_heads,
+        ffn_hidden=_int_field(data, "intermediate_size", path=path),
+        vocab_size=_int_field(data, "vocab_size", path=path),
+        tie_embeddings=bool(data.get("tie_word_embeddings", False)), rope_theta=theta, norm_eps=float(eps),
+        qkv_bias=False, max_position_embeddings=_int_field(data, "max_position_embeddings", path=path, default=4096),
+        rope_scaling=scaling, sliding_window=None, raw=tuple(sorted((k, json.dumps(v)) for k, v in data.items())),
+        mla=_latent_attention(data, path=path, n_heads=n_heads),
+        moe=_deepseek_experts(data, path=path, model_type=model_type, n_layers=n_layers),
+        mtp_layers=int(data.get("num_nextn_predict_layers") or 0),
     )
 
 

@@ -38,11 +38,37 @@ class MoESpec(Section):
         None, gt=0, description="Token capacity per expert; None means dropless (no token is dropped)."
     )
     first_dense_layers: int = Field(0, ge=0, description="Leading layers that stay dense (DeepSeek style).")
+    n_group: PositiveInt = Field(
+        1, description="Expert groups for group-limited routing (DeepSeek-V2 §2.1.2 / V3 §2.1.2, the HF `n_group`): "
+        "a token first picks topk_group groups, then its top_k experts inside them; 1: no groups."
+    )
+    topk_group: PositiveInt = Field(1, description="Groups a token may use (HF `topk_group`; with n_group > 1).")
+    routed_scaling_factor: float = Field(
+        1.0, gt=0, description="Multiplier on the routed experts' weights (HF `routed_scaling_factor`; "
+        "DeepSeek-V3 2.5)."
+    )
+    norm_topk_prob: bool | None = Field(
+        None, description="Renormalise the top-k weights to sum to 1 (HF `norm_topk_prob`); default: yes when "
+        "top_k > 1 (top-1 keeps the raw score so the router still learns)."
+    )
+
+    @model_validator(mode="after")
+    def _groups_divide(self) -> MoESpec:
+        if self.num_experts % self.n_group:
+            raise ValueError(f"n_group ({self.n_group}) must divide num_experts ({self.num_experts})")
+        if self.topk_group > self.n_group:
+            raise ValueError(f"topk_group ({self.topk_group}) must be at most n_group ({self.n_group})")
+        if self.n_group > 1 and self.top_k > self.topk_group * (self.num_experts // self.n_group):
+            raise ValueError(f"top_k ({self.top_k}) exceeds the experts in topk_group groups "
+                             f"({self.topk_group} × {self.num_experts // self.n_group})")
+        return self
 
 
 class MLASpec(Section):
-    """DeepSeek multi-head latent attention (field names as DeepSeek's Hugging Face configs). Planning only:
-    the planner counts its parameters, FLOPs and activations; the trainer's attention is MHA/GQA."""
+    """DeepSeek multi-head latent attention (DeepSeek-V2 §2.1), trained and planned; names as DeepSeek's configs.
+
+    Queries and keys/values go through low-rank latents, with a decoupled RoPE part whose key is shared by all
+    heads (model/mla.py)."""
 
     q_lora_rank: int = Field(1536, ge=0, description="Query compression rank (0: a full-rank query projection).")
     kv_lora_rank: PositiveInt = Field(512, description="Joint key/value compression rank.")
@@ -76,7 +102,8 @@ class ModelSpec(Section):
     norm_eps: float = Field(1e-5, gt=0, description="RMSNorm epsilon.")
     moe: MoESpec | None = Field(None, description="Expert settings; required (defaults filled) for moe.")
     mla: MLASpec | None = Field(
-        None, description="Multi-head latent attention (DeepSeek-V2/V3) instead of MHA/GQA; planning only."
+        None, description="Multi-head latent attention (DeepSeek-V2/V3) instead of MHA/GQA (n_kv_heads is then "
+        "n_heads: every head has its own key and value, made from the shared latent)."
     )
     init_from: Path | None = Field(
         None,
@@ -120,8 +147,26 @@ class ModelSpec(Section):
         problems = shape_conflicts(config, {name: getattr(self, name) for name in self.model_fields_set})
         if problems:
             raise ValueError("; ".join(problems))
+        architecture = "moe" if config.moe is not None else "dense"
+        if "architecture" in self.model_fields_set and self.architecture != architecture:
+            raise ValueError(f"model.architecture is {self.architecture!r} but {config.path} describes a "
+                             f"{architecture} model (drop the field)")
+        self.__dict__["architecture"] = architecture
         for name in SHAPE_FIELDS:
             self.__dict__[name] = config.value(name)  # no re-validation, and not marked as set by the user
+        if config.mla is not None:
+            m = config.mla
+            self.__dict__["mla"] = MLASpec(q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,
+                                           qk_nope_head_dim=m.qk_nope_head_dim, qk_rope_head_dim=m.qk_rope_head_dim,
+                                           v_head_dim=m.v_head_dim)
+        if config.moe is not None:
+            e = config.moe
+            self.__dict__["moe"] = MoESpec(
+                num_experts=e.num_experts, top_k=e.top_k, num_shared_experts=e.num_shared_experts,
+                expert_hidden=e.expert_hidden, first_dense_layers=e.first_dense_layers, router=e.router,
+                balance="aux_free" if e.selection_bias else "none", aux_loss_coef=0.0, bias_update_rate=0.0,
+                n_group=e.n_group, topk_group=e.topk_group, routed_scaling_factor=e.routed_scaling_factor,
+                norm_topk_prob=e.norm_topk_prob)
         return self
 
 

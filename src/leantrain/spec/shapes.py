@@ -70,12 +70,17 @@ class ModelShape:
     moe: ResolvedMoE | None
     nominal_params: float  # size_billion × 1e9 when given, else the exact total
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
-    mla: ResolvedMLA | None = None  # DeepSeek's latent attention (planning only)
+    mla: ResolvedMLA | None = None  # DeepSeek's multi-head latent attention (model/mla.py)
     mlp: str = "swiglu"  # dense MLP: swiglu (w1, w2, w3) | gelu | squared_relu (w1, w2)
 
     @property
     def head_dim(self) -> int:
         return self.d_model // self.n_heads
+
+    @property
+    def rope_dim(self) -> int:
+        """Dimensions RoPE rotates per head: the head for MHA/GQA, MLA's decoupled qk_rope_head_dim."""
+        return self.head_dim if self.mla is None else self.mla.qk_rope_head_dim
 
     @property
     def kv_dim(self) -> int:
@@ -238,17 +243,22 @@ def resolve_shape(model: ModelSpec) -> ModelShape:
 
 @lru_cache(maxsize=64)
 def _resolve_hf(init_from: str, explicit_json: str, architecture: str, _stamp: int) -> ModelShape:
-    if architecture != "dense":
-        raise HFConfigError(f"model.architecture is {architecture!r}, but model.init_from loads dense checkpoints "
-                            "only (Llama, Mistral, Qwen2)")
     config = read_hf_config(init_from)
+    if architecture != ("moe" if config.moe else "dense"):
+        raise HFConfigError(f"model.architecture is {architecture!r}, but {config.path} describes a "
+                            f"{'mixture-of-experts' if config.moe else 'dense'} model (drop the field)")
     problems = shape_conflicts(config, json.loads(explicit_json))
     if problems:
         raise HFConfigError("; ".join(problems))
+    m, e = config.mla, config.moe
     shape = ModelShape(
         n_layers=config.n_layers, d_model=config.d_model, n_heads=config.n_heads, n_kv_heads=config.n_kv_heads,
         ffn_hidden=config.ffn_hidden, vocab_size=config.vocab_size, tie_embeddings=config.tie_embeddings,
-        moe=None, nominal_params=0.0, qkv_bias=config.qkv_bias,
+        moe=None if e is None else ResolvedMoE(e.num_experts, e.top_k, e.num_shared_experts, e.expert_hidden,
+                                               e.first_dense_layers),
+        nominal_params=0.0, qkv_bias=config.qkv_bias,
+        mla=None if m is None else ResolvedMLA(m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim,
+                                               m.qk_rope_head_dim, m.v_head_dim),
     )
     return _with_nominal(shape, float(shape.total_params()))
 
