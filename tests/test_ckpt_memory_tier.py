@@ -84,6 +84,9 @@ def test_sizing_counts_own_and_peer_copies_of_every_local_rank(tmp_path: Path) -
     shard = estimate_shard_bytes(app["model"])
     num_params = sum(p.numel() for p in app["model"].parameters())
     assert shard == num_params * (4 + 8)  # fp32 weights + AdamW's two fp32 moments
+    first = next(app["model"].parameters())
+    first.requires_grad_(False)  # a frozen (LoRA base) weight is not in the state the tier keeps
+    assert estimate_shard_bytes(app["model"]) == (num_params - first.numel()) * (4 + 8)
     assert capacity_problem(tmp_path, shard_bytes=shard, local_ranks=8) is None
     problem = capacity_problem(tmp_path / "not" / "yet", shard_bytes=2**50, local_ranks=8)
     assert problem is not None and "needs" in problem and "2 × " in problem and "8 local ranks" in problem

@@ -75,6 +75,8 @@ def test_real_two_rank_preflight_names_the_rank_with_a_mismatched_torch(tmp_path
         for key, value in env.items():
             mp.setenv(key, value)
         code = main(["launch", str(TINY), "--set", f"data.dir={tiny_data_dir(tmp_path / 'data')}",
+                     "--set", "checkpoint.memory_interval_steps=5",
+                     "--set", f"checkpoint.memory_dir={tmp_path / 'shm'}",
                      "--run-dir", str(run_dir), "--preflight", "--nproc", "2"])
     assert code == 1  # a check failed
     assert '"outcome": "failed"' in (run_dir / "audit.log").read_text()
@@ -87,6 +89,15 @@ def test_real_two_rank_preflight_names_the_rank_with_a_mismatched_torch(tmp_path
     assert all(c["ok"] and c["backend"] == "gloo" for c in report["collectives"].values())
     assert all(p["ok"] for p in report["probes"].values())
     assert all(f["data"]["ok"] and f["disk"]["ok"] for f in report["ranks"].values())
+    # the fast tier was sized on the node: two copies of a rank's state for each of its 2 local ranks
+    from leantrain.plan.planner import make_plan
+
+    plan = make_plan(load_spec(TINY, overrides=["checkpoint.memory_interval_steps=5"]))
+    for f in report["ranks"].values():
+        tier = f["fast_tier"]
+        assert tier["ok"] and tier["local_ranks"] == 2 and tier["path"] == str(tmp_path / "shm")
+        assert tier["shard_bytes"] == pytest.approx(plan["storage"]["checkpoint_bytes"])  # ZeRO-0: all of it
+        assert tier["need_bytes"] == int(2 * 2 * tier["shard_bytes"])
     host = report["ranks"]["1"]["host"]
     assert excluded_hosts(run_dir) == [host]
     assert read_health(run_dir)[host].ranks == [1]
@@ -111,3 +122,41 @@ def test_local_preflight_refuses_multi_node(tmp_path: Path) -> None:
     with pytest.raises(UserInputError, match="job files"):
         preflight_command(spec, console=Console(), spec_path=TINY, overrides=[], profile=None, run_dir=tmp_path,
                           nproc=2, nnodes="2")
+
+
+def test_the_fast_tier_is_sized_on_the_node(tmp_path: Path) -> None:
+    """checkpoint.memory_interval_steps: the node's memory_dir takes a file and holds 2 × local ranks × the plan's
+    state per rank, or the check fails naming the folder, both sizes and what would help."""
+    from leantrain.launch.preflight_worker import collect_facts, fast_tier_check
+    from leantrain.plan.planner import make_plan
+
+    spec = load_spec(TINY, overrides=["checkpoint.memory_interval_steps=5",
+                                      f"checkpoint.memory_dir={tmp_path / 'shm' / 'leantrain'}"])
+    assert fast_tier_check(load_spec(TINY), {}, local_ranks=2) is None  # the tier is off
+    plan = make_plan(spec)
+    tier = fast_tier_check(spec, plan, local_ranks=8)
+    assert tier is not None and tier["ok"] and (tmp_path / "shm" / "leantrain").is_dir()
+    assert tier["need_bytes"] == int(2 * 8 * plan["fast_tier"]["shard_bytes_per_rank"])
+    assert list((tmp_path / "shm" / "leantrain").iterdir()) == []  # the probe file is gone
+    huge = {**plan, "fast_tier": {**plan["fast_tier"], "shard_bytes_per_rank": 2.0**60}}
+    too_small = fast_tier_check(spec, huge, local_ranks=8)
+    assert too_small is not None and not too_small["ok"]
+    (tmp_path / "file").write_text("")
+    blocked = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(
+        update={"memory_dir": tmp_path / "file" / "shm"})})
+    unwritable = fast_tier_check(blocked, plan, local_ranks=2)
+    assert unwritable is not None and not unwritable["ok"] and "cannot write there" in unwritable["note"]
+
+    joined = {0: {**facts("a"), "fast_tier": tier}, 1: {**facts("b"), "fast_tier": too_small}}
+    probes, coll = ok_results([0, 1], 2)
+    report = analyze(joined=joined, expected_world_size=2, world_size=2, probes=probes, collectives=coll)
+    (problem,) = report["problems"]
+    assert problem.startswith(f"fast tier memory failed on rank 1 (b): checkpoint.memory_dir {tmp_path / 'shm'}")
+    assert "the fast tier needs" in problem and "× 8 local ranks" in problem and "cluster.k8s_shm_gb" in problem
+    assert list(report["bad_hosts"]) == ["b"]
+
+    with pytest.MonkeyPatch.context() as mp:  # what a rank reports, with its plan and its node's rank count
+        mp.setenv("LOCAL_WORLD_SIZE", "2")
+        reported = collect_facts(spec, tmp_path / "run", fakes={})
+    assert reported["fast_tier"]["ok"] and reported["fast_tier"]["local_ranks"] == 2
+    assert "fast_tier" not in collect_facts(load_spec(TINY), tmp_path / "run", fakes={})

@@ -41,10 +41,11 @@ import torch.distributed as dist
 
 from leantrain.ckpt.errors import one_line
 from leantrain.ckpt.memory_format import MAGIC, Encoded, decode, encode, fill_tree, read_verified, write_chunks
+from leantrain.plan.budget import FAST_TIER_COPIES
 
 log = logging.getLogger("leantrain.ckpt")
 STEP_FILE_RE = re.compile(r"^step-(\d{8})\.pt$")
-FILES_PER_SHARD = 2  # its own shard and the copy it holds for a peer
+FILES_PER_SHARD = FAST_TIER_COPIES  # its own shard and the copy it holds for a peer (the plan counts the same)
 
 
 def memory_root(memory_dir: Path, run_dir: Path) -> Path:
@@ -55,15 +56,16 @@ def memory_root(memory_dir: Path, run_dir: Path) -> Path:
 
 def estimate_shard_bytes(model: torch.nn.Module, *, optimizer_bytes_per_param: int = 8) -> int:
     """This rank's fast-tier shard before the first step (the optimizer's state does not exist yet): its local
-    parameters plus AdamW's two fp32 moments per trainable local element (an over-estimate for 8-bit states)."""
+    parameters plus AdamW's two fp32 moments per trainable local element (an over-estimate for 8-bit states).
+    Frozen parameters (a LoRA run's base) are not counted: the state dict leaves them out (ckpt/dcp_io.py)."""
     from torch.distributed.tensor import DTensor
 
     total = 0
     for param in model.parameters():
+        if not param.requires_grad:
+            continue
         local = param.to_local() if isinstance(param, DTensor) else param
-        total += local.numel() * local.element_size()
-        if param.requires_grad:
-            total += local.numel() * optimizer_bytes_per_param
+        total += local.numel() * (local.element_size() + optimizer_bytes_per_param)
     return total
 
 

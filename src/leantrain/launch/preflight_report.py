@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from leantrain.launch.health import record_failure
+from leantrain.plan.budget import FAST_TIER_COPIES
 from leantrain.security import write_private_text
 
 COMPARED_FIELDS = ("python", "torch", "cuda", "cudnn", "nccl", "driver", "leantrain", "packages_sha256")
@@ -22,10 +23,25 @@ RANK_CHECKS = (  # (name, how to read pass/fail from a rank's facts or results)
     ("disk free", lambda f, p, c: (f["disk"]["ok"], f"{f['disk']['free_bytes']} bytes free at {f['disk']['path']}, "
                                                      f"need {f['disk']['need_bytes']}"
                                                      + (f" ({f['disk']['note']})" if f["disk"].get("note") else ""))),
+    ("fast tier memory", lambda f, p, c: _fast_tier(f.get("fast_tier"))),
     ("data readable", lambda f, p, c: (f["data"]["ok"], f["data"].get("error", ""))),
     ("port to next rank", lambda f, p, c: (p.get("ok", False), p.get("error", ""))),
     ("all-reduce", lambda f, p, c: (True, "") if c is None else (c.get("ok", False), c.get("error", ""))),
 )
+
+
+def _fast_tier(tier: dict[str, Any] | None) -> tuple[bool, str]:
+    """The node's checkpoint.memory_dir holds the fast tier (passes when the tier is off)."""
+    if tier is None:
+        return True, ""
+    if tier.get("need_bytes") is None or tier.get("free_bytes") is None:
+        return bool(tier["ok"]), f"checkpoint.memory_dir {tier['path']}: {tier.get('note', 'unchecked')}"
+    gib = 2**30
+    return bool(tier["ok"]), (f"checkpoint.memory_dir {tier['path']} has {tier['free_bytes'] / gib:.1f} GiB free, "
+                              f"the fast tier needs {tier['need_bytes'] / gib:.1f} GiB on this node "
+                              f"({FAST_TIER_COPIES} × {tier['shard_bytes'] / gib:.2f} GiB per rank × "
+                              f"{tier['local_ranks']} local ranks); raise /dev/shm (cluster.k8s_shm_gb on "
+                              "Kubernetes) or point it at a larger node-local disk")
 
 
 def _mismatches(joined: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:

@@ -39,29 +39,68 @@ def _fakes(rank: int) -> dict[str, str]:
             if k.startswith(FAKE_PREFIX) and k != f"{FAKE_PREFIX}RANK"}
 
 
-def required_disk_bytes(spec: Any) -> int:
+def required_disk_bytes(spec: Any, plan: dict[str, Any] | None = None) -> int:
     """Room for the checkpoints the run keeps (keep_last + the one being written) when stored locally,
     or one staging copy for an object store. From plan.json's `storage.checkpoint_bytes`."""
     from leantrain.plan.planner import make_plan
 
-    one = float(make_plan(spec)["storage"]["checkpoint_bytes"])
+    one = float((plan or make_plan(spec))["storage"]["checkpoint_bytes"])
     copies = spec.checkpoint.keep_last + 1 if spec.checkpoint.storage == "local" else 1
     return int(one * copies)
 
 
-def _disk_check(spec: Any, run_dir: Path) -> dict[str, Any]:
+def _existing(path: Path) -> Path:
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
+
+
+def _disk_check(spec: Any, run_dir: Path, plan: dict[str, Any] | Exception) -> dict[str, Any]:
     target = Path(spec.checkpoint.url) if spec.checkpoint.storage == "local" and spec.checkpoint.url else run_dir
-    probe = target
-    while not probe.exists() and probe != probe.parent:
-        probe = probe.parent
-    free = shutil.disk_usage(probe).free
-    try:
-        need = required_disk_bytes(spec)
-    except Exception as err:  # the planner is another stage: report its failure with the disk numbers
+    free = shutil.disk_usage(_existing(target)).free
+    if isinstance(plan, Exception):  # the planner is another stage: report its failure with the disk numbers
         # An unverified disk is not a passed check: a full disk is found hours later, at the first save.
         return {"path": str(target), "free_bytes": free, "need_bytes": None, "ok": False,
-                "note": f"cannot size the planned checkpoints ({err}); free space unverified"}
+                "note": f"cannot size the planned checkpoints ({plan}); free space unverified"}
+    need = required_disk_bytes(spec, plan)
     return {"path": str(target), "free_bytes": free, "need_bytes": need, "ok": free >= need}
+
+
+def fast_tier_check(spec: Any, plan: dict[str, Any] | Exception, *, local_ranks: int) -> dict[str, Any] | None:
+    """With `checkpoint.memory_interval_steps`: this node's `checkpoint.memory_dir` (tmpfs, /dev/shm by default)
+    takes a file (created, written, removed) and has room for the fast tier: plan.json's state per rank ×
+    FAST_TIER_COPIES × the ranks on this node (ckpt/memory_tier.py, which sizes it again at start and turns
+    the tier off when it does not fit). None when the tier is off."""
+    if spec.checkpoint.memory_interval_steps is None:
+        return None
+    from leantrain.plan.budget import FAST_TIER_COPIES
+
+    folder = Path(spec.checkpoint.memory_dir)
+    out: dict[str, Any] = {"path": str(folder), "local_ranks": local_ranks}
+    try:
+        folder.mkdir(parents=True, exist_ok=True, mode=0o700)
+        probe = folder / f".leantrain-preflight-{os.getpid()}"
+        probe.write_bytes(b"x" * 4096)
+        probe.unlink()
+        out["free_bytes"] = shutil.disk_usage(folder).free
+    except OSError as err:
+        return {**out, "free_bytes": None, "need_bytes": None, "ok": False,
+                "note": f"cannot write there: {err.strerror or err}"}
+    if isinstance(plan, Exception):
+        return {**out, "need_bytes": None, "ok": False, "note": f"cannot size the fast tier ({plan})"}
+    shard = float(plan["fast_tier"]["shard_bytes_per_rank"])
+    out.update(shard_bytes=shard, need_bytes=int(FAST_TIER_COPIES * shard * local_ranks))
+    out["ok"] = out["free_bytes"] >= out["need_bytes"]
+    return out
+
+
+def _plan_or_error(spec: Any) -> dict[str, Any] | Exception:
+    from leantrain.plan.planner import make_plan
+
+    try:
+        return make_plan(spec)
+    except Exception as err:  # noqa: BLE001 - a planner failure is a finding of the checks that need it
+        return err
 
 
 def _data_check(spec: Any) -> dict[str, Any]:
@@ -100,7 +139,11 @@ def collect_facts(spec: Any, run_dir: Path, *, fakes: dict[str, str]) -> dict[st
     except OSError as err:
         facts["addr"], facts["resolves"] = None, False
         facts["resolve_error"] = str(err)
-    facts["disk"] = _disk_check(spec, run_dir)
+    plan = _plan_or_error(spec)
+    facts["disk"] = _disk_check(spec, run_dir, plan)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if (tier := fast_tier_check(spec, plan, local_ranks=local_ranks)) is not None:
+        facts["fast_tier"] = tier
     facts["data"] = _data_check(spec)
     for key, value in fakes.items():
         if key in COMPARED_FIELDS:

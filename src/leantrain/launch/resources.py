@@ -16,10 +16,11 @@ from typing import Any
 
 from leantrain.errors import UserInputError
 from leantrain.hardware import get_accelerator
+from leantrain.plan.budget import HOST_MEMORY_GB_PER_GPU
 from leantrain.spec import JobSpec
 
 DEFAULT_CPUS_PER_GPU = 8
-DEFAULT_MEMORY_GB_PER_GPU = 64
+DEFAULT_MEMORY_GB_PER_GPU = HOST_MEMORY_GB_PER_GPU  # the plan sizes the fast tier against the same default
 # torchrun's elastic restarts are flaky when new workers reuse the shared rendezvous store (dead workers'
 # addresses linger there): a store per restart attempt fixed it on gloo.
 # KINETO_LOG_LEVEL 6 (above kineto's USDT level 5): the profiler behind comm_s (parallel/comm.py) prints two

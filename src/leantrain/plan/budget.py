@@ -24,12 +24,18 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from leantrain.hardware import GB
+from leantrain.hardware import GB, GiB
 from leantrain.plan.finetune import adapter_params
 from leantrain.plan.inputs import HOST_COPY_BYTES_S, PlanInputs
+from leantrain.plan.layout import Layout
+from leantrain.plan.memory import checkpointed_state_bytes
 from leantrain.spec.schema import JobSpec
 
 SECONDS_PER_DAY = 86400.0
+HOST_MEMORY_GB_PER_GPU = 64  # cluster.memory_gb_per_node's default per GPU (what the job files request)
+FAST_TIER_COPIES = 2  # the fast tier keeps a rank's own shard and the copy it holds for a peer (ckpt/memory_tier.py)
+TMPFS_SHARE_OF_MEMORY = 0.5  # Linux mounts /dev/shm at half the host's memory unless told otherwise
+TMPFS_ROOTS = ("/dev/shm", "/run/shm")
 LLAMA3_INTERRUPTIONS = 419
 LLAMA3_DAYS = 54
 LLAMA3_GPUS = 16384
@@ -179,3 +185,37 @@ def checkpoint_interval(spec: JobSpec, inputs: PlanInputs, *, num_gpus: int, ste
         "failures_per_gpu_day": rate,
         "expected_goodput": max(0.0, goodput),
     }
+
+
+def fast_tier(spec: JobSpec, inputs: PlanInputs, layout: Layout) -> dict[str, object]:
+    """The fast tier's memory per node (`checkpoint.memory_interval_steps`): FAST_TIER_COPIES × local ranks ×
+    the heaviest rank's checkpointed state, against the node. On tmpfs (`checkpoint.memory_dir` under /dev/shm,
+    the default) that is host memory: at most the default tmpfs size (half of `cluster.memory_gb_per_node`,
+    default 64 GiB per GPU) and, on Kubernetes, the /dev/shm volume (`cluster.k8s_shm_gb`). A memory_dir on a
+    node-local disk is for the preflight to check on the node. `problems` say what does not fit and what would."""
+    ck, cluster = spec.checkpoint, spec.cluster
+    if ck.memory_interval_steps is None:
+        return {"enabled": False}
+    local_ranks = min(inputs.gpus_per_node, layout.num_gpus)
+    shard = checkpointed_state_bytes(inputs, layout)
+    need = FAST_TIER_COPIES * local_ranks * shard
+    out: dict[str, object] = {"enabled": True, "memory_dir": str(ck.memory_dir), "shard_bytes_per_rank": shard,
+                              "local_ranks": local_ranks, "bytes_per_node": need, "problems": []}
+    if not str(ck.memory_dir).startswith(TMPFS_ROOTS):
+        out.update(kind="disk", fits=None)
+        return out
+    host = (cluster.memory_gb_per_node or HOST_MEMORY_GB_PER_GPU * inputs.gpus_per_node) * GiB
+    tmpfs, k8s_shm = host * TMPFS_SHARE_OF_MEMORY, cluster.k8s_shm_gb * GiB
+    problems: list[str] = []
+    what = (f"the fast tier needs {need / GiB:.1f} GiB of host memory per node ({FAST_TIER_COPIES} × "
+            f"{shard / GiB:.2f} GiB state per rank × {local_ranks} ranks in {ck.memory_dir})")
+    if need > tmpfs:
+        problems.append(f"{what}, more than the default tmpfs holds on a node with {host / GiB:.0f} GiB "
+                        f"(half of it): raise cluster.memory_gb_per_node (and /dev/shm's size), put "
+                        f"checkpoint.memory_dir on a node-local disk, or shard the state over more GPUs")
+    if need > k8s_shm:
+        problems.append(f"{what}, more than the Kubernetes /dev/shm volume (cluster.k8s_shm_gb: "
+                        f"{cluster.k8s_shm_gb}): raise it to at least {math.ceil(need / GiB)}")
+    out.update(kind="tmpfs", host_memory_bytes_per_node=host, tmpfs_bytes=tmpfs, k8s_shm_bytes=k8s_shm,
+               fits_tmpfs=need <= tmpfs, fits_k8s_shm=need <= k8s_shm, fits=not problems, problems=problems)
+    return out

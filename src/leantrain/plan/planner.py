@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from leantrain.plan.budget import SECONDS_PER_DAY, Budget, checkpoint_interval, make_budget, storage
+from leantrain.plan.budget import SECONDS_PER_DAY, Budget, checkpoint_interval, fast_tier, make_budget, storage
 from leantrain.plan.goodput import whole_run
 from leantrain.plan.inputs import PlanInputs, plan_inputs, sequences_per_step
 from leantrain.plan.layout import layout_from_spec
@@ -39,6 +39,7 @@ class Plan:
     notes: list[str] = field(default_factory=list)
     run: dict[str, Any] = field(default_factory=dict)  # whole-run time with goodput (plan/goodput.py)
     calibration: dict[str, Any] | None = None  # constants fitted to earlier runs (plan/calibrate.py)
+    fast_tier: dict[str, Any] = field(default_factory=dict)  # the fast tier's memory per node (plan/budget.py)
 
     @property
     def fits(self) -> bool:
@@ -107,12 +108,13 @@ class Plan:
                                            "optimizer": t.optimizer_s}},
             "storage": self.storage,
             "checkpoint": self.checkpoint,
+            "fast_tier": self.fast_tier,
             "alternatives": [_candidate_json(c) for c in self.search.ranked],
             "search": {"evaluated": self.search.num_evaluated, "rejected": self.search.rejected,
                        "suggestions": self.search.suggestions},
             "what_if": self.what_if,
             "notes": self.notes,
-            "warnings": self.run.get("warnings", []),
+            "warnings": [*self.run.get("warnings", []), *self.fast_tier.get("problems", [])],
             "calibration": self.calibration,
         }
 
@@ -170,7 +172,8 @@ def build_plan(spec: JobSpec) -> Plan:
     run = whole_run(spec, inputs, num_gpus=gpus, step_s=chosen.time.step_s, tokens_per_s=chosen.time.tokens_per_s,
                     num_microbatches=chosen.layout.num_microbatches(sequences_per_step(inputs)), checkpoint=ckpt)
     return Plan(spec=spec, inputs=inputs, budget=budget, layout_gpus=gpus, chosen=chosen, layout_source=source,
-                search=search, storage=storage(spec, inputs), checkpoint=ckpt, notes=notes, run=run)
+                search=search, storage=storage(spec, inputs), checkpoint=ckpt, notes=notes, run=run,
+                fast_tier=fast_tier(spec, inputs, chosen.layout))
 
 
 def what_if_rows(plan: Plan, gpu_counts: list[int]) -> list[dict[str, Any]]:

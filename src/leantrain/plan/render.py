@@ -9,6 +9,7 @@ from rich.console import Console
 from rich.table import Table
 
 from leantrain.hardware import GiB
+from leantrain.plan.budget import FAST_TIER_COPIES
 from leantrain.plan.planner import Plan
 from leantrain.render import human_count, human_days, human_money, plural
 
@@ -115,6 +116,12 @@ def _render_storage(data: dict[str, Any], *, console: Console) -> None:
                   f"blocks {k['blocking_s']:.1f} s")
     other.add_row("failures", f"MTBF {k['mtbf_s'] / 3600:.1f} h at {k['failures_per_gpu_day']:.2e}/GPU-day; "
                   f"expected goodput {k['expected_goodput']:.1%}")
+    tier = data.get("fast_tier") or {}
+    if tier.get("enabled"):
+        where = {True: "fits", False: "DOES NOT FIT", None: "disk: checked by launch --preflight"}[tier["fits"]]
+        other.add_row("fast tier", f"{_si(tier['bytes_per_node'], 'B')} per node in {tier['memory_dir']} "
+                      f"({FAST_TIER_COPIES} × {_si(tier['shard_bytes_per_rank'], 'B')} × {tier['local_ranks']} "
+                      f"ranks): {where}")
     console.print(other)
 
 
