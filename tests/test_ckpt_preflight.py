@@ -119,3 +119,70 @@ def test_wrong_credentials_are_one_line(tmp_path: Path, s3_env: str, monkeypatch
     monkeypatch.setenv("LT_TEST_S3_KEY", "not-a-known-key")
     with pytest.raises(UserInputError, match=r"s3://ckpt-bucket/runs/demo: bucket exists failed: PermissionError"):
         preflight_storage(s3_spec(s3_env), run_dir=tmp_path)
+
+
+def data_url_spec(endpoint: str, url: str = "s3://data-bucket/prepared") -> object:
+    return make_spec(cluster={"data_url": url, "data_endpoint_url": endpoint})
+
+
+@pytest.fixture
+def data_env(s3_env: str, monkeypatch: pytest.MonkeyPatch) -> str:
+    """The data store reads its credentials from the environment, as the staging copy does (s3fs)."""
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "testing-key")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "testing-secret")
+    return s3_env
+
+
+def test_the_data_store_is_probed_read_only_naming_url_operation_and_cause(tmp_path: Path, data_env: str) -> None:
+    from leantrain.ckpt.preflight import data_store
+
+    spec = data_url_spec(data_env)
+    assert preflight_storage(spec, run_dir=tmp_path) >= 0  # only the checkpoint store unless asked
+    with pytest.raises(UserInputError) as refused:
+        preflight_storage(spec, run_dir=tmp_path, data=True)
+    message = str(refused.value)
+    assert message.startswith("data store s3://data-bucket/prepared (cluster.data_url): bucket exists failed")
+    assert "bucket 'data-bucket' does not exist (create it, or fix cluster.data_url)" in message
+    store = data_store("s3://data-bucket/prepared", endpoint_url=data_env)
+    store.fs.mkdir("data-bucket")
+    with pytest.raises(UserInputError, match=r"\(cluster.data_url\): read manifest.json failed: FileNotFoundError: "
+                                             r"no manifest.json there"):
+        preflight_storage(spec, run_dir=tmp_path, data=True)
+    store.write_bytes("manifest.json", b"{}")
+    assert preflight_storage(spec, run_dir=tmp_path, data=True) >= 0
+    assert store.list_dir("") == ["manifest.json"]  # nothing written to the data store
+
+
+def test_a_dead_data_endpoint_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from leantrain.ckpt.preflight import probe_data_store
+
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", "k")
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "s")
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with pytest.raises(UserInputError) as refused:
+        probe_data_store("s3://data-bucket/prepared", endpoint_url=f"http://127.0.0.1:{port}")
+    message = str(refused.value)
+    assert message.startswith("data store s3://data-bucket/prepared (cluster.data_url): bucket exists")
+    assert "\n" not in message and ("EndpointConnectionError" in message or "did not answer" in message)
+
+
+def test_launch_and_the_staging_step_refuse_a_missing_data_bucket(
+    tmp_path: Path, data_env: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from leantrain.cli import main
+    from leantrain.launch import staging
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    sets = ["--set", "cluster.data_url=s3://nope/data", "--set", f"cluster.data_endpoint_url={data_env}",
+            "--set", f"data.dir={tmp_path / 'data'}"]
+    for mode in (["--preflight"], ["--nproc", "2"]):
+        code = main(["launch", str(examples / "tiny-cpu.yaml"), "--run-dir", str(tmp_path / "run"), *sets, *mode])
+        assert code == 2
+        err = capsys.readouterr().err
+        assert "data store s3://nope/data (cluster.data_url): bucket exists failed" in err and "Traceback" not in err
+    assert not (tmp_path / "data").exists()  # nothing was staged
+    assert staging.main(["s3://nope/data", str(tmp_path / "staged"), "--endpoint-url", data_env]) == 2
+    out = capsys.readouterr().out
+    assert "staging failed: data store s3://nope/data (cluster.data_url): bucket exists failed" in out

@@ -105,9 +105,11 @@ def run(
             _print_k8s_setup(spec, path=path, console=console)
         return
     if preflight:
+        from leantrain.ckpt.preflight import preflight_storage
         from leantrain.launch.preflight import preflight_command
 
         make_private_dir(run_dir, owner_only=spec.security.owner_only)
+        preflight_storage(spec, run_dir=run_dir, data=True)  # the stores first: one line, exit 2
         staged = ensure_local_data(spec)
         if staged is not None:
             console.print(f"staged {spec.cluster.data_url} → {spec.data.dir} "
@@ -184,7 +186,7 @@ def _launch_leased(
     make_private_dir(run_dir, owner_only=spec.security.owner_only)
     from leantrain.ckpt.preflight import preflight_storage
 
-    preflight_storage(spec, run_dir=run_dir)  # before any rank starts: a broken store is exit 2 here
+    preflight_storage(spec, run_dir=run_dir, data=True)  # before any rank starts: a broken store is exit 2 here
     _stage_data(spec, console=console)
     failed_ranks: list[int] = []
     received: list[str] = []

@@ -170,6 +170,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     options = {"endpoint_url": args.endpoint_url} if args.endpoint_url else {}
     try:
+        if is_remote(args.url):  # a dead endpoint or a missing bucket: one line in seconds (ckpt/preflight.py)
+            from leantrain.ckpt.preflight import probe_data_store
+
+            probe_data_store(args.url, endpoint_url=args.endpoint_url)
         result = stage_data(args.url, args.dest, storage_options=options, verify_all=args.verify_all)
     except (UserInputError, CheckFailed) as err:
         print(f"staging failed: {err}")
