@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -60,6 +61,9 @@ def test_demo_runs_and_reports_each_stage(tmp_path: Path, capsys: pytest.Capture
     assert "spec valid" in out
     for stage in ("plan", "prepare", "train", "validate", "report"):
         assert stage in out
+    drill = json.loads((tmp_path / "demo" / "run" / "drill.json").read_text())
+    assert drill["passed"] and drill["reference_reused"]  # the train stage's run is the drill's reference
+    assert drill["reference_dir"] == str((tmp_path / "demo" / "run").resolve())
 
 
 def test_alert_rules_command_writes_prometheus_rules(tmp_path: Path) -> None:

@@ -141,3 +141,65 @@ def test_progress_lines_while_a_drill_run_trains(tmp_path: Path, monkeypatch: py
     text = out.file.getvalue()
     assert "drill: faulted run at step 6 of 40" in text
     assert "drill: faulted run at step 3 of 40 (restarted from a checkpoint)" in text
+
+
+def _finished_run(run_dir: Path, spec: Any, *, losses: list[tuple[int, float]], world_size: int = 2,
+                  events: list[dict[str, Any]] | None = None) -> Path:
+    import yaml
+
+    write_run(run_dir, losses, events=events)
+    (run_dir / "spec.yaml").write_text(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
+    (run_dir / "train_info.json").write_text(json.dumps({"world_size": world_size, "max_steps": losses[-1][0]}))
+    return run_dir
+
+
+def test_a_finished_run_of_the_same_training_can_be_the_reference(tmp_path: Path) -> None:
+    from leantrain.golive.drill import reusable_reference
+
+    spec = _spec(tmp_path)
+    same = _finished_run(tmp_path / "same", spec, losses=REFERENCE)
+    assert reusable_reference(same, spec=spec, nproc=2, max_steps=6) is None
+    # what does not decide a loss may differ (the drill's own checkpoint cadence and run dir)
+    other_dir = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"interval_steps": 3})})
+    assert reusable_reference(same, spec=other_dir, nproc=2, max_steps=6) is None
+    lr = spec.model_copy(update={"training": spec.training.model_copy(update={"lr": 1e-4})})
+    assert "differs in training" in reusable_reference(same, spec=lr, nproc=2, max_steps=6)
+    assert "on 2 ranks, the drill needs 6 on 4" in reusable_reference(same, spec=spec, nproc=4, max_steps=6)
+    short = _finished_run(tmp_path / "short", spec, losses=REFERENCE[:4])
+    assert "ran 4 steps" in reusable_reference(short, spec=spec, nproc=2, max_steps=6)
+    restarted = _finished_run(tmp_path / "restarted", spec, losses=REFERENCE, events=[RESTART])
+    assert "restarted" in reusable_reference(restarted, spec=spec, nproc=2, max_steps=6)
+    assert "no finished run" in reusable_reference(tmp_path / "nothing", spec=spec, nproc=2, max_steps=6)
+
+
+@pytest.mark.parametrize("reusable", [True, False])
+def test_the_drill_launches_only_the_faulted_run_when_it_reuses_the_reference(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reusable: bool
+) -> None:
+    """With a reusable reference one torchrun launch (the faulted run) instead of two; otherwise both."""
+    spec = _spec(tmp_path).model_copy(deep=True)
+    spec.data.dir = tmp_path / "data"
+    spec.data.dir.mkdir()
+    (spec.data.dir / "manifest.json").write_text("{}")  # the drill prepares no data
+    steps = [(s, 4.0 - 0.01 * s) for s in range(5, 61, 5)]
+    train_run = _finished_run(tmp_path / "run", spec, losses=steps, world_size=2 if reusable else 1)
+    launched: list[str] = []
+
+    def fake_launch(spec: Any, *, train: Any, run_dir: Path, **_: Any) -> int:
+        launched.append(run_dir.name)
+        faulted = run_dir.name == "faulted"
+        write_run(run_dir, steps[:5] + steps[3:] if faulted else steps,
+                  events=[{**RESTART, "resumed_from": 20}] if faulted else [], marker=faulted)
+        return 0
+
+    monkeypatch.setattr(drill, "launch_local", fake_launch)
+    out = Console(file=None, record=True, width=200)
+    result = drill.run_drill(spec, spec_path=tmp_path / "s.yaml", overrides=[], profile=None, run_dir=train_run,
+                             kill_at=22, during_save=False, corrupt_latest=False, console=out,
+                             reference_run=train_run)
+    assert result["passed"], result["reason"]
+    assert launched == (["faulted"] if reusable else ["reference", "faulted"])
+    assert result["reference_reused"] is reusable
+    assert result["reference_dir"] == str(train_run.resolve() if reusable else train_run / "drill" / "reference")
+    drill.render(result, console=out)
+    assert ("reference reused" in out.export_text()) is reusable

@@ -12,9 +12,14 @@ then compares every logged loss of the faulted run (the steps logged before the 
 it included) with the reference: bit for bit when `training.deterministic` (same world size, so the same
 reduction order), else within `LOSS_TOLERANCE_NONDETERMINISTIC`.
 
+A finished run of the same training (`reference_run`: the sections that decide the losses equal, same world
+size and steps, no restart, no fault) can stand in for the reference run: `make demo` drills right after its
+own 2-rank training, so it reuses that run instead of training it a second time (one launch less: the drill's
+time is mostly process start-up and imports). Anything that does not match is said and the reference is run.
+
 Output: RUN_DIR/drill.json (docs/observe.md: passed, reason, recovery_s, steps_lost, goodput, max_loss_diff,
-num_kills, plus the drill's settings), the two runs under RUN_DIR/drill/{reference,faulted}/ (cleared at
-start). The faulted run's events.jsonl holds the `restart` event (planned: true). Each run has its own
+num_kills, plus the drill's settings and `reference_dir`), the runs under RUN_DIR/drill/{reference,faulted}/
+(cleared at start). The faulted run's events.jsonl holds the `restart` event (planned: true). Each run has its own
 checkpoint location (`drill_checkpoint_url`): with `checkpoint.url` set, the drill never reads or writes the
 job's checkpoints.
 
@@ -62,16 +67,21 @@ KILL_RANK = 1  # not rank 0: the survivor that writes metrics must be torn down 
 LOSS_TOLERANCE_NONDETERMINISTIC = 1e-2  # relative, for specs without training.deterministic
 LAUNCH_TIMEOUT_S = 600.0
 PROGRESS_EVERY_S = 15.0  # a drill run trains for minutes on a CPU: say where it is
+# The spec sections that decide a run's losses: a reused reference must equal the drill's in all of them
+# (checkpoint cadence, fault handling, monitoring, run dir and cluster do not change a loss: the drill itself
+# proves that a resumed run matches bit for bit).
+LOSS_SECTIONS = ("task", "model", "finetune", "parallelism", "precision", "data", "training", "hardware")
 
 
 def run(
     *, console: Console, spec: JobSpec, spec_path: Path, overrides: list[str], profile: str | None,
     run_dir: Path | None, kill_at: int | None, during_save: bool, corrupt_latest: bool,
+    reference_run: Path | None = None,
 ) -> dict[str, Any]:
     """The CLI entry point: run the drill, print the verdict, raise CheckFailed when it did not pass."""
     result = run_drill(spec, spec_path=spec_path, overrides=overrides, profile=profile,
                        run_dir=Path(run_dir or spec.run.dir), kill_at=kill_at, during_save=during_save,
-                       corrupt_latest=corrupt_latest, console=console)
+                       corrupt_latest=corrupt_latest, console=console, reference_run=reference_run)
     render(result, console=console)
     if not result["passed"]:
         raise CheckFailed(f"fault drill failed: {result['reason']} (details in {result['drill_file']})")
@@ -79,10 +89,12 @@ def run(
 
 
 def demo_stage(ctx: DemoContext) -> str:
-    """Drill the demo spec: kill rank 1 at a random step after the first checkpoint."""
+    """Drill the demo spec: kill rank 1 at a random step after the first checkpoint, against the run the demo's
+    train stage just finished (the same spec on the same 2 ranks) as the reference."""
     spec = ctx.spec()
     result = run(console=ctx.console, spec=spec, spec_path=ctx.spec_path, overrides=list(ctx.overrides),
-                 profile=None, run_dir=Path(spec.run.dir), kill_at=None, during_save=False, corrupt_latest=False)
+                 profile=None, run_dir=Path(spec.run.dir), kill_at=None, during_save=False, corrupt_latest=False,
+                 reference_run=Path(spec.run.dir))
     return summary(result)
 
 
@@ -201,9 +213,10 @@ def _add_memory_tier(result: dict[str, Any], **analysis: Any) -> None:
 def run_drill(
     spec: JobSpec, *, spec_path: Path, overrides: list[str], profile: str | None, run_dir: Path,
     kill_at: int | None, during_save: bool, corrupt_latest: bool, console: Console, nproc: int = NUM_RANKS,
-    seed: int | None = None,
+    seed: int | None = None, reference_run: Path | None = None,
 ) -> dict[str, Any]:
-    """Run reference and faulted trainings, compare them, write RUN_DIR/drill.json; returns its content."""
+    """Run reference and faulted trainings, compare them, write RUN_DIR/drill.json; returns its content.
+    `reference_run`: a finished run to use as the reference when it is the same training (`reusable_reference`)."""
     _ensure_data(spec, console)
     max_steps = spec.training.max_steps or max(1, round(spec.data.tokens_total / spec.training.global_batch_tokens))
     if max_steps < 3:
@@ -223,12 +236,23 @@ def run_drill(
         *_tier_overrides(spec, drill_dir=drill_dir, name=name))) for name in names}
     faults = {"reference": None, "faulted": plan, MEMORY_RUN: dataclasses.replace(plan, lose_node=True)}
     max_restarts = max(1, spec.fault.max_restarts)
+    reference_dir = drill_dir / "reference"
+    runs: dict[str, dict[str, Any]] = {}
+    if reference_run is not None:
+        why_not = reusable_reference(Path(reference_run), spec=spec, nproc=nproc, max_steps=max_steps)
+        if why_not is None:
+            reference_dir = Path(reference_run).resolve()
+            runs["reference"] = {"exit_code": 0, "wall_s": None, "reused": str(reference_dir)}
+            names = tuple(n for n in names if n != "reference")
+            console.print(f"drill: reference = the finished run in {reference_dir} (same training, {nproc} ranks, "
+                          f"{max_steps} steps, no restart)", highlight=False)
+        else:
+            console.print(f"drill: {reference_run} cannot be the reference ({why_not}); running one", highlight=False)
     console.print(f"drill: {nproc} ranks, {max_steps} steps, checkpoint every {interval}; kill rank "
                   f"{plan.kill_rank} at step {step}{' mid-save' if during_save else ''}"
                   f"{', corrupting the newest checkpoint first' if corrupt_latest else ''}; up to {max_restarts} "
                   f"restart(s)")
     logs = Console(file=io.StringIO(), width=160)
-    runs: dict[str, dict[str, Any]] = {}
     for name in names:
         start, fault = time.monotonic(), faults[name]
         restarts = 0 if fault is None else max_restarts
@@ -238,16 +262,17 @@ def run_drill(
                                 max_restarts=restarts, console=logs, timeout_s=LAUNCH_TIMEOUT_S)
         runs[name] = {"exit_code": code, "wall_s": time.monotonic() - start}
         console.print(f"drill: {name} run exit code {code} in {runs[name]['wall_s']:.1f} s")
-    result = analyse(reference_dir=drill_dir / "reference", faulted_dir=drill_dir / "faulted", plan=plan,
+    result = analyse(reference_dir=reference_dir, faulted_dir=drill_dir / "faulted", plan=plan,
                      max_steps=max_steps, deterministic=spec.training.deterministic, runs=runs,
                      corrupt_latest=corrupt_latest)
     if MEMORY_RUN in runs:
-        _add_memory_tier(result, reference_dir=drill_dir / "reference", faulted_dir=drill_dir / MEMORY_RUN,
+        _add_memory_tier(result, reference_dir=reference_dir, faulted_dir=drill_dir / MEMORY_RUN,
                          plan=plan, max_steps=max_steps, deterministic=spec.training.deterministic, runs=runs,
                          corrupt_latest=corrupt_latest)
     result.update({"kill_at": step, "kill_rank": plan.kill_rank, "during_save": during_save,
                    "corrupt_latest": corrupt_latest, "num_ranks": nproc, "max_steps": max_steps,
                    "interval_steps": interval, "max_restarts": max_restarts, "drill_dir": str(drill_dir),
+                   "reference_dir": str(reference_dir), "reference_reused": "reused" in runs["reference"],
                    "drill_file": str(Path(run_dir) / DRILL_FILE), "time": time.time()})
     if not result["passed"]:
         tail = logs.file.getvalue().splitlines()[-30:]  # type: ignore[attr-defined]
@@ -255,6 +280,34 @@ def run_drill(
     Path(run_dir).mkdir(parents=True, exist_ok=True)
     (Path(run_dir) / DRILL_FILE).write_text(json.dumps(result, indent=2, default=str) + "\n", encoding="utf-8")
     return result
+
+
+def reusable_reference(run_dir: Path, *, spec: JobSpec, nproc: int, max_steps: int) -> str | None:
+    """Why the finished run in `run_dir` cannot be the drill's reference, or None when it can: its spec.yaml
+    equals `spec` in every LOSS_SECTIONS section, it ran on `nproc` ranks for `max_steps` steps and logged a loss
+    at the last one, and it had no restart and no injected fault. (A reference that still differed would fail
+    the drill on the loss comparison, never pass it.)"""
+    import yaml
+
+    try:
+        recorded = yaml.safe_load((run_dir / "spec.yaml").read_text(encoding="utf-8"))
+        info = json.loads((run_dir / "train_info.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, yaml.YAMLError) as err:
+        return f"no finished run there: {type(err).__name__}: {err}"
+    mine = spec.model_dump(mode="json")
+    differs = [name for name in LOSS_SECTIONS if recorded.get(name) != mine.get(name)]
+    if differs:
+        return f"its spec differs in {', '.join(differs)}"
+    if info.get("world_size") != nproc or info.get("max_steps") != max_steps:
+        return f"it ran {info.get('max_steps')} steps on {info.get('world_size')} ranks, the drill needs " \
+               f"{max_steps} on {nproc}"
+    losses = losses_by_step(_read_jsonl(run_dir / "metrics.jsonl"))
+    if max(losses, default=0) != max_steps:
+        return f"its last logged loss is at step {max(losses, default=0)}, not {max_steps}"
+    if (run_dir / MARKER_FILE).exists() or any(e.get("kind") == "restart"
+                                               for e in _read_jsonl(run_dir / "events.jsonl")):
+        return "it restarted or had a fault injected"
+    return None
 
 
 # ---- judging --------------------------------------------------------------------------------------------------
@@ -392,7 +445,9 @@ def render(result: dict[str, Any], *, console: Console) -> None:
         ("steps lost", str(result["steps_lost"])),
         ("goodput", _fmt(result["goodput"], "")),
         ("max loss diff", f"{result['max_loss_diff']} (allowed {result['loss_tolerance']} relative)"),
-        ("wall time", f"reference {result['reference_wall_s']:.1f} s, faulted {result['faulted_wall_s']:.1f} s"),
+        ("wall time", ("reference reused" if result["reference_wall_s"] is None
+                       else f"reference {result['reference_wall_s']:.1f} s") + f", faulted "
+                      f"{result['faulted_wall_s']:.1f} s"),
         ("result file", result["drill_file"]),
     ]
     for tier, numbers in (result.get("tiers") or {}).items():
