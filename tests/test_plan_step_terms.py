@@ -13,7 +13,7 @@ import pytest
 
 from leantrain.errors import UserInputError
 from leantrain.model.transformer import model_args_from_spec
-from leantrain.plan.inputs import plan_inputs
+from leantrain.plan.inputs import FP8_GEMM_SPEEDUP, plan_inputs
 from leantrain.plan.layout import Layout
 from leantrain.plan.memory import memory_per_gpu
 from leantrain.plan.planner import make_plan
@@ -121,7 +121,7 @@ def test_planning_only_features_are_refused_by_the_trainer(tmp_path: Path) -> No
 
 def test_fp8_speedup_and_whole_run_efficiency_are_spec_knobs() -> None:
     base = load_spec(EXAMPLES / "deepseek-v3.yaml")
-    assert plan_inputs(base).fp8_speedup == pytest.approx(1.28)
+    assert plan_inputs(base).fp8_speedup == pytest.approx(FP8_GEMM_SPEEDUP)
     te = load_spec(EXAMPLES / "deepseek-v3.yaml", overrides=["plan.fp8_speedup=1.6"])
     assert plan_inputs(te).fp8_speedup == pytest.approx(1.6)
     data = {"model": {"size_billion": 1}, "data": {"tokens_total": 1e10, "seq_len": 2048},

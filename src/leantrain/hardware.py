@@ -36,6 +36,9 @@ class Accelerator:
     intra_node_bandwidth_bytes_s: float  # GPU-to-GPU inside a node, one direction
     inter_node_bandwidth_bytes_s: float  # per GPU across nodes (its NIC share), one direction
     default_gpus_per_node: int = 8
+    tdp_w: float | None = None  # the datasheet's maximum board power: the sustained matmul rate at that limit
+    default_power_w: float | None = None  # the power limit the part ships with when below its TDP
+    attention_flops: float | None = None  # FlashAttention-2 FLOP/s measured on the part (the kernel SDPA runs)
     notes: str = ""
     aliases: tuple[str, ...] = field(default_factory=tuple)
 
@@ -63,18 +66,30 @@ def _acc(name: str, *, fp32: float, tf32: float | None, bf16: float, fp8: float 
 CATALOG: dict[str, Accelerator] = {
     a.name: a
     for a in [
+        # tdp_w (maximum board power, for hardware.power_w): A100 SXM 400 W, H100 SXM 700 W (technolynx.com "Power,
+        # Thermals, and the Hidden Governors of Performance", 2026, citing NVIDIA's specifications; torchtitan's
+        # H100 benchmark: "700W TDP"); H200 SXM 700 W and B200 1000 W (NVIDIA GPU table in public code, as the
+        # datasheets give them). Parts without a TDP here refuse hardware.power_w.
+        # attention_flops: FlashAttention-2 (what torch SDPA runs) measured by Azure's AI-benchmarking-guide
+        # (Azure_Results/ND_{A100_v4,H100_v5,H200_v5}_results.md, "Flash Attention 2.0", batch 2, seq 8192):
+        # A100 179.5 TFLOPS (head dim 64), H100 327.9, H200 329.3 (head dim 128): 58 % of A100's bf16 peak but
+        # 33 % of Hopper's, which is why attention-heavy PyTorch runs fall short on Hopper. Parts without one
+        # price attention at their GEMM rate.
         # NVIDIA A100 Tensor Core GPU datasheet (2021): FP32 19.5, TF32 156, BF16 312 TFLOPS dense;
         # 40GB HBM2 at 1,555 GB/s; NVLink3 600 GB/s bidirectional; HDR 200 Gb/s InfiniBand per GPU (DGX A100).
         _acc("A100-40GB", fp32=19.5, tf32=156, bf16=312, fp8=None, memory_bytes=40960 * MiB,
+             tdp_w=400, attention_flops=179.5 * TFLOPS,
              memory_bandwidth_bytes_s=1555 * GB, intra_node_bandwidth_bytes_s=300 * GB,
              inter_node_bandwidth_bytes_s=25 * GB),
         # Same datasheet, 80GB SXM: HBM2e at 2,039 GB/s.
         _acc("A100-80GB", fp32=19.5, tf32=156, bf16=312, fp8=None, memory_bytes=81920 * MiB,
+             tdp_w=400, attention_flops=179.5 * TFLOPS,
              memory_bandwidth_bytes_s=2039 * GB, intra_node_bandwidth_bytes_s=300 * GB,
              inter_node_bandwidth_bytes_s=25 * GB, aliases=("A100",)),
         # NVIDIA H100 datasheet, SXM5: FP32 67, TF32 494.5, BF16 989.5, FP8 1,979 TFLOPS dense; 80GB HBM3
         # at 3.35 TB/s; NVLink4 900 GB/s bidirectional; ConnectX-7 400 Gb/s per GPU (DGX H100).
         _acc("H100-SXM", fp32=67, tf32=494.5, bf16=989.5, fp8=1979, memory_bytes=81559 * MiB,
+             tdp_w=700, attention_flops=327.9 * TFLOPS,
              memory_bandwidth_bytes_s=3350 * GB, intra_node_bandwidth_bytes_s=450 * GB,
              inter_node_bandwidth_bytes_s=50 * GB, aliases=("H100",)),
         # Same datasheet, PCIe: FP32 51, TF32 378, BF16 756, FP8 1,513 TFLOPS dense; 2.0 TB/s;
@@ -82,18 +97,28 @@ CATALOG: dict[str, Accelerator] = {
         _acc("H100-PCIe", fp32=51, tf32=378, bf16=756, fp8=1513, memory_bytes=81559 * MiB,
              memory_bandwidth_bytes_s=2000 * GB, intra_node_bandwidth_bytes_s=64 * GB,
              inter_node_bandwidth_bytes_s=25 * GB),
+        # Meta's Grand Teton H100 (torchtitan benchmarks/llama3_h100_202412_torchtitan.md): SXM H100 with 96GB
+        # HBM2e at 2.4 TB/s, 400 Gb/s RDMA per GPU, run at its default 500 W power limit ("tuning it up to 700W TDP
+        # can potentially provide further speedups"). Same SMs as H100-SXM, so the same datasheet peaks; the power
+        # limit lowers the sustained rate (plan/inputs.py POWER_EXPONENT). Memory: 96 GB as torchtitan states (no
+        # nvidia-smi total published).
+        _acc("H100-HBM2e", fp32=67, tf32=494.5, bf16=989.5, fp8=1979, memory_bytes=96 * GB,
+             tdp_w=700, attention_flops=327.9 * TFLOPS, default_power_w=500,
+             memory_bandwidth_bytes_s=2400 * GB, intra_node_bandwidth_bytes_s=450 * GB,
+             inter_node_bandwidth_bytes_s=50 * GB, aliases=("H100-96GB",)),
         # H800 SXM (China export part): H100-SXM compute and memory, NVLink cut to 400 GB/s bidirectional.
         _acc("H800", fp32=67, tf32=494.5, bf16=989.5, fp8=1979, memory_bytes=81559 * MiB,
              memory_bandwidth_bytes_s=3350 * GB, intra_node_bandwidth_bytes_s=200 * GB,
              inter_node_bandwidth_bytes_s=50 * GB),
         # NVIDIA H200 datasheet: H100-SXM compute; 141GB HBM3e at 4.8 TB/s; NVLink 900 GB/s bidirectional.
         _acc("H200", fp32=67, tf32=494.5, bf16=989.5, fp8=1979, memory_bytes=143771 * MiB,
+             tdp_w=700, attention_flops=329.3 * TFLOPS,
              memory_bandwidth_bytes_s=4800 * GB, intra_node_bandwidth_bytes_s=450 * GB,
              inter_node_bandwidth_bytes_s=50 * GB),
         # NVIDIA HGX B200 spec (8 GPUs): BF16 36 PF and FP8 72 PF with sparsity -> 2.25 / 4.5 PF dense per
         # GPU; TF32 1.1 PF dense; FP32 75 TF; 180GB HBM3e at 8 TB/s; NVLink5 1.8 TB/s bidirectional.
         _acc("B200", fp32=75, tf32=1100, bf16=2250, fp8=4500, memory_bytes=183359 * MiB,
-             memory_bandwidth_bytes_s=8000 * GB, intra_node_bandwidth_bytes_s=900 * GB,
+             tdp_w=1000, memory_bandwidth_bytes_s=8000 * GB, intra_node_bandwidth_bytes_s=900 * GB,
              inter_node_bandwidth_bytes_s=50 * GB),
         # AMD Instinct MI300X datasheet: FP32 163.4, TF32 653.7, BF16 1,307.4, FP8 2,614.9 TFLOPS dense;
         # 192GB HBM3 at 5.3 TB/s; Infinity Fabric 896 GB/s aggregate peer bandwidth (bidirectional).

@@ -49,6 +49,10 @@ class FlopsPerToken:
             return self.model + self.op_recompute
         return self.model
 
+    def hardware_attention(self, recompute: Recompute) -> float:
+        """The attention-core part of `hardware`: full and selective recompute repeat its forward."""
+        return self.attention * (4 / 3 if recompute in ("full", "selective") else 1.0)
+
 
 def matmul_params(shape: ModelShape) -> int:
     """Weights one token is multiplied by: active non-embedding weights + the output projection."""

@@ -11,7 +11,8 @@ from dataclasses import dataclass, fields, replace
 from functools import cached_property
 from typing import Literal
 
-from leantrain.hardware import GB, get_accelerator, host_cpu_peak_flops
+from leantrain.errors import UserInputError
+from leantrain.hardware import GB, Accelerator, get_accelerator, host_cpu_peak_flops
 from leantrain.plan.adapters import lora_param_count
 from leantrain.plan.flops import FlopsPerToken, Recompute, flops_per_token
 from leantrain.spec.schema import JobSpec
@@ -31,29 +32,54 @@ MOMENT_BYTES = {"fp32": 4.0, "bf16": 2.0, "8bit": 1.0 + 4.0 / 256}
 # that the CPU examples' small matrices reach in a step: 16-50 % MFU measured for examples/tiny-cpu.yaml and
 # 23-27 % for examples/finetune-lora-cpu.yaml on a 2-core host, so the plan (and the low_mfu alert's floor, half
 # the plan) sits below what a healthy CPU run does.
-DEFAULT_COMPUTE_EFFICIENCY = {"A100": 0.64, "H100": 0.645, "H800": 0.645, "H200": 0.645, "B200": 0.5,
+DEFAULT_COMPUTE_EFFICIENCY = {"A100": 0.66, "H100": 0.68, "H800": 0.68, "H200": 0.68, "B200": 0.5,
                               "MI300X": 0.45, "L40S": 0.6, "cpu": 0.25}
 FALLBACK_COMPUTE_EFFICIENCY = 0.55
-# FP8 GEMMs: the step speed-up torchao's Float8 linears (what the trainer uses) give over bf16 in torchtitan's
-# H100 benchmarks (benchmarks/llama3_h100_202412_torchtitan.md in pytorch/torchtitan, Tables 1 and 3: 6,667 →
-# 8,532 and 6,514 → 8,380 TPS/GPU, 1.28-1.29×), so an fp8 job runs at bf16 peak × efficiency × this, not at
-# the fp8 datasheet peak, and its MFU is measured against the bf16 peak, as the trainer does. Transformer
-# Engine stacks get more (NVIDIA's fp8 reference runs fit 1.58, bench/plan_accuracy.py): `plan.fp8_speedup`.
-FP8_STEP_SPEEDUP = 1.28
+# GEMM efficiency by shape (plan/timing.py gemm_time_factor): a GEMM of M×K×N takes F/R + GEMM_KAPPA·B/W, its
+# FLOPs F at the large-GEMM rate R = GEMM_RATE_SHARE × peak plus a share GEMM_KAPPA of its operand and result
+# bytes B at HBM bandwidth W that the kernel does not hide. Fitted to 32 H100 (sm_90) bf16 shapes measured by XLA
+# (tensorflow/tensorflow third_party/xla/xla/service/gpu/model/matmul_interpolator_data.h @372d578, M, K, N
+# 256-4096, batch 1-4): median |error| 3.2 %. A GEMM's efficiency is then 1 / (1 + κ·(R/W)·B/F): near 1 for the
+# big per-GPU GEMMs of a wide model, lower for narrow layers and wide tensor parallelism, and lower on a part
+# with a higher FLOP/byte ratio (H100 over A100; the 2.4 TB/s H100-HBM2e).
+GEMM_RATE_SHARE = 0.89
+GEMM_KAPPA = 0.6
+# FP8 GEMMs (torchao's Float8 linears, what the trainer uses; Transformer Engine stacks set `plan.fp8_speedup`):
+# the GEMM's FLOPs run FP8_GEMM_SPEEDUP × faster, its bytes do not, and dynamic scaling adds FP8_CAST_BYTES of HBM
+# traffic per element of input, weight and output gradient (amax and cast). The two constants solve torchao's
+# two published H100 linear speed-ups (torchao/float8/README.md, "Performance": M, K, N = 1024, 2048, 1024 →
+# 0.80×; 4096, 8192, 16384 → 1.39×) under the GEMM model above: small GEMMs lose, large ones approach the limit.
+# MFU stays measured against the bf16 peak, as the trainer does.
+FP8_GEMM_SPEEDUP = 1.78
+FP8_CAST_BYTES = 2.44
+# FlashAttention's work per attention FLOP the planner counts (plan/flops.py: QKᵀ and A·V over the whole sequence,
+# backward 2× forward): a causal kernel skips the masked half, and its backward does 2.5× the forward's work
+# (recomputing QKᵀ); both as Dao-AILab/flash-attention benchmarks/benchmark_flash_attention.py counts FLOPs, the
+# script behind the hardware catalog's attention_flops: 0.5 × (1 + 2.5) / 3.
+FLASH_WORK_PER_FLOP = 0.5 * 3.5 / 3
+# Power-capped parts (`hardware.power_w`, or the catalog's default_power_w below its TDP): the sustained matmul
+# rate scales as (power / TDP) ** POWER_EXPONENT (≤ 1): "capping an H100 at 600 W typically loses 10 to 15 % step
+# throughput" (factryze.ai Scale Atlas, "Power Capping"), i.e. 0.875 at 6/7 of 700 W for the middle of that range:
+# ln 0.875 / ln(6/7) = 0.87. Not fitted: torchtitan's 500 W H100 rows (bench/published_heldout.yaml) test it.
+POWER_EXPONENT = 0.87
 # Memory-bound work (norms, activations, residual adds, softmax, RoPE, dropout): passes over the bytes a
 # layer saves for backward (plan/activations.py, no recompute) at HBM bandwidth per forward + backward, scaled
 # like the FLOPs when recompute repeats a forward (each saved tensor is written by its op, read by the next,
 # read again in the backward, and its gradient written and read). Fitted with the efficiencies above; it
 # trades off against them (7 and 0 fitted on the two halves, docs/plan.md). It is what makes small
 # hidden sizes and unfused attention slower per FLOP than large GEMMs.
-ELEMENTWISE_PASSES = 7.0
+ELEMENTWISE_PASSES = 5.0
+# Eager stacks (no torch.compile / TE fusion: `plan.kernels: eager`) run each norm, activation, residual add and
+# fp8 cast as its own kernel, reading and writing its tensors: their own pass count, fitted on the eager runs of
+# the same file (torchtitan's and LLM Foundry's) after the fused one.
+ELEMENTWISE_PASSES_EAGER = 17.0
 # Whole runs spend GPU time the step-time and failure models do not see: batch-size and sequence-length
 # ramps at the start (Llama 3 report §3.4.1), loss-spike rollbacks, stragglers and slow nodes, evaluation
 # and data stalls, power-capped fleets (Llama 2 §2.2.1: 350-400 W A100s). The planner's whole-run time
 # divides by this share (after the expected goodput). Fitted on the whole-run entries of
 # plan/published_runs.yaml (bench/plan_accuracy.py fits it on half of them and reports the error on the rest,
 # docs/plan.md); `plan.whole_run_efficiency` overrides it with a fleet's own figure.
-DEFAULT_WHOLE_RUN_EFFICIENCY = 0.76
+DEFAULT_WHOLE_RUN_EFFICIENCY = 0.8
 # Latency of one point-to-point send or all-to-all call (start-up, kernel launch): ~10-30 µs on NVLink/IB.
 COLLECTIVE_LATENCY_S = 20e-6
 # Ring collectives pay a latency per ring step, as NCCL's own tuning model prices them (NVIDIA/nccl
@@ -108,7 +134,10 @@ class PlanInputs:
     lora_dropout: float = 0.0
     adapter_params: float = 0.0  # LoRA adapter parameters of the whole model (plan/finetune.py)
     dpo_reference: str = "none"  # finetune.method dpo: none | base (LoRA, adapters off) | copy (full DPO)
-    fp8_speedup: float = 1.0  # compute rate over bf16 for fp8 GEMMs (peak_flops stays the bf16 peak)
+    fp8_speedup: float = 1.0  # large-GEMM rate over bf16 for fp8 GEMMs (peak_flops stays the bf16 peak)
+    fp8_cast_bytes: float = FP8_CAST_BYTES  # HBM bytes per GEMM operand element that fp8 scaling adds
+    power_factor: float = 1.0  # sustained matmul rate at the power limit over the rate at TDP
+    attention_flops_s: float = 0.0  # FlashAttention kernel's measured FLOP/s (hardware catalog); 0: the GEMM rate
     moe_node_limit: int | None = None  # nodes a token's experts may span (node-limited routing, plan/dispatch.py)
     elementwise_passes: float = ELEMENTWISE_PASSES  # memory-bound passes over a layer's activations (timing.py)
 
@@ -121,8 +150,8 @@ class PlanInputs:
 
     @property
     def compute_flops_s(self) -> float:
-        """FLOP/s one GPU sustains on the model's matmuls: peak × efficiency (× the fp8 speed-up)."""
-        return self.peak_flops * self.compute_efficiency * self.fp8_speedup
+        """FLOP/s one GPU sustains on large matmuls: peak × efficiency × power factor (× the fp8 speed-up)."""
+        return self.peak_flops * self.compute_efficiency * self.fp8_speedup * self.power_factor
 
     @property
     def trains_base(self) -> bool:
@@ -169,7 +198,7 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
         peak = host_cpu_peak_flops(compute) / hw.gpus_per_node
     else:  # fp8 runs: MFU against the bf16 peak (the trainer's and torchtitan's convention), run faster
         peak = acc.peak_for("bf16" if compute == "fp8" else compute)
-        fp8_speedup = (knobs.fp8_speedup or FP8_STEP_SPEEDUP) if compute == "fp8" else 1.0
+        fp8_speedup = (knobs.fp8_speedup or FP8_GEMM_SPEEDUP) if compute == "fp8" else 1.0
     kernels = knobs.kernels
     fused = spec.training.compile if kernels == "auto" else kernels == "fused"
     fused_loss = kernels == "fused" if knobs.fused_loss is None else knobs.fused_loss
@@ -214,9 +243,22 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
         dpo_reference=("copy" if ft.weights == "full" else "base") if spec.task == "finetune" and ft.method == "dpo"
         and ft.dpo.loss != "orpo" else "none",  # ORPO has no reference model
         fp8_speedup=fp8_speedup,
+        power_factor=_power_factor(acc, hw.power_w),
+        attention_flops_s=(acc.attention_flops or 0.0) if hw.peak_flops is None else 0.0,
         moe_node_limit=knobs.moe_node_limit,
-        elementwise_passes=ELEMENTWISE_PASSES if knobs.elementwise_passes is None else knobs.elementwise_passes,
+        elementwise_passes=(ELEMENTWISE_PASSES if fused else ELEMENTWISE_PASSES_EAGER)
+        if knobs.elementwise_passes is None else knobs.elementwise_passes,
     ))
+
+
+def _power_factor(acc: Accelerator, power_w: float | None) -> float:
+    """Sustained matmul rate at the GPU's power limit over its rate at TDP (POWER_EXPONENT)."""
+    power = power_w if power_w is not None else acc.default_power_w
+    if power is None:
+        return 1.0
+    if acc.tdp_w is None:
+        raise UserInputError(f"hardware.power_w: the catalog has no TDP for {acc.name}; leave power_w unset")
+    return min(1.0, power / acc.tdp_w) ** POWER_EXPONENT
 
 
 def _with_adapters(inputs: PlanInputs) -> PlanInputs:

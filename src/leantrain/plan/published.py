@@ -26,7 +26,7 @@ from typing import Any
 
 import yaml
 
-from leantrain.plan.inputs import FP8_STEP_SPEEDUP, PlanInputs, plan_inputs
+from leantrain.plan.inputs import FP8_GEMM_SPEEDUP, PlanInputs, plan_inputs
 from leantrain.plan.layout import Layout
 from leantrain.plan.timing import step_time
 from leantrain.spec import spec_from_dict
@@ -35,6 +35,7 @@ RUNS_FILE = Path(__file__).with_name("published_runs.yaml")
 EFFICIENCY_GRID = [round(0.30 + 0.005 * i, 3) for i in range(101)]  # 0.30 ... 0.80
 FP8_GRID = [round(1.0 + 0.02 * i, 2) for i in range(51)]  # fp8 step speed-up over bf16, 1.00 ... 2.00
 PASSES_GRID = [float(i) for i in range(17)]  # memory-bound passes over a layer's activations, 0 ... 16
+EAGER_PASSES_GRID = [float(i) for i in range(33)]  # the same for eager (unfused) stacks, 0 ... 32
 
 
 def family(accelerator: str) -> str:
@@ -57,6 +58,8 @@ class PublishedRun:
     gpu_hours: float = 0.0
     compute: str = "bf16"
     kernels: str = "auto"
+    fp8_recipe: str = "te"  # fp8 runs: te (Transformer Engine: casts fused, speed-up fitted) | torchao (defaults)
+    attention: str = "fused"  # fused (TE/cuDNN, or unfused matmuls): the GEMM rate | sdpa: FlashAttention-2's
     plan: tuple[tuple[str, Any], ...] = ()  # planner knobs the source states (plan section of the spec)
 
     @property
@@ -86,6 +89,7 @@ def _run(entry: dict[str, Any]) -> PublishedRun:
     return PublishedRun(**fields, layout=entry.get("layout"), measured=entry.get("measured", {}),
                         tokens=float(entry.get("tokens", 0.0)), gpu_hours=float(entry.get("gpu_hours", 0.0)),
                         compute=entry.get("compute", "bf16"), kernels=entry.get("kernels", "auto"),
+                        fp8_recipe=entry.get("fp8_recipe", "te"), attention=entry.get("attention", "fused"),
                         plan=tuple(sorted(entry.get("plan", {}).items())))
 
 
@@ -102,7 +106,12 @@ _INPUTS: dict[str, PlanInputs] = {}
 def run_inputs(run: PublishedRun) -> PlanInputs:
     """The run's planner inputs (resolved once per run name)."""
     if run.name not in _INPUTS:
-        _INPUTS[run.name] = plan_inputs(spec_from_dict(run.spec_dict()))
+        inputs = plan_inputs(spec_from_dict(run.spec_dict()))
+        if run.compute == "fp8" and run.fp8_recipe == "te":  # TE fuses the fp8 casts into the kernels before
+            inputs = replace(inputs, fp8_cast_bytes=0.0)
+        if run.attention != "sdpa":
+            inputs = replace(inputs, attention_flops_s=0.0)
+        _INPUTS[run.name] = inputs
     return _INPUTS[run.name]
 
 
@@ -126,16 +135,21 @@ def measured_tokens_per_gpu_s(run: PublishedRun) -> float:
 
 @dataclass(frozen=True)
 class Fit:
-    """The fitted step-time constants: compute efficiency per accelerator family, memory-bound passes, and the
-    fp8 step speed-up of the fp8 runs' stack (all of them Transformer Engine)."""
+    """The fitted step-time constants: compute efficiency per accelerator family, memory-bound passes (of fused
+    stacks, and of eager ones: None = the same), and the fp8 speed-up of the Transformer Engine runs."""
 
     efficiency: dict[str, float]
     elementwise_passes: float
-    fp8_speedup: float = FP8_STEP_SPEEDUP
+    fp8_speedup: float = FP8_GEMM_SPEEDUP
+    eager_passes: float | None = None
+
+    def passes(self, fused: bool) -> float:
+        return self.elementwise_passes if fused or self.eager_passes is None else self.eager_passes
 
     def __repr__(self) -> str:
         eff = ", ".join(f"{k} {v}" for k, v in sorted(self.efficiency.items()))
-        return f"efficiency {eff}; elementwise passes {self.elementwise_passes:g}; fp8 speed-up {self.fp8_speedup:g}"
+        return (f"efficiency {eff}; elementwise passes {self.elementwise_passes:g} (eager "
+                f"{self.passes(False):g}); fp8 speed-up {self.fp8_speedup:g}")
 
 
 def predicted_tokens_per_gpu_s(run: PublishedRun, *, efficiency: float | None = None,
@@ -145,7 +159,7 @@ def predicted_tokens_per_gpu_s(run: PublishedRun, *, efficiency: float | None = 
         inputs = replace(inputs, compute_efficiency=efficiency)
     if elementwise_passes is not None:
         inputs = replace(inputs, elementwise_passes=elementwise_passes)
-    if fp8_speedup is not None and inputs.fp8_speedup != 1.0:
+    if fp8_speedup is not None and inputs.fp8_speedup != 1.0 and run.fp8_recipe == "te":
         inputs = replace(inputs, fp8_speedup=fp8_speedup)
     t = step_time(inputs, run.run_layout(), sequences_per_step=run.global_batch_seqs)
     return t.tokens_per_s / run.gpus
@@ -153,7 +167,8 @@ def predicted_tokens_per_gpu_s(run: PublishedRun, *, efficiency: float | None = 
 
 def predicted_with(run: PublishedRun, fit: Fit) -> float:
     return predicted_tokens_per_gpu_s(run, efficiency=fit.efficiency[run.family],
-                                      elementwise_passes=fit.elementwise_passes, fp8_speedup=fit.fp8_speedup)
+                                      elementwise_passes=fit.passes(run_inputs(run).fused_kernels),
+                                      fp8_speedup=fit.fp8_speedup)
 
 
 def log_errors(runs: list[PublishedRun], fit: Fit) -> list[float]:
@@ -177,26 +192,39 @@ def _median_abs_log(runs: list[PublishedRun], fit: Fit) -> float:
     return statistics.median(abs(x) for x in log_errors(runs, fit))
 
 
-def fit_constants(runs: list[PublishedRun]) -> Fit:
-    """Per accelerator family the efficiency (on the bf16 runs), one memory-bound pass count shared by all, and
-    the fp8 speed-up (on the fp8 runs) with the smallest median |log error| over `runs`."""
+def _fit_with_eager(runs: list[PublishedRun], eager: float | None) -> Fit:
+    """Per family the efficiency (bf16 runs), the fused stacks' pass count and the TE fp8 speed-up, for a given
+    eager pass count (None: the same count for every stack)."""
     best: tuple[float, Fit] | None = None
     bf16 = [r for r in runs if r.compute != "fp8"]
-    fp8 = [r for r in runs if r.compute == "fp8"]
+    fp8 = [r for r in runs if r.compute == "fp8" and r.fp8_recipe == "te"]
     for passes in PASSES_GRID:
         eff = {}
         for fam in sorted({r.family for r in runs}):
             members = [r for r in bf16 if r.family == fam] or [r for r in runs if r.family == fam]
             eff[fam] = _grid_min(EFFICIENCY_GRID, lambda e, ms=members, f=fam, p=passes: _median_abs_log(
-                ms, Fit({f: e}, p)))
-        fit = Fit(eff, passes)
+                ms, Fit({f: e}, p, eager_passes=eager)))
+        fit = Fit(eff, passes, eager_passes=eager)
         if fp8:
-            fit = Fit(eff, passes, _grid_min(FP8_GRID, lambda x, f=eff, p=passes: _median_abs_log(fp8, Fit(f, p, x))))
+            fit = Fit(eff, passes, _grid_min(FP8_GRID, lambda x, f=eff, p=passes: _median_abs_log(
+                fp8, Fit(f, p, x, eager))), eager)
         score = _median_abs_log(runs, fit)
         if best is None or score < best[0] - 1e-12:
             best = (score, fit)
     assert best is not None
     return best[1]
+
+
+def fit_constants(runs: list[PublishedRun]) -> Fit:
+    """The step-time constants with the smallest median |log error| over `runs`: first with one pass count for
+    every stack, then the eager stacks' own count on the eager runs (unfused norms, activations and casts make
+    more memory-bound passes), then the rest again with it."""
+    first = _fit_with_eager(list(runs), None)
+    eager_runs = [r for r in runs if not run_inputs(r).fused_kernels]
+    if not eager_runs:
+        return first
+    eager = min(EAGER_PASSES_GRID, key=lambda p: _median_abs_log(eager_runs, replace(first, eager_passes=p)))
+    return _fit_with_eager(list(runs), eager)
 
 
 def split_halves(runs: tuple[PublishedRun, ...]) -> tuple[list[PublishedRun], list[PublishedRun]]:
@@ -287,8 +315,9 @@ def searched_step_residuals(runs: tuple[PublishedRun, ...], fits: dict[str, Fit]
         fit = (fits or {}).get(run.name)
         if fit is not None:
             inputs = replace(inputs, compute_efficiency=fit.efficiency[run.family],
-                             elementwise_passes=fit.elementwise_passes,
-                             fp8_speedup=fit.fp8_speedup if inputs.fp8_speedup != 1.0 else 1.0)
+                             elementwise_passes=fit.passes(inputs.fused_kernels),
+                             fp8_speedup=fit.fp8_speedup if inputs.fp8_speedup != 1.0 and run.fp8_recipe == "te"
+                             else inputs.fp8_speedup)
         found = search_layouts(inputs, run.gpus, max_micro_batch=8, top_k=1, suggest=False)
         if found.best is not None:
             out.append(math.log(found.best.time.tokens_per_s / run.gpus / measured_tokens_per_gpu_s(run)))

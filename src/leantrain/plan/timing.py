@@ -42,6 +42,9 @@ from leantrain.plan.activations import ActivationTerms, activation_terms, layer_
 from leantrain.plan.dispatch import all_to_all_s, exposed_all_to_all_s
 from leantrain.plan.inputs import (
     COLLECTIVE_LATENCY_S,
+    FLASH_WORK_PER_FLOP,
+    GEMM_KAPPA,
+    GEMM_RATE_SHARE,
     RING_BASE_LATENCY_S,
     RING_STEP_LATENCY_S,
     TREE_LEVEL_LATENCY_S,
@@ -208,14 +211,60 @@ def expert_weight_s(inputs: PlanInputs, layout: Layout) -> float:
     return max(0.0, traffic_s - flops_s)
 
 
+def _layer_gemms(shape: ModelShape, tokens: int, tp: int) -> list[tuple[int, int, int, int]]:
+    """(M, K, N, count) of the forward GEMMs one GPU runs per dense layer and for the output head, tp-split as
+    Megatron splits them; the backward's two GEMMs per forward one move the same FLOPs and bytes."""
+    d, q = shape.d_model, shape.attention_widths[0]
+    gemms = [(tokens, d, max(1, (q + 2 * shape.kv_dim) // tp), shape.n_layers),
+             (tokens, max(1, shape.attention_core_widths[1] // tp), d, shape.n_layers)]
+    dense = shape.num_dense_layers
+    if dense:
+        ffn = max(1, shape.ffn_hidden // tp)
+        gemms += [(tokens, d, ffn, dense * (shape.mlp_matrices - 1)), (tokens, ffn, d, dense)]
+    return [*gemms, (tokens, d, max(1, shape.vocab_size // tp), 1)]
+
+
+@lru_cache(maxsize=4096)
+def gemm_time_factor(inputs: PlanInputs, tokens: int, tp: int) -> float:
+    """Time of the model's matmul FLOPs for a micro-batch of `tokens` at tensor parallelism `tp`, over their time
+    at the large-GEMM rate (plan/inputs.py GEMM_RATE_SHARE, GEMM_KAPPA): each GEMM takes F/R + κ·B/W, and under
+    fp8 F/(R·S) + κ·B/W + the scaling casts' traffic, so narrow GEMMs are slower per FLOP and gain less from fp8.
+    MoE routed experts are left to `expert_weight_s`."""
+    ridge = GEMM_RATE_SHARE * inputs.peak_flops * inputs.power_factor / inputs.memory_bandwidth_bytes_s
+    fp8 = inputs.fp8_speedup != 1.0
+    flops = cost = 0.0
+    for m, k, n, count in _layer_gemms(inputs.shape, tokens, tp):
+        f = 2.0 * m * k * n * count
+        operands = (m * k + k * n + m * n) * count
+        unhidden = GEMM_KAPPA * ridge * operands * inputs.act_bytes
+        cost += f / inputs.fp8_speedup + unhidden + (ridge * inputs.fp8_cast_bytes * operands if fp8 else 0.0)
+        flops += f
+    return cost / flops
+
+
+def matmul_s(inputs: PlanInputs, layout: Layout, tokens: int) -> float:
+    """Tensor-core time of one micro-batch of `tokens` on one GPU (recompute included, before stage imbalance):
+    the GEMMs at their shape's rate (gemm_time_factor, fp8 included), the attention core at the FlashAttention
+    kernel's measured rate (hardware catalog, scaled by the same in-step share of a microbenchmark as the GEMMs;
+    the GEMM rate where the part has none or attention is unfused), both power-capped."""
+    rate = inputs.compute_flops_s / inputs.fp8_speedup  # large bf16 GEMMs, in a step
+    attention = inputs.flops.hardware_attention(layout.recompute) * tokens
+    gemm = inputs.hardware_flops_per_token(layout.recompute) * tokens - attention
+    attention_rate = rate
+    if inputs.attention_flops_s and inputs.flash_attention:
+        attention_rate = (inputs.attention_flops_s / FLASH_WORK_PER_FLOP * inputs.power_factor
+                          * inputs.compute_efficiency / GEMM_RATE_SHARE)
+    split = layout.tp * layout.pp
+    return (gemm * gemm_time_factor(inputs, tokens, layout.tp) / rate + attention / attention_rate) / split
+
+
 def step_time(inputs: PlanInputs, layout: Layout, *, sequences_per_step: int) -> StepTime:
     """Predicted step time for a layout (see the module docstring)."""
     shape = inputs.shape
     m = layout.num_microbatches(sequences_per_step)
     tokens_mb = layout.micro_batch * inputs.seq_len
     stage_imbalance = math.ceil(shape.n_layers / layout.pp) * layout.pp / shape.n_layers
-    hw_flops_mb = inputs.hardware_flops_per_token(layout.recompute) * tokens_mb * stage_imbalance
-    compute_mb = (hw_flops_mb / (layout.tp * layout.pp) / inputs.compute_flops_s + elementwise_s(inputs, layout)
+    compute_mb = (matmul_s(inputs, layout, tokens_mb) * stage_imbalance + elementwise_s(inputs, layout)
                   + expert_weight_s(inputs, layout))
 
     layers = math.ceil(shape.n_layers / layout.pp)

@@ -27,6 +27,10 @@ class HardwareSpec(Section):
     memory_gib: float | None = Field(
         None, gt=0, description="Override the catalog's memory per GPU in GiB (2^30 bytes)."
     )
+    power_w: float | None = Field(
+        None, gt=0, description="Board power limit per GPU in W (nvidia-smi -pl); below the accelerator's TDP the "
+        "planner lowers the sustained matmul rate (docs/plan.md). Default: the catalog's (H100-HBM2e: 500 W)."
+    )
     intra_node_bandwidth_gb_s: float | None = Field(
         None, gt=0, description="GPU-to-GPU bandwidth inside a node, GB/s per direction (catalog default)."
     )

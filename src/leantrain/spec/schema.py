@@ -237,8 +237,9 @@ class PlanSpec(Section):
         "(ramps, rollbacks, stragglers, stalls); default fitted on published whole runs (docs/plan.md)."
     )
     fp8_speedup: float | None = Field(
-        None, ge=1, description="Step speed-up of fp8 GEMMs over bf16; default torchao's measured 1.28 (the "
-        "trainer's fp8); Transformer Engine stacks fit about 1.58 (docs/plan.md)."
+        None, ge=1, description="Speed-up of a large fp8 GEMM over bf16 (smaller GEMMs gain less, plan/timing.py); "
+        "default 1.78 from torchao's published linear benchmarks (the trainer's fp8); Transformer Engine stacks "
+        "fit their own (docs/plan.md)."
     )
     dp_overlap: float = Field(0.8, ge=0, le=1, description="Share of data-parallel communication hidden by compute.")
     tp_overlap: float = Field(0.0, ge=0, le=1, description="Share of tensor-parallel communication hidden.")

@@ -1,0 +1,89 @@
+"""Hopper priced right (issue #24): GEMM efficiency by the shapes a layout gives each GPU, FlashAttention at its
+measured rate, power-capped parts (`hardware.power_w`, the catalog's 500 W H100-HBM2e) and the fp8 speed-up by
+GEMM size; and the held-out published runs (bench/published_heldout.yaml) that no constant is fitted on."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+from pathlib import Path
+
+import pytest
+
+from leantrain.errors import UserInputError
+from leantrain.plan.inputs import POWER_EXPONENT, plan_inputs
+from leantrain.plan.layout import Layout
+from leantrain.plan.published import fit_constants, load_runs, measured_tokens_per_gpu_s, predicted_with
+from leantrain.plan.timing import gemm_time_factor, step_time
+from leantrain.spec import spec_from_dict
+
+HELD_OUT = Path(__file__).resolve().parents[1] / "bench" / "published_heldout.yaml"
+
+
+def _inputs(d_model: int, *, accelerator: str = "H100-SXM", compute: str = "bf16", **hardware):
+    return plan_inputs(spec_from_dict({
+        "model": {"n_layers": 8, "d_model": d_model, "n_heads": max(1, d_model // 128), "vocab_size": 32000},
+        "data": {"tokens_total": 1e10, "seq_len": 4096}, "precision": {"compute": compute},
+        "hardware": {"accelerator": accelerator, "num_nodes": 1, **hardware},
+        "budget": {"target_days": None, "num_gpus": 8}}))
+
+
+def test_narrow_gemms_are_slower_per_flop() -> None:
+    """A wide layer's GEMMs run near the large-GEMM rate; narrow layers and wide TP (smaller N, K per GPU) do not,
+    and Hopper (more FLOPs per byte of HBM) loses more than A100 on the same shapes."""
+    wide, narrow = _inputs(8192), _inputs(1024)
+    assert 1.0 < gemm_time_factor(wide, 8192, 1) < 1.1
+    assert gemm_time_factor(narrow, 8192, 1) > gemm_time_factor(wide, 8192, 1) + 0.1
+    assert gemm_time_factor(wide, 8192, 8) > gemm_time_factor(wide, 8192, 1)
+    a100 = _inputs(1024, accelerator="A100-80GB")
+    assert gemm_time_factor(a100, 8192, 1) < gemm_time_factor(narrow, 8192, 1)
+
+
+def test_fp8_gains_less_on_small_gemms() -> None:
+    """Per GEMM the fp8 speed-up grows with size towards its large-GEMM limit; small ones can lose (the scaling
+    casts cost more than the faster math), as torchao's linear benchmarks show."""
+    def speedup(d: int, tokens: int) -> float:
+        return gemm_time_factor(_inputs(d), tokens, 1) / gemm_time_factor(_inputs(d, compute="fp8"), tokens, 1)
+
+    small, large = speedup(1024, 1024), speedup(16384, 16384)
+    assert small < 1.0 < large < _inputs(16384, compute="fp8").fp8_speedup
+    assert speedup(4096, 8192) < large
+
+
+def test_power_limit_lowers_the_matmul_rate() -> None:
+    capped = _inputs(4096, accelerator="H100-HBM2e")
+    assert capped.power_factor == pytest.approx((500 / 700) ** POWER_EXPONENT)
+    assert _inputs(4096, accelerator="H100-HBM2e", power_w=700).power_factor == 1.0
+    assert _inputs(4096, power_w=600).power_factor == pytest.approx((600 / 700) ** POWER_EXPONENT)
+    layout = Layout(dp=8, tp=1, pp=1, zero=3)
+    full = step_time(dataclasses.replace(capped, power_factor=1.0), layout, sequences_per_step=64)
+    assert step_time(capped, layout, sequences_per_step=64).step_s > full.step_s
+    with pytest.raises(UserInputError, match="power_w"):
+        _inputs(4096, accelerator="L40S", power_w=300)
+
+
+def test_attention_runs_at_the_flash_kernels_rate() -> None:
+    """On Hopper FlashAttention-2 reaches a third of the bf16 peak (hardware catalog), so long sequences cost
+    more than at the GEMM rate; parts without a measured rate keep the GEMM rate."""
+    h100 = _inputs(4096)
+    layout = Layout(dp=8, tp=1, pp=1, zero=3)
+    at_gemm_rate = step_time(dataclasses.replace(h100, attention_flops_s=0.0), layout, sequences_per_step=64)
+    assert step_time(h100, layout, sequences_per_step=64).compute_s > at_gemm_rate.compute_s
+    assert _inputs(4096, accelerator="L40S").attention_flops_s == 0.0
+
+
+def test_held_out_runs_are_predicted_without_being_fitted_on() -> None:
+    """bench/published_heldout.yaml (torchtitan's 500 W H100s, Trainy's H200s, LLM Foundry rows) is never in the
+    fit: predicted with the constants fitted on the calibration file, median |error| 7.4 % (Hopper 6.1 %) when
+    measured; the pin leaves room (issue target: 10 %)."""
+    calibration, _ = load_runs()
+    held, whole = load_runs(HELD_OUT)
+    assert not whole and not {r.name for r in held} & {r.name for r in calibration}
+    assert {r.accelerator for r in held} >= {"H100-HBM2e", "H200", "H100-SXM"}
+    fit = fit_constants(list(calibration))
+    errors = {r.name: abs(predicted_with(r, fit) / measured_tokens_per_gpu_s(r) - 1) for r in held}
+    assert all(math.isfinite(e) for e in errors.values())
+    assert statistics.median(errors.values()) < 0.10, errors
+    hopper = [errors[r.name] for r in held if r.family == "H100"]
+    assert statistics.median(hopper) < 0.10, errors
