@@ -43,8 +43,19 @@ install: $(VENV)/.installed
 
 install-dev: $(VENV)/.installed-dev
 
-demo: install
-	$(VENV)/bin/leantrain demo
+# Bytecode for what the demo's processes import, written once by one process. The lean install compiles nothing
+# up front; and where PYTHONDONTWRITEBYTECODE=1 is set (many container images set it) Python never writes the
+# bytecode it compiles, so every process of the demo (each torchrun agent and rank, each restart) compiled torch
+# again: ~10 s of CPU each. The demo runs with bytecode writing on for the same reason (its own venv only).
+DEMO_IMPORTS := leantrain.cli leantrain.demo leantrain.train.trainer leantrain.ckpt.manager leantrain.launch.command \
+	leantrain.golive.drill leantrain.observe.report torch.distributed.run
+$(VENV)/.demo-bytecode: $(VENV)/.installed
+	@echo "== bytecode for the modules the demo imports (once)"
+	env -u PYTHONDONTWRITEBYTECODE $(PY) -c "import importlib; [importlib.import_module(m) for m in '$(DEMO_IMPORTS)'.split()]"
+	touch $@
+
+demo: $(VENV)/.demo-bytecode
+	env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/leantrain demo
 
 lint: install-dev
 	$(VENV)/bin/ruff check src tests bench scripts

@@ -36,3 +36,19 @@ def test_torch_check_fails_on_another_version(tmp_path: Path) -> None:
     done = subprocess.run([sys.executable, str(REPO / "scripts" / "check_torch.py"), "--constraints", str(wrong)],
                           capture_output=True, text=True)
     assert done.returncode == 1 and "constraints.txt pins 1.0.0" in done.stderr
+
+
+def test_the_demo_writes_the_bytecode_of_what_its_processes_import_once() -> None:
+    """`make demo` compiles the modules its ranks import in one process first, with bytecode writing on even where
+    PYTHONDONTWRITEBYTECODE=1 is set (else every torchrun agent and rank compiles torch again); each one exists."""
+    import importlib.util
+
+    makefile = (REPO / "Makefile").read_text()
+    assert "demo: $(VENV)/.demo-bytecode" in makefile
+    assert "$(VENV)/.demo-bytecode: $(VENV)/.installed" in makefile
+    assert "env -u PYTHONDONTWRITEBYTECODE $(VENV)/bin/leantrain demo" in makefile
+    modules = re.search(r"^DEMO_IMPORTS := (.*?)(?<!\\)$", makefile, flags=re.M | re.S).group(1)
+    names = modules.replace("\\\n", " ").split()
+    assert {"leantrain.train.trainer", "leantrain.ckpt.manager", "torch.distributed.run"} <= set(names)
+    for name in names:
+        assert importlib.util.find_spec(name) is not None, name
