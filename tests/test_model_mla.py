@@ -57,6 +57,30 @@ def test_deepseek_checkpoints_load_with_transformers_logits_and_export_back(
         torch.testing.assert_close(_theirs(tmp_path / "out")(tokens).logits, got, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("version", [2, 3])
+def test_yarn_rope_as_deepseek_configs_use_it_gives_transformers_logits(tmp_path: Path, version: int) -> None:
+    """DeepSeek-V2/V3's released configs extend the context with YaRN: the frequency ramp, the cos/sin factor
+    (mscale ≠ mscale_all_dim, so it is not 1) and the attention's mscale² all count, past the original context."""
+    hf_dir = save_tiny_deepseek(tmp_path / "hf", version=version)
+    plain = import_hf(hf_dir).eval()
+    config = json.loads((hf_dir / "config.json").read_text())
+    config["rope_parameters"] = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                 "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1,
+                                 "mscale": 1.0, "mscale_all_dim": 0.8}
+    config["max_position_embeddings"] = 128
+    (hf_dir / "config.json").write_text(json.dumps(config))
+    ours = import_hf(hf_dir).eval()
+    tokens = torch.randint(0, 256, (2, 100), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        expected = _theirs(hf_dir)(tokens).logits
+        got = ours(tokens)
+        assert (plain(tokens) - got).abs().max() > 0.1  # YaRN changes the model: the comparison means something
+    torch.testing.assert_close(got, expected, rtol=0, atol=5e-5)
+    export_hf(ours, tmp_path / "out")
+    with torch.no_grad():
+        torch.testing.assert_close(_theirs(tmp_path / "out")(tokens).logits, got, rtol=0, atol=1e-5)
+
+
 def test_a_latent_attention_model_from_the_spec_exports_as_deepseek_v3(tmp_path: Path) -> None:
     spec = ModelSpec(architecture="moe", n_layers=2, d_model=32, n_heads=4, n_kv_heads=4, ffn_hidden=64,
                      vocab_size=101, rope_theta=10000.0,

@@ -1,8 +1,8 @@
 """The scale lane: the real jobs rehearsed at their real world sizes (docs/rehearse.md), and what they must show.
 
 Llama 3.1 8B on 128 ranks (FSDP128), 70B on 256 (FSDP32 × TP8), 405B on 16,384 (ZeRO-2 FSDP128 × TP8 × PP16, as
-Meta ran it), a DeepSeek-V3-shaped MoE on 2,048 (EP64 × PP16: 256 experts of 2,048, d 7,168, vocabulary
-129,280; standard attention at V3's widths since the trainer's attention is not MLA). Layers are cut to a few
+Meta ran it), DeepSeek-V3 on 2,048 (EP64 × PP16: multi-head latent attention, 256 experts of 2,048, d 7,168,
+vocabulary 129,280). Layers are cut to a few
 (one per pipeline stage) so each rehearsal takes seconds; widths, vocabulary, experts and world size are real.
 """
 
@@ -33,7 +33,7 @@ LLAMA_70B = ("llama3-8b-h100.yaml", (
 LLAMA_405B = ("llama3-405b.yaml", (
     "model.n_layers=16", "parallelism.pipeline_schedule=1f1b", "parallelism.virtual_stages=1"))
 DEEPSEEK_V3 = ("deepseek-v3.yaml", (
-    "model.mla=null", "parallelism.pipeline_schedule=1f1b", "precision.compute=bf16", "model.n_layers=16",
+    "parallelism.pipeline_schedule=1f1b", "precision.compute=bf16", "model.n_layers=16",
     "model.moe.first_dense_layers=0", "training.global_batch_tokens=8388608"))
 
 

@@ -35,8 +35,10 @@ from leantrain.golive.rehearse_probes import (
     Probes,
     StepLog,
     balanced_expert_splits,
+    control_window,
     group_labels,
     object_collectives,
+    resident_bytes,
 )
 from leantrain.golive.rehearse_report import (
     STEPS,
@@ -53,8 +55,6 @@ from leantrain.golive.rehearse_report import (
 from leantrain.hardware import accelerator_memory_bytes
 from leantrain.spec.schema import JobSpec
 from leantrain.spec.shapes import resolve_shape
-
-CONTROL_WINDOW_STEPS = 100  # the checkpoint manager's per-step control plane is watched over this many steps
 
 
 @dataclass(frozen=True)
@@ -228,7 +228,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
                     return step_fn()
                 with mem:  # the steady step: optimizer states exist; its peak is the run's
                     result = step_fn()
-                resident.update(_resident_bytes(trainer))
+                resident.update(resident_bytes(trainer))
                 return result
 
             trainer.train_step = watched_step  # type: ignore[method-assign]
@@ -249,7 +249,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
             step_s = (time.perf_counter() - step_s) / max(1, len(steps_done))
             probes.new_phase("control")
             hook.maybe_save = save_fn  # type: ignore[method-assign]
-            control_window = _control_window(trainer)
+            window = control_window(trainer)
             peak = mem.get_tracker_snapshot("peak")
             stage = trainer.parallel.mesh["pp"].get_local_rank() if trainer.parallel.mesh is not None else 0
             num_microbatches = trainer.accum_steps
@@ -261,7 +261,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
         "pipeline_stage": stage,
         "num_microbatches": num_microbatches,
         "memory_bytes": memory_categories(peak.get(device, {}), resident),
-        **per_step(probes, labels=labels, control_window=control_window),
+        **per_step(probes, labels=labels, control_window=window),
         "startup": startup_record(files, probes.phase("startup"), labels=labels, startup_s=startup_s),
         "checkpoint_save": saves[-1] if saves else None,
         "rehearsal_s": {"startup": round(startup_s, 3), "step": round(step_s, 3)},
@@ -357,39 +357,6 @@ def _rehearse_ranks(target: RehearsalTarget, *, ranks: list[int], data_dir: Path
     return reports
 
 
-def _control_window(trainer: Any) -> int:
-    """The checkpoint manager's per-step work (agreement, interval, preemption checks) over
-    `CONTROL_WINDOW_STEPS` further steps, as the loop calls it after each step; returns the window."""
-    hook = trainer.checkpointer
-    if hook is None:
-        return CONTROL_WINDOW_STEPS
-    first = trainer.step
-    for step in range(first + 1, first + 1 + CONTROL_WINDOW_STEPS):
-        trainer.step = step
-        hook.maybe_save(trainer)
-    return CONTROL_WINDOW_STEPS
-
-
-def _resident_bytes(trainer: Any) -> dict[str, int]:
-    """This rank's parameters (and buffers), gradients and optimizer states after a step, from the tensors."""
-    from torch.distributed.tensor import DTensor
-
-    def local_bytes(tensor: Any) -> int:
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        return local.numel() * local.element_size()
-
-    params = grads = 0
-    for part in trainer.parallel.parts:
-        params += sum(local_bytes(b) for b in part.buffers())
-    for param in trainer.parallel.parameters():
-        params += local_bytes(param)
-        if param.grad is not None:
-            grads += local_bytes(param.grad)
-    optimizer = sum(local_bytes(v) for state in trainer.optimizer.state.values() for v in state.values()
-                    if hasattr(v, "numel") and v.dim() > 0)
-    return {"params": params, "grads": grads, "optimizer": optimizer}
-
-
 def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] | None = None,
              data_dir: Path | None = None, isolated: bool = True, depth: str = "auto") -> dict[str, Any]:
     """rehearsal.json for `spec` (see docs/rehearse.md). `isolated`: each rank in a fresh spawned process (the
@@ -415,16 +382,26 @@ def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] |
         synthetic = data_dir is None
         data = synthetic_data_dir(target.spec, root=Path(scratch)) if data_dir is None else data_dir
         chosen = sorted({0, *target.ranks})
-        if full_reason is None:
+
+        def at_depth(target: RehearsalTarget) -> list[dict[str, Any]]:
+            if full_reason is not None:
+                return _rehearse_ranks(target, ranks=chosen, data_dir=data, scratch=Path(scratch), isolated=isolated)
             chunks = rehearse_depth.chunks_of(target.spec_run)
-            short = [resolve_target(rehearse_depth.with_layers(target.spec, chunks * d), world_size=target.world_size,
-                                    ranks=chosen) for d in rehearse_depth.SHORT_DEPTHS]
-            one, two = (_rehearse_ranks(t, ranks=chosen, data_dir=data, scratch=Path(scratch), isolated=isolated)
-                        for t in short)
-            rank_reports = rehearse_depth.extend_reports(target.spec_run, n_layers=n_layers, one=one, two=two)
+            one, two = (_rehearse_ranks(resolve_target(rehearse_depth.with_layers(target.spec, chunks * d),
+                                                       world_size=target.world_size, ranks=chosen),
+                                        ranks=chosen, data_dir=data, scratch=Path(scratch), isolated=isolated)
+                        for d in rehearse_depth.SHORT_DEPTHS)
+            return rehearse_depth.extend_reports(target.spec_run, n_layers=n_layers, one=one, two=two)
+
+        count = rehearse_depth.microbatches(target.spec_run, world_size=target.world_size)
+        short_counts = rehearse_depth.short_microbatches(target.spec_run, count=count) if depth == "auto" else None
+        if short_counts is None:
+            rank_reports = at_depth(target)
         else:
-            rank_reports = _rehearse_ranks(target, ranks=chosen, data_dir=data, scratch=Path(scratch),
-                                           isolated=isolated)
+            one, two = (at_depth(resolve_target(rehearse_depth.with_microbatches(
+                target.spec, m, world_size=target.world_size), world_size=target.world_size, ranks=chosen))
+                for m in short_counts)
+            rank_reports = rehearse_depth.extend_microbatches(one, two, counts=short_counts, count=count)
     num_microbatches = rank_reports[0]["num_microbatches"]  # the trainer's own accumulation count
     plan = planned_memory(run_spec, world_size=target.world_size, num_microbatches=num_microbatches)
     for report in rank_reports:  # each rank against the plan of its own pipeline stage
@@ -444,6 +421,7 @@ def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] |
         "num_microbatches": num_microbatches,
         "depth": {"n_layers": n_layers, "extended_from_layers_per_chunk": list(rehearse_depth.SHORT_DEPTHS)}
         if full_reason is None else {"n_layers": n_layers, "full": full_reason},
+        "microbatches": {"extended_from": list(short_counts)} if short_counts else {"full": count},
         "ranks": rank_reports,
         "plan": plan,
         "plan_vs_rehearsal": ratios,

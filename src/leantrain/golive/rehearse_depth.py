@@ -1,5 +1,6 @@
 """A deep model rehearsed at two depths and extended to its own: what `leantrain rehearse` does by default
-when a pipeline chunk holds more than three layers (below that the two short runs cost as much as one whole).
+when a pipeline chunk holds more than three layers (below that the two short runs cost as much as one whole);
+likewise a step of many micro-batches, rehearsed with two short counts and extended (end of this module).
 
 A fake tensor costs about as much host time as a small real op (the dispatch, not the data), so a rank of
 Llama 3.1 405B on 16,384 GPUs (8 of 126 layers per PP16 stage, 16 micro-batches, 3 steps) is minutes of
@@ -91,6 +92,13 @@ def _counts(one: dict[str, int], two: dict[str, int], units: float) -> dict[str,
 def extend_rank(one: dict[str, Any], two: dict[str, Any], *, layers: int, virtual_stages: int) -> dict[str, Any]:
     """One rank's report at full depth from its reports at one and two layers per chunk."""
     units = (layers - virtual_stages) / virtual_stages  # extra layers per chunk beyond the first
+    out = _extend(one, two, units)
+    out["layers"] = layers
+    return out
+
+
+def _extend(one: dict[str, Any], two: dict[str, Any], units: float) -> dict[str, Any]:
+    """`two` with every recorded number moved along the line through `one` and `two` by `units` steps."""
     out = dict(two)
     out["memory_bytes"] = {k: _num(one["memory_bytes"][k], v, units, whole=True)
                            for k, v in two["memory_bytes"].items()}
@@ -104,7 +112,6 @@ def extend_rank(one: dict[str, Any], two: dict[str, Any], *, layers: int, virtua
             k: _num(one["checkpoint_save"][k], two["checkpoint_save"][k], units, whole=True)
             for k in ("write_items", "bytes") if k in two["checkpoint_save"]}
     out["rehearsal_s"] = {k: round(one["rehearsal_s"].get(k, 0.0) + v, 3) for k, v in two["rehearsal_s"].items()}
-    out["layers"] = layers
     return out
 
 
@@ -114,3 +121,45 @@ def extend_reports(spec: JobSpec, *, n_layers: int, one: list[dict[str, Any]],
     vs = spec.parallelism.virtual_stages
     return [extend_rank(a, b, layers=rank_layers(spec, n_layers=n_layers, stage=b["pipeline_stage"]),
                         virtual_stages=vs) for a, b in zip(one, two, strict=True)]
+
+
+# Micro-batches. Once the pipeline is full, a step's collectives and host syncs are a fixed part plus a part per
+# micro-batch, and so is its memory: 1F1B keeps at most pp - stage micro-batches in flight, but torch's
+# PipelineStage allocates one receive buffer per micro-batch (activations forward, their gradients backward),
+# a micro-batch's activation each. So a step of many micro-batches (DeepSeek-V3: 120) is rehearsed with
+# M1 = max(2, 2 × pp × virtual_stages) and M1 + pp micro-batches and extended linearly, like the depth (below
+# 2 × pp the fill is not yet linear: measured on PP2, where 2 → 4 grew twice as fast as 4 → 16).
+def microbatches(spec: JobSpec, *, world_size: int) -> int:
+    """The trainer's gradient-accumulation count (micro-batches per step) for `spec` at `world_size`."""
+    par, training = spec.parallelism, spec.training
+    dp = world_size // (par.tensor_parallel * par.pipeline_parallel)
+    return max(1, training.global_batch_tokens // (training.micro_batch * spec.data.seq_len * max(dp, 1)))
+
+
+def short_microbatches(spec: JobSpec, *, count: int) -> tuple[int, int] | None:
+    """(M1, M2) to rehearse instead of `count` micro-batches, None when the short runs would not save time."""
+    pp, vs = spec.parallelism.pipeline_parallel, spec.parallelism.virtual_stages
+    first = max(2, 2 * pp * vs)
+    second = first + max(pp, 1)
+    return (first, second) if count > 2 * second - first else None
+
+
+def with_microbatches(spec: JobSpec, count: int, *, world_size: int) -> JobSpec:
+    """`spec` with a global batch of `count` micro-batches (everything else, the world included, the same)."""
+    par, training = spec.parallelism, spec.training
+    dp = world_size // (par.tensor_parallel * par.pipeline_parallel)
+    tokens = count * training.micro_batch * spec.data.seq_len * dp
+    return spec.model_copy(update={"training": training.model_copy(update={"global_batch_tokens": tokens})})
+
+
+def extend_microbatches(one: list[dict[str, Any]], two: list[dict[str, Any]], *, counts: tuple[int, int],
+                        count: int) -> list[dict[str, Any]]:
+    """Every rank's report at `count` micro-batches from its reports at `counts` (M1, M2)."""
+    units = (count - counts[0]) / (counts[1] - counts[0])  # from M1, in steps of M2 - M1
+    out = []
+    for a, b in zip(one, two, strict=True):
+        report = _extend(a, b, units)
+        report["num_microbatches"] = count
+        report["extended_from_microbatches"] = list(counts)
+        out.append(report)
+    return out

@@ -443,3 +443,37 @@ def balanced_expert_splits(probes: Probes) -> Iterator[None]:
 
     with mock.patch.object(expert, "host_splits", balanced):
         yield
+
+
+CONTROL_WINDOW_STEPS = 100  # the checkpoint manager's per-step control plane is watched over this many steps
+
+
+def control_window(trainer: Any) -> int:
+    """The checkpoint manager's per-step work (agreement, interval, preemption checks) over
+    `CONTROL_WINDOW_STEPS` further steps, as the loop calls it after each step; returns the window."""
+    hook = trainer.checkpointer
+    if hook is None:
+        return CONTROL_WINDOW_STEPS
+    first = trainer.step
+    for step in range(first + 1, first + 1 + CONTROL_WINDOW_STEPS):
+        trainer.step = step
+        hook.maybe_save(trainer)
+    return CONTROL_WINDOW_STEPS
+
+
+def resident_bytes(trainer: Any) -> dict[str, int]:
+    """This rank's parameters (and buffers), gradients and optimizer states after a step, from the tensors."""
+    def local_bytes(tensor: Any) -> int:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        return local.numel() * local.element_size()
+
+    params = grads = 0
+    for part in trainer.parallel.parts:
+        params += sum(local_bytes(b) for b in part.buffers())
+    for param in trainer.parallel.parameters():
+        params += local_bytes(param)
+        if param.grad is not None:
+            grads += local_bytes(param.grad)
+    optimizer = sum(local_bytes(v) for state in trainer.optimizer.state.values() for v in state.values()
+                    if hasattr(v, "numel") and v.dim() > 0)
+    return {"params": params, "grads": grads, "optimizer": optimizer}

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from leantrain.model.rope import inv_frequencies
+from leantrain.model.rope import attention_factor, inv_frequencies
 from leantrain.spec.shapes import ModelShape, ResolvedMoE
 
 INIT_STD = 0.02
@@ -54,7 +54,7 @@ def rope_tables(
     positions = torch.arange(max_seq_len, device=device, dtype=torch.float32)
     angles = torch.outer(positions, inv_freq)  # (seq, head_dim / 2)
     angles = torch.cat([angles, angles], dim=-1)  # (seq, head_dim)
-    return torch.stack([angles.cos(), angles.sin()])
+    return torch.stack([angles.cos(), angles.sin()]) * attention_factor(scaling)  # YaRN scales cos/sin
 
 
 class RMSNorm(nn.Module):

@@ -5,7 +5,7 @@ Queries go through a low-rank latent (`wq_a` → RMSNorm `q_norm` → `wq_b`; or
 a single `qk_rope_head_dim` key that every head shares (the decoupled RoPE key); `kv_norm` → `wkv_b` expands
 the latent into each head's non-RoPE key and its value. Each head's query and key are
 [nope (qk_nope_head_dim) | rope (qk_rope_head_dim)], its value v_head_dim; the core is SDPA with the
-default 1/√(qk_head_dim) scale, as transformers' DeepseekV2/V3 attention without YaRN.
+1/√(qk_head_dim) scale, times mscale(factor, mscale_all_dim)² under YaRN, as transformers' DeepseekV2/V3.
 
 Names follow torchtitan's deepseek_v3 model (wq / wq_a, q_norm, wq_b, wkv_a, kv_norm, wkv_b, wo);
 `leantrain.model.hf` maps them to Hugging Face's (q_proj / q_a_proj, q_a_layernorm, q_b_proj,
@@ -23,13 +23,15 @@ through `shared_rope_key`, which the plan turns into an all-reduce of its gradie
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from leantrain.model.layers import ModelArgs, RMSNorm
-from leantrain.model.rope import rotate_half, rotate_interleaved
+from leantrain.model.rope import rotate_half, rotate_interleaved, softmax_scale_factor
 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's RMSNorm default, used for q_norm and kv_norm
 
@@ -47,6 +49,8 @@ class LatentAttention(nn.Module):
         self.kv_rank = mla.kv_lora_rank
         self.qk_dim = mla.qk_head_dim
         self.interleaved = args.rope_interleave
+        # SDPA's default 1/√(qk_head_dim), times DeepSeek's mscale² under YaRN (as its attention code does).
+        self.scale = mla.qk_head_dim ** -0.5 * softmax_scale_factor(args.rope_scaling)
         if mla.q_lora_rank:
             self.wq_a = nn.Linear(d, mla.q_lora_rank, bias=False)
             self.q_norm = RMSNorm(mla.q_lora_rank, eps=LATENT_NORM_EPS)
@@ -78,9 +82,10 @@ class LatentAttention(nn.Module):
         k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)  # (b, h, s, nope), (b, h, s, v)
         q = torch.cat([q_nope, rotate(q_rope, rope)], dim=-1)
         k = torch.cat([k_nope, k_rope.expand(-1, k_nope.shape[1], -1, -1)], dim=-1)
-        out = checkpoint(_causal_sdpa, q, k, v, use_reentrant=False) if self.recompute_core else _causal_sdpa(q, k, v)
+        core = partial(_causal_sdpa, scale=self.scale)
+        out = checkpoint(core, q, k, v, use_reentrant=False) if self.recompute_core else core(q, k, v)
         return self.wo(out.transpose(1, 2).reshape(batch, seq_len, -1))
 
 
-def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)

@@ -1,6 +1,7 @@
-"""RoPE frequencies with the scalings Hugging Face checkpoints use: none, linear (position interpolation) and
-Llama 3.1's wavelength-dependent rule, computed as transformers computes them so loaded models match; and the
-two ways of applying them: rotate-half (Llama, Hugging Face) and interleaved pairs (DeepSeek).
+"""RoPE frequencies with the scalings Hugging Face checkpoints use: none, linear (position interpolation),
+Llama 3.1's wavelength-dependent rule and YaRN (DeepSeek-V2/V3's long-context configs), computed as
+transformers computes them so loaded models match; and the two ways of applying them: rotate-half (Llama,
+Hugging Face) and interleaved pairs (DeepSeek).
 """
 
 from __future__ import annotations
@@ -25,7 +26,58 @@ def inv_frequencies(
         return inv_freq / float(params["factor"])
     if rope_type == "llama3":
         return _llama3(inv_freq, params)
+    if rope_type == "yarn":
+        return _yarn(inv_freq, params, head_dim=head_dim, theta=theta)
     raise ValueError(f"unsupported rope_type {rope_type!r}")
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def attention_factor(scaling: tuple[tuple[str, Any], ...] | None) -> float:
+    """YaRN's multiplier on cos/sin (1 for every other RoPE): the config's `attention_factor`, else
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim), else mscale(factor) (Peng et al. 2023, §3.4)."""
+    params = dict(scaling or ())
+    if params.get("rope_type") != "yarn":
+        return 1.0
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = float(params["factor"])
+    if params.get("mscale") and params.get("mscale_all_dim"):
+        return _yarn_mscale(factor, float(params["mscale"])) / _yarn_mscale(factor, float(params["mscale_all_dim"]))
+    return _yarn_mscale(factor)
+
+
+def softmax_scale_factor(scaling: tuple[tuple[str, Any], ...] | None) -> float:
+    """DeepSeek's extra softmax-scale multiplier under YaRN, mscale(factor, mscale_all_dim)² (its attention
+    code; 1 without YaRN or without mscale_all_dim)."""
+    params = dict(scaling or ())
+    if params.get("rope_type") != "yarn" or not params.get("mscale_all_dim"):
+        return 1.0
+    return _yarn_mscale(float(params["factor"]), float(params["mscale_all_dim"])) ** 2
+
+
+def _yarn(inv_freq: torch.Tensor, params: dict[str, Any], *, head_dim: int, theta: float) -> torch.Tensor:
+    """YaRN (Peng et al. 2023, arXiv 2309.00071): per dimension, a linear ramp between interpolated (÷ factor)
+    and original frequencies over the dimensions whose wavelength the original context holds beta_slow..
+    beta_fast times, as transformers' `_compute_yarn_parameters` computes it."""
+    factor = float(params["factor"])
+    old_context = float(params["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return head_dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, head_dim - 1)
+    if low == high:
+        high += 0.001  # no zero-width ramp
+    ramp = ((torch.arange(head_dim // 2, dtype=torch.float32, device=inv_freq.device) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: the original frequency (extrapolate), 0: interpolated
+    return inv_freq / factor * (1 - keep) + inv_freq * keep
 
 
 def _llama3(inv_freq: torch.Tensor, params: dict[str, Any]) -> torch.Tensor:

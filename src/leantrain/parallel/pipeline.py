@@ -213,16 +213,20 @@ def build_schedule(
 def run_schedule(
     schedule: _PipelineSchedule, *, inputs: torch.Tensor, targets: torch.Tensor, is_first: bool, is_last: bool
 ) -> torch.Tensor | None:
-    """One forward/backward over the whole step batch; the mean micro-batch loss on the last stage, else None."""
+    """One forward/backward over the whole step batch; the mean micro-batch loss on the last stage, else None.
+
+    `return_outputs=False`: by default torch's schedules keep every micro-batch's output on the last stage to
+    return them merged, i.e. the logits of the whole step (DeepSeek-V3: 120 × 4,096 × 129,280 fp32, 250 GB);
+    the rehearsal showed the last stage's memory growing with the micro-batch count. Only the losses are used."""
     losses: list[torch.Tensor] = []
     if is_first and is_last:
-        schedule.step(inputs, target=targets, losses=losses)
+        schedule.step(inputs, target=targets, losses=losses, return_outputs=False)
     elif is_first:
-        schedule.step(inputs)
+        schedule.step(inputs, return_outputs=False)
     elif is_last:
-        schedule.step(target=targets, losses=losses)
+        schedule.step(target=targets, losses=losses, return_outputs=False)
     else:
-        schedule.step()
+        schedule.step(return_outputs=False)
     return torch.stack(losses).mean().detach() if losses else None
 
 

@@ -2,7 +2,7 @@
 
 Pure JSON, no torch: `spec/shapes.py` calls `read_hf_config` when `model.init_from` is set, so the planner, the
 spec checks and the trainer all see the checkpoint's shape. What our model cannot express (sliding-window
-attention, YaRN/dynamic RoPE, MLP biases, a head_dim other than hidden_size / num_attention_heads) is refused
+attention, dynamic/LongRoPE scaling, MLP biases, a head_dim other than hidden_size / num_attention_heads) is refused
 with the file and the field named, never silently approximated. DeepSeek-V2/V3 bring multi-head latent
 attention (`mla`) and their mixture of experts (`moe`, with the routing transformers' modeling code applies:
 V2 softmax scores, greedy or group-limited by the group's best score, no renormalisation; V3 sigmoid scores
@@ -23,7 +23,7 @@ SUPPORTED_MODEL_TYPES = {"llama": "LlamaForCausalLM", "mistral": "MistralForCaus
                          "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 DEEPSEEK_TYPES = ("deepseek_v2", "deepseek_v3")
 # RoPE variants whose frequencies model/rope.py computes exactly as transformers does.
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Fields of ModelSpec that config.json decides; an explicit spec value must agree with it.
 SHAPE_FIELDS = {
     "n_layers": "num_hidden_layers", "d_model": "hidden_size", "n_heads": "num_attention_heads",
@@ -133,12 +133,21 @@ def _rope(data: dict[str, Any], *, path: Path) -> tuple[float, tuple[tuple[str, 
     if rope_type == "default":
         return float(theta), None
     keys = {"linear": ("factor",),
-            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")}
+            "llama3": ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"),
+            "yarn": ("factor", "original_max_position_embeddings")}
     scaling = {"rope_type": rope_type}
     for key in keys[rope_type]:
         if not isinstance(params.get(key), int | float):
             raise HFConfigError(f"{path}: field 'rope_scaling.{key}' is required for rope_type {rope_type!r}")
         scaling[key] = params[key]
+    if rope_type == "yarn":  # optional refinements, kept when given (transformers' defaults otherwise)
+        for key in ("beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor"):
+            if params.get(key) is not None:
+                if isinstance(params[key], bool) or not isinstance(params[key], int | float):
+                    raise HFConfigError(f"{path}: field 'rope_scaling.{key}' must be a number, got {params[key]!r}")
+                scaling[key] = params[key]
+        if params.get("truncate") is not None:
+            scaling["truncate"] = bool(params["truncate"])
     return float(theta), tuple(sorted(scaling.items()))
 
 
