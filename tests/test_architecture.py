@@ -15,7 +15,7 @@ PACKAGE = SRC / "leantrain"
 # or down, never up.
 LAYERS = {
     "leantrain": 0, "errors": 0, "hardware": 0, "dtypes": 0, "spec": 0, "security": 0, "render": 0,
-    "demo_context": 0,
+    "demo_context": 0, "rank0": 0,
     "plan": 1, "data": 1, "model": 1, "observe": 1,
     "parallel": 2,
     "provenance": 3,

@@ -258,14 +258,7 @@ def write_sealed(fs: SealedFileSystem, rel: str, data: bytes) -> FileRecord:
     return fs.written[rel.rsplit("/", 1)[1]]
 
 
-def checkpoint_keys(*, fs: SealedFileSystem, folder: str) -> set[str]:
-    """Flattened keys stored in a checkpoint (from DCP's metadata), to skip per-rank entries it lacks."""
-    return set(SealedReader(fs, folder).read_metadata().state_dict_metadata)
-
-
-def load_state(
-    state: dict[str, Any], *, fs: SealedFileSystem, folder: str, process_group: dist.ProcessGroup | None
-) -> None:
-    """DCP-load into `state` in place (tensors are copied into the existing ones; other values replaced)."""
-    dcp.load(state, storage_reader=SealedReader(fs, folder), process_group=process_group)
-
+def load_state(state: dict[str, Any], *, reader: FileSystemReader, process_group: dist.ProcessGroup | None) -> None:
+    """DCP-load into `state` in place (tensors are copied into the existing ones; other values replaced) through
+    `reader` (ckpt/verified_load.py: rank 0's metadata, each file checked by one rank as it is loaded)."""
+    dcp.load(state, storage_reader=reader, process_group=process_group)

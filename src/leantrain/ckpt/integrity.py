@@ -6,6 +6,7 @@ encrypted, every chunk authenticates), and (4) it carries no `CORRUPT` marker fr
 On a filesystem the files are written into `.tmp-step-NNNNNNNN/`, fsync'd, committed and then renamed into place;
 on an object store (no rename) they are written in place and the commit marker, written last, is the publish:
 a PUT is atomic, so a reader never sees a marker without the manifest and files before it.
+A resume checks (3) as it loads, each file by one rank in the read that loads it (ckpt/verified_load.py).
 """
 
 from __future__ import annotations
@@ -38,6 +39,10 @@ class IntegrityError(Exception):
     def __init__(self, message: str, *, permanent: bool = True) -> None:
         super().__init__(message)
         self.permanent = permanent
+
+    def __reduce__(self) -> tuple:
+        # DCP carries a rank's failure to the others pickled; `permanent` must survive the trip.
+        return (type(self), (str(self),), {"permanent": self.permanent})
 
 
 class KeyMismatchError(IntegrityError):
@@ -228,7 +233,9 @@ def read_manifest(store: Store, folder: str) -> dict:
     return manifest
 
 
-class _HashingReader:
+class HashingReader:
+    """Passes reads through while hashing and counting them."""
+
     def __init__(self, raw: IO[bytes]) -> None:
         self.raw = raw
         self.digest = hashlib.sha256()
@@ -241,12 +248,20 @@ class _HashingReader:
         return data
 
 
+def check_read(rel: str, record: dict, *, num_bytes: int, sha256: str) -> None:
+    """What a whole read of a file saw against the manifest's record of it."""
+    if num_bytes != record["bytes"]:
+        raise IntegrityError(f"{rel}: {num_bytes} bytes, manifest says {record['bytes']} (truncated?)")
+    if sha256 != record["sha256"]:
+        raise IntegrityError(f"{rel}: sha256 mismatch (corrupted)")
+
+
 def verify_file(store: Store, folder: str, name: str, record: dict, *, cipher: ChunkCipher | None) -> None:
     """Check one file's size and sha256 in a single read pass (authenticating every chunk when encrypted)."""
     rel = f"{folder}/{name}"
     try:
         with store.open_read(rel) as raw:
-            reader = _HashingReader(raw)
+            reader = HashingReader(raw)
             if cipher is not None:
                 for _ in cipher.open_stream(reader, name=f"{step_name(folder)}/{name}"):  # type: ignore[arg-type]
                     pass
@@ -258,10 +273,59 @@ def verify_file(store: Store, folder: str, name: str, record: dict, *, cipher: C
         raise IntegrityError(f"{folder}: {err}") from err
     except OSError as err:
         raise IntegrityError(f"{rel}: read failed: {err}", permanent=False) from err
-    if reader.num_bytes != record["bytes"]:
-        raise IntegrityError(f"{rel}: {reader.num_bytes} bytes, manifest says {record['bytes']} (truncated?)")
-    if reader.digest.hexdigest() != record["sha256"]:
-        raise IntegrityError(f"{rel}: sha256 mismatch (corrupted)")
+    check_read(rel, record, num_bytes=reader.num_bytes, sha256=reader.digest.hexdigest())
+
+
+class OnePassReader:
+    """A plaintext stored file read once, front to back, while its slices are handed out, and checked against the
+    manifest's record (size, sha256) when `finish` has hashed the rest: the bytes a load uses are verified by the
+    same read that loads them, with no second pass over the file. Slices must come in ascending offsets (a
+    repeat of the last one is served again); the bytes between and after them are hashed, not kept."""
+
+    def __init__(self, raw: IO[bytes], *, rel: str, record: dict) -> None:
+        self._raw, self.rel, self._record = raw, rel, record
+        self._digest = hashlib.sha256()
+        self._pos = 0
+        self._last: tuple[int, int, bytes] | None = None
+
+    def _read(self, size: int) -> bytes:
+        try:
+            data = self._raw.read(size)
+        except OSError as err:
+            raise IntegrityError(f"{self.rel}: read failed: {err}", permanent=False) from err
+        self._digest.update(data)
+        self._pos += len(data)
+        return data
+
+    def _skip_to(self, offset: int | None) -> None:
+        while offset is None or self._pos < offset:
+            if not self._read(READ_CHUNK_BYTES if offset is None else min(READ_CHUNK_BYTES, offset - self._pos)):
+                return
+
+    def slice(self, offset: int, length: int) -> bytes:
+        if self._last is not None and self._last[:2] == (offset, length):
+            return self._last[2]
+        assert offset >= self._pos, f"{self.rel}: slice at {offset} after byte {self._pos} was read"
+        self._skip_to(offset)
+        parts, wanted = [b""], length
+        while wanted > 0:
+            part = self._read(wanted)
+            if not part and self._pos < self._record["bytes"]:
+                raise IntegrityError(f"{self.rel}: {self._pos} bytes, manifest says {self._record['bytes']} "
+                                     "(truncated?)")
+            if not part:  # the file is whole by its record: DCP's metadata does not describe it
+                raise EOFError(f"{self.rel}: DCP's metadata reads bytes {offset}-{offset + length}, the file has "
+                               f"{self._pos}")
+            parts.append(part)
+            wanted -= len(part)
+        data = parts[-1] if len(parts) == 2 else b"".join(parts)  # one read: no copy
+        self._last = (offset, length, data)
+        return data
+
+    def finish(self) -> None:
+        """Hash to the end of the file and check it (raises IntegrityError)."""
+        self._skip_to(None)
+        check_read(self.rel, self._record, num_bytes=self._pos, sha256=self._digest.hexdigest())
 
 
 def step_name(folder: str) -> str:
@@ -270,10 +334,9 @@ def step_name(folder: str) -> str:
     return step_dir(int(match.group(1))) if match else folder
 
 
-def verify_share(
-    store: Store, folder: str, manifest: dict, *, rank: int, world_size: int, cipher: ChunkCipher | None
-) -> None:
-    """Verify this rank's share of the files (file i goes to rank i mod world_size), so ranks split the reading."""
+def check_key(folder: str, manifest: dict, *, cipher: ChunkCipher | None) -> ChunkCipher | None:
+    """The cipher that reads this checkpoint (None for plaintext, also one written before encryption was
+    switched on); KeyMismatchError when the configured key cannot read it."""
     enc = manifest.get("encryption")
     if enc and cipher is None:
         raise KeyMismatchError(f"{folder}: checkpoint is encrypted but no key is configured "
@@ -281,14 +344,7 @@ def verify_share(
     if enc and cipher is not None and enc.get("key_id") != cipher.key_id:
         raise KeyMismatchError(f"{folder}: encrypted with another key (key id {enc.get('key_id')}, "
                                f"security.encryption_key has {cipher.key_id})")
-    if not enc and cipher is not None:
-        cipher = None  # a plaintext checkpoint written before encryption was enabled is still readable
-    names = sorted(manifest.get("files", {}))
-    if ".metadata" not in names:
-        raise IntegrityError(f"{folder}: manifest lists no DCP .metadata")
-    for index, name in enumerate(names):
-        if index % world_size == rank:
-            verify_file(store, folder, name, manifest["files"][name], cipher=cipher)
+    return cipher if enc else None
 
 
 def list_steps(store: Store) -> list[StepEntry]:

@@ -9,22 +9,28 @@ Options: `step` loads that step only (no fallback); `source` reads another store
 path, e.g. another run's) where nothing is ever marked; `check(entry, manifest)` returns a reason to refuse
 before anything is loaded (e.g. the schedule changed, ckpt/resume.py).
 
-It uses the manager only through its public interface (`agree`, `gather`, `load_group`, `sealed_fs`,
-`events`, `store`, `foreign`, `model_identity`), as the trainer's hook does.
+Reads at scale: rank 0 alone lists the store, reads each candidate's commit marker, manifest and DCP
+`.metadata` and broadcasts them; each shard file is checked by one rank as it loads it (ckpt/verified_load.py).
+
+It uses the manager only through its public interface (`read_on_rank0`, `load_group`, `sealed_fs`, `events`,
+`store`, `foreign`, `model_identity`), as the trainer's hook does.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 
 import leantrain.ckpt.integrity as integ
-from leantrain.ckpt.dcp_io import SealedFileSystem, apply_state_dict, build_state_dict, checkpoint_keys, load_state
+from leantrain.ckpt.dcp_io import SealedFileSystem, apply_state_dict, build_state_dict, load_state
 from leantrain.ckpt.errors import CheckpointLoadError, one_line
 from leantrain.ckpt.identity import identity_problem
 from leantrain.ckpt.storage import FsspecStore, Store
+from leantrain.ckpt.verified_load import VerifiedReader, read_metadata, unread_files
 
 if TYPE_CHECKING:
     from leantrain.ckpt.manager import CheckpointManager
@@ -45,13 +51,13 @@ def _counts_as_checkpoint(store: Store, entry: integ.StepEntry) -> bool:
 
 
 def _list(m: CheckpointManager, store: Store) -> list[integ.StepEntry]:
-    listed: Any = None
-    if m.rank == 0:
+    def read() -> Any:
         try:
-            listed = [(e, _counts_as_checkpoint(store, e)) for e in integ.list_steps(store)]
+            return [(e, _counts_as_checkpoint(store, e)) for e in integ.list_steps(store)]
         except Exception as err:  # noqa: BLE001 - botocore/fsspec errors are not OSErrors
-            listed = f"cannot list the checkpoints in {store.url}: {one_line(err)}"
-    listed = m.agree(listed)
+            return f"cannot list the checkpoints in {store.url}: {one_line(err)}"
+
+    listed = m.read_on_rank0(read)
     if isinstance(listed, str):
         raise CheckpointLoadError(listed)
     return [e for e, counts in listed if counts]
@@ -80,7 +86,7 @@ def load(m: CheckpointManager, app_state: dict[str, Any], *, step: int | None = 
     for entry in reversed(candidates):
         start = m.clock()
         fs = _reader_fs(m, store)
-        problem, manifest, skip = _verify(m, entry, app_state, store=store, fs=fs)
+        problem, manifest, metadata = m.read_on_rank0(partial(_read_shared, m, entry, store=store, fs=fs))
         if problem is not None and problem[2]:  # the key, not the checkpoint: stop before anything is loaded
             m.events.emit("checkpoint_invalid", step=entry.step, reason=problem[0], condemned=False)
             raise CheckpointLoadError(
@@ -90,12 +96,18 @@ def load(m: CheckpointManager, app_state: dict[str, Any], *, step: int | None = 
         if refusal:
             raise CheckpointLoadError(refusal, user_input=True)
         if problem is None:
+            assert metadata is not None
             try:
-                state = build_state_dict(app_state, skip=skip)
-                load_state(state, fs=fs(manifest), folder=entry.name, process_group=m.load_group)
+                state = build_state_dict(app_state, skip=_missing_rank_entries(m, app_state, entry.name, metadata))
+                reader = VerifiedReader(fs(manifest), entry.name, metadata=metadata, records=manifest["files"])
+                load_state(state, reader=reader, process_group=m.load_group)
             except (Exception, CheckpointException) as err:  # noqa: BLE001 - DCP raises on all ranks together
-                partly_loaded = True
-                problem = (f"load failed: {one_line(err)}", False, False, None)
+                bad = _integrity_failure(err)
+                # A file that failed its check is refused like one checked before the load: when every
+                # checkpoint fails the run refuses to start either way, so the half-loaded state is never used.
+                partly_loaded = partly_loaded or bad is None or not bad.permanent
+                problem = ((str(bad), bad.permanent, False, None) if bad is not None
+                           else (f"load failed: {one_line(err)}", False, False, None))
         if problem is not None and problem[3] is not None:  # not this run's: named, skipped, never touched
             skipped.append(entry.step)
             reasons.insert(0, f"{store.describe(entry.name)}: {problem[0]}")
@@ -179,41 +191,46 @@ def _reader_fs(m: CheckpointManager, store: Store) -> Callable[[dict], SealedFil
     return pick
 
 
-def _verify(
-    m: CheckpointManager, entry: integ.StepEntry, app_state: dict[str, Any], *, store: Store,
-    fs: Callable[[dict], SealedFileSystem],
-) -> tuple[Problem | None, dict, frozenset[str]]:
-    """Every rank checks its share of files and reads DCP's metadata; all ranks get the first problem, so
-    they fall back together instead of some entering DCP's collectives."""
-    problem: Problem | None = None
+def _read_shared(m: CheckpointManager, entry: integ.StepEntry, *, store: Store,
+                 fs: Callable[[dict], SealedFileSystem]) -> tuple[Problem | None, dict, Metadata | None]:
+    """Rank 0: the commit marker, manifest and DCP metadata of `entry` (checked against the manifest), and the
+    files no DCP load reads; the first problem instead, as a value (never raised: the other ranks wait for it)."""
     manifest: dict = {}
-    skip: frozenset[str] = frozenset()
     try:
         manifest = integ.read_manifest(store, entry.name)
         foreign = identity_problem(folder_step=entry.step, manifest=manifest, expected=m.model_identity)
         if foreign is not None:  # decided from the manifest alone: no shard is read
             kind, message = foreign
-            problems = [p for p in m.gather((message, False, False, kind)) if p is not None]
-            return problems[0], manifest, skip
-        integ.verify_share(store, entry.name, manifest, rank=m.rank, world_size=m.world_size, cipher=m.cipher)
-        skip = _missing_rank_entries(m, app_state, entry.name, fs=fs(manifest))
+            return (message, False, False, kind), manifest, None
+        cipher = integ.check_key(entry.name, manifest, cipher=m.cipher)
+        metadata = read_metadata(fs(manifest), entry.name, manifest)
+        for name in unread_files(manifest, metadata):  # small files of the save (lineage.json), else unchecked
+            integ.verify_file(store, entry.name, name, manifest["files"][name], cipher=cipher)
     except integ.KeyMismatchError as err:
-        problem = (str(err), False, True, None)
+        return (str(err), False, True, None), manifest, None
     except integ.IntegrityError as err:
-        problem = (str(err), err.permanent, False, None)
-    except Exception as err:  # noqa: BLE001 - e.g. unreadable DCP metadata; decided together below
-        problem = (one_line(err), not isinstance(err, OSError), False, None)
-    problems = [p for p in m.gather(problem) if p is not None]
-    return (problems[0] if problems else None), manifest, skip
+        return (str(err), err.permanent, False, None), manifest, None
+    except Exception as err:  # noqa: BLE001 - e.g. unreadable DCP metadata: refused on every rank
+        return (one_line(err), not isinstance(err, OSError), False, None), manifest, None
+    return None, manifest, metadata
 
 
-def _missing_rank_entries(m: CheckpointManager, app_state: dict[str, Any], folder: str, *,
-                          fs: SealedFileSystem) -> frozenset[str]:
+def _integrity_failure(err: BaseException) -> integ.IntegrityError | None:
+    """The first failed file check among the ranks' failures of a DCP load (rank order)."""
+    failures = err.failures if isinstance(err, CheckpointException) else {0: (err, None)}
+    for _, (exc, _trace) in sorted(failures.items()):
+        if isinstance(exc, integ.IntegrityError):
+            return exc
+    return None
+
+
+def _missing_rank_entries(m: CheckpointManager, app_state: dict[str, Any], folder: str,
+                          metadata: Metadata) -> frozenset[str]:
     """App-state keys holding per-rank state (e.g. RankRNGState) that this checkpoint has no entry for."""
     per_rank = {k: v.per_rank_key for k, v in app_state.items() if hasattr(v, "per_rank_key")}
     if not per_rank:
         return frozenset()
-    keys = checkpoint_keys(fs=fs, folder=folder)
+    keys = set(metadata.state_dict_metadata)
     missing = frozenset(k for k, sub in per_rank.items() if not any(x.startswith(f"{k}.{sub}.") for x in keys))
     for key in missing:
         m.events.emit("checkpoint_rank_state_missing", key=key, rank=m.rank, folder=folder)

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,7 @@ from leantrain.ckpt.loading import load as load_checkpoint
 from leantrain.ckpt.policy import AutoInterval, PreemptionHandler, job_mtbf_s, planned_auto_interval
 from leantrain.ckpt.storage import Store, open_store
 from leantrain.parallel.comm import control_backend
+from leantrain.rank0 import from_rank0
 from leantrain.security import AuditLog
 from leantrain.spec import resolve_secret
 
@@ -58,6 +59,7 @@ if TYPE_CHECKING:
 __all__ = ["CheckpointLoadError", "CheckpointManager", "CheckpointSaveError"]
 log = logging.getLogger("leantrain.ckpt")
 SAVE_GROUP_TIMEOUT_S = 1800.0
+T = TypeVar("T")
 
 
 class _AgreedFailure(OSError):
@@ -259,7 +261,7 @@ class CheckpointManager:
             written = save_state(state, fs=self._fs, folder=folder, process_group=self._save_pg)
             if self.before_commit is not None:
                 self.before_commit(step)
-            all_written = self._gather(written, self._save_pg)
+            all_written = self._gather(written, self._save_pg)  # rank 0 writes the manifest of all of them
             operation = "commit"
             commit_error = self._commit(step, folder, all_written) if self.rank == 0 else None
             commit_error = self._agree(commit_error, self._save_pg)
@@ -387,9 +389,12 @@ class CheckpointManager:
         """Rank 0's value on every rank, on the main thread's agreement group (all ranks call it together)."""
         return self._agree(value, self._control_pg)
 
-    def gather(self, value: Any) -> list[Any]:
-        """Every rank's value, on the main thread's agreement group (all ranks call it together)."""
-        return self._gather(value, self._control_pg)
+    def read_on_rank0(self, read: Callable[[], T]) -> T:
+        """`read()` on rank 0 alone, its result on every rank, on the main thread's agreement group (all ranks
+        call it together): one reader of the store's shared files (listing, manifest, DCP metadata)."""
+        if self._control_pg is None:
+            return read()
+        return from_rank0(read, group=self._control_pg)
 
     @property
     def load_group(self) -> dist.ProcessGroup | None:
@@ -416,11 +421,12 @@ class CheckpointManager:
         return box[0]
 
     def _gather(self, value: Any, group: dist.ProcessGroup | None) -> list[Any]:
+        """Every rank's value on rank 0 (the one that commits), an empty list elsewhere."""
         if group is None:
             return [value]
-        out: list[Any] = [None] * dist.get_world_size(group)
-        dist.all_gather_object(out, value, group=group)
-        return out
+        out: list[Any] | None = [None] * dist.get_world_size(group) if self.rank == 0 else None
+        dist.gather_object(value, out, dst=dist.get_global_rank(group, 0), group=group)
+        return out or []
 
     def close(self) -> None:
         """Finish a pending save, restore signal handlers, free the manager's groups. Raises a pending failure."""

@@ -29,8 +29,8 @@ from leantrain.model.hf_load import check_hf_dir, fill_from_hf
 from leantrain.model.init import fill_parameter, param_seed
 from leantrain.model.lora import apply_lora, init_adapter, is_adapter, quantize_base
 from leantrain.model.transformer import model_args_from_spec
+from leantrain.rank0 import from_rank0
 from leantrain.spec.schema import JobSpec
-from leantrain.train.shared_reads import from_rank0
 
 
 def uses_adapters(spec: JobSpec) -> bool:
