@@ -171,3 +171,47 @@ def test_copies_differing_in_case_accents_or_numbers_are_near_duplicates(tmp_pat
     kept_numbers, _ = deduplicate(docs, spec=DedupSpec(normalize_numbers=False), work=tmp_path / "off")
     numbered = [d for d, k in zip(kept_numbers[60:].tolist(), kinds, strict=True) if k == "numbers"]
     assert numbered.count(KEEP) >= 15  # with the digits kept, 12 changed words of 200 are mostly too many
+
+
+def test_resolution_in_batches_of_edge_files_gives_the_same_clusters(tmp_path: Path) -> None:
+    """The forest of (document, cluster root) rows joined one batch of edge files at a time (memory: the
+    duplicates, not all edges) gives every document the decision that all edges at once give, including
+    chains that link clusters only through a later file."""
+    from leantrain.data.clusters import MergeStep, resolve
+
+    rng = np.random.default_rng(7)
+    docs, files = 5000, 12
+    edges = np.sort(rng.integers(0, docs, size=(1500, 2)), axis=1)
+    edges = edges[edges[:, 0] != edges[:, 1]]
+    chain = np.stack([np.arange(100, 4100, 400), np.arange(500, 4500, 400)], axis=1)  # 100-500-900-...
+    parts = [*np.array_split(edges, files - 1), chain[::-1]]
+    steps = [MergeStep(f"band{i:02d}", 0, 0, 1) for i in range(files)] + [MergeStep("exact", 0, 0, 1)]
+    (tmp_path / "edges").mkdir()
+    for step, part in zip(steps, [*parts, np.array([[3, 4], [3, 100]])], strict=True):
+        np.save(tmp_path / "edges" / step.file_name, part.astype(np.int64))
+    offsets = np.array([0, 1700, 3300, docs])
+    decisions = {}
+    for batch in (1, 1 << 30):
+        folders = [tmp_path / f"b{batch}" / str(i) for i in range(3)]
+        for folder in folders:
+            folder.mkdir(parents=True)
+        counts = resolve(steps, folders, offsets, tmp_path / "edges", batch_edges=batch)
+        decisions[batch] = (np.concatenate([np.load(f / "keep.npy") for f in folders]), counts)
+    # reference: plain union-find over all edges
+    parent = list(range(docs))
+
+    def root(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for a, b in np.concatenate(parts).tolist():
+        ra, rb = root(a), root(b)
+        parent[max(ra, rb)] = min(ra, rb)
+    expected = np.array([KEEP if root(d) == d else NEAR_DUP for d in range(docs)], dtype=np.uint8)
+    expected[[4, 100]] = EXACT_DUP
+    for decision, counts in decisions.values():
+        assert np.array_equal(decision, expected)
+        assert counts == {"exact_duplicates": 2, "near_duplicates": int((expected == NEAR_DUP).sum())}
+    assert decisions[1][0][4100] == NEAR_DUP and root(4100) == root(100)  # the chain is in the last file

@@ -11,8 +11,9 @@ Band edges are verified: the two MinHash signatures (read back by memory map) mu
 
 Resolution: a document with an exact-key edge from an earlier one is an exact duplicate; the verified
 band edges are joined into clusters (connected components, vectorised union-find), and every document
-but the first of its cluster in input order is a near duplicate. Memory here grows with the number of
-duplicate edges, not with the corpus. The decision is written per shard folder as `keep.npy` (0 keep, 1 exact
+but the first of its cluster in input order is a near duplicate. The edge files are joined one batch at a
+time into a forest of one row per duplicate document, so memory here is 16 bytes per duplicate plus one
+batch of edges, never all the edges. The decision is written per shard folder as `keep.npy` (0 keep, 1 exact
 duplicate, 2 near duplicate).
 """
 
@@ -32,7 +33,7 @@ from leantrain.data.dedup import band_hashes
 from leantrain.spec.schema import DedupSpec
 
 HASH_SPACE = 1 << 64
-VERIFY_BLOCK_EDGES = 1 << 16
+VERIFY_BLOCK_EDGES = 1 << 13
 KEEP, EXACT_DUP, NEAR_DUP = 0, 1, 2
 
 
@@ -178,15 +179,44 @@ def _components(edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return nodes, nodes[label]
 
 
-def resolve(steps: list[MergeStep], folders: list[Path], offsets: np.ndarray, edge_dir: Path) -> dict[str, int]:
-    """Write every shard's `keep.npy` from the merged edges; returns duplicate counts."""
-    def load(prefix: str) -> np.ndarray:
-        parts = [np.load(edge_dir / s.file_name) for s in steps if s.space.startswith(prefix)]
-        return np.concatenate(parts) if parts else np.zeros((0, 2), dtype=np.int64)
+def _exact_duplicates(steps: list[MergeStep], edge_dir: Path) -> np.ndarray:
+    """Sorted documents with an exact-key edge from an earlier one, merged one edge file at a time."""
+    dups = np.zeros(0, dtype=np.int64)
+    for step in steps:
+        if step.space == "exact":
+            dups = np.union1d(dups, np.load(edge_dir / step.file_name)[:, 1])
+    return dups
 
-    exact_dups = np.unique(load("exact")[:, 1])
-    nodes, roots = _components(load("band"))
-    near_dups = np.setdiff1d(nodes[roots != nodes], exact_dups)
+
+def _near_forest(steps: list[MergeStep], edge_dir: Path, *, batch_edges: int) -> tuple[np.ndarray, np.ndarray]:
+    """(nodes, their smallest cluster member) for every document that is not first in its near cluster.
+
+    The band edge files are read one at a time and joined in batches: the components of (forest so far +
+    a batch of edges) are those of all edges so far, and the forest keeps one (node, root) row per
+    non-first member, so memory is the duplicates plus one batch (at least `batch_edges` edges, or the
+    forest's size), never all edges."""
+    forest = np.zeros((0, 2), dtype=np.int64)
+    batch: list[np.ndarray] = []
+    pending = 0
+    files = [s for s in steps if s.space != "exact"]
+    for number, step in enumerate(files):
+        batch.append(np.load(edge_dir / step.file_name))
+        pending += len(batch[-1])
+        if pending >= max(batch_edges, len(forest)) or number == len(files) - 1:
+            nodes, roots = _components(np.concatenate([forest, *batch]))
+            later = roots != nodes
+            forest = np.stack([nodes[later], roots[later]], axis=1)
+            batch, pending = [], 0
+    return forest[:, 0], forest[:, 1]
+
+
+def resolve(steps: list[MergeStep], folders: list[Path], offsets: np.ndarray, edge_dir: Path, *,
+            batch_edges: int = 1 << 16) -> dict[str, int]:
+    """Write every shard's `keep.npy` from the merged edges; returns duplicate counts. Memory: the duplicate
+    documents and one batch of edge files (`_near_forest`), not all edges."""
+    exact_dups = _exact_duplicates(steps, edge_dir)
+    members, _ = _near_forest(steps, edge_dir, batch_edges=batch_edges)
+    near_dups = np.setdiff1d(members, exact_dups)
     for index, folder in enumerate(folders):
         lo, hi = int(offsets[index]), int(offsets[index + 1])
         decision = np.full(hi - lo, KEEP, dtype=np.uint8)

@@ -62,21 +62,30 @@ def build_index(data_dir: Path, shards: list[ShardInfo]) -> np.ndarray:
 def write_index(data_dir: Path, *, split: str, shards: list[ShardInfo]) -> Path:
     """Build and write one source's index (atomically: a reader sees the old file or the whole new one).
 
-    Written shard by shard into a memory-mapped `.npy` sized from the `.idx` headers, so memory stays one shard's
-    documents whatever the corpus (a billion documents are 24 GB of index on disk, not in memory)."""
+    Written shard by shard with plain writes into a `.npy` sized from the `.idx` headers: one shard's index is
+    open at a time and nothing is memory-mapped for writing, so memory stays one shard's documents whatever
+    the corpus (a billion documents are 24 GB of index on disk, not in memory)."""
     path = index_path(data_dir, split=split, shards=shards)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    indices = _shard_indices(data_dir, shards)
-    total = sum(len(index.sequence_lengths) for index in indices)
-    if total == 0:  # an empty array cannot be memory-mapped
-        with open(tmp, "wb") as f:
-            np.save(f, np.zeros((3, 0), np.int64))
-    else:
-        out = _fill(np.lib.format.open_memmap(tmp, mode="w+", dtype=np.int64, shape=(3, total)), indices)
-        out.flush()
-        del out
-    with open(tmp, "rb+") as f:
+    idx_paths = [(Path(data_dir) / shard.path).with_suffix(".idx") for shard in shards]
+    counts = [len(read_index(idx).sequence_lengths) for idx in idx_paths]  # the header only: nothing is read
+    total = sum(counts)
+    with open(tmp, "wb") as f:
+        np.lib.format.write_array_header_1_0(f, {"descr": "<i8", "fortran_order": False, "shape": (3, total)})
+        base = f.tell()
+        f.truncate(base + 3 * 8 * total)
+        start = 0
+        for number, (idx, count) in enumerate(zip(idx_paths, counts, strict=True)):
+            index = read_index(idx)
+            rows = (np.full(count, number, np.int64), index.sequence_pointers // np.dtype(index.dtype).itemsize,
+                    index.sequence_lengths)
+            for row, values in enumerate(rows):
+                f.seek(base + 8 * (row * total + start))
+                f.write(np.asarray(values, dtype="<i8").tobytes())
+            start += count
+            del index, rows
+        f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
     return path
