@@ -8,10 +8,11 @@ disagreements with both sides' reasons (the first few printed, to judge which si
 - datatrove 0.10: GopherRepetitionFilter, GopherQualityFilter and C4QualityFilter (filter_no_terminal_punct
   off, as FineWeb runs it; C4's line removal counts as kept when text is left), default thresholds, with
   the corpus's language.
-Corpora: English prose (the bundled demo-en generator, 700 documents), code documentation (Python's
-reference topics, `pydoc_data`, 79), Python source (the first 150 modules of this interpreter's standard
-library), Chinese prose (demo-zh, 500). `min_words` is 20 on both sides (datatrove's Gopher default 50
-would drop the short demo sentences on its side only).
+Corpora: English prose (the bundled demo-en generator, 700 documents), lists and teasers (330 of them one
+sentence per line, a share of 0 to 1 of the lines made bullet items or ending in an ellipsis), code
+documentation (Python's reference topics, `pydoc_data`, 79), Python source (the first 150 modules of this
+interpreter's standard library), Chinese prose (demo-zh, 500). `min_words` is 20 on both sides
+(datatrove's Gopher default 50 would drop the short demo sentences on its side only).
 Run: .venv/bin/python bench/data_filters.py [--show N]
 """
 
@@ -29,12 +30,29 @@ from leantrain.data.code_rules import is_code
 from leantrain.data.demo_corpus import builtin_rows
 from leantrain.spec.schema import CleaningSpec
 
+LINE_MARKS = ("• ", "- ", "* ", "...", "…")
+
+
+def lists_and_teasers(rows: list[dict[str, str]], count: int = 330) -> list[tuple[str, str]]:
+    """demo-en documents one sentence per line, a share 0, 0.1 … 1 of their lines (the first ones) made list
+    items (`•`, `-`, `*`) or trailing off (`...`, `…`): Gopher's bullet-line and ellipsis-line rules."""
+    docs = []
+    for i, row in enumerate(rows[:count]):
+        mark, share = LINE_MARKS[i % len(LINE_MARKS)], (i // len(LINE_MARKS)) % 11 / 10
+        lines = [s.rstrip(".") for s in row["text"].split(". ")]
+        marked = round(share * len(lines))
+        lines = [(mark + line + "." if mark.endswith(" ") else line + mark) if j < marked else line + "."
+                 for j, line in enumerate(lines)]
+        docs.append((f"{row['id']}{mark.strip()}{share:.1f}", "\n".join(lines)))
+    return docs
+
 
 def corpora() -> dict[str, tuple[str, list[tuple[str, str]]]]:
     stdlib = sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "*.py")))[:150]
     code = [(Path(p).name, Path(p).read_text(encoding="utf-8", errors="replace")) for p in stdlib]
     return {
         "English prose (demo-en)": ("en", [(r["id"], r["text"]) for r in builtin_rows("demo-en")]),
+        "lists and teasers (demo-en lines)": ("en", lists_and_teasers(list(builtin_rows("demo-en")))),
         "code docs (pydoc topics)": ("en", [(r["id"], r["text"]) for r in builtin_rows("pydoc")]),
         "Python source (stdlib)": ("en", code),
         "Chinese prose (demo-zh)": ("zh", [(r["id"], r["text"]) for r in builtin_rows("demo-zh")]),
