@@ -151,3 +151,55 @@ def test_fp8_with_tensor_parallel_is_accepted_and_moe_aux_loss_runs_under_pp() -
     moe = base["model"] | {"architecture": "moe", "moe": {"num_experts": 4, "top_k": 2}}  # balance: aux_loss
     spec = spec_from_dict(base | {"model": moe, "parallelism": {"pipeline_parallel": 2}})  # carried per stage
     assert spec.parallelism.pipeline_parallel == 2
+
+
+def test_stochastic_rounding_to_bf16_is_unbiased_and_lands_on_a_neighbour() -> None:
+    from leantrain.train.optim import stochastic_round_bf16
+
+    x = torch.full((20_000,), 1.0 + 2**-10)  # a quarter of the way from 1 to the next bf16 value (1 + 2^-7)
+    rounded = stochastic_round_bf16(x, generator=torch.Generator().manual_seed(0)).float()
+    assert set(rounded.unique().tolist()) == {1.0, 1.0 + 2**-7}
+    assert abs(rounded.mean().item() - x[0].item()) < 3e-4  # σ of the mean ≈ 2.7e-5
+    assert abs(x.to(torch.bfloat16).float().mean().item() - x[0].item()) > 9e-4  # round-to-nearest loses it all
+    special = torch.tensor([float("inf"), float("-inf"), float("nan")])
+    assert torch.equal(stochastic_round_bf16(special).float()[:2], special[:2])
+    assert stochastic_round_bf16(special).float()[2].isnan()
+
+
+def _bf16_run(*, seed: int, rounding: bool, steps: int = 3) -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8).to(torch.bfloat16)
+    opt = AdamWBf16States(model.parameters(), lr=1e-3, weight_decay=0.1, stochastic_rounding=rounding, seed=seed)
+    inputs = torch.randn(32, 16, dtype=torch.bfloat16)
+    for _ in range(steps):
+        opt.zero_grad()
+        model(inputs).float().square().mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def test_bf16_optimizer_rounding_is_seeded_and_reproducible() -> None:
+    first, again = _bf16_run(seed=1, rounding=True), _bf16_run(seed=1, rounding=True)
+    other, nearest = _bf16_run(seed=2, rounding=True), _bf16_run(seed=1, rounding=False)
+    assert all(torch.equal(a, b) for a, b in zip(first, again, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(first, other, strict=True))
+    assert not all(torch.equal(a, b) for a, b in zip(first, nearest, strict=True))
+    for a, b in zip(first, nearest, strict=True):  # the same updates, rounded differently
+        torch.testing.assert_close(a.float(), b.float(), rtol=0, atol=2e-2)
+
+
+def test_a_skipped_step_changes_nothing() -> None:
+    from leantrain.train.optim import step_if_finite
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(16, 8)
+    opt = AdamWBf16States(model.parameters(), lr=1e-2)
+    model(torch.randn(4, 16)).sum().backward()
+    opt.step()
+    before = [p.detach().clone() for p in model.parameters()]
+    states = {k: v.clone() for s in opt.state.values() for k, v in s.items()}
+    model(torch.randn(4, 16)).sum().backward()
+    step_if_finite(opt, torch.tensor(False))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
+    after = {k: v for s in opt.state.values() for k, v in s.items()}
+    assert all(torch.equal(after[k], v) for k, v in states.items())
