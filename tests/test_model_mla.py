@@ -158,30 +158,11 @@ def test_experts_split_over_files_and_a_missing_expert_is_named(tmp_path: Path) 
         import_hf(hf_dir)
 
 
-SEQ, VOCAB, STEPS = 16, 256, 3
+VOCAB = 256
 DS_RUNS: dict[str, dict[str, Any]] = {
     "fsdp_ep": {"data_parallel": 2, "expert_parallel": 2},
     "tp": {"tensor_parallel": 2},
 }
-
-
-def _job(hf_dir: Path, data_dir: Path, **parallelism: Any) -> dict[str, Any]:
-    return {
-        "task": "continue_pretrain", "model": {"init_from": str(hf_dir)},
-        "parallelism": {"zero_stage": 3, **parallelism},
-        "precision": {"compute": "fp32", "optimizer_state": "fp32"},
-        "data": {"tokens_total": 1e5, "seq_len": SEQ, "dir": str(data_dir)},
-        "training": {"global_batch_tokens": 4 * SEQ, "micro_batch": 1, "lr": 3e-3, "warmup_steps": 1,
-                     "max_steps": STEPS, "device": "cpu", "log_every": 1, "eval_every": 0},
-        "checkpoint": {"interval_steps": 1000},
-        "hardware": {"accelerator": "cpu", "gpus_per_node": 2, "num_nodes": 1, "peak_flops": 1e11},
-        "budget": {"num_gpus": 1, "target_days": None},
-        "monitoring": {"tensorboard": False},
-    }
-
-
-def _losses(path: Path) -> list[float]:
-    return [json.loads(line)["loss"] for line in path.read_text().splitlines() if '"grad_norm"' in line]
 
 
 @pytest.mark.slow
@@ -191,22 +172,24 @@ def test_a_deepseek_v3_checkpoint_trains_on_two_ranks_as_on_one(tmp_path: Path) 
     from leantrain.launch.resources import TrainCommand
     from leantrain.spec import spec_from_dict
     from leantrain.train.trainer import Trainer
+    from test_finetune_distributed import STEPS, job, losses
 
     hf_dir = save_tiny_deepseek(tmp_path / "hf", version=3, vocab_size=VOCAB, weight_std=0.05,
                                 routed_scaling=2.5)
     rng = np.random.default_rng(0)
     docs = [[int((s + i) % 200) + 1 for i in range(40)] for s in rng.integers(0, 200, 40)]
     write_token_data_dir(tmp_path / "data", {"counting": docs}, vocab_size=VOCAB - 3, eos_id=0)
-    single = Trainer(spec_from_dict(_job(hf_dir, tmp_path / "data")), run_dir=tmp_path / "single")
+    single = Trainer(spec_from_dict(job(hf_dir, tmp_path / "data", kind="continue_pretrain", zero_stage=3)),
+                     run_dir=tmp_path / "single")
     try:
         single.train()
     finally:
         single.close()
-    reference = _losses(tmp_path / "single" / "metrics.jsonl")
+    reference = losses(tmp_path / "single" / "metrics.jsonl")
     assert len(reference) == STEPS and reference[-1] < reference[0]
     procs = {}
     for name, parallelism in DS_RUNS.items():
-        raw = _job(hf_dir, tmp_path / "data", **parallelism)
+        raw = job(hf_dir, tmp_path / "data", kind="continue_pretrain", zero_stage=3, **parallelism)
         spec_path = tmp_path / f"{name}.yaml"
         spec_path.write_text(yaml.safe_dump(raw))
         argv = torchrun.torchrun_argv(spec_from_dict(raw), train=TrainCommand(spec_path=spec_path),
@@ -217,4 +200,4 @@ def test_a_deepseek_v3_checkpoint_trains_on_two_ranks_as_on_one(tmp_path: Path) 
     outputs = {name: proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for name, proc in procs.items()}
     for name in DS_RUNS:
         assert procs[name].returncode == 0, f"{name}:\n{outputs[name][-4000:]}"
-        assert _losses(tmp_path / name / "metrics.jsonl") == pytest.approx(reference, rel=1e-5), name
+        assert losses(tmp_path / name / "metrics.jsonl") == pytest.approx(reference, rel=1e-5), name
