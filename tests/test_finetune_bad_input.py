@@ -48,7 +48,7 @@ def copy_with_config(hf_dir: Path, dest: Path, **changes: object) -> Path:
 
 @pytest.mark.parametrize(("change", "message"), [
     ({"model_type": "gpt2"}, r"config.json: field 'model_type' 'gpt2' is not a supported architecture"),
-    ({"rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, r"field 'rope_scaling.rope_type' 'yarn'"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 4.0}}, r"field 'rope_scaling.rope_type' 'dynamic'"),
     ({"hidden_act": "gelu"}, r"field 'hidden_act' 'gelu'"),
     ({"num_key_value_heads": 3}, r"field 'num_key_value_heads' \(3\) must divide"),
 ])

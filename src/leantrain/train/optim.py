@@ -180,7 +180,10 @@ class AdamWBf16States(Optimizer):
         states = [self.state[p] for p in params]
         steps = [s["step"] for s in states]
         keep = None if found_inf is None else 1.0 - found_inf.to(steps[0].device)
-        torch._foreach_add_(steps, 1 if keep is None else keep)
+        if keep is None:
+            torch._foreach_add_(steps, 1)
+        else:  # the list overload: a 0-dim tensor as the scalar operand is read on the host (a sync per step)
+            torch._foreach_add_(steps, [keep] * len(steps))
         local_params = [_local(p) for p in params]
         grads = [_local(p.grad).float() for p in params]  # type: ignore[union-attr]
         moments = [_local(s["exp_avg"]) for s in states]
