@@ -53,6 +53,23 @@ def losses(path: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in path.read_text().splitlines() if '"grad_norm"' in line]
 
 
+def run_two_rank_jobs(jobs: dict[str, dict[str, Any]], tmp_path: Path, *, timeout_s: float = 300) -> None:
+    """`leantrain train` for each job dict at once, each on 2 gloo ranks through torchrun (run dir
+    `tmp_path / name`); fails naming the job, with the end of its output, when one does not exit 0."""
+    procs = {}
+    for name, raw in jobs.items():
+        spec_path = tmp_path / f"{name}.yaml"
+        spec_path.write_text(yaml.safe_dump(raw))
+        argv = torchrun.torchrun_argv(spec_from_dict(raw), train=TrainCommand(spec_path=spec_path),
+                                      run_dir=tmp_path / name, nproc=2, max_restarts=0)
+        procs[name] = subprocess.Popen(argv, env=torchrun.torchrun_env() | {"OMP_NUM_THREADS": "1"},
+                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + timeout_s
+    outputs = {name: proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for name, proc in procs.items()}
+    for name, proc in procs.items():
+        assert proc.returncode == 0, f"{name}:\n{outputs[name][-4000:]}"
+
+
 @pytest.mark.slow
 def test_sharded_load_and_lora_match_one_process(tmp_path: Path) -> None:
     hf_dir = save_tiny_hf(tmp_path / "hf", vocab_size=VOCAB)
@@ -67,19 +84,9 @@ def test_sharded_load_and_lora_match_one_process(tmp_path: Path) -> None:
         finally:
             single.close()
         reference[kind] = losses(tmp_path / kind / "metrics.jsonl")
-    procs = {}
-    for name, (kind, parallelism) in RUNS.items():
-        raw = job(hf_dir, tmp_path / "data", kind=kind, **parallelism)
-        spec_path = tmp_path / f"{name}.yaml"
-        spec_path.write_text(yaml.safe_dump(raw))
-        argv = torchrun.torchrun_argv(spec_from_dict(raw), train=TrainCommand(spec_path=spec_path),
-                                      run_dir=tmp_path / name, nproc=2, max_restarts=0)
-        procs[name] = subprocess.Popen(argv, env=torchrun.torchrun_env() | {"OMP_NUM_THREADS": "1"},
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 300
-    outputs = {name: proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for name, proc in procs.items()}
+    run_two_rank_jobs({name: job(hf_dir, tmp_path / "data", kind=kind, **parallelism)
+                       for name, (kind, parallelism) in RUNS.items()}, tmp_path)
     for name, (kind, _) in RUNS.items():
-        assert procs[name].returncode == 0, f"{name}:\n{outputs[name][-4000:]}"
         assert losses(tmp_path / name / "metrics.jsonl") == pytest.approx(reference[kind], rel=1e-4), name
         info = json.loads((tmp_path / name / "train_info.json").read_text())
         single = json.loads((tmp_path / kind / "train_info.json").read_text())

@@ -6,15 +6,12 @@ test_parallel_layouts.py (mla_*)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
-import yaml
 
 from leantrain.errors import UserInputError
 from leantrain.model import build_model, model_args_from_spec
@@ -168,11 +165,9 @@ DS_RUNS: dict[str, dict[str, Any]] = {
 @pytest.mark.slow
 def test_a_deepseek_v3_checkpoint_trains_on_two_ranks_as_on_one(tmp_path: Path) -> None:
     from leantrain.data.layout import write_token_data_dir
-    from leantrain.launch import torchrun
-    from leantrain.launch.resources import TrainCommand
     from leantrain.spec import spec_from_dict
     from leantrain.train.trainer import Trainer
-    from test_finetune_distributed import STEPS, job, losses
+    from test_finetune_distributed import STEPS, job, losses, run_two_rank_jobs
 
     hf_dir = save_tiny_deepseek(tmp_path / "hf", version=3, vocab_size=VOCAB, weight_std=0.05,
                                 routed_scaling=2.5)
@@ -187,17 +182,7 @@ def test_a_deepseek_v3_checkpoint_trains_on_two_ranks_as_on_one(tmp_path: Path) 
         single.close()
     reference = losses(tmp_path / "single" / "metrics.jsonl")
     assert len(reference) == STEPS and reference[-1] < reference[0]
-    procs = {}
-    for name, parallelism in DS_RUNS.items():
-        raw = job(hf_dir, tmp_path / "data", kind="continue_pretrain", zero_stage=3, **parallelism)
-        spec_path = tmp_path / f"{name}.yaml"
-        spec_path.write_text(yaml.safe_dump(raw))
-        argv = torchrun.torchrun_argv(spec_from_dict(raw), train=TrainCommand(spec_path=spec_path),
-                                      run_dir=tmp_path / name, nproc=2, max_restarts=0)
-        procs[name] = subprocess.Popen(argv, env=torchrun.torchrun_env() | {"OMP_NUM_THREADS": "1"},
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    deadline = time.monotonic() + 300
-    outputs = {name: proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for name, proc in procs.items()}
+    run_two_rank_jobs({name: job(hf_dir, tmp_path / "data", kind="continue_pretrain", zero_stage=3, **parallelism)
+                       for name, parallelism in DS_RUNS.items()}, tmp_path)
     for name in DS_RUNS:
-        assert procs[name].returncode == 0, f"{name}:\n{outputs[name][-4000:]}"
         assert losses(tmp_path / name / "metrics.jsonl") == pytest.approx(reference, rel=1e-5), name
