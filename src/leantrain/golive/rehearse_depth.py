@@ -129,11 +129,16 @@ def extend_reports(spec: JobSpec, *, n_layers: int, one: list[dict[str, Any]],
 # a micro-batch's activation each. So a step of many micro-batches (DeepSeek-V3: 120) is rehearsed with
 # M1 = max(2, 2 × pp × virtual_stages) and M1 + pp micro-batches and extended linearly, like the depth (below
 # 2 × pp the fill is not yet linear: measured on PP2, where 2 → 4 grew twice as fast as 4 → 16).
+def _micro_step_tokens(spec: JobSpec, *, world_size: int) -> int:
+    """Tokens of one micro-batch over all data-parallel ranks (the trainer's micro_batch × seq_len × dp)."""
+    par = spec.parallelism
+    dp = max(1, world_size // (par.tensor_parallel * par.pipeline_parallel))
+    return spec.training.micro_batch * spec.data.seq_len * dp
+
+
 def microbatches(spec: JobSpec, *, world_size: int) -> int:
     """The trainer's gradient-accumulation count (micro-batches per step) for `spec` at `world_size`."""
-    par, training = spec.parallelism, spec.training
-    dp = world_size // (par.tensor_parallel * par.pipeline_parallel)
-    return max(1, training.global_batch_tokens // (training.micro_batch * spec.data.seq_len * max(dp, 1)))
+    return max(1, spec.training.global_batch_tokens // _micro_step_tokens(spec, world_size=world_size))
 
 
 def short_microbatches(spec: JobSpec, *, count: int) -> tuple[int, int] | None:
@@ -146,10 +151,8 @@ def short_microbatches(spec: JobSpec, *, count: int) -> tuple[int, int] | None:
 
 def with_microbatches(spec: JobSpec, count: int, *, world_size: int) -> JobSpec:
     """`spec` with a global batch of `count` micro-batches (everything else, the world included, the same)."""
-    par, training = spec.parallelism, spec.training
-    dp = world_size // (par.tensor_parallel * par.pipeline_parallel)
-    tokens = count * training.micro_batch * spec.data.seq_len * dp
-    return spec.model_copy(update={"training": training.model_copy(update={"global_batch_tokens": tokens})})
+    tokens = count * _micro_step_tokens(spec, world_size=world_size)
+    return spec.model_copy(update={"training": spec.training.model_copy(update={"global_batch_tokens": tokens})})
 
 
 def extend_microbatches(one: list[dict[str, Any]], two: list[dict[str, Any]], *, counts: tuple[int, int],
