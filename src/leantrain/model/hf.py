@@ -79,6 +79,12 @@ def to_hf_name(name: str) -> str:
     return _TOP_NAMES[name]
 
 
+def hf_layer(name: str) -> int | None:
+    """The layer index of a HF tensor name (`model.layers.N....`), None outside the layers."""
+    match = _HF_LAYER_RE.match(name)
+    return int(match.group(1)) if match else None
+
+
 def is_expert_stack(name: str) -> bool:
     """Is our parameter `name` a stack of routed experts (one HF tensor per expert)?"""
     match = _OURS_LAYER_RE.match(name)

@@ -14,7 +14,6 @@ missing tensor, or a shape that differs, is a UserInputError naming the file and
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,7 @@ from leantrain.model.hf import (
     expert_hf_name,
     from_hf_expert_name,
     from_hf_name,
+    hf_layer,
     is_expert_stack,
     to_hf_name,
 )
@@ -43,7 +43,6 @@ from leantrain.spec.hf_config import read_hf_config
 
 # Tensors some exports carry that our model derives (RoPE inverse frequencies).
 _DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
-_HF_LAYER_INDEX = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def weight_files(hf_dir: Path) -> dict[str, Path]:
@@ -103,8 +102,8 @@ def _checkpoint_shapes(files: dict[str, Path], *, mtp_from: int | None = None) -
 
 
 def _is_mtp(name: str, mtp_from: int | None) -> bool:
-    match = _HF_LAYER_INDEX.match(name)
-    return mtp_from is not None and match is not None and int(match.group(1)) >= mtp_from
+    layer = hf_layer(name)
+    return mtp_from is not None and layer is not None and layer >= mtp_from
 
 
 def _stack_shape(members: dict[int, tuple[Path, tuple[int, ...], str]]) -> tuple[list[Path], tuple[int, ...]]:
