@@ -14,8 +14,17 @@ from pydantic import Field, field_validator, model_validator
 from leantrain.spec.base import PositiveInt, Section
 from leantrain.spec.hf_config import SHAPE_FIELDS, read_hf_config, shape_conflicts
 
-# The projections of our Llama-style block (model/transformer.py): attention wq/wk/wv/wo, SwiGLU w1/w2/w3.
+# LoRA's default targets are every projection of the block's attention and its SwiGLU MLP (w1/w2/w3; routed
+# experts are not Linears and get none): peft's `target_modules="all-linear"` less the output head, the set
+# the QLoRA paper found needed to match full fine-tuning. Our Llama-style attention (model/transformer.py):
+# wq/wk/wv/wo.
 DEFAULT_LORA_TARGETS = ["wq", "wk", "wv", "wo", "w1", "w2", "w3"]
+# Latent attention (model/mla.py) has no wk/wv: the same rule gives its query (wq, or the latent pair wq_a and
+# wq_b when q_lora_rank > 0), the joint key/value latent down-projection wkv_a (it also makes the shared RoPE
+# key), its up-projection wkv_b and wo — torchtitan's deepseek_v3 names for transformers' q_proj / q_a_proj,
+# q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj. The latent norms are not Linears and stay frozen.
+MLA_LORA_ATTENTION = ["wkv_a", "wkv_b", "wo"]
+MLP_LORA_TARGETS = ["w1", "w2", "w3"]
 MIN_SIZE_BILLION = 0.001  # 1M parameters: below that, a sized model is mostly its embedding
 
 
@@ -75,6 +84,14 @@ class MLASpec(Section):
     qk_nope_head_dim: PositiveInt = Field(128, description="Per-head query/key dimensions without RoPE.")
     qk_rope_head_dim: PositiveInt = Field(64, description="Per-head query/key dimensions with RoPE (the key's shared).")
     v_head_dim: PositiveInt = Field(128, description="Per-head value dimensions.")
+
+
+def default_lora_targets(mla: MLASpec | None) -> list[str]:
+    """`finetune.lora.targets` when the spec names none: every attention and MLP projection of the model's block."""
+    if mla is None:
+        return list(DEFAULT_LORA_TARGETS)
+    query = ["wq_a", "wq_b"] if mla.q_lora_rank else ["wq"]
+    return query + MLA_LORA_ATTENTION + MLP_LORA_TARGETS
 
 
 class ModelSpec(Section):
@@ -179,7 +196,8 @@ class LoraSpec(Section):
     targets: list[str] = Field(
         default_factory=lambda: list(DEFAULT_LORA_TARGETS),
         min_length=1,
-        description="Names of the Linear layers that get adapters (attention and MLP projections by default).",
+        description="Names of the Linear layers that get adapters; by default every attention and MLP projection "
+        "(with model.mla: wq, or wq_a and wq_b, then wkv_a, wkv_b, wo, w1, w2, w3).",
     )
 
 

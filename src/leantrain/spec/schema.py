@@ -24,7 +24,7 @@ from leantrain.spec.data_schema import (
     TokenizerSpec,
 )
 from leantrain.spec.hardware_schema import HardwareSpec
-from leantrain.spec.model_schema import FinetuneSpec, LoraSpec, ModelSpec, MoESpec
+from leantrain.spec.model_schema import FinetuneSpec, LoraSpec, ModelSpec, MoESpec, default_lora_targets
 from leantrain.spec.rules import cross_field_problems
 
 __all__ = [  # the data section's models live in data_schema.py; importing them from here keeps working
@@ -456,6 +456,15 @@ class JobSpec(Section):
     profiles: dict[str, dict[str, Any]] = Field(
         default_factory=dict, description="Named overlays (scale and resources only), chosen by --profile."
     )
+
+    @model_validator(mode="after")
+    def _lora_targets_follow_attention(self) -> JobSpec:
+        """Unset `finetune.lora.targets` name the model's own projections (MLA has no wk/wv); the value is
+        written (not marked as set by the user) so a dumped spec says what runs."""
+        lora = self.finetune.lora
+        if "targets" not in lora.model_fields_set:
+            lora.__dict__["targets"] = default_lora_targets(self.model.mla)
+        return self
 
     @model_validator(mode="after")
     def _check_cross_fields(self) -> JobSpec:

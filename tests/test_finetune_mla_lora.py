@@ -1,0 +1,97 @@
+"""LoRA and QLoRA on a multi-head latent attention (DeepSeek-V3-shaped) checkpoint with the default targets: they
+name the latent projections (MLA has no wk/wv), the run trains, and only the adapters change."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import torch
+
+from leantrain.data.layout import write_token_data_dir
+from leantrain.model.lora import LoRALinear, is_adapter
+from leantrain.model.tiny_hf import save_tiny_deepseek
+from leantrain.spec import spec_from_dict
+from leantrain.train.trainer import Trainer
+
+pytest.importorskip("transformers")
+SEQ = 32
+VOCAB = 256
+MLP = ["w1", "w2", "w3"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Learnable sequences (count up by one), as in test_finetune_lora.py."""
+    rng = np.random.default_rng(0)
+    docs = [[int((s + i) % 200) + 1 for i in range(70)] for s in rng.integers(0, 200, 60)]
+    path = tmp_path_factory.mktemp("data")
+    write_token_data_dir(path, {"counting": docs}, vocab_size=VOCAB - 3, eos_id=0,
+                         valid_docs_by_source={"counting": docs[:8]})
+    return path
+
+
+def mla_ft_spec(hf_dir: Path, data_dir: Path, run_dir: Path, *, method: str = "lora", max_steps: int = 8) -> Any:
+    return spec_from_dict({
+        "task": "finetune",
+        "finetune": {"method": method, "lora": {"rank": 4, "alpha": 8.0, "dropout": 0.0}},  # no targets: defaults
+        "model": {"init_from": str(hf_dir)},
+        "precision": {"compute": "fp32"},
+        "data": {"tokens_total": 1e5, "seq_len": SEQ, "dir": str(data_dir)},
+        "training": {"global_batch_tokens": 4 * SEQ, "micro_batch": 4, "lr": 1e-2, "warmup_steps": 1,
+                     "max_steps": max_steps, "device": "cpu", "log_every": 1, "deterministic": True,
+                     "eval_every": 0},
+        "checkpoint": {"interval_steps": max_steps},
+        "hardware": {"accelerator": "cpu", "gpus_per_node": 1, "num_nodes": 1, "peak_flops": 1e11},
+        "budget": {"num_gpus": 1, "target_days": None},
+        "monitoring": {"tensorboard": False},
+        "run": {"dir": str(run_dir)},
+    })
+
+
+@pytest.mark.parametrize("q_rank,query", [(32, ["wq_a", "wq_b"]), (None, ["wq"])], ids=["q-latent", "q-full"])
+def test_lora_default_targets_follow_latent_attention_and_only_adapters_train(
+    tmp_path: Path, data_dir: Path, q_rank: int | None, query: list[str]
+) -> None:
+    hf_dir = save_tiny_deepseek(tmp_path / "hf", version=3, q_lora_rank=q_rank)
+    spec = mla_ft_spec(hf_dir, data_dir, tmp_path / "run")
+    expected = query + ["wkv_a", "wkv_b", "wo"] + MLP
+    assert spec.finetune.lora.targets == expected
+    trainer = Trainer(spec, run_dir=tmp_path / "run")
+    try:
+        swapped = {name for name, m in trainer.model.named_modules() if isinstance(m, LoRALinear)}
+        # 3 layers: each has the attention's projections and a SwiGLU (layer 0's dense MLP, the MoE layers'
+        # shared expert); routed experts and the router gate get none
+        assert swapped == {f"layers.{i}.attention.{t}" for i in range(3) for t in expected[:-3]} | {
+            f"layers.0.feed_forward.{t}" for t in MLP} | {
+            f"layers.{i}.feed_forward.shared_experts.{t}" for i in (1, 2) for t in MLP}
+        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+        losses = [r["loss"] for r in trainer.train() if "loss" in r]
+        assert losses[-1] < losses[0] - 0.1
+        after = dict(trainer.model.named_parameters())
+        for name, value in before.items():
+            if is_adapter(name):
+                assert after[name].requires_grad
+                if name.endswith(".lora_b"):  # starts at zero: every adapter got gradient and moved
+                    assert after[name].detach().abs().max() > 0, name
+            else:
+                assert not after[name].requires_grad, name
+                assert torch.equal(after[name].detach(), value), name
+    finally:
+        trainer.close()
+
+
+def test_qlora_default_targets_on_latent_attention_quantise_and_train(tmp_path: Path, data_dir: Path) -> None:
+    hf_dir = save_tiny_deepseek(tmp_path / "hf", version=3)
+    trainer = Trainer(mla_ft_spec(hf_dir, data_dir, tmp_path / "run", method="qlora", max_steps=3),
+                      run_dir=tmp_path / "run")
+    try:
+        loras = {name: m for name, m in trainer.model.named_modules() if isinstance(m, LoRALinear)}
+        assert {name.rsplit(".", 1)[-1] for name in loras} == {"wq_a", "wq_b", "wkv_a", "wkv_b", "wo", *MLP}
+        assert all(type(m.weight).__name__ == "NF4Tensor" for m in loras.values())
+        records = [r for r in trainer.train() if "loss" in r]
+        assert len(records) == 3 and all(np.isfinite(r["loss"]) for r in records)
+    finally:
+        trainer.close()
