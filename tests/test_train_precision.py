@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -203,3 +204,51 @@ def test_a_skipped_step_changes_nothing() -> None:
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), before, strict=True))
     after = {k: v for s in opt.state.values() for k, v in s.items()}
     assert all(torch.equal(after[k], v) for k, v in states.items())
+
+
+def _reference_adamw_bf16_moments(params: list[torch.Tensor], grads: list[torch.Tensor], state: dict[int, Any], *,
+                                  lr: float, betas: tuple[float, float], eps: float, weight_decay: float) -> None:
+    """The AdamW of Loshchilov & Hutter (decoupled decay, bias-corrected moments), one parameter at a time, with
+    the moments stored in bf16 (round-to-nearest) and the arithmetic in fp32: what AdamWBf16States computes."""
+    beta1, beta2 = betas
+    for i, (p, g) in enumerate(zip(params, grads, strict=True)):
+        s = state.setdefault(i, {"step": 0, "m": torch.zeros_like(p, dtype=torch.bfloat16),
+                                 "v": torch.zeros_like(p, dtype=torch.bfloat16)})
+        s["step"] += 1
+        m = s["m"].float().lerp(g, 1 - beta1)  # beta1·m + (1 − beta1)·g
+        v = s["v"].float() * beta2 + (1 - beta2) * g * g
+        m_hat, v_hat = m / (1 - beta1 ** s["step"]), v / (1 - beta2 ** s["step"])
+        p.mul_(1 - lr * weight_decay).sub_(lr * m_hat / (v_hat.sqrt() + eps))
+        s["m"], s["v"] = m.to(torch.bfloat16), v.to(torch.bfloat16)
+
+
+def test_bf16_states_without_rounding_equal_a_plain_reference_adamw_loop() -> None:
+    """Round-to-nearest (stochastic_rounding off): the multi-tensor step equals the per-parameter textbook loop
+    to 1e-6 over 6 steps, for two groups (decayed matrices, undecayed vectors). A wrong bias correction, decay or
+    first moment breaks it: planted in optim.py, bias2 from beta1, bias1 one step ahead, no decay and lerp by beta1
+    each failed (by 2e-2, 1e-2, 2e-3 and 0.3; the real step is within 6e-8)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 8))
+    reference = [p.detach().clone() for p in model.parameters()]
+    initial = [p.detach().clone() for p in model.parameters()]
+    hyper = {"lr": 1e-2, "betas": (0.9, 0.95), "eps": 1e-8}
+    groups = [{"params": [p for p in model.parameters() if p.dim() >= 2], "weight_decay": 0.1},
+              {"params": [p for p in model.parameters() if p.dim() < 2], "weight_decay": 0.0}]
+    opt = AdamWBf16States(groups, **hyper, stochastic_rounding=False)
+    decay = [0.1 if p.dim() >= 2 else 0.0 for p in model.parameters()]
+    states: list[dict[int, Any]] = [{}, {}]
+    inputs, targets = torch.randn(64, 16), torch.randn(64, 8)
+    for _ in range(6):
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(inputs), targets).backward()
+        grads = [p.grad.detach().clone() for p in model.parameters()]  # both step on the same gradients
+        opt.step()
+        for index, wd in enumerate((0.1, 0.0)):
+            chosen = [i for i, d in enumerate(decay) if d == wd]
+            _reference_adamw_bf16_moments([reference[i] for i in chosen], [grads[i] for i in chosen],
+                                          states[index], **hyper, weight_decay=wd)
+    for p, q, p0 in zip(model.parameters(), reference, initial, strict=True):
+        torch.testing.assert_close(p.detach(), q, rtol=0, atol=1e-6)
+        assert (p.detach() - p0).abs().max() > 1e-2  # 6 steps of lr 1e-2 moved it: the comparison means something
+    assert [s["step"].item() for s in opt.state.values()] == [6.0] * 4
+    assert all(s["exp_avg"].dtype == torch.bfloat16 for s in opt.state.values())
