@@ -1,9 +1,11 @@
 """The plan counts the fast checkpoint tier (checkpoint.memory_interval_steps): 2 × local ranks × the state a
-rank checkpoints, per node, against the node's tmpfs and the Kubernetes /dev/shm volume."""
+rank checkpoints, per node, against the node's tmpfs and the Kubernetes /dev/shm volume; and a node's host
+memory: the tier's files plus each training process's own host memory (plan.json host_memory)."""
 
 from __future__ import annotations
 
 import io
+import math
 from pathlib import Path
 from typing import Any
 
@@ -91,3 +93,57 @@ def test_the_plan_shows_the_fast_tier_and_the_warning() -> None:
     text = buf.getvalue()
     assert "fast tier" in text and "per node in /dev/shm/leantrain" in text and "DOES NOT FIT" in text
     assert "warning:" in text and "cluster.k8s_shm_gb" in text
+    assert "host memory" in text and "8 × " in text and "per process" in text
+
+
+def test_host_memory_counts_each_process_besides_the_fast_tier() -> None:
+    """Per process: the runtime (a CUDA process: 3 GiB), the loader's pinned read-ahead, a fast-tier save in
+    flight (a device shard's CPU copy + the peer's copy received) and, with async_save, the staged copy."""
+    plan = make_plan(spec_70b())
+    host, tier = plan["host_memory"], plan["fast_tier"]
+    part = host["per_process"]
+    shard = tier["shard_bytes_per_rank"]
+    assert part["runtime"] == 3 * GiB and part["async_staging"] == 0 and part["cpu_offload"] == 0
+    assert part["fast_tier_in_flight"] == pytest.approx(2 * shard)
+    # 1 sequence of 4,096 per micro-batch, 64-way dp of 1,024 sequences: 16 micro-batches, 2 × 16 + 1 read
+    # ahead, int64 ids + a mask byte per token + an int64 source id, pinned blocks rounded up (worst case 2×)
+    assert part["loader"] == (2 * 16 + 1) * (4097 * 9 + 8) * 2
+    assert part["total"] == pytest.approx(sum(v for k, v in part.items() if k != "total"))
+    assert host["local_ranks"] == 8 and host["fast_tier_bytes_per_node"] == tier["bytes_per_node"]
+    assert host["bytes_per_node"] == pytest.approx(8 * part["total"] + tier["bytes_per_node"])
+    assert host["host_memory_bytes_per_node"] == 512 * GiB and host["fits"] and host["problems"] == []
+    staged = make_plan(spec_70b(async_save=True))["host_memory"]["per_process"]
+    assert staged["async_staging"] == pytest.approx(shard)
+    assert staged["total"] == pytest.approx(part["total"] + shard)
+
+
+def test_a_node_whose_tmpfs_holds_the_tier_but_not_the_processes_is_named() -> None:
+    """400 GiB: the tier's 196 GiB fits the default tmpfs (200 GiB), but with 8 ranks × ~27.5 GiB the node needs
+    ~416 GiB; the warning names cluster.memory_gb_per_node and the size that would do."""
+    spec = spec_70b()
+    spec.cluster.memory_gb_per_node = 400
+    spec.cluster.k8s_shm_gb = 512
+    plan = make_plan(spec)
+    assert plan["fast_tier"]["fits"] and plan["fast_tier"]["problems"] == []
+    host = plan["host_memory"]
+    assert host["fast_tier_bytes_per_node"] < 400 * GiB < host["bytes_per_node"] and not host["fits"]
+    (problem,) = host["problems"]
+    assert "cluster.memory_gb_per_node: 400" in problem and "8 ranks" in problem and "fast tier" in problem
+    assert f"at least {math.ceil(host['bytes_per_node'] / GiB)}" in problem and problem in plan["warnings"]
+
+
+def test_host_memory_without_the_fast_tier_counts_cpu_offload() -> None:
+    spec = spec_70b()
+    spec.checkpoint.memory_interval_steps = None
+    base = make_plan(spec)["host_memory"]
+    assert base["fast_tier_bytes_per_node"] == 0 and base["per_process"]["fast_tier_in_flight"] == 0
+    spec.parallelism.cpu_offload = True
+    offload = make_plan(spec)["host_memory"]["per_process"]
+    # weights at master precision + two moments (the checkpointed state, fp32: 12 B/param) + fp32 gradients
+    assert offload["cpu_offload"] == pytest.approx(make_plan(spec_70b())["fast_tier"]["shard_bytes_per_rank"] * 16 / 12)
+
+
+def test_a_tiny_cpu_job_counts_its_processes() -> None:
+    host = make_plan(load_spec(EXAMPLES / "tiny-cpu.yaml"))["host_memory"]
+    assert host["per_process"]["runtime"] == GiB / 2 and host["local_ranks"] == 2
+    assert host["bytes_per_node"] == pytest.approx(2 * host["per_process"]["total"]) and host["fits"]

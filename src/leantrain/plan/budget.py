@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 from leantrain.hardware import GB, GiB
 from leantrain.plan.finetune import adapter_params
-from leantrain.plan.inputs import HOST_COPY_BYTES_S, PlanInputs
+from leantrain.plan.inputs import HOST_COPY_BYTES_S, PlanInputs, sequences_per_step
 from leantrain.plan.layout import Layout
 from leantrain.plan.memory import checkpointed_state_bytes
 from leantrain.spec.schema import JobSpec
@@ -36,6 +36,28 @@ HOST_MEMORY_GB_PER_GPU = 64  # cluster.memory_gb_per_node's default per GPU (wha
 FAST_TIER_COPIES = 2  # the fast tier keeps a rank's own shard and the copy it holds for a peer (ckpt/memory_tier.py)
 TMPFS_SHARE_OF_MEMORY = 0.5  # Linux mounts /dev/shm at half the host's memory unless told otherwise
 TMPFS_ROOTS = ("/dev/shm", "/run/shm")
+# Host memory of one training process (process_host_bytes; docs/plan.md "Host memory"):
+# - runtime: Python with torch and leantrain imported, plus on a GPU the CUDA context's host side and the CUDA
+#   libraries mapped into it. GPU 3 GiB is an allowance: a process that made one CUDA tensor peaks at 2.06 GB
+#   RSS (torch 2.2, CUDA 11.8, lazy module loading: pytorch/pytorch#113326; lazy loading took the context's
+#   host memory from 667 MB to 287 MB: pytorch/pytorch#86509); the rest is headroom for what the first steps
+#   load (more kernels, NCCL's host-side buffers), not measured here. CPU 0.5 GiB: a rank of this repo's tiny
+#   2-rank CPU job peaks at 0.42 GB RSS when its model is built (model_ready's host_rss_peak_bytes, torch 2.13).
+# - loader: the trainer reads PREFETCH_PER_MICRO_BATCH × its micro-batches ahead (data/prefetch.py, depth
+#   2 × accumulation steps) plus the one the producer holds; a micro-batch is micro_batch rows of seq_len + 1
+#   int64 token ids and a 1-byte loss mask, plus an int64 source id per row; on CUDA the batches are pinned and
+#   torch's caching host allocator rounds each block up to a power of two (PINNED_ROUNDING, the worst case).
+# - async_staging: `checkpoint.async_save` stages the rank's shard to one private CPU copy (DCP's
+#   BlockingAsyncStager, ckpt/dcp_io.stage_to_cpu), held until the background write ends.
+# - fast_tier_in_flight: during a fast-tier save a device shard gets one CPU copy (none for CPU tensors,
+#   ckpt/memory_format.py) and the rank holds the buffer of the peer's copy it received (ckpt/memory_tier.py).
+# - cpu_offload: `parallelism.cpu_offload` keeps the rank's weights at master precision, its Adam moments and
+#   its gradients in host memory (FSDP2's CPUOffloadPolicy).
+HOST_RUNTIME_BYTES = {"gpu": 3.0 * GiB, "cpu": 0.5 * GiB}
+PREFETCH_PER_MICRO_BATCH = 2
+BATCH_BYTES_PER_TOKEN = 8 + 1  # int64 token id + uint8 loss mask
+BATCH_BYTES_PER_ROW = 8  # int64 source id
+PINNED_ROUNDING = 2
 LLAMA3_INTERRUPTIONS = 419
 LLAMA3_DAYS = 54
 LLAMA3_GPUS = 16384
@@ -187,35 +209,102 @@ def checkpoint_interval(spec: JobSpec, inputs: PlanInputs, *, num_gpus: int, ste
     }
 
 
+def node_host_bytes(spec: JobSpec, inputs: PlanInputs) -> float:
+    """A node's host memory: `cluster.memory_gb_per_node`, else what the job files request (64 GiB per GPU)."""
+    return (spec.cluster.memory_gb_per_node or HOST_MEMORY_GB_PER_GPU * inputs.gpus_per_node) * GiB
+
+
+def _tier_need(spec: JobSpec, *, shard_bytes: float, local_ranks: int) -> tuple[float, str]:
+    need = FAST_TIER_COPIES * local_ranks * shard_bytes
+    return need, (f"the fast tier needs {need / GiB:.1f} GiB of host memory per node ({FAST_TIER_COPIES} × "
+                  f"{shard_bytes / GiB:.2f} GiB state per rank × {local_ranks} ranks in {spec.checkpoint.memory_dir})")
+
+
+def k8s_shm_problem(spec: JobSpec, *, shard_bytes: float, local_ranks: int) -> str | None:
+    """The fast tier against the Kubernetes /dev/shm volume (`cluster.k8s_shm_gb`): None when it fits, else one
+    line with the size to set. The plan and `launch --emit k8s` (with the job's ranks per node) both ask here."""
+    need, what = _tier_need(spec, shard_bytes=shard_bytes, local_ranks=local_ranks)
+    if need <= spec.cluster.k8s_shm_gb * GiB:
+        return None
+    return (f"{what}, more than the Kubernetes /dev/shm volume (cluster.k8s_shm_gb: {spec.cluster.k8s_shm_gb}): "
+            f"set cluster.k8s_shm_gb to at least {math.ceil(need / GiB)}")
+
+
 def fast_tier(spec: JobSpec, inputs: PlanInputs, layout: Layout) -> dict[str, object]:
     """The fast tier's memory per node (`checkpoint.memory_interval_steps`): FAST_TIER_COPIES × local ranks ×
     the heaviest rank's checkpointed state, against the node. On tmpfs (`checkpoint.memory_dir` under /dev/shm,
     the default) that is host memory: at most the default tmpfs size (half of `cluster.memory_gb_per_node`,
     default 64 GiB per GPU) and, on Kubernetes, the /dev/shm volume (`cluster.k8s_shm_gb`). A memory_dir on a
     node-local disk is for the preflight to check on the node. `problems` say what does not fit and what would."""
-    ck, cluster = spec.checkpoint, spec.cluster
+    ck = spec.checkpoint
     if ck.memory_interval_steps is None:
         return {"enabled": False}
     local_ranks = min(inputs.gpus_per_node, layout.num_gpus)
     shard = checkpointed_state_bytes(inputs, layout)
-    need = FAST_TIER_COPIES * local_ranks * shard
+    need, what = _tier_need(spec, shard_bytes=shard, local_ranks=local_ranks)
     out: dict[str, object] = {"enabled": True, "memory_dir": str(ck.memory_dir), "shard_bytes_per_rank": shard,
                               "local_ranks": local_ranks, "bytes_per_node": need, "problems": []}
     if not str(ck.memory_dir).startswith(TMPFS_ROOTS):
         out.update(kind="disk", fits=None)
         return out
-    host = (cluster.memory_gb_per_node or HOST_MEMORY_GB_PER_GPU * inputs.gpus_per_node) * GiB
-    tmpfs, k8s_shm = host * TMPFS_SHARE_OF_MEMORY, cluster.k8s_shm_gb * GiB
+    host = node_host_bytes(spec, inputs)
+    tmpfs, k8s_shm = host * TMPFS_SHARE_OF_MEMORY, spec.cluster.k8s_shm_gb * GiB
     problems: list[str] = []
-    what = (f"the fast tier needs {need / GiB:.1f} GiB of host memory per node ({FAST_TIER_COPIES} × "
-            f"{shard / GiB:.2f} GiB state per rank × {local_ranks} ranks in {ck.memory_dir})")
     if need > tmpfs:
         problems.append(f"{what}, more than the default tmpfs holds on a node with {host / GiB:.0f} GiB "
                         f"(half of it): raise cluster.memory_gb_per_node (and /dev/shm's size), put "
                         f"checkpoint.memory_dir on a node-local disk, or shard the state over more GPUs")
-    if need > k8s_shm:
-        problems.append(f"{what}, more than the Kubernetes /dev/shm volume (cluster.k8s_shm_gb: "
-                        f"{cluster.k8s_shm_gb}): raise it to at least {math.ceil(need / GiB)}")
+    if (shm := k8s_shm_problem(spec, shard_bytes=shard, local_ranks=local_ranks)) is not None:
+        problems.append(shm)
     out.update(kind="tmpfs", host_memory_bytes_per_node=host, tmpfs_bytes=tmpfs, k8s_shm_bytes=k8s_shm,
-               fits_tmpfs=need <= tmpfs, fits_k8s_shm=need <= k8s_shm, fits=not problems, problems=problems)
+               fits_tmpfs=need <= tmpfs, fits_k8s_shm=shm is None, fits=not problems, problems=problems)
     return out
+
+
+def process_host_bytes(spec: JobSpec, inputs: PlanInputs, layout: Layout) -> dict[str, float]:
+    """Host memory one training process holds besides the fast tier's files, by part (HOST_RUNTIME_BYTES and
+    the notes above it): the runtime, the loader's read-ahead, the async save's staged copy, a fast-tier save
+    in flight and CPU-offloaded state. `total` is their sum."""
+    ck = spec.checkpoint
+    shard = checkpointed_state_bytes(inputs, layout)
+    on_gpu = inputs.accelerator != "cpu"
+    micro_batches = layout.num_microbatches(sequences_per_step(inputs))
+    batch = layout.micro_batch * ((inputs.seq_len + 1) * BATCH_BYTES_PER_TOKEN + BATCH_BYTES_PER_ROW)
+    pinned = PINNED_ROUNDING if on_gpu else 1
+    parts = {
+        "runtime": HOST_RUNTIME_BYTES["gpu" if on_gpu else "cpu"],
+        "loader": (PREFETCH_PER_MICRO_BATCH * micro_batches + 1) * batch * pinned,
+        "async_staging": shard if ck.async_save else 0.0,
+        "fast_tier_in_flight": (shard * (2 if on_gpu else 1)) if ck.memory_interval_steps is not None else 0.0,
+        "cpu_offload": shard * (1 + inputs.grad_bytes / _state_bytes_per_param(inputs)) if inputs.cpu_offload
+        else 0.0,
+    }
+    return {**parts, "total": sum(parts.values())}
+
+
+def _state_bytes_per_param(inputs: PlanInputs) -> float:
+    return max(inputs.master_bytes, inputs.weight_bytes) + 2 * inputs.moment_bytes  # checkpointed_state_bytes'
+
+
+def host_memory(spec: JobSpec, inputs: PlanInputs, layout: Layout, tier: dict[str, object]) -> dict[str, object]:
+    """A node's host memory against what it must hold: local ranks × `process_host_bytes` plus the fast tier's
+    files when they are on tmpfs (host memory; on Kubernetes a memory-backed /dev/shm volume counts against the
+    pod's memory limit, which is `cluster.memory_gb_per_node`). `problems`: one line naming the field and the
+    size that would do."""
+    local_ranks = min(inputs.gpus_per_node, layout.num_gpus)
+    per_process = process_host_bytes(spec, inputs, layout)
+    files = float(tier["bytes_per_node"]) if tier.get("kind") == "tmpfs" else 0.0  # type: ignore[arg-type]
+    need = local_ranks * per_process["total"] + files
+    host = node_host_bytes(spec, inputs)
+    problems = []
+    if need > host:
+        field = (f"cluster.memory_gb_per_node: {spec.cluster.memory_gb_per_node}" if spec.cluster.memory_gb_per_node
+                 else f"cluster.memory_gb_per_node unset: {host / GiB:.0f} GiB, {HOST_MEMORY_GB_PER_GPU} per GPU")
+        problems.append(f"a node needs {need / GiB:.1f} GiB of host memory ({local_ranks} ranks × "
+                        f"{per_process['total'] / GiB:.1f} GiB per process"
+                        + (f" + {files / GiB:.1f} GiB fast tier in {spec.checkpoint.memory_dir}" if files else "")
+                        + f"), more than it has ({field}): set cluster.memory_gb_per_node to at least "
+                        f"{math.ceil(need / GiB)}")
+    return {"per_process": per_process, "local_ranks": local_ranks, "processes_bytes_per_node":
+            local_ranks * per_process["total"], "fast_tier_bytes_per_node": files, "bytes_per_node": need,
+            "host_memory_bytes_per_node": host, "fits": need <= host, "problems": problems}

@@ -13,7 +13,15 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from leantrain.plan.budget import SECONDS_PER_DAY, Budget, checkpoint_interval, fast_tier, make_budget, storage
+from leantrain.plan.budget import (
+    SECONDS_PER_DAY,
+    Budget,
+    checkpoint_interval,
+    fast_tier,
+    host_memory,
+    make_budget,
+    storage,
+)
 from leantrain.plan.goodput import whole_run
 from leantrain.plan.inputs import PlanInputs, plan_inputs, sequences_per_step
 from leantrain.plan.layout import layout_from_spec
@@ -40,6 +48,7 @@ class Plan:
     run: dict[str, Any] = field(default_factory=dict)  # whole-run time with goodput (plan/goodput.py)
     calibration: dict[str, Any] | None = None  # constants fitted to earlier runs (plan/calibrate.py)
     fast_tier: dict[str, Any] = field(default_factory=dict)  # the fast tier's memory per node (plan/budget.py)
+    host_memory: dict[str, Any] = field(default_factory=dict)  # a node's host memory: ranks + fast tier (same)
 
     @property
     def fits(self) -> bool:
@@ -109,12 +118,14 @@ class Plan:
             "storage": self.storage,
             "checkpoint": self.checkpoint,
             "fast_tier": self.fast_tier,
+            "host_memory": self.host_memory,
             "alternatives": [_candidate_json(c) for c in self.search.ranked],
             "search": {"evaluated": self.search.num_evaluated, "rejected": self.search.rejected,
                        "suggestions": self.search.suggestions},
             "what_if": self.what_if,
             "notes": self.notes,
-            "warnings": [*self.run.get("warnings", []), *self.fast_tier.get("problems", [])],
+            "warnings": [*self.run.get("warnings", []), *self.fast_tier.get("problems", []),
+                         *self.host_memory.get("problems", [])],
             "calibration": self.calibration,
         }
 
@@ -171,9 +182,10 @@ def build_plan(spec: JobSpec) -> Plan:
     ckpt = checkpoint_interval(spec, inputs, num_gpus=gpus, step_s=chosen.time.step_s)
     run = whole_run(spec, inputs, num_gpus=gpus, step_s=chosen.time.step_s, tokens_per_s=chosen.time.tokens_per_s,
                     num_microbatches=chosen.layout.num_microbatches(sequences_per_step(inputs)), checkpoint=ckpt)
+    tier = fast_tier(spec, inputs, chosen.layout)
     return Plan(spec=spec, inputs=inputs, budget=budget, layout_gpus=gpus, chosen=chosen, layout_source=source,
                 search=search, storage=storage(spec, inputs), checkpoint=ckpt, notes=notes, run=run,
-                fast_tier=fast_tier(spec, inputs, chosen.layout))
+                fast_tier=tier, host_memory=host_memory(spec, inputs, chosen.layout, tier))
 
 
 def what_if_rows(plan: Plan, gpu_counts: list[int]) -> list[dict[str, Any]]:

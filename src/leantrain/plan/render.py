@@ -122,6 +122,12 @@ def _render_storage(data: dict[str, Any], *, console: Console) -> None:
         other.add_row("fast tier", f"{_si(tier['bytes_per_node'], 'B')} per node in {tier['memory_dir']} "
                       f"({FAST_TIER_COPIES} × {_si(tier['shard_bytes_per_rank'], 'B')} × {tier['local_ranks']} "
                       f"ranks): {where}")
+    host = data.get("host_memory") or {}
+    if host:
+        files = f" + {_si(host['fast_tier_bytes_per_node'], 'B')} fast tier" if host["fast_tier_bytes_per_node"] else ""
+        other.add_row("host memory", f"{_si(host['bytes_per_node'], 'B')} per node ({host['local_ranks']} × "
+                      f"{_si(host['per_process']['total'], 'B')} per process{files}) of "
+                      f"{_si(host['host_memory_bytes_per_node'], 'B')}: {'fits' if host['fits'] else 'DOES NOT FIT'}")
     console.print(other)
 
 
