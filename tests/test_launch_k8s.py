@@ -187,6 +187,37 @@ def test_cli_emit_k8s_writes_setup_beside_the_job(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["audit.log", "job.k8s.setup.yaml", "job.k8s.yaml"]
 
 
+def emit_console(tmp_path: Path, *overrides: str, nproc: int | None = None) -> str:
+    """What `launch --emit k8s` prints for the seed's rehearsal profile with these overrides."""
+    import io
+
+    from rich.console import Console
+
+    from leantrain.launch.command import run
+
+    buf = io.StringIO()
+    spec = load_spec(SEED, profile="rehearsal", overrides=[IMAGE, *overrides])
+    run(console=Console(file=buf, width=400), spec=spec, spec_path=SEED, overrides=[IMAGE, *overrides],
+        profile="rehearsal", nproc=nproc, nnodes=None, max_restarts=None, run_dir=tmp_path / "run", dry_run=False,
+        preflight=False, emit="k8s", out=tmp_path / "job.k8s.yaml")
+    return buf.getvalue()
+
+
+def test_emit_k8s_warns_when_the_fast_tier_exceeds_the_shm_volume(tmp_path: Path) -> None:
+    """The seed's rehearsal (8 ranks per node) keeps 2 × 1.90 GiB × 8 = 30.4 GiB of fast tier per node: a
+    16 GiB /dev/shm volume gets one warning line naming cluster.k8s_shm_gb and the size to set (the plan's
+    own check, plan/budget.k8s_shm_problem); 4 ranks per node (15.2 GiB) fit; so does the default 64 GiB."""
+    tier = ["checkpoint.memory_interval_steps=50"]
+    text = emit_console(tmp_path, *tier, "cluster.k8s_shm_gb=16")
+    (line,) = [ln for ln in text.splitlines() if ln.startswith("warning:")]
+    assert "cluster.k8s_shm_gb: 16" in line and "set cluster.k8s_shm_gb to at least 31" in line, line
+    assert "8 ranks in /dev/shm/leantrain" in line
+    assert (tmp_path / "job.k8s.yaml").is_file()  # a warning, not a refusal
+    assert "warning:" not in emit_console(tmp_path, *tier, "cluster.k8s_shm_gb=16", nproc=4)
+    assert "warning:" not in emit_console(tmp_path, *tier)
+    assert "warning:" not in emit_console(tmp_path, "cluster.k8s_shm_gb=1")  # no fast tier, nothing in /dev/shm
+
+
 # ---- schemas: every emitted object against the API server's own ---------------------------------------------
 SCHEMAS = REPO / "tests" / "schemas"
 K8S_VERSION = "1.37.0"

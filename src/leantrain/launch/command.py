@@ -102,6 +102,8 @@ def run(
             console.print("[yellow]dry run: placeholders stand in for what the spec does not name (cluster.image, "
                           "the Slurm node set-up); the file is for reading, not for submitting")
         if emit == "k8s":
+            for warning in k8s_memory_warnings(spec, local_ranks=res.gpus_per_node):
+                console.print(f"warning: {warning}", style="yellow", markup=False, highlight=False)
             _print_k8s_setup(spec, path=path, console=console)
         return
     if preflight:
@@ -218,6 +220,26 @@ def _launch_leased(
             f"{spec.cluster.unhealthy_after_crashes} before the host is excluded); per-rank logs under "
             f"{Path(run_dir) / torchrun.LOGS_DIR}"
         )
+
+
+def k8s_memory_warnings(spec: JobSpec, *, local_ranks: int) -> list[str]:
+    """With the fast tier on tmpfs: the plan's state per rank against the pod's /dev/shm volume
+    (`cluster.k8s_shm_gb`) for the job's ranks per node (plan/budget.k8s_shm_problem, the plan's own check),
+    and the plan's host-memory problems (the pod's memory limit holds the ranks and that volume)."""
+    if spec.checkpoint.memory_interval_steps is None:
+        return []
+    from leantrain.plan.budget import k8s_shm_problem
+    from leantrain.plan.planner import make_plan
+
+    try:
+        plan = make_plan(spec)
+    except UserInputError as err:
+        return [f"cannot size the fast tier against cluster.k8s_shm_gb ({err})"]
+    tier = plan["fast_tier"]
+    if tier.get("kind") != "tmpfs":
+        return []
+    shm = k8s_shm_problem(spec, shard_bytes=float(tier["shard_bytes_per_rank"]), local_ranks=local_ranks)
+    return [*([shm] if shm else []), *plan["host_memory"]["problems"]]
 
 
 def _print_k8s_setup(spec: JobSpec, *, path: Path, console: Console) -> None:
