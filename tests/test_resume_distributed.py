@@ -10,10 +10,15 @@ micro-batches per rank, so losses are compared with a relative tolerance of ELAS
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
 import shutil
+import signal
+import socket
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -177,20 +182,62 @@ def _launch_with_fault(drilled: dict[str, Any], *, plan: FaultPlan, train: Train
             os.environ.pop(key) if value is None else os.environ.__setitem__(key, value)
 
 
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _launch_two_hosts(drilled: dict[str, Any], *, plan: FaultPlan, run_dir: Path) -> tuple[list[int], list[str]]:
+    """Two hosts emulated on this machine: two `leantrain launch --nnodes 2 --nproc 1` (one torchrun agent each,
+    as on two nodes) meeting at a c10d rendezvous on 127.0.0.1, one rank per agent; returns both exit codes and
+    both consoles. The agent that joins first hosts the rendezvous store, the other connects to it."""
+    env = {**os.environ, **plan.to_env(), "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO",
+           "LEANTRAIN_RDZV_ENDPOINT": f"127.0.0.1:{_free_port()}"}
+    argv = [sys.executable, "-m", "leantrain.cli", "launch", str(drilled["spec_file"]), "--nnodes", "2",
+            "--nproc", "1", "--max-restarts", "1", "--run-dir", str(run_dir)]
+    logs = [run_dir.parent / f"{run_dir.name}-agent-{i}.log" for i in range(2)]
+    with contextlib.ExitStack() as stack:
+        outs = [stack.enter_context(path.open("w")) for path in logs]
+        procs = [subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+                 for out in outs]
+        try:
+            codes = [proc.wait(timeout=900) for proc in procs]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+    texts = [path.read_text() for path in logs]
+    return codes, texts
+
+
 @pytest.mark.heavy
 @pytest.mark.slow
-def test_frozen_rank_aborts_the_group_restarts_it_and_loses_nothing(drilled: dict[str, Any]) -> None:
+@pytest.mark.parametrize("hosts", [1, 2], ids=["one-host", "two-hosts"])
+def test_frozen_rank_aborts_the_group_restarts_it_and_loses_nothing(drilled: dict[str, Any], hosts: int) -> None:
     """With the shipped defaults (monitoring.hang_timeout_s 90 s, fault.collective_timeout_s 120 s): rank 1 is
     SIGSTOPped after step 3 (a stuck GPU); rank 0's hang watchdog aborts before any collective times out,
     torchrun kills the frozen rank and restarts the group, which resumes from the step-2 checkpoint; the
-    restart is labelled a hang naming the frozen rank, and the losses equal the uninterrupted run's."""
-    run_dir = drilled["root"] / "frozen"
+    restart is labelled a hang naming the frozen rank, and the losses equal the uninterrupted run's.
+    `two-hosts`: the same with rank 1 on a second torchrun agent (node 1 of `--nnodes 2`): its agent sees the
+    first one rejoin, stops its frozen worker and restarts too."""
+    run_dir = drilled["root"] / f"frozen-{hosts}"
     plan = FaultPlan(kill_at_step=KILL_AT, kill_rank=1, freeze=True)
     spec = drilled["spec"]
     assert (spec.monitoring.hang_timeout_s, spec.fault.collective_timeout_s) == (90.0, 120.0)  # the defaults
-    train = TrainCommand(spec_path=drilled["spec_file"])
-    code = _launch_with_fault(drilled, plan=plan, train=train, run_dir=run_dir)
-    assert code == 0
+    if hosts == 1:
+        train = TrainCommand(spec_path=drilled["spec_file"])
+        code = _launch_with_fault(drilled, plan=plan, train=train, run_dir=run_dir)
+        assert code == 0
+    else:
+        codes, consoles = _launch_two_hosts(drilled, plan=plan, run_dir=run_dir)
+        assert codes == [0, 0], [text[-3000:] for text in consoles]
+        # Both agents restarted their workers (torchrun's INFO lines): node 0's after its rank's hang abort,
+        # node 1's when node 0 rejoined (it stopped the frozen rank, then the group re-formed).
+        failed = [i for i, text in enumerate(consoles) if "Worker group FAILED" in text]
+        rejoined = [i for i, text in enumerate(consoles) if "new nodes from group_rank=1" in text]
+        assert len(failed) == 1 and len(rejoined) == 1 and failed != rejoined, [t[-3000:] for t in consoles]
     kinds = events(run_dir)
     hang = [e for e in kinds if e["kind"] == "hang_abort"]
     restart = [e for e in kinds if e["kind"] == "restart"]
@@ -202,6 +249,8 @@ def test_frozen_rank_aborts_the_group_restarts_it_and_loses_nothing(drilled: dic
     # again within 5 (detection, the agent's teardown of the stopped process, restart and resume).
     assert hang[0]["idle_s"] < 120, hang[0]
     assert restart[0]["recovery_s"] < 300, restart[0]
+    print(f"frozen rank, {hosts} host(s): detected after {hang[0]['idle_s']:.1f} s, "
+          f"training again after {restart[0]['recovery_s']:.1f} s")
     from leantrain.golive.doctor import watchdog_hang_findings
     from leantrain.golive.validate import health_checks
     from leantrain.observe.report_data import load_run
