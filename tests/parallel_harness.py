@@ -28,6 +28,7 @@ from leantrain.model.transformer import Transformer, build_model, model_args_fro
 from leantrain.parallel import CommTimer, ParallelDims, parallelize
 from leantrain.parallel.expert import expert_modules
 from leantrain.spec.schema import JobSpec
+from leantrain.train.optim import AdamWBf16States
 
 SEQ_LEN = 16
 MICRO_BATCH = 2
@@ -39,10 +40,11 @@ SEED = 7
 
 def make_spec(
     *, moe: bool = False, tie: bool = False, n_layers: int = 2, compute: str = "fp32", aux_loss_coef: float = 0.01,
-    mla: bool = False, **parallelism: Any
+    mla: bool = False, optimizer_state: str = "fp32", **parallelism: Any
 ) -> JobSpec:
     """A tiny fp32 job; `parallelism` sets spec.parallelism fields. `mla`: DeepSeek-style latent attention, and
-    with `moe` DeepSeek-V3's routing (sigmoid scores, 2 expert groups of which a token uses 1, weights × 2.5)."""
+    with `moe` DeepSeek-V3's routing (sigmoid scores, 2 expert groups of which a token uses 1, weights × 2.5).
+    `optimizer_state: bf16`: both runs step with `AdamWBf16States` (see `make_optimizer`)."""
     model: dict[str, Any] = {
         "architecture": "moe" if moe else "dense", "n_layers": n_layers, "d_model": 32, "n_heads": 4,
         "n_kv_heads": 4 if mla else 2, "ffn_hidden": 64, "vocab_size": 64, "tie_embeddings": tie,
@@ -59,7 +61,7 @@ def make_spec(
     return JobSpec.model_validate({
         "model": model,
         "parallelism": {"zero_stage": 3, **parallelism},
-        "precision": {"compute": compute, "optimizer_state": "fp32"},
+        "precision": {"compute": compute, "optimizer_state": optimizer_state},
         "data": {"tokens_total": 1e5, "seq_len": SEQ_LEN},
         "training": {"global_batch_tokens": GLOBAL_SEQUENCES * SEQ_LEN, "micro_batch": MICRO_BATCH,
                      "device": "cpu", "seed": SEED},
@@ -83,6 +85,14 @@ def full_model(spec: JobSpec) -> Transformer:
     return build_model(args, device=torch.device("cpu"), seed=SEED)
 
 
+def make_optimizer(spec: JobSpec, params: Any) -> torch.optim.Optimizer:
+    """torch's AdamW, or for `optimizer_state: bf16` AdamWBf16States with round-to-nearest: its stochastic
+    rounding draws from a generator seeded per rank, so a sharded run would round differently from one process."""
+    if spec.precision.optimizer_state == "bf16":
+        return AdamWBf16States(params, lr=LR, weight_decay=0.0, stochastic_rounding=False)
+    return torch.optim.AdamW(params, lr=LR, weight_decay=0.0)
+
+
 def _loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), targets.flatten())
 
@@ -91,7 +101,7 @@ def reference_run(spec: JobSpec, *, steps: int) -> dict[str, list[float]]:
     """Single process: accumulate over all micro-batches, clip, AdamW."""
     torch.manual_seed(SEED)
     model = full_model(spec)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    optimizer = make_optimizer(spec, model.parameters())
     losses, norms = [], []
     for step in range(steps):
         optimizer.zero_grad(set_to_none=True)
@@ -119,7 +129,7 @@ def layout_run(spec: JobSpec, *, steps: int) -> dict[str, list[float]]:
     num_micro = GLOBAL_SEQUENCES // MICRO_BATCH // dims.dp
     pm = parallelize(model, dims, spec, mesh=mesh, device=torch.device("cpu"), num_microbatches=num_micro)
     pm.initialize(seed=SEED)  # each rank fills its own shards: the same values as `full_model` (by name)
-    optimizer = torch.optim.AdamW(list(pm.parameters()), lr=LR, weight_decay=0.0)
+    optimizer = make_optimizer(spec, list(pm.parameters()))
     losses, norms, comm = [], [], {}
     timer = CommTimer(device_type="cpu")
     for step in range(steps):
@@ -142,9 +152,10 @@ def layout_run(spec: JobSpec, *, steps: int) -> dict[str, list[float]]:
     expert_share = (experts[0].w1.to_local().numel() / experts[0].w1.numel()) if experts and isinstance(
         experts[0].w1, DTensor) else None
     param_dtypes = sorted({str(p.dtype) for p in pm.parameters()})
+    moment_dtypes = sorted({str(s["exp_avg"].dtype) for s in optimizer.state.values()})
     return {"loss": losses, "grad_norm": norms, "comm": comm, "local_experts": local_experts,
             "expert_share": expert_share,
-            "param_dtypes": param_dtypes}
+            "param_dtypes": param_dtypes, "moment_dtypes": moment_dtypes}
 
 
 def _gloo_worker(rank: int, world_size: int, fn: Callable[[], Any], out_file: str) -> None:
