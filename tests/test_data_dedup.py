@@ -9,8 +9,16 @@ from pathlib import Path
 import numpy as np
 
 from leantrain.data.clean import text_stats
-from leantrain.data.clusters import EXACT_DUP, KEEP, NEAR_DUP, deduplicate
-from leantrain.data.dedup import MinHasher, detection_probability, exact_key, s_curve
+from leantrain.data.clusters import EXACT_DUP, KEEP, NEAR_DUP, deduplicate, write_hashes
+from leantrain.data.dedup import (
+    SIGNATURE_BLOCK_ROWS,
+    MinHasher,
+    Signatures,
+    band_hashes,
+    detection_probability,
+    exact_key,
+    s_curve,
+)
 from leantrain.spec.schema import DedupSpec
 
 ZH_CHARS = ("的一是在不了有和人这中大为上个国我以要他时来用们生到作地于出"
@@ -215,3 +223,30 @@ def test_resolution_in_batches_of_edge_files_gives_the_same_clusters(tmp_path: P
         assert np.array_equal(decision, expected)
         assert counts == {"exact_duplicates": 2, "near_duplicates": int((expected == NEAR_DUP).sum())}
     assert decisions[1][0][4100] == NEAR_DUP and root(4100) == root(100)  # the chain is in the last file
+
+
+def test_signatures_in_blocks_write_the_files_a_stacked_array_would(tmp_path: Path) -> None:
+    """write_hashes takes the signatures block by block (Signatures): sigs.npy is the np.save of the stacked
+    signatures byte for byte, and the band files are those of the stacked array, across block boundaries."""
+    spec = DedupSpec()
+    rng = np.random.default_rng(3)
+    num_docs = SIGNATURE_BLOCK_ROWS * 2 + 17  # two full blocks and a partial one
+    rows = rng.integers(0, 2**32, (num_docs, spec.num_bands * spec.rows_per_band), dtype=np.uint32)
+    rows[5] = rows[SIGNATURE_BLOCK_ROWS + 9]  # equal band hashes across blocks keep the stable order
+    signatures = Signatures(rows.shape[1])
+    for row in rows:
+        signatures.append(row)
+    assert len(signatures) == num_docs
+    keys = [rng.bytes(16) for _ in range(num_docs)]
+    write_hashes(tmp_path, keys=keys, signatures=signatures, spec=spec)
+    np.save(tmp_path / "stacked.npy", rows)
+    assert (tmp_path / "sigs.npy").read_bytes() == (tmp_path / "stacked.npy").read_bytes()
+    hashes = band_hashes(rows, bands=spec.num_bands, rows=spec.rows_per_band).T
+    order = np.argsort(hashes, axis=1, kind="stable")
+    assert np.array_equal(np.load(tmp_path / "bands.npy"), np.take_along_axis(hashes, order, axis=1))
+    assert np.array_equal(np.load(tmp_path / "band_docs.npy"), order.astype(np.uint32))
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    write_hashes(empty, keys=[], signatures=Signatures(rows.shape[1]), spec=spec)
+    assert np.load(empty / "sigs.npy").shape == (0, rows.shape[1])
+    assert np.load(empty / "bands.npy").shape == (spec.num_bands, 0)

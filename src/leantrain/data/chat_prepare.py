@@ -24,7 +24,7 @@ import numpy as np
 
 from leantrain.data.chat import ChatRenderer, MaskedShardWriter, pad_to_multiple
 from leantrain.data.clean import normalize, text_stats
-from leantrain.data.dedup import MinHasher, add_candidate_hashes
+from leantrain.data.dedup import MinHasher, Signatures, add_candidate_hashes
 from leantrain.data.layout import write_split_shards
 from leantrain.data.pii import PIIRedactor
 from leantrain.data.preference import encode_pair, pair_from_messages
@@ -35,7 +35,7 @@ from leantrain.spec.schema import DataSpec, JobSpec
 
 def chat_candidate(
     text: str, *, spec: DataSpec, counts: dict[str, Any], hasher: MinHasher, keys: list[bytes],
-    signatures: list[np.ndarray], redactor: PIIRedactor | None, valid_cut: int,
+    signatures: Signatures, redactor: PIIRedactor | None, valid_cut: int,
 ) -> dict[str, Any] | None:
     """The row of one conversation (a JSON list of messages) or preference pair (a JSON object: prompt, chosen,
     rejected): normalised, redacted messages; its hashes appended to keys/signatures."""

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from leantrain.data.dedup import band_hashes
+from leantrain.data.dedup import Signatures, band_hashes
 from leantrain.spec.schema import DedupSpec
 
 HASH_SPACE = 1 << 64
@@ -37,19 +37,30 @@ VERIFY_BLOCK_EDGES = 1 << 13
 KEEP, EXACT_DUP, NEAR_DUP = 0, 1, 2
 
 
-def write_hashes(out: Path, *, keys: list[bytes], signatures: list[np.ndarray], spec: DedupSpec) -> None:
+def write_hashes(out: Path, *, keys: list[bytes], signatures: Signatures, spec: DedupSpec) -> None:
     """One shard's hash files: exact keys sorted (`exact_keys.npy` + `exact_docs.npy`), the signatures
-    (`sigs.npy`), and per band the band hashes sorted (`bands.npy` (bands, n) + `band_docs.npy`)."""
+    (`sigs.npy`), and per band the band hashes sorted (`bands.npy` (bands, n) + `band_docs.npy`).
+
+    The signatures are written and band-hashed block by block (`Signatures`), so beyond them this holds the
+    (bands, n) band hashes and their order, not a stacked copy of every signature."""
     key_array = np.frombuffer(b"".join(keys), dtype="<u8").reshape(-1, 2).astype(np.uint64)
     order = np.lexsort((key_array[:, 1], key_array[:, 0]))
     np.save(out / "exact_keys.npy", key_array[order])
     np.save(out / "exact_docs.npy", order.astype(np.uint32))
+    del key_array, order
     bands, rows = spec.num_bands, spec.rows_per_band
-    sigs = np.stack(signatures) if signatures else np.zeros((0, bands * rows), dtype=np.uint32)
-    np.save(out / "sigs.npy", sigs)
-    hashes = band_hashes(sigs, bands=bands, rows=rows).T  # (bands, n)
+    hashes = np.empty((bands, len(signatures)), dtype=np.uint64)
+    with open(out / "sigs.npy", "wb") as f:  # the bytes np.save writes, one block at a time
+        np.lib.format.write_array_header_1_0(
+            f, {"descr": "<u4", "fortran_order": False, "shape": (len(signatures), bands * rows)})
+        start = 0
+        for block in signatures.blocks():
+            f.write(np.ascontiguousarray(block, dtype="<u4").tobytes())
+            hashes[:, start : start + len(block)] = band_hashes(block, bands=bands, rows=rows).T
+            start += len(block)
     band_order = np.argsort(hashes, axis=1, kind="stable")
     np.save(out / "bands.npy", np.take_along_axis(hashes, band_order, axis=1))
+    del hashes
     np.save(out / "band_docs.npy", band_order.astype(np.uint32))
 
 
@@ -246,7 +257,7 @@ def deduplicate(texts: Iterable[str], *, spec: DedupSpec, work: Path, shard_docs
     iterator = iter(texts)
     while True:
         keys: list[bytes] = []
-        signatures: list[np.ndarray] = []
+        signatures = Signatures(hasher.num_perm)
         for text in islice(iterator, shard_docs):
             stats = text_stats(text)
             keys.append(exact_key(stats))

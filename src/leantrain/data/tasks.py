@@ -37,7 +37,7 @@ from leantrain.data.chat_prepare import chat_candidate, encode_rows
 from leantrain.data.clean import normalize, quality_problem, text_stats
 from leantrain.data.clusters import KEEP, write_hashes
 from leantrain.data.code_rules import is_code
-from leantrain.data.dedup import MinHasher, add_candidate_hashes
+from leantrain.data.dedup import MinHasher, Signatures, add_candidate_hashes
 from leantrain.data.inputs import BadInputError, file_size
 from leantrain.data.layout import SPLITS
 from leantrain.data.pii import PIIRedactor
@@ -107,7 +107,7 @@ def clean_task(task: InputTask, spec: DataSpec, work: Path, salt: bytes) -> dict
     counts: dict[str, Any] = {"docs_in": 0, "chars_in": 0, "drops": Counter(), "bad_input": None,
                               "docs_lost_to_bad_input": 0}
     keys: list[bytes] = []
-    signatures: list[np.ndarray] = []
+    signatures = Signatures(hasher.num_perm)
     valid_cut = int(spec.valid_fraction * 2**64)
     prose_or_code = functools.partial(_candidate, kind=task.source.kind)
     with open(out / "docs.jsonl.tmp", "w", encoding="utf-8") as docs:
@@ -150,7 +150,7 @@ def _partial_docs(err: BadInputError, read: ReadStats) -> int:
 
 
 def _candidate(text: str, *, spec: DataSpec, counts: dict[str, Any], hasher: MinHasher, keys: list[bytes],
-               signatures: list[np.ndarray], redactor: PIIRedactor | None, valid_cut: int, kind: str = "prose"
+               signatures: Signatures, redactor: PIIRedactor | None, valid_cut: int, kind: str = "prose"
                ) -> dict[str, Any] | None:
     """The row of a document that passes the filters (its hashes appended to keys/signatures), else None.
     `kind` (data.sources[].kind): a code document keeps its indentation and meets the code rules."""

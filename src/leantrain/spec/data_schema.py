@@ -157,9 +157,9 @@ class DedupSpec(Section):
     )
     seed: int = Field(42, ge=0, description="Seed of the MinHash permutations.")
     bucket_records: PositiveInt = Field(
-        1 << 22, description="Hash records (LSH band keys, exact keys) one merge step holds in memory; the "
-        "sorted per-shard files on disk are merged in hash ranges of at most this many records, so dedup "
-        "memory does not grow with the corpus.",
+        1 << 18, description="Hash records (LSH band keys, exact keys) one merge step holds in memory (about "
+        "70 bytes each while it sorts: 18 MB at the default); the sorted per-shard files on disk are merged in "
+        "hash ranges of at most this many records, so dedup memory does not grow with the corpus.",
     )
 
 
