@@ -12,7 +12,9 @@ step-time constants on one half of them and reports the error on the other half.
   family (sorted by name), so both halves cover every accelerator, style and size range.
 - `whole_run_gpu_hours(run)`: the planner's whole-run prediction in model mode (the published layout, or the
   searched best when none is published, divided by the expected goodput and the whole-run efficiency);
-  `whole_run_split_errors(runs)` fits the whole-run efficiency on half the whole runs, reports the other half.
+  `whole_run_split_errors(runs)` fits the whole-run efficiency on half the whole runs, reports the other half;
+  `whole_run_range_coverage(split)` and `whole_run_range_coverage_resampled(split)` check the P10-P90 range the
+  same way on the fixed halves and over random half-splits.
 """
 
 from __future__ import annotations
@@ -361,3 +363,31 @@ def whole_run_range_coverage(split: dict[str, Any]) -> dict[str, Any]:
         out[label] = sum(lo <= r <= hi for r in residuals) / len(residuals)
         out[f"{label}_range"] = (lo, hi)
     return out
+
+
+def whole_run_range_coverage_resampled(split: dict[str, Any], *, n_splits: int = 2000,
+                                       seed: int = 0) -> dict[str, float]:
+    """The held-out check of `whole_run_range_coverage` over `n_splits` random half-splits of the whole runs
+    (seeded, so the same every run): each half's efficiency and range from that half alone, the coverage of
+    the other half, both ways. With ~10 runs per half one run moves a half's coverage by 10 points, so one
+    fixed split says little; the mean over many splits is the method's expected coverage, and `in_70_90` the
+    share of single half-splits whose coverage lands in 70-90 %."""
+    import random
+
+    from leantrain.plan.uncertainty import conformal_range
+
+    ratios = split["ratios_at_1"]
+    names = sorted(ratios)
+    rng = random.Random(seed)
+    shares: list[float] = []
+    for _ in range(n_splits):
+        order = rng.sample(names, len(names))
+        half = len(order) // 2
+        for calib, held in ((order[:half], order[half:]), (order[half:], order[:half])):
+            eff = fit_whole_run_efficiency([ratios[n] for n in calib])
+            lo, _, hi = conformal_range(whole_run_residuals(ratios, eff, calib))
+            shares.append(sum(lo <= r <= hi for r in whole_run_residuals(ratios, eff, held)) / len(held))
+    shares.sort()
+    return {"mean": statistics.mean(shares), "p10": shares[len(shares) // 10],
+            "p90": shares[(9 * len(shares)) // 10], "in_70_90": sum(0.7 <= s <= 0.9 for s in shares) / len(shares),
+            "splits": float(n_splits)}
