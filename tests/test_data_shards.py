@@ -67,3 +67,29 @@ def test_megatron_core_reads_our_shards(tmp_path: Path) -> None:
     builder.finalize(str(tmp_path / "m.idx"))
     reader = ShardReader(tmp_path / "m.bin")
     assert [reader.doc(i).tolist() for i in range(3)] == DOCS
+
+
+@pytest.mark.parametrize("num_docs", [1, 2, 3000])
+def test_idx_bytes_equal_megatron_cores_builder(tmp_path: Path, num_docs: int) -> None:
+    """The .idx written section by section (ShardWriter's compact lengths) is megatron-core's own, byte for byte."""
+    indexed = pytest.importorskip("megatron.core.datasets.indexed_dataset", reason="test extra megatron-core")
+    rng = np.random.default_rng(num_docs)
+    docs = [rng.integers(0, 60000, int(rng.integers(1, 300))) for _ in range(num_docs)]
+    writer = ShardWriter(tmp_path / "ours", dtype=np.uint16)
+    builder = indexed.IndexedDatasetBuilder(str(tmp_path / "theirs.bin"), dtype=np.uint16)
+    for doc in docs:
+        writer.add(doc)
+        builder.add_document(doc.astype(np.uint16), [len(doc)])
+    writer.finish()
+    builder.finalize(str(tmp_path / "theirs.idx"))
+    assert (tmp_path / "ours.idx").read_bytes() == (tmp_path / "theirs.idx").read_bytes()
+    assert (tmp_path / "ours.bin").read_bytes() == (tmp_path / "theirs.bin").read_bytes()
+
+
+@pytest.mark.parametrize("size", [0, 7, 1 << 20, (1 << 20) + 3, 3 * (1 << 20) - 1])
+def test_sha256_file_is_hashlibs_across_buffer_boundaries(tmp_path: Path, size: int) -> None:
+    import hashlib
+
+    data = np.random.default_rng(size).bytes(size)
+    (tmp_path / "f").write_bytes(data)
+    assert sha256_file(tmp_path / "f") == hashlib.sha256(data).hexdigest()
