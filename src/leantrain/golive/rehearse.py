@@ -27,6 +27,7 @@ from unittest import mock
 import numpy as np
 
 from leantrain.errors import LeantrainError, UserInputError
+from leantrain.golive.rehearse_memory import unseen_sharding_propagation
 from leantrain.golive.rehearse_probes import (
     Broadcasts,
     CollectiveRecorder,
@@ -208,6 +209,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
             broadcasts.new_rank()
             stack.enter_context(object_collectives(probes, broadcasts))
             stack.enter_context(balanced_expert_splits(probes))
+            stack.enter_context(unseen_sharding_propagation())  # DTensor's global-shape meta is no memory
             startup_s = time.perf_counter()
             with files.watch():
                 stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
