@@ -7,7 +7,8 @@ every rank, and `close()`. This module reads the trainer's attributes by name (d
 leantrain.train): model, optimizer, scheduler, sampler (Stateful with the global sample index), the counters
 step / tokens_seen / skipped_steps, runtime.rank / runtime.world_size, spec and run_dir.
 
-Restarts: a worker that torchrun restarted (TORCHELASTIC_RESTART_COUNT > 0) records a `restart` event after its
+Restarts: a worker that torchrun restarted (TORCHELASTIC_RESTART_COUNT > 0 on any rank: the ranks agree on the
+highest, since an agent restarted by a membership change keeps its count) records a `restart` event after its
 resume (rank 0): the attempt, the step it resumed from, and `recovery_s`, the wall time from the failure to
 the end of the load. The failure time is the kill time a drill's fault marker recorded (then `planned`), or
 else the last sign of life in the run dir (the newest write to metrics.jsonl / events.jsonl), which bounds
@@ -93,11 +94,10 @@ class TrainerCheckpointer:
 
     def __init__(self, trainer: Any, *, resume: ResumeRequest | None = None, **manager_options: Any) -> None:
         self.started_s = time.time()
-        self.attempt = restart_attempt()
         self.resume = resume or ResumeRequest()
         self.finished = False  # the run had reached its last step already (nothing to train)
         # Read before the manager writes anything: after a restart this is the dead attempt's last write.
-        self.last_alive_s = last_sign_of_life_s(trainer.run_dir) if self.attempt > 0 else None
+        last_alive_s = last_sign_of_life_s(trainer.run_dir)
         self.provenance: CheckpointProvenance | None = None
         if "extra_files" not in manager_options:
             manager_options["extra_files"] = self._lineage_files
@@ -105,6 +105,12 @@ class TrainerCheckpointer:
             trainer.spec, run_dir=trainer.run_dir, rank=trainer.runtime.rank, world_size=trainer.runtime.world_size,
             **manager_options,
         )
+        # torchrun counts restarts per agent (node), and only where workers failed: an agent that restarts its
+        # workers because another node rejoined the rendezvous (a membership change) keeps its count. After a
+        # failure on another node this node's ranks see a lower count (rank 0 there would record no restart):
+        # the job's attempt is the highest count of any rank.
+        self.attempt = self.manager.highest(restart_attempt())
+        self.last_alive_s = last_alive_s if self.attempt > 0 else None
         store = self.manager.store
         self.provenance = CheckpointProvenance(
             run_dir=trainer.run_dir, registry=trainer.spec.run.registry, describe=store.describe,
