@@ -295,3 +295,42 @@ def drive(run_dir: Path, log: Path, *, deadline_s: float = 60.0) -> None:
 
 if __name__ == "__main__":
     drive(Path(sys.argv[1]), Path(sys.argv[2]))
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_failed_fast_tier_save_is_an_event_and_the_job_goes_on(
+    run_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    """The fast tier every step beside the durable tier every 4 (async or not): a full tmpfs at step 3 is
+    caught, reported as `memory_checkpoint_failed` naming the rank, no fast checkpoint is left anywhere, and
+    the job goes on: step 5 saves the fast tier again, steps 4 and 6 the durable tier (which are no fast-tier
+    steps: decided on the main thread from the step and the agreed durable decision)."""
+    from leantrain.ckpt.memory_tier import MemoryTier
+
+    spec = make_spec(checkpoint={"interval_steps": 4, "async_save": async_save, "memory_interval_steps": 1,
+                                 "memory_dir": str(tmp_path / "shm")})
+    trainer = make_trainer(spec, run_dir)
+    hook = TrainerCheckpointer(trainer)
+    assert hook.memory is not None
+    write = MemoryTier._write
+
+    def full_at_step_3(self: MemoryTier, folder: Path, step: int, chunks: Any) -> str:
+        if step == 3:
+            raise OSError(28, "No space left on device")
+        return write(self, folder, step, chunks)
+
+    monkeypatch.setattr(MemoryTier, "_write", full_at_step_3)
+    kept = {}
+    for n in range(1, 7):
+        step(trainer, hook, last=n == 6)
+        kept[n] = sorted(p.name for p in (tmp_path / "shm").rglob("*.pt"))
+    hook.close()
+    kinds = events(run_dir)
+    saved = [e["step"] for e in kinds if e["kind"] == "memory_checkpoint_saved"]
+    (failed,) = [e for e in kinds if e["kind"] == "memory_checkpoint_failed"]
+    assert saved == [1, 2, 5] and failed["step"] == 3 and failed["failed_ranks"] == [0], kinds
+    assert "No space left" in failed["error"] and "durable tier" in failed["action"]
+    assert kept[2] == ["step-00000002.pt"] and kept[3] == [] and kept[5] == ["step-00000005.pt"]
+    assert kept[6] == []  # the run's end is durable: the node's memory is given back
+    assert hook.memory is not None and not hook.memory.disabled  # a failed write does not turn the tier off
+    assert [e["step"] for e in kinds if e["kind"] == "checkpoint_saved"] == [4, 6]

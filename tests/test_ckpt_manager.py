@@ -440,3 +440,29 @@ def test_condemned_folder_stays_until_a_good_save_replaces_it(run_dir: Path) -> 
     ckpt.save(4, fresh, blocking=True)
     ckpt.close()
     assert (lost / "COMMIT").is_file() and resume(spec, run_dir, make_app(seed=2)) == 4
+
+
+def private_manager_uses(source: str) -> list[str]:
+    """`manager._x` / `self.manager._x` / `mgr._x` in Python source: a reach into the manager's private state."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__"):
+            owner = node.value
+            name = owner.id if isinstance(owner, ast.Name) else owner.attr if isinstance(owner, ast.Attribute) else ""
+            if name in ("manager", "mgr"):
+                found.append(f"{node.lineno}: {name}.{node.attr}")
+    return found
+
+
+def test_the_loader_hook_and_tiers_use_the_managers_public_interface() -> None:
+    """The loader, the trainer's hook, the fast tier and the fault hook reach the manager only through its
+    public methods (agree, highest, read_on_rank0, load_group, sealed_fs, adopt_group, ...), never its
+    private groups or file system."""
+    assert private_manager_uses("x = self.manager._control_pg\nmanager._agree(1)\nmgr.agree(1)\n") == [
+        "1: manager._control_pg", "2: manager._agree"]
+    ckpt = Path(__file__).resolve().parents[1] / "src" / "leantrain" / "ckpt"
+    offenders = {p.name: uses for p in sorted(ckpt.glob("*.py")) if p.name != "manager.py"
+                 if (uses := private_manager_uses(p.read_text(encoding="utf-8")))}
+    assert offenders == {}
