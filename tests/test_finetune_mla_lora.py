@@ -95,3 +95,16 @@ def test_qlora_default_targets_on_latent_attention_quantise_and_train(tmp_path: 
         assert len(records) == 3 and all(np.isfinite(r["loss"]) for r in records)
     finally:
         trainer.close()
+
+
+def test_mha_targets_on_a_latent_attention_model_are_refused_naming_its_linears(tmp_path: Path) -> None:
+    from leantrain.model.lora import apply_lora
+    from leantrain.model.transformer import Transformer, model_args_from_spec
+    from leantrain.spec.schema import ModelSpec
+
+    spec = ModelSpec(init_from=save_tiny_deepseek(tmp_path / "hf", version=2))
+    with torch.device("meta"):
+        model = Transformer(model_args_from_spec(spec, max_seq_len=SEQ))
+    with pytest.raises(ValueError, match=r"wk, wq, wv match no Linear layer of the model \(its Linears: gate, "
+                                         r"output, w1, w2, w3, wkv_a, wkv_b, wo, wq_a, wq_b\)"):
+        apply_lora(model, targets=["wq", "wk", "wv", "wo"], rank=4, alpha=8.0, dropout=0.0)

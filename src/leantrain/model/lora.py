@@ -74,7 +74,10 @@ def apply_lora(model: nn.Module, *, targets: list[str], rank: int, alpha: float,
             swapped.append(f"{parent_name}.{child_name}" if parent_name else child_name)
     unmatched = sorted(set(targets) - {name.rsplit(".", 1)[-1] for name in swapped})
     if unmatched:
-        raise ValueError(f"finetune.lora.targets: {', '.join(unmatched)} match no Linear layer of the model")
+        linears = sorted({name.rsplit(".", 1)[-1] for name, m in model.named_modules() if type(m) is nn.Linear}
+                         | {name.rsplit(".", 1)[-1] for name in swapped})
+        raise ValueError(f"finetune.lora.targets: {', '.join(unmatched)} match no Linear layer of the model "
+                         f"(its Linears: {', '.join(linears)})")
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter(name))
     return swapped
