@@ -71,3 +71,42 @@ def test_without_it_the_global_shape_propagation_is_counted() -> None:
     counted = _loss_peak(fake=True, hide_propagation=False)
     # two tensors of the whole vocabulary (TP × the local slice each) on top of the real temporaries
     assert counted["TEMP"] >= 2 * TP * LOCAL_LOGITS
+
+
+def _second_step_peak(*, track_after_first_step: bool) -> tuple[dict[str, int], int]:
+    """MemTracker's peak snapshot of a second AdamW step (as `leantrain rehearse` tracks it: modules and
+    optimizer registered before the first step, or after it) and the optimizer states' bytes."""
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 1024), nn.GELU(), nn.Linear(1024, 256))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    tracker = MemTracker()
+
+    def step() -> None:
+        model(torch.randn(8192, 256)).square().mean().backward()  # activations ≫ states: the peak is in backward
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    if not track_after_first_step:
+        tracker.track_external(model, optimizer)
+    step()
+    if track_after_first_step:
+        tracker.track_external(model, optimizer)
+    with tracker:
+        step()
+    states = sum(v.numel() * v.element_size() for s in optimizer.state.values() for v in s.values() if v.dim() > 0)
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    return {str(k.value if hasattr(k, "value") else k): int(v) for k, v in peak.items()}, states
+
+
+def test_the_peak_holds_the_optimizer_states_made_before_the_tracked_step() -> None:
+    from leantrain.golive.rehearse_report import memory_categories
+
+    early, states = _second_step_peak(track_after_first_step=False)  # what the rehearsal's tracker sees
+    late, _ = _second_step_peak(track_after_first_step=True)  # the states known from the start
+    # (the rehearsal counts states of one or more dimensions: AdamW's 0-dim step counters are 16 bytes here)
+    assert early.get("Optstate", 0) == 0 and abs(late["Optstate"] - states) < 64 and states > 2**20
+    resident = {"params": 0, "grads": 0, "optimizer": states}
+    assert abs(memory_categories(early, resident)["peak"] - late["Total"]) < 64
+    assert abs(memory_categories(late, resident)["peak"] - late["Total"]) < 64  # not counted twice

@@ -18,8 +18,14 @@ MEMORY_KEYS = ("params", "grads", "optimizer", "activations", "temp")
 
 def memory_categories(peak: dict[str, int], resident: dict[str, int]) -> dict[str, int]:
     """rehearsal.json's categories: resident state measured from the tensors, the peak and its activations from
-    MemTracker, and `temp` what else was live at the peak (activation gradients, gathered weights, buffers)."""
-    total = int(peak.get("Total", 0))
+    MemTracker, and `temp` what else was live at the peak (activation gradients, gathered weights, buffers).
+
+    MemTracker learns of optimizer states through its hook after `optimizer.step()`: the states step 1 made
+    (before the tracked step 2) are unknown to it until step 2's update, after the forward/backward peak, so
+    its peak snapshot lacks them (`Optstate` 0). They are live through the whole step, so they are added to
+    the peak here (what the snapshot did count of them is not added twice)."""
+    untracked_states = max(0, int(resident.get("optimizer", 0)) - int(peak.get("Optstate", 0)))
+    total = int(peak.get("Total", 0)) + untracked_states
     activations = int(peak.get("Activation", 0))
     state = resident.get("params", 0) + resident.get("grads", 0) + resident.get("optimizer", 0)
     return {**{k: int(resident.get(k, 0)) for k in ("params", "grads", "optimizer")},
