@@ -158,3 +158,35 @@ def test_two_rank_save_reshards_to_one_and_four_ranks(tmp_path: Path, monkeypatc
     for rank in (0, 1):  # ranks that existed at save time get their own generator back
         assert torch.equal(torch.load(tmp_path / f"rng-loaded-4-{rank}.pt"), torch.load(tmp_path / f"rng-{rank}.pt"))
     assert os.path.exists(tmp_path / "run" / "checkpoints" / "step-00000002" / "COMMIT")
+
+
+def _hook_attempts(root: str) -> list[int]:
+    """Each rank's restart attempt as the trainer's hook sees it, rank 1 with torchrun's count 1, rank 0 with 0."""
+    from types import SimpleNamespace
+
+    from leantrain.ckpt.hook import TrainerCheckpointer
+    from test_ckpt_hook import make_trainer
+    from test_ckpt_manager import make_spec
+
+    rank = dist.get_rank()
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(rank)
+    trainer = make_trainer(make_spec(checkpoint={"interval_steps": 2}), Path(root) / "run")
+    trainer.runtime = SimpleNamespace(rank=rank, world_size=2)
+    hook = TrainerCheckpointer(trainer)
+    try:
+        seen = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
+        dist.all_gather(seen, torch.tensor([hook.attempt], dtype=torch.int64))
+        return [int(t.item()) for t in seen]
+    finally:
+        hook.close()
+
+
+@pytest.mark.slow
+def test_the_ranks_agree_on_the_restart_attempt(tmp_path: Path) -> None:
+    """torchrun counts a restart only on the agent whose workers failed (a membership change is no restart), so
+    the ranks of two nodes can see different counts: every rank takes the highest (rank 0 records the restart)."""
+    import functools
+
+    from parallel_harness import spawn_gloo
+
+    assert spawn_gloo(functools.partial(_hook_attempts, str(tmp_path)), world_size=2, out_dir=tmp_path) == [1, 1]
