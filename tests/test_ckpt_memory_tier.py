@@ -142,3 +142,19 @@ def test_two_ranks_peer_copy_checked_failure_agreed_lost_shard_restored(tmp_path
     assert "does not match the sha256" in result["bad_error"]
     assert result["after_bad"] == {"best": None}  # the failed step is nowhere a fast checkpoint
     assert result["best"] == 4 and result["restored_everywhere"]
+
+
+def test_a_cpu_shard_is_encoded_without_a_copy() -> None:
+    """The written and sent bytes are views of the tensors' own memory (a CPU tensor gets no host copy; a device
+    tensor gets one, in _byte_view), and the stream's hash is the one of header + those bytes."""
+    import hashlib
+
+    from leantrain.ckpt.memory_format import encode
+
+    weight, moment = torch.randn(64, 32), torch.randn(64, 32).t()  # the second is not contiguous: one copy
+    encoded = encode(step=3, meta={"m": 1}, state={"w": weight, "opt": {"exp_avg": moment}, "n": 5})
+    views = [v for v in encoded.views if v.numel()]
+    assert views[0].data_ptr() == weight.data_ptr() and views[0].numel() == weight.numel() * 4
+    assert views[1].data_ptr() != moment.data_ptr()  # made contiguous (the module docstring says so)
+    whole = hashlib.sha256(encoded.prefix + b"".join(v.numpy().tobytes() for v in views)).hexdigest()
+    assert encoded.digest() == whole

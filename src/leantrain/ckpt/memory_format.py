@@ -9,7 +9,8 @@ file: JSON, then `torch.frombuffer` views of the bytes. The sha256 of the whole 
 and what a sender announces before a transfer, so a receiver checks what arrived against the sender's hash.
 
 Host memory: a shard is written and sent from the tensors' own memory (a device tensor gets one CPU copy,
-a CPU tensor none); a reader holds the file's bytes once and views the tensors in it.
+a contiguous CPU tensor none, a non-contiguous one a contiguous copy); a reader holds the file's bytes once
+and views the tensors in it.
 """
 
 from __future__ import annotations
