@@ -296,3 +296,24 @@ def test_memory_tier_resumes_a_lost_node_from_its_peer_copy(drilled: dict[str, A
     assert {step: values[-1] for step, values in logged_losses(run_dir).items()} == reference_losses(
         drilled["reference"])
     assert not any((tmp_path / "shm").rglob("*.pt"))  # the finished run gave the memory back
+
+
+@pytest.mark.slow
+def test_fast_tier_beside_async_durable_saves_on_two_ranks(tmp_path: Path) -> None:
+    """The fast tier every step with a peer copy, beside async durable saves every 2 steps, on 2 ranks: every
+    rank takes the same decision on every step (the durable steps are no fast-tier steps, decided on the main
+    thread, not from the save thread's last_saved_step), so the peers' exchanges always meet: the run ends (no
+    deadlock), fast checkpoints at the odd steps, durable ones at the even steps, nothing failed."""
+    spec_file = write_resume_spec(tmp_path, async_save=True)
+    run_dir = tmp_path / "run"
+    train = TrainCommand(spec_path=spec_file, overrides=(
+        "checkpoint.memory_interval_steps=1", "checkpoint.memory_peer_offset=1",
+        f"checkpoint.memory_dir={tmp_path / 'shm'}"))
+    code = launch_local(load_spec(spec_file), train=train, run_dir=run_dir, nproc=2, nnodes=None, max_restarts=0,
+                        console=Console(file=io.StringIO()), timeout_s=300)
+    assert code == 0
+    kinds = events(run_dir)
+    assert [e["step"] for e in kinds if e["kind"] == "memory_checkpoint_saved"] == [1, 3, 5]
+    assert all(e["peer"] == 1 for e in kinds if e["kind"] == "memory_checkpoint_saved")
+    assert not [e for e in kinds if e["kind"] in ("memory_checkpoint_failed", "memory_tier_disabled")]
+    assert [e["step"] for e in kinds if e["kind"] == "checkpoint_saved"] == [2, 4, 6]
