@@ -7,13 +7,17 @@ covers ZeRO 1-3, TP 1-8, PP 1-4 with 1F1B and interleaved 1F1B, recompute none/s
 The rehearsal is the independent measurement: it counts the bytes the trainer's tensors hold, while the plan
 is arithmetic. Prints, per layout and category, `plan / rehearsal` and the median |error| per category.
 
-    python bench/plan_vs_rehearsal.py [--quick]
+    python bench/plan_vs_rehearsal.py [--quick] [--rows NAME,NAME] [--rehearsed FILE]
+
+`--rehearsed FILE` keeps each row's rehearsal (rank 0's memory_bytes, stage and micro-batch count) in a JSON
+file and plans again from it without rehearsing: the rehearsal takes minutes per row, the plan milliseconds.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
@@ -66,18 +70,39 @@ def planned(spec, rank: dict) -> dict[str, float]:
             "temp": mem.temp, "peak": mem.total - mem.reserve}
 
 
-def compare(spec) -> tuple[dict[str, int], dict[str, float]]:
-    """(rehearsed bytes, planned bytes) by category for rank 0 of `spec`."""
+def rehearsed_rank(spec) -> dict:
+    """Rank 0's rehearsal: memory_bytes, the pipeline stage and the micro-batch count the plan needs."""
     rank = rehearse(spec, ranks=[0])["ranks"][0]  # type: ignore[arg-type]
+    return {"memory_bytes": rank["memory_bytes"], "plan_memory_bytes": {"stage": rank["pipeline_stage"]},
+            "num_microbatches": rank["num_microbatches"]}
+
+
+def compare(spec, rank: dict | None = None) -> tuple[dict[str, int], dict[str, float]]:
+    """(rehearsed bytes, planned bytes) by category for rank 0 of `spec` (rehearsed unless `rank` is given)."""
+    rank = rank if rank is not None else rehearsed_rank(spec)
     return rank["memory_bytes"], planned(spec, rank)
 
 
 def main() -> None:
-    grid = dict(list(GRID.items())[:3]) if "--quick" in sys.argv else GRID
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="the first three layouts only")
+    parser.add_argument("--rows", help="comma-separated layout names (default: the whole grid)")
+    parser.add_argument("--rehearsed", type=Path, help="JSON file of rehearsals: read where present, else written")
+    args = parser.parse_args()
+    names = args.rows.split(",") if args.rows else list(GRID)[:3] if args.quick else list(GRID)
+    unknown = [n for n in names if n not in GRID]
+    if unknown:
+        parser.error(f"--rows: unknown layouts {unknown}; known: {list(GRID)}")
+    cache = json.loads(args.rehearsed.read_text()) if args.rehearsed and args.rehearsed.is_file() else {}
     errors: dict[str, list[float]] = {c: [] for c in CATEGORIES}
     start = time.perf_counter()
-    for name, layout in grid.items():
-        measured, plan = compare(spec_for(*layout))
+    for name in names:
+        spec = spec_for(*GRID[name])
+        if name not in cache:
+            cache[name] = rehearsed_rank(spec)
+            if args.rehearsed:
+                args.rehearsed.write_text(json.dumps(cache, indent=1))
+        measured, plan = compare(spec, cache[name])
         ratios = {c: plan[c] / measured[c] if measured[c] else None for c in CATEGORIES}
         for category in CATEGORIES:
             if ratios[category] is not None:
@@ -90,7 +115,7 @@ def main() -> None:
             within = sum(e <= 0.10 for e in errors[category])
             print(f"plan vs rehearsal {category}: median |error| {statistics.median(errors[category]):.1%} "
                   f"({within}/{len(errors[category])} layouts within ±10%)")
-    print(f"rehearsal time: {time.perf_counter() - start:.0f} s for {len(grid)} layouts")
+    print(f"rehearsal time: {time.perf_counter() - start:.0f} s for {len(names)} layouts")
 
 
 if __name__ == "__main__":

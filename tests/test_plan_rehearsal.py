@@ -1,7 +1,8 @@
 """The planner's memory held to `leantrain rehearse` (the trainer itself under a fake process group and fake
 tensors) on a small grid of layouts: a Llama-3-8B-wide model cut to 4 layers, rank 0 of each world.
 bench/plan_vs_rehearsal.py runs the whole grid (13 layouts, bench/RESULTS.md); these pin one layout per
-mechanism: ZeRO-2's gathered stage, TP with the vocabulary-parallel loss, a pipeline's first stage."""
+mechanism: ZeRO-2's gathered stage, TP with the vocabulary-parallel loss (TP2, and TP8 where the loss's
+backward and the sequence-parallel gathered inputs weigh most), a pipeline's first stage."""
 
 from __future__ import annotations
 
@@ -24,7 +25,7 @@ def _bench():
 
 @pytest.mark.heavy
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fsdp8 zero2 selective", "fsdp4 tp2", "fsdp4 pp2 1f1b"])
+@pytest.mark.parametrize("name", ["fsdp8 zero2 selective", "fsdp4 tp2", "fsdp2 tp8", "fsdp4 pp2 1f1b"])
 def test_plan_matches_the_rehearsal_per_category(name: str) -> None:
     bench = _bench()
     dp, tp, pp, zero, schedule, virtual, recompute, extra = bench.GRID[name]

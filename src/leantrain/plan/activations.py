@@ -47,6 +47,12 @@ class ActivationTerms:
     op_saved: float = 0.0  # what torchtitan's selective-op policy keeps (recompute="op"), before tp
     selective_replicated: float = 0.0  # boundary bytes selective recompute also drops (fused: norm outputs)
     selective_sharded: float = 0.0  # inner bytes it also drops (fused: SwiGLU outputs)
+    # Part of `replicated` that sequence parallelism does not divide: in our eager blocks under torch's DTensor
+    # sequence parallelism each norm's output is all-gathered for the column-parallel matmuls that follow, and
+    # those keep the gathered (whole-sequence) tensor for their backward (Megatron's SP keeps the shard and
+    # gathers again in the backward). Measured by `leantrain rehearse` at TP 2 and 8: 2 + 2 × 4 + 1 whole-
+    # sequence bf16 hidden tensors for 4 layers and the head.
+    sp_gathered: float = 0.0
 
 
 def norm_saved_bytes(*, act_bytes: float, gpt_style: bool, fused: bool = False) -> float:
@@ -119,15 +125,21 @@ def activation_terms(shape: ModelShape, *, seq_len: int, act_bytes: float, flash
     # w1, w2) plus the attention output and the block input; MoE layers keep their routed tensors as above.
     op_mlp = mlp if moe_layer and shape.moe is not None else e * (f + h)
     op_saved = e * (h + shape.kv_dim) + op_mlp + e * h + e * h
+    sp_gathered = 0.0 if fused or gpt_style else 2 * e * h  # the two norms' outputs (see ActivationTerms)
     return ActivationTerms(replicated=replicated + rope, sharded=qkv + out_proj_input + mlp, core=core,
-                           op_saved=op_saved, selective_replicated=sel_replicated, selective_sharded=sel_sharded)
+                           op_saved=op_saved, selective_replicated=sel_replicated, selective_sharded=sel_sharded,
+                           sp_gathered=sp_gathered)
 
 
 def head_activation_bytes(shape: ModelShape, *, tokens: int, act_bytes: float, tp: int,
-                          fused: bool = False) -> float:
+                          fused: bool = False, sp_tp: int = 1) -> float:
     """The last stage's final norm (its output feeds the output projection) and the fp32 log-probabilities
-    cross-entropy keeps, for one micro-batch."""
-    final_norm = tokens * (norm_saved_bytes(act_bytes=act_bytes, gpt_style=False, fused=fused) * shape.d_model + 4.0)
+    cross-entropy keeps, for one micro-batch; `tp` splits the vocabulary, `sp_tp` the sequence (sequence
+    parallelism: the norm runs on the rank's share of it, and in eager blocks the output projection keeps its
+    gathered input, see ActivationTerms.sp_gathered)."""
+    norm = norm_saved_bytes(act_bytes=act_bytes, gpt_style=False, fused=fused) * shape.d_model + 4.0
+    gathered = act_bytes * shape.d_model if sp_tp > 1 and not fused else 0.0
+    final_norm = tokens * ((norm - gathered) / sp_tp + gathered)
     return final_norm + tokens * shape.vocab_size / tp * LOGIT_SAVED_BYTES
 
 
@@ -142,7 +154,8 @@ def layer_activation_bytes(terms: ActivationTerms, *, tokens: int, tp: int, sp: 
     selective = recompute == "selective"
     sharded = terms.sharded - terms.selective_sharded if selective else terms.sharded + terms.core
     replicated = terms.replicated - (terms.selective_replicated if selective else 0.0)
-    replicated = replicated / tp if sp else replicated
+    if sp and tp > 1:
+        replicated = (replicated - terms.sp_gathered) / tp + terms.sp_gathered
     return tokens * (replicated + sharded / tp)
 
 

@@ -18,8 +18,9 @@ Conventions (docs/plan.md has the derivations; activation terms in plan/activati
   between micro-batches; `every_micro_batch` holds only the shard.
 - Fine-tuning (plan/finetune.py): LoRA/QLoRA freeze the base (no gradients or optimizer states for it; QLoRA
   holds its Linear weights in NF4) and train adapters with their own states.
-- Buffers: the logits in the compute dtype and their fp32 gradient during the loss backward (last stage),
-  DDP gradient buckets, FSDP gathers, and a framework reserve.
+- Buffers: the loss backward's fp32 gradients of the logits (last stage; the larger of them and full
+  recompute's rebuilt block), DDP gradient buckets, FSDP gathers (at ZeRO-3 on the last stage the last block,
+  kept gathered for the backward), and a framework reserve.
 """
 
 from __future__ import annotations
@@ -41,7 +42,14 @@ from leantrain.plan.layout import Layout
 from leantrain.spec.shapes import ModelShape
 
 DDP_BUCKET_BYTES = 2 * 25 * 2**20  # two 25 MiB gradient buckets in flight (DDP's default bucket_cap_mb)
-LOGIT_TRANSIENT_BYTES = 4.0  # per logit: its fp32 gradient, live with the logits during backward (a buffer)
+# The loss's backward, per logit (a buffer; measured by `leantrain rehearse` and, for the vocabulary-parallel
+# loss, by a 2-rank gloo run with real tensors: docs/plan.md). Whole vocabulary on the rank (no loss
+# parallelism): aten's fp32 NLL gradient is the input of the fp32 log-softmax gradient, both live at once (then
+# the compute-dtype cast, 2-4 B, after the first is freed). Vocabulary-parallel (torch's loss_parallel,
+# torch/distributed/tensor/parallel/loss.py `_nll_loss_and_log_softmax_backward`): one fused backward computes
+# `(zeros_like(x) + exp(x)) * grad` on the rank's vocabulary slice, three fp32 tensors of it live at once.
+LOGIT_TRANSIENT_BYTES = 8.0
+LOSS_PARALLEL_TRANSIENT_BYTES = 12.0  # per logit of the rank's vocabulary slice
 # The trainer's step keeps the compute-dtype logits referenced until the backward has run (the loss upcasts a
 # copy: train/step_metrics.py), so they are live at the peak beside the fp32 log-probabilities: measured by
 # `leantrain rehearse` (bench/plan_vs_rehearsal.py: exactly 2 bytes per logit in bf16). torchtitan frees them
@@ -92,6 +100,7 @@ class StageParams:
     dense: float  # parameters sharded like dense weights (per tp rank)
     experts: float  # routed-expert parameters (per tp and ep rank)
     largest_unit: float  # the largest FSDP unit (a block or an embedding table)
+    last_block: float = 0.0  # the stage's last block (FSDP keeps it gathered from its forward to its backward)
 
 
 def stage_params(shape: ModelShape, layout: Layout, *, layers: int, first: bool, last: bool,
@@ -122,7 +131,9 @@ def _stage_params(shape: ModelShape, tp: int, ep: int, pipelined: bool, layers: 
     table = shape.vocab_size * shape.d_model / tp
     tables = (first + (last and not shape.tie_embeddings)) if pipelined else (2 - shape.tie_embeddings)
     dense += tables * table + (shape.d_model if last else 0)
-    return StageParams(dense=dense, experts=experts, largest_unit=max(largest_unit, table if tables else 0.0))
+    last_block = (non_routed + routed) if moe_layers and shape.moe is not None else dense_layer if layers else 0.0
+    return StageParams(dense=dense, experts=experts, largest_unit=max(largest_unit, table if tables else 0.0),
+                       last_block=last_block)
 
 
 def _states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, num_microbatches: int
@@ -226,20 +237,22 @@ def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first
     # Vocabulary-parallel loss (`parallelism.loss_parallel`, TP without a pipeline in the trainer) keeps 1/tp of
     # the logits per rank; otherwise every TP rank holds the whole vocabulary's.
     vocab_tp = layout.tp if inputs.loss_parallel and layout.pp == 1 else 1
+    sp_tp = layout.tp if layout.sp else 1
     logit_count = tokens * shape.vocab_size / vocab_tp
     if inputs.fused_loss:  # the final norm, the compute-dtype logits the kernel keeps, its fp32 per-token lse
         head = head_activation_bytes(shape, tokens=tokens, act_bytes=inputs.act_bytes, tp=vocab_tp,
-                                     fused=inputs.fused_kernels) - logit_count * LOGIT_SAVED_BYTES
+                                     fused=inputs.fused_kernels, sp_tp=sp_tp) - logit_count * LOGIT_SAVED_BYTES
         return held + head + logit_count * inputs.act_bytes + 4.0 * tokens, one_layer_full
     head = head_activation_bytes(shape, tokens=tokens, act_bytes=inputs.act_bytes, tp=vocab_tp,
-                                 fused=inputs.fused_kernels)
+                                 fused=inputs.fused_kernels, sp_tp=sp_tp)
     if KEEPS_COMPUTE_LOGITS:
         head += logit_count * inputs.act_bytes
-    # Transient during the loss's backward: the logits in the compute dtype and their fp32 gradient — of the
-    # whole vocabulary on every TP rank even with the vocabulary-parallel loss: `leantrain rehearse` measures
-    # the same temp at TP 1, 2, 4 and 8 (bench/plan_vs_rehearsal.py), a trainer finding (docs/plan.md).
-    logits = tokens * shape.vocab_size * (inputs.act_bytes + LOGIT_TRANSIENT_BYTES)
-    return held + head, logits + one_layer_full
+    # Transient during the loss's backward (see LOGIT_TRANSIENT_BYTES): of the rank's vocabulary slice under
+    # the vocabulary-parallel loss, of the whole vocabulary otherwise. Full recompute rebuilds its first block
+    # only after the loss's backward has freed these: the larger of the two is live at the peak (`leantrain
+    # rehearse`, torchtitan's 70B layout: temp 22.7 GiB, the loss's 23.5 alone; their sum 33.3 was planned).
+    per_logit = LOSS_PARALLEL_TRANSIENT_BYTES if vocab_tp > 1 else LOGIT_TRANSIENT_BYTES
+    return held + head, max(logit_count * per_logit, one_layer_full)
 
 
 def rope_table_bytes(inputs: PlanInputs) -> float:
@@ -276,10 +289,11 @@ def stage_memory(inputs: PlanInputs, layout: Layout, *, stage: int, num_microbat
     params += rope_table_bytes(inputs)
     activations, transient = _stage_activations(inputs, layout, layers=layers[stage], first_layer=first_layer,
                                                 stage=stage, last=last, num_microbatches=num_microbatches)
-    if last and layout.zero >= 3:
-        # The last stage peaks in the loss's backward, when FSDP has resharded every unit (the root after its
-        # forward) and gathers nothing: measured by `leantrain rehearse` (bench/plan_vs_rehearsal.py).
-        gather = 0.0
+    if last and layout.zero >= 3 and gather:
+        # The last stage peaks in the loss's backward: FSDP has resharded every unit after its forward (the
+        # root too) except the last block, which parallel/fsdp.py keeps gathered for the backward that follows
+        # at once (its compute-dtype copy; its gradient does not exist yet). Measured by `leantrain rehearse`.
+        gather = sp.last_block * inputs.weight_bytes
     buffers = inputs.framework_reserve_bytes + transient + gather
     if layout.zero == 0 and layout.dp > 1:
         buffers += DDP_BUCKET_BYTES
