@@ -160,3 +160,41 @@ def test_the_fast_tier_is_sized_on_the_node(tmp_path: Path) -> None:
         reported = collect_facts(spec, tmp_path / "run", fakes={})
     assert reported["fast_tier"]["ok"] and reported["fast_tier"]["local_ranks"] == 2
     assert "fast_tier" not in collect_facts(load_spec(TINY), tmp_path / "run", fakes={})
+
+
+def test_the_nodes_host_memory_is_checked_against_the_plan(tmp_path: Path) -> None:
+    """Every rank compares its node's available host memory (MemAvailable, or a cgroup limit's room when lower)
+    with local ranks × plan.json's host memory per process + the fast tier's tmpfs files."""
+    from leantrain.launch.preflight_worker import available_host_bytes, collect_facts, host_memory_check
+    from leantrain.plan.planner import make_plan
+
+    (tmp_path / "meminfo").write_text("MemTotal: 32000000 kB\nMemAvailable: 20000000 kB\n")
+    (tmp_path / "cg").mkdir()
+    assert available_host_bytes(meminfo=tmp_path / "meminfo", cgroup=tmp_path / "cg") == 20000000 * 1024
+    (tmp_path / "cg" / "memory.max").write_text("8589934592\n")  # an 8 GiB pod limit with 2 GiB used
+    (tmp_path / "cg" / "memory.current").write_text("2147483648\n")
+    assert available_host_bytes(meminfo=tmp_path / "meminfo", cgroup=tmp_path / "cg") == 6 * 2**30
+    (tmp_path / "cg" / "memory.max").write_text("max\n")
+    assert available_host_bytes(meminfo=tmp_path / "meminfo", cgroup=tmp_path / "cg") == 20000000 * 1024
+
+    spec = load_spec(TINY, overrides=["checkpoint.memory_interval_steps=5"])
+    plan = make_plan(spec)
+    per_process = plan["host_memory"]["per_process"]["total"]
+    shard = plan["fast_tier"]["shard_bytes_per_rank"]
+    fits = host_memory_check(plan, local_ranks=8, available=64 * 2**30)
+    assert fits is not None and fits["ok"]
+    assert fits["need_bytes"] == pytest.approx(8 * per_process + 2 * 8 * shard)
+    short = host_memory_check(plan, local_ranks=8, available=3 * 2**30)  # 8 × 0.5 GiB do not fit in 3 GiB
+    assert short is not None and not short["ok"]
+    assert host_memory_check(ValueError("no plan"), local_ranks=8, available=1.0) is None
+    assert host_memory_check(plan, local_ranks=8, available=None) is None
+
+    joined = {0: {**facts("a"), "host_memory": fits}, 1: {**facts("b"), "host_memory": short}}
+    probes, coll = ok_results([0, 1], 2)
+    report = analyze(joined=joined, expected_world_size=2, world_size=2, probes=probes, collectives=coll)
+    (problem,) = report["problems"]
+    assert problem.startswith("host memory failed on rank 1 (b): 3.0 GiB of host memory available")
+    assert "8 local ranks × 0.5 GiB per process + " in problem and "plan.json host_memory" in problem
+    assert list(report["bad_hosts"]) == ["b"]
+    reported = collect_facts(spec, tmp_path / "run", fakes={})  # this machine: a few GiB for 1 tiny rank
+    assert reported["host_memory"]["ok"] and reported["host_memory"]["local_ranks"] == 1

@@ -24,6 +24,7 @@ RANK_CHECKS = (  # (name, how to read pass/fail from a rank's facts or results)
                                                      f"need {f['disk']['need_bytes']}"
                                                      + (f" ({f['disk']['note']})" if f["disk"].get("note") else ""))),
     ("fast tier memory", lambda f, p, c: _fast_tier(f.get("fast_tier"))),
+    ("host memory", lambda f, p, c: _host_memory(f.get("host_memory"))),
     ("data readable", lambda f, p, c: (f["data"]["ok"], f["data"].get("error", ""))),
     ("port to next rank", lambda f, p, c: (p.get("ok", False), p.get("error", ""))),
     ("all-reduce", lambda f, p, c: (True, "") if c is None else (c.get("ok", False), c.get("error", ""))),
@@ -42,6 +43,19 @@ def _fast_tier(tier: dict[str, Any] | None) -> tuple[bool, str]:
                               f"({FAST_TIER_COPIES} × {tier['shard_bytes'] / gib:.2f} GiB per rank × "
                               f"{tier['local_ranks']} local ranks); raise /dev/shm (cluster.k8s_shm_gb on "
                               "Kubernetes) or point it at a larger node-local disk")
+
+
+def _host_memory(memory: dict[str, Any] | None) -> tuple[bool, str]:
+    """The node's free host memory holds its ranks and the fast tier's tmpfs files (passes when not measured)."""
+    if memory is None:
+        return True, ""
+    gib = 2**30
+    files = f" + {memory['fast_tier_bytes'] / gib:.1f} GiB fast tier" if memory["fast_tier_bytes"] else ""
+    return bool(memory["ok"]), (f"{memory['available_bytes'] / gib:.1f} GiB of host memory available, the ranks "
+                                f"need {memory['need_bytes'] / gib:.1f} GiB ({memory['local_ranks']} local ranks × "
+                                f"{memory['per_process_bytes'] / gib:.1f} GiB per process{files}, plan.json "
+                                "host_memory): free memory on the node, run fewer ranks per node, or put "
+                                "checkpoint.memory_dir on a node-local disk")
 
 
 def _mismatches(joined: dict[int, dict[str, Any]]) -> list[dict[str, Any]]:

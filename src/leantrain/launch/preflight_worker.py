@@ -94,6 +94,45 @@ def fast_tier_check(spec: Any, plan: dict[str, Any] | Exception, *, local_ranks:
     return out
 
 
+def available_host_bytes(*, meminfo: Path = Path("/proc/meminfo"),
+                         cgroup: Path = Path("/sys/fs/cgroup")) -> float | None:
+    """Host memory a new process can still get here: MemAvailable, or less when this process's cgroup (v2: a
+    pod's or a Slurm job's memory limit) has less left (memory.max − memory.current). None when unreadable."""
+    found = None
+    try:
+        for line in meminfo.read_text(encoding="utf-8").splitlines():
+            if line.startswith("MemAvailable:"):
+                found = float(line.split()[1]) * 1024  # kB
+    except (OSError, ValueError, IndexError):
+        found = None
+    try:
+        limit = (cgroup / "memory.max").read_text(encoding="utf-8").strip()
+        if limit != "max":
+            left = float(limit) - float((cgroup / "memory.current").read_text(encoding="utf-8").strip())
+            found = left if found is None else min(found, left)
+    except (OSError, ValueError):
+        pass
+    return found
+
+
+def host_memory_check(plan: dict[str, Any] | Exception, *, local_ranks: int,
+                      available: float | None) -> dict[str, Any] | None:
+    """This node's free host memory against what its ranks will hold (plan.json host_memory, plan/budget.py):
+    local ranks × the plan's host memory per process, plus the fast tier's files when they are on tmpfs
+    (FAST_TIER_COPIES × the state per rank × local ranks). None when the plan failed (the disk check says so)
+    or the memory cannot be read."""
+    if isinstance(plan, Exception) or available is None or "host_memory" not in plan:
+        return None
+    from leantrain.plan.budget import FAST_TIER_COPIES
+
+    per_process = float(plan["host_memory"]["per_process"]["total"])
+    tier = plan.get("fast_tier") or {}
+    files = FAST_TIER_COPIES * float(tier["shard_bytes_per_rank"]) * local_ranks if tier.get("kind") == "tmpfs" else 0.0
+    need = local_ranks * per_process + files
+    return {"available_bytes": available, "need_bytes": need, "per_process_bytes": per_process,
+            "fast_tier_bytes": files, "local_ranks": local_ranks, "ok": available >= need}
+
+
 def _plan_or_error(spec: Any) -> dict[str, Any] | Exception:
     from leantrain.plan.planner import make_plan
 
@@ -144,6 +183,8 @@ def collect_facts(spec: Any, run_dir: Path, *, fakes: dict[str, str]) -> dict[st
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     if (tier := fast_tier_check(spec, plan, local_ranks=local_ranks)) is not None:
         facts["fast_tier"] = tier
+    if (memory := host_memory_check(plan, local_ranks=local_ranks, available=available_host_bytes())) is not None:
+        facts["host_memory"] = memory
     facts["data"] = _data_check(spec)
     for key, value in fakes.items():
         if key in COMPARED_FIELDS:
