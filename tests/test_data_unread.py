@@ -15,12 +15,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 import zstandard
+from rich.console import Console
 
 from leantrain.cli import main
 from leantrain.data.demo_corpus import _document
 from leantrain.data.inputs import BadInputError
 from leantrain.data.pipeline import prepare_data
 from leantrain.data.readers import ReadStats, read_source
+from leantrain.data.stats import render_report
 from leantrain.errors import UserInputError
 from leantrain.spec.schema import CleaningSpec, DataSource, DataSpec, TokenizerSpec
 
@@ -59,6 +61,11 @@ def test_a_folder_reads_every_record_format_and_names_the_rest(tmp_path: Path) -
     assert source["read_problems"] == {"unread_file": 2}
     assert sorted(source["read_problem_examples"]["unread_file"]) == [str(folder / "README.md"),
                                                                         str(folder / "c.csv")]
+    console = Console(record=True, width=400)  # what `prepare` prints at the end
+    render_report(result.report, console=console)
+    printed = [line for line in console.export_text().splitlines() if "unread_file" in line]
+    assert len(printed) == 1 and printed[0].startswith("mix: skipped 2 (unread_file), e.g. "), printed
+    assert str(folder / "README.md") in printed[0] and str(folder / "c.csv") in printed[0]
 
 
 def test_a_folder_with_no_file_of_the_format_names_what_it_holds(tmp_path: Path) -> None:
