@@ -276,6 +276,26 @@ def test_frozen_rank_aborts_the_group_restarts_it_and_loses_nothing(
     assert {step: values[-1] for step, values in logged_losses(run_dir).items()} == reference
 
 
+@pytest.mark.heavy
+@pytest.mark.slow
+def test_sigkill_on_node_1_of_two_hosts_restarts_both_and_resumes_bit_for_bit(drilled: dict[str, Any]) -> None:
+    """Two emulated hosts (two `launch --nnodes 2` agents), rank 1 SIGKILLed on node 1 after step 3: whichever
+    agent restarts by failure or by the membership change, the ranks agree on attempt 1, rank 0 records one
+    restart from step 2 (cause `drill`: the fault marker names the kill), and the losses equal the uninterrupted
+    run's."""
+    run_dir = drilled["root"] / "killed-2"
+    codes, consoles = _launch_two_hosts(drilled, plan=FaultPlan(kill_at_step=KILL_AT, kill_rank=1), run_dir=run_dir)
+    assert codes == [0, 0], [text[-3000:] for text in consoles]
+    restart = [e for e in events(run_dir) if e["kind"] == "restart"]
+    assert len(restart) == 1 and restart[0]["attempt"] == 1 and restart[0]["resumed_from"] == 2, restart
+    assert restart[0]["cause"] == "drill" and restart[0]["planned"] is True  # the fault marker's kill
+    assert restart[0]["recovery_s"] < 300, restart[0]
+    print(f"SIGKILL on node 1 of 2 hosts: training again after {restart[0]['recovery_s']:.1f} s")
+    assert not (run_dir / "hang").exists()
+    reference = reference_losses(drilled["reference"])
+    assert {step: values[-1] for step, values in logged_losses(run_dir).items()} == reference
+
+
 @pytest.mark.slow
 def test_memory_tier_resumes_a_lost_node_from_its_peer_copy(drilled: dict[str, Any], tmp_path: Path) -> None:
     """Fast tier every step, copy on the other rank: rank 1 is SIGKILLed after step 3 and its node's memory
