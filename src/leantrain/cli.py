@@ -129,7 +129,8 @@ def rehearse(
     world: Annotated[int | None, typer.Option(
         "--world", min=1, help="World size (default: the spec's layout).")] = None,
     ranks: Annotated[str | None, typer.Option(
-        "--ranks", help="Ranks to rehearse, e.g. 0,last,17 (default: 0, the last, the first of each stage).")] = None,
+        "--ranks", help="Ranks to rehearse, e.g. 0,last,17 (default: one per pipeline stage: 0, the last, and "
+                        "the first of each stage between).")] = None,
     json_out: Annotated[Path | None, typer.Option("--json", help="Where to write rehearsal.json.")] = None,
     depth: Annotated[str, typer.Option(
         "--depth", help="auto: a deep model at 1 and 2 layers per pipeline chunk, extended to its depth; "

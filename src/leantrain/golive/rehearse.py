@@ -14,7 +14,6 @@ answer) are the healthy run's (finite, non-empty). The contract of rehearsal.jso
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import tempfile
 import time
@@ -35,13 +34,13 @@ from leantrain.golive.rehearse_probes import (
     HostSyncCounter,
     Probes,
     StepLog,
-    balanced_expert_splits,
     control_window,
     group_labels,
     object_collectives,
     resident_bytes,
 )
 from leantrain.golive.rehearse_report import (
+    LOGGING,
     STEPS,
     largest_category,
     memory_categories,
@@ -52,6 +51,13 @@ from leantrain.golive.rehearse_report import (
     render,
     startup_record,
     write_json,
+)
+from leantrain.golive.rehearse_swaps import (
+    balanced_expert_splits,
+    forget_torch_caches,
+    host_reads,
+    planned_save,
+    rank_keyed_meshes,
 )
 from leantrain.hardware import accelerator_memory_bytes
 from leantrain.spec.schema import JobSpec
@@ -91,7 +97,8 @@ def resolve_target(spec: JobSpec, *, world_size: int | None, ranks: list[int] | 
             "budget": spec.budget.model_copy(update={"num_gpus": world})})
     resolved, dims = layout_for_run(spec, world_size=world)
     per_stage = world // dims.pp
-    chosen = ranks if ranks else sorted({0, world - 1, *(s * per_stage for s in range(dims.pp))})
+    # One rank per pipeline stage: rank 0 for the first, the last rank for the last, the first rank of the others.
+    chosen = ranks if ranks else sorted({0, world - 1, *(s * per_stage for s in range(1, dims.pp - 1))})
     for rank in chosen:
         if not 0 <= rank < world:
             raise UserInputError(f"--ranks: rank {rank} is outside the world of {world} ranks (0..{world - 1})")
@@ -137,36 +144,16 @@ def _rank_environment(rank: int, world_size: int, gpus_per_node: int) -> context
                         "GROUP_RANK": str(rank // gpus_per_node)})
 
 
-def _planned_save(records: list[dict[str, Any]], probes: Probes) -> Any:
-    """CheckpointManager.save replaced by DCP's save planning: this rank's write items and bytes, no files."""
-
-    def save(manager: Any, step: int, app_state: dict[str, Any], *, blocking: bool | None = None) -> None:
-        from torch._subclasses.fake_tensor import unset_fake_temporarily
-        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-
-        from leantrain.ckpt.dcp_io import build_state_dict
-
-        # Planning reads shapes and offsets only; torch's offset arithmetic builds small host tensors, which
-        # must be real (under the fake mode they would be fake and every read of them a stand-in).
-        with probes.paused(), unset_fake_temporarily():
-            state = build_state_dict(app_state)
-            planner = DefaultSavePlanner()
-            planner.set_up_planner(state, is_coordinator=manager.rank == 0)
-            plan = planner.create_local_plan()
-        num_bytes = 0
-        for item in plan.items:
-            if item.tensor_data is not None:
-                num_bytes += math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
-        records.append({"step": step, "write_items": len(plan.items), "bytes": num_bytes})
-        manager.last_saved_step = step
-
-    return save
-
-
 def _step_mem_tracker() -> Any:
     """torch's MemTracker, for a loop: a root module called again (the next micro-batch, the next pipeline
-    chunk) starts its per-module stats afresh instead of raising; the per-device peak is kept across calls."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    chunk) starts its per-module stats afresh instead of raising; the per-device peak is kept across calls.
+
+    Only the device's peak is kept up to date after each op: torch's tracker also walks every module it has
+    seen after every op to update per-module peaks, which the rehearsal never reads and which was a sixth of a
+    405B rank's rehearsal time (the walk grows with the modules, ~90 per op there)."""
+    from copy import deepcopy
+
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
 
     class StepMemTracker(MemTracker):
         def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
@@ -175,6 +162,12 @@ def _step_mem_tracker() -> Any:
                     set(self._mod_tracker.parents) - {name}) <= {"Global"}:
                 del self.memory_tracking[module]
             super()._pre_fw_hook(module, inputs)
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = deepcopy(snap)
 
     return StepMemTracker()
 
@@ -205,16 +198,18 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
         with contextlib.ExitStack() as stack:
             stack.enter_context(_rank_environment(rank, target.world_size, spec.hardware.gpus_per_node))
             stack.enter_context(fake_process_group(rank=rank, world_size=target.world_size))
-            stack.enter_context(mock.patch.object(CheckpointManager, "save", _planned_save(saves, probes)))
+            stack.enter_context(mock.patch.object(CheckpointManager, "save", planned_save(saves, probes)))
             broadcasts.new_rank()
             stack.enter_context(object_collectives(probes, broadcasts))
             stack.enter_context(balanced_expert_splits(probes))
+            stack.enter_context(rank_keyed_meshes())
             stack.enter_context(unseen_sharding_propagation())  # DTensor's global-shape meta is no memory
             startup_s = time.perf_counter()
             with files.watch():
                 stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
                 stack.enter_context(comm_mode)
                 stack.enter_context(sync_mode)
+                stack.enter_context(host_reads(sync_mode))
                 trainer = Trainer(run_spec, run_dir=root / "run", max_steps=STEPS,
                                   checkpointer_factory=TrainerCheckpointer)
             startup_s = time.perf_counter() - startup_s
@@ -246,6 +241,14 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
                     save_fn(trainer_, force=force)
 
             hook.maybe_save = watched_save  # type: ignore[method-assign]
+            logging_log = probes.new_log(LOGGING)
+            log_fn = trainer._log
+
+            def watched_log(window: Any, result: Any) -> Any:
+                with probes.into(logging_log):
+                    return log_fn(window, result)
+
+            trainer._log = watched_log  # type: ignore[method-assign]
             step_s = time.perf_counter()
             trainer.train()
             step_s = (time.perf_counter() - step_s) / max(1, len(steps_done))
@@ -300,25 +303,15 @@ def _rehearse_or_explain(target: RehearsalTarget, **kwargs: Any) -> dict[str, An
 
 def _rank_worker(target: RehearsalTarget, rank: int, data_dir: Path, scratch: Path,
                  broadcasts: Broadcasts) -> tuple[str, Any, Broadcasts]:
-    """One rank in a process of its own: ("ok", report, what it broadcast) or ("error", message, ...)."""
+    """One rank in a worker process: ("ok", report, what it broadcast) or ("error", message, ...). A worker
+    runs several ranks one after another: torch's per-mesh caches are dropped first (meshes of different ranks
+    never compare equal while rehearsing: `rehearse_swaps.rank_keyed_meshes`)."""
+    forget_torch_caches()
     try:
         report = _rehearse_or_explain(target, rank=rank, data_dir=data_dir, scratch=scratch, broadcasts=broadcasts)
     except UserInputError as err:
         return "error", str(err), broadcasts
     return "ok", report, broadcasts
-
-
-def forget_torch_caches() -> None:
-    """Drop what torch caches per device mesh (DTensor's sharding propagation and redistribution plans): a
-    second fake world in this process would find the first one's process groups in them."""
-    from torch.distributed.tensor import DTensor, _redistribute
-
-    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
-    for name in dir(_redistribute):
-        cached = getattr(_redistribute, name)
-        if hasattr(cached, "cache_clear"):
-            cached.cache_clear()
-    getattr(_redistribute, "_planner_cache", {}).clear()
 
 
 def _rehearse_ranks(target: RehearsalTarget, *, ranks: list[int], data_dir: Path,

@@ -49,6 +49,9 @@ OP_NAMES = {
     "broadcast": "broadcast", "send": "send", "recv_": "recv", "recv_any_source_": "recv", "gather_": "gather",
     "scatter_": "scatter", "reduce_": "reduce",
 }
+# A tensor's metadata read through the dispatcher (C++ asking a Python tensor its device: the autograd engine, FSDP,
+# DTensor; 60 % of the ops a rehearsed step dispatches): never a sync, no collective, passed straight on.
+METADATA_OPS = {torch.ops.prim.device.default, torch.ops.prim.layout.default}
 VIEW_OPS = {aten.select.int, aten.slice.Tensor, aten.alias.default, aten.view.default, aten.unbind.int}
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # src/leantrain
 SYNC_OPS = {
@@ -75,21 +78,22 @@ def is_control_site(site: str) -> bool:
 
 
 def call_site() -> str:
-    """`leantrain/pkg/module.py:LINE` of the innermost frame in leantrain outside this module ("torch" if none).
+    """`leantrain/pkg/module.py:LINE` of the innermost frame in leantrain outside the rehearsal's own modules
+    (golive/rehearse*.py; "torch" if none).
 
     Walks the interpreter's frames directly (no source lines are read: `traceback.extract_stack` would cost
     milliseconds per collective)."""
     frame = sys._getframe(1)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if filename.startswith(_ROOT_PREFIX) and filename != _HERE:
+        if filename.startswith(_ROOT_PREFIX) and not filename.startswith(_REHEARSAL_PREFIX):
             return f"leantrain/{filename[len(_ROOT_PREFIX):]}:{frame.f_lineno}"
         frame = frame.f_back  # type: ignore[assignment]
     return "torch"
 
 
 _ROOT_PREFIX = str(PACKAGE_ROOT) + os.sep
-_HERE = str(Path(__file__).resolve())
+_REHEARSAL_PREFIX = str(Path(__file__).resolve().parent / "rehearse")
 
 
 @dataclass
@@ -99,6 +103,16 @@ class StepLog:
     syncs: Counter[str] = field(default_factory=Counter)  # "site op" → count
     # (op, group, control plane?) → [count, bytes]
     collectives: dict[tuple[str, str, bool], list[int]] = field(default_factory=dict)
+
+    def plus(self, other: StepLog) -> StepLog:
+        """Both logs' calls together (a step and its logging call)."""
+        total = StepLog(syncs=self.syncs + other.syncs)
+        for log in (self, other):
+            for key, (count, num_bytes) in log.collectives.items():
+                entry = total.collectives.setdefault(key, [0, 0])
+                entry[0] += count
+                entry[1] += num_bytes
+        return total
 
     def add_collective(self, op: str, group: str, num_bytes: int, *, control: bool = True) -> None:
         entry = self.collectives.setdefault((op, group, control), [0, 0])
@@ -138,6 +152,11 @@ class Probes:
     def new_phase(self, name: str) -> None:
         self.phases.append((name, StepLog()))
 
+    def new_log(self, name: str) -> StepLog:
+        """A log for calls recorded apart from the phases (`into`), found by `phase(name)`."""
+        self.phases.insert(0, (name, StepLog()))
+        return self.phases[0][1]
+
     def phase(self, name: str) -> StepLog:
         return next(log for label, log in self.phases if label == name)
 
@@ -152,6 +171,8 @@ class HostSyncCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if func in METADATA_OPS:
+            return func(*args, **kwargs)
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor lower to its local ops, which this mode then sees
         tensors = [*_tensors(args), *_tensors(kwargs.values())]
@@ -174,11 +195,16 @@ class HostSyncCounter(TorchDispatchMode):
             return func(*args, **kwargs)
         except (DataDependentOutputException, DynamicOutputShapeException):
             pass
+        self.count(name)
+        return _healthy_answer(func, args, kwargs)
+
+    def count(self, name: str) -> None:
+        """One host sync of kind `name` at the trainer's current line (reads of one tensor element by element
+        on one line are one transfer, one sync)."""
         site = f"{call_site()} {name}"
-        if site != self._last_site:  # `.tolist()` reads element by element: one transfer, one sync
+        if site != self._last_site:
             self.probes.current.syncs[site] += 1
         self._last_site = site
-        return _healthy_answer(func, args, kwargs)
 
 
 def _answer_or_run(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
@@ -237,6 +263,8 @@ class CollectiveRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
         kwargs = kwargs or {}
+        if func in METADATA_OPS:
+            return func(*args, **kwargs)
         if any(t is DTensor for t in types):
             return NotImplemented
         namespace = func.namespace
@@ -423,26 +451,6 @@ def _rchar() -> int:
     except OSError:
         pass
     return 0
-
-
-@contextmanager
-def balanced_expert_splits(probes: Probes) -> Iterator[None]:
-    """Expert parallelism's all-to-all split sizes (`leantrain.parallel.expert.host_splits`, a host read of the
-    routed counts) as a balanced router would give them: the rows spread evenly over the EP ranks. The read is
-    counted as the host sync it is."""
-    from unittest import mock
-
-    from leantrain.parallel import expert
-
-    def balanced(send_counts: torch.Tensor, recv_counts: torch.Tensor, *, num_rows: int) -> tuple[list[int], list[int]]:
-        if probes.counting:
-            probes.current.syncs[f"{call_site()} expert split sizes (.tolist)"] += 1
-        ep = send_counts.shape[0]
-        splits = [num_rows // ep + (1 if i < num_rows % ep else 0) for i in range(ep)]
-        return splits, list(splits)
-
-    with mock.patch.object(expert, "host_splits", balanced):
-        yield
 
 
 CONTROL_WINDOW_STEPS = 100  # the checkpoint manager's per-step control plane is watched over this many steps

@@ -1,0 +1,140 @@
+"""What `leantrain rehearse` answers in place of a device run, where fake tensors have no values or a second
+rank in one process would see the first one's state (the watching is `rehearse_probes`).
+
+- `host_reads`: `.tolist()` of a device tensor as one counted sync, and DTensor's shard-offset arithmetic on
+  real host tensors.
+- `balanced_expert_splits`: expert parallelism's all-to-all split sizes as a balanced router gives them.
+- `planned_save`: a checkpoint save planned by DCP's planner (write items, bytes) instead of written.
+- `rank_keyed_meshes`, `forget_torch_caches`: device meshes that are equal only within one rank, and torch's
+  per-mesh caches dropped between ranks, so a later rank rehearsed in the same process never gets an earlier
+  rank's mesh.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+from unittest import mock
+
+import torch
+from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
+
+from leantrain.golive.rehearse_probes import HostSyncCounter, Probes, call_site
+
+
+@contextmanager
+def host_reads(counter: HostSyncCounter) -> Iterator[None]:
+    """Two host reads answered without an op per element, as a device run does each in one step:
+    - `.tolist()` of a fake (device) tensor is one transfer and one sync; fake tensors read it element by element
+      through the dispatcher (a world-sized per-rank vector at 16,384 ranks was half a 405B rank's rehearsal).
+      It is counted once at its line and answered with the healthy run's values (as the counter answers
+      `.item()`); a tensor whose values the host knows (built from Python numbers) is read as it is.
+    - DTensor's shard-offset arithmetic (`_compute_local_shape_and_global_offset`: an `arange` over a dimension,
+      split and read back) is host data from Python numbers: it runs on real tensors, as on a device run. On
+      fake ones its reads had no values, so a strided shard's offset was a stand-in (and each read a sync)."""
+    from torch.distributed.tensor import _utils
+
+    fake_tolist = FakeTensor.tolist
+    offsets = _utils._compute_local_shape_and_global_offset
+
+    def tolist(tensor: FakeTensor) -> Any:
+        if tensor.constant is not None or not counter.probes.counting:
+            return fake_tolist(tensor)
+        counter.count("_local_scalar_dense")
+        value = True if tensor.dtype == torch.bool else 1.0 if tensor.dtype.is_floating_point else 1
+        return _nested(value, list(tensor.shape))
+
+    def real_offsets(*args: Any, **kwargs: Any) -> Any:
+        with unset_fake_temporarily():
+            return offsets(*args, **kwargs)
+
+    with mock.patch.object(FakeTensor, "tolist", tolist), \
+            mock.patch.object(_utils, "_compute_local_shape_and_global_offset", real_offsets):
+        yield
+
+
+def _nested(value: Any, shape: list[int]) -> Any:
+    if not shape:
+        return value
+    return [_nested(value, shape[1:]) for _ in range(shape[0])]
+
+
+@contextmanager
+def balanced_expert_splits(probes: Probes) -> Iterator[None]:
+    """Expert parallelism's all-to-all split sizes (`leantrain.parallel.expert.host_splits`, a host read of the
+    routed counts) as a balanced router would give them: the rows spread evenly over the EP ranks. The read is
+    counted as the host sync it is."""
+    from leantrain.parallel import expert
+
+    def balanced(send_counts: torch.Tensor, recv_counts: torch.Tensor, *, num_rows: int) -> tuple[list[int], list[int]]:
+        if probes.counting:
+            probes.current.syncs[f"{call_site()} expert split sizes (.tolist)"] += 1
+        ep = send_counts.shape[0]
+        splits = [num_rows // ep + (1 if i < num_rows % ep else 0) for i in range(ep)]
+        return splits, list(splits)
+
+    with mock.patch.object(expert, "host_splits", balanced):
+        yield
+
+
+@contextmanager
+def rank_keyed_meshes() -> Iterator[None]:
+    """A DeviceMesh equal (and hashed) by its layout, ranks and this rank: torch's equality leaves the rank out,
+    as one process is one rank, so a cache keyed by a mesh (DTensor's sharding propagation, FSDP's specs) handed
+    the next rank rehearsed in the same process a mesh of an earlier rank (its coordinate, hence its shard
+    offsets). Within one rank nothing changes."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    key = DeviceMesh._hash_key
+    equal = DeviceMesh.__eq__
+
+    def hash_key(mesh: DeviceMesh) -> tuple[Any, ...]:
+        return (*key(mesh), getattr(mesh, "_rank", None))
+
+    def eq(mesh: DeviceMesh, other: object) -> bool:
+        return equal(mesh, other) and getattr(mesh, "_rank", None) == getattr(other, "_rank", None)
+
+    with mock.patch.object(DeviceMesh, "_hash_key", hash_key), mock.patch.object(DeviceMesh, "__eq__", eq), \
+            mock.patch.object(DeviceMesh, "__hash__", lambda mesh: hash(hash_key(mesh))):
+        yield
+
+
+def planned_save(records: list[dict[str, Any]], probes: Probes) -> Any:
+    """CheckpointManager.save replaced by DCP's save planning: this rank's write items and bytes, no files."""
+
+    def save(manager: Any, step: int, app_state: dict[str, Any], *, blocking: bool | None = None) -> None:
+        from torch._subclasses.fake_tensor import unset_fake_temporarily
+        from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+
+        from leantrain.ckpt.dcp_io import build_state_dict
+
+        # Planning reads shapes and offsets only; torch's offset arithmetic builds small host tensors, which
+        # must be real (under the fake mode they would be fake and every read of them a stand-in).
+        with probes.paused(), unset_fake_temporarily():
+            state = build_state_dict(app_state)
+            planner = DefaultSavePlanner()
+            planner.set_up_planner(state, is_coordinator=manager.rank == 0)
+            plan = planner.create_local_plan()
+        num_bytes = 0
+        for item in plan.items:
+            if item.tensor_data is not None:
+                num_bytes += math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
+        records.append({"step": step, "write_items": len(plan.items), "bytes": num_bytes})
+        manager.last_saved_step = step
+
+    return save
+
+
+def forget_torch_caches() -> None:
+    """Drop what torch caches per device mesh (DTensor's sharding propagation and redistribution plans): a
+    second fake world in this process would find the first one's process groups in them."""
+    from torch.distributed.tensor import DTensor, _redistribute
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    for name in dir(_redistribute):
+        cached = getattr(_redistribute, name)
+        if hasattr(cached, "cache_clear"):
+            cached.cache_clear()
+    getattr(_redistribute, "_planner_cache", {}).clear()

@@ -1,0 +1,86 @@
+"""What the rehearsal answers in place of a device run (golive/rehearse_swaps.py): one sync for a `.tolist()`,
+DTensor's shard offsets computed for real, and ranks rehearsed one after another in one process that each keep
+their own device mesh (each fails when its swap is taken out)."""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import pytest
+import torch
+from pins import EXAMPLES
+
+# FSDP4 × TP2 with a vocabulary (514) that splits unevenly: the last rank's embedding shard is smaller.
+UNEVEN = ("parallelism.data_parallel=4", "parallelism.tensor_parallel=2", "parallelism.zero_stage=3",
+          "hardware.num_nodes=4", "training.global_batch_tokens=4096", "hardware.accelerator=H100-SXM",
+          "model.tie_embeddings=false", "model.vocab_size=514")
+
+
+def _uneven(*, isolated: bool) -> dict[str, Any]:
+    from leantrain.golive.rehearse import rehearse
+    from leantrain.spec import load_spec
+
+    return rehearse(load_spec(EXAMPLES / "tiny-cpu.yaml", overrides=list(UNEVEN)), ranks=[0, 7], isolated=isolated)
+
+
+def _rank_facts(report: dict[str, Any]) -> list[tuple[Any, ...]]:
+    return [(r["rank"], r["memory_bytes"], r["collectives_per_step"], r["host_sync_counts"]) for r in report["ranks"]]
+
+
+@pytest.mark.slow
+def test_ranks_rehearsed_in_one_process_equal_ranks_in_processes_of_their_own() -> None:
+    together, apart = _uneven(isolated=False), _uneven(isolated=True)
+    assert _rank_facts(together) == _rank_facts(apart)
+    params = {r["rank"]: r["memory_bytes"]["params"] for r in apart["ranks"]}
+    assert params[7] < params[0]  # the uneven vocabulary: rank 7's own (smaller) shards, not rank 0's
+
+
+def test_without_rank_keyed_meshes_a_later_rank_meets_an_earlier_ranks_mesh(monkeypatch: pytest.MonkeyPatch) -> None:
+    from leantrain.golive import rehearse
+    from leantrain.golive.rehearse import RehearsalError
+
+    monkeypatch.setattr(rehearse, "rank_keyed_meshes", contextlib.nullcontext)
+    with pytest.raises(RehearsalError, match="rank 7"):
+        _uneven(isolated=False)
+
+
+def test_tolist_of_a_device_tensor_is_one_sync_answered_healthy() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from leantrain.golive.rehearse_probes import HostSyncCounter, Probes
+    from leantrain.golive.rehearse_swaps import host_reads
+
+    probes = Probes()
+    counter = HostSyncCounter(probes)
+    with FakeTensorMode(), counter, host_reads(counter):
+        per_rank = torch.zeros(2, 16384)  # a world-sized vector: one transfer on a device
+        values = per_rank.tolist()
+        flags = (torch.ones(3) > 0).tolist()
+        known = torch.tensor([3, 4]).tolist()  # built from Python numbers: the host has the values
+    assert len(values) == 2 and len(values[1]) == 16384 and values[1][-1] == 1.0
+    assert flags == [True, True, True] and known == [3, 4]
+    syncs = probes.phase("startup").syncs
+    assert sum(syncs.values()) == 2 and all(site.endswith("_local_scalar_dense") for site in syncs), syncs
+
+
+def test_shard_offsets_are_computed_for_real_under_fake_tensors() -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    from leantrain.golive.rehearse_probes import HostSyncCounter, Probes
+    from leantrain.golive.rehearse_swaps import host_reads
+    from leantrain.parallel.dryrun import fake_process_group
+
+    placements = (_StridedShard(0, split_factor=8), Shard(0))  # FSDP over TP's vocabulary split
+    with fake_process_group(rank=16383, world_size=16384):
+        mesh = init_device_mesh("cpu", (16, 128, 8), mesh_dim_names=("pp", "dp_shard", "tp"))["dp_shard", "tp"]
+        expected = compute_local_shape_and_global_offset((128256, 16384), mesh, placements)
+        probes = Probes()
+        counter = HostSyncCounter(probes)
+        with FakeTensorMode(allow_non_fake_inputs=True), counter, host_reads(counter):
+            rehearsed = compute_local_shape_and_global_offset((128256, 16384), mesh, placements)
+    assert expected == ((30, 16384), (128226, 0))  # the last rank's 30 rows, at its own offset
+    assert rehearsed == expected and not probes.phase("startup").syncs
