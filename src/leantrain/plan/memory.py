@@ -231,7 +231,17 @@ def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first
     per_microbatch, one_layer_full = _per_microbatch(
         inputs, layers=layers, first_layer=first_layer, tp=layout.tp, sp=layout.sp, recompute=layout.recompute,
         micro_batch=layout.micro_batch)
-    held = per_microbatch * in_flight_microbatches(layout, num_microbatches, stage=stage)
+    in_flight = in_flight_microbatches(layout, num_microbatches, stage=stage)
+    held = per_microbatch * in_flight
+    if layout.pp > 1 and not inputs.fused_kernels:
+        # torch's PipelineStage keeps each chunk's output (the hidden states it sent on) until that chunk's
+        # backward, which starts from it: one per chunk forward in flight, except the model's last chunk
+        # (its output is the loss). Measured by `leantrain rehearse` on PP4's first stage: 4 × 64 MiB.
+        # Megatron frees the sent output's storage (schedules.py `deallocate_output_tensor`): the fused
+        # (Megatron-style) kernel set keeps none.
+        v = layout.virtual_stages
+        outputs = in_flight * v - (in_flight if last else 0.0)
+        held += outputs * tokens * inputs.act_bytes * shape.d_model / (layout.tp if layout.sp else 1)
     if not last:
         return held, one_layer_full
     # Vocabulary-parallel loss (`parallelism.loss_parallel`, TP without a pipeline in the trainer) keeps 1/tp of
