@@ -23,9 +23,15 @@ def _bench():
     return module
 
 
+# The pipeline row fails today (temp 0.67): torch's pipelining keeps the stage's unsharded fp32 gradients and
+# its gathered weights through the step, which the plan does not count yet (docs/plan.md, "Rehearsal vs plan").
+PIPELINE_GAP = pytest.mark.xfail(strict=True, reason="plan lacks torch pipelining's unsharded gradients")
+
+
 @pytest.mark.heavy
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fsdp8 zero2 selective", "fsdp4 tp2", "fsdp2 tp8", "fsdp4 pp2 1f1b"])
+@pytest.mark.parametrize("name", ["fsdp8 zero2 selective", "fsdp4 tp2", "fsdp2 tp8",
+                                  pytest.param("fsdp4 pp2 1f1b", marks=PIPELINE_GAP)])
 def test_plan_matches_the_rehearsal_per_category(name: str) -> None:
     bench = _bench()
     dp, tp, pp, zero, schedule, virtual, recompute, extra = bench.GRID[name]
