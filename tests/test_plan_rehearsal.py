@@ -26,11 +26,13 @@ def _bench():
 # The pipeline row fails today (temp 0.67): torch's pipelining keeps the stage's unsharded fp32 gradients and
 # its gathered weights through the step, which the plan does not count yet (docs/plan.md, "Rehearsal vs plan").
 PIPELINE_GAP = pytest.mark.xfail(strict=True, reason="plan lacks torch pipelining's unsharded gradients")
+# TP8's activations are 0.86 while plan.activations.SP_GATHERED_PLANNED is off (0.99 with it).
+SP_GAP = pytest.mark.xfail(strict=True, reason="sequence parallelism's gathered inputs are not planned yet")
 
 
 @pytest.mark.heavy
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fsdp8 zero2 selective", "fsdp4 tp2", "fsdp2 tp8",
+@pytest.mark.parametrize("name", ["fsdp8 zero2 selective", "fsdp4 tp2", pytest.param("fsdp2 tp8", marks=SP_GAP),
                                   pytest.param("fsdp4 pp2 1f1b", marks=PIPELINE_GAP)])
 def test_plan_matches_the_rehearsal_per_category(name: str) -> None:
     bench = _bench()

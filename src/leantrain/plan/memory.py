@@ -30,6 +30,7 @@ from functools import lru_cache
 
 from leantrain.plan.activations import (
     LOGIT_SAVED_BYTES,
+    SP_GATHERED_PLANNED,
     activation_terms,
     head_activation_bytes,
     in_flight_microbatches,
@@ -247,7 +248,7 @@ def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first
     # Vocabulary-parallel loss (`parallelism.loss_parallel`, TP without a pipeline in the trainer) keeps 1/tp of
     # the logits per rank; otherwise every TP rank holds the whole vocabulary's.
     vocab_tp = layout.tp if inputs.loss_parallel and layout.pp == 1 else 1
-    sp_tp = layout.tp if layout.sp else 1
+    sp_tp = layout.tp if layout.sp and SP_GATHERED_PLANNED else 1  # the final norm's share: with the term below
     logit_count = tokens * shape.vocab_size / vocab_tp
     if inputs.fused_loss:  # the final norm, the compute-dtype logits the kernel keeps, its fp32 per-token lse
         head = head_activation_bytes(shape, tokens=tokens, act_bytes=inputs.act_bytes, tp=vocab_tp,
