@@ -32,15 +32,18 @@ def hf_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
                         intermediate_size=256, num_heads=4, num_kv_heads=2)
 
 
-@pytest.fixture(scope="module")
-def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+def write_counting_data(path: Path, *, vocab: int) -> Path:
     """Learnable sequences (count up by one): a random base model has a lot to learn from them."""
     rng = np.random.default_rng(0)
     docs = [[int((s + i) % 200) + 1 for i in range(70)] for s in rng.integers(0, 200, 60)]
-    path = tmp_path_factory.mktemp("data")
-    write_token_data_dir(path, {"counting": docs}, vocab_size=VOCAB - 3, eos_id=0,
+    write_token_data_dir(path, {"counting": docs}, vocab_size=vocab - 3, eos_id=0,
                          valid_docs_by_source={"counting": docs[:8]})
     return path
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_counting_data(tmp_path_factory.mktemp("data"), vocab=VOCAB)
 
 
 def ft_spec(hf_dir: Path, data_dir: Path, run_dir: Path, *, method: str = "lora", **training: Any) -> Any:

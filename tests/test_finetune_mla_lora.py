@@ -10,11 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from leantrain.data.layout import write_token_data_dir
 from leantrain.model.lora import LoRALinear, is_adapter
 from leantrain.model.tiny_hf import save_tiny_deepseek
 from leantrain.spec import spec_from_dict
 from leantrain.train.trainer import Trainer
+from test_finetune_lora import write_counting_data
 
 pytest.importorskip("transformers")
 SEQ = 32
@@ -24,13 +24,8 @@ MLP = ["w1", "w2", "w3"]
 
 @pytest.fixture(scope="module")
 def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """Learnable sequences (count up by one), as in test_finetune_lora.py."""
-    rng = np.random.default_rng(0)
-    docs = [[int((s + i) % 200) + 1 for i in range(70)] for s in rng.integers(0, 200, 60)]
-    path = tmp_path_factory.mktemp("data")
-    write_token_data_dir(path, {"counting": docs}, vocab_size=VOCAB - 3, eos_id=0,
-                         valid_docs_by_source={"counting": docs[:8]})
-    return path
+    """Learnable sequences (count up by one), test_finetune_lora.py's."""
+    return write_counting_data(tmp_path_factory.mktemp("data"), vocab=VOCAB)
 
 
 def mla_ft_spec(hf_dir: Path, data_dir: Path, run_dir: Path, *, method: str = "lora", max_steps: int = 8) -> Any:
