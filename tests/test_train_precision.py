@@ -141,6 +141,45 @@ def test_fp8_under_fsdp_gathers_float8_weights_and_precomputes_scales() -> None:
     assert float8_post_step([model], bf16, fsdp=True)() is None
 
 
+def test_fp8_layers_too_narrow_for_every_fsdp_rank_gather_in_the_master_dtype() -> None:
+    """FSDP2 over 8 ranks: wk/wv have 32 rows (4 per rank), fine; over 64 ranks 32 ranks hold none, and torchao's
+    float8 all-gather and scale precompute cannot take an empty shard's amax: those layers gather unconverted
+    (still float8 GEMMs), the wider ones in float8."""
+    pytest.importorskip("torchao")
+    from leantrain.model import model_args_from_spec
+    from leantrain.model.transformer import Transformer
+    from leantrain.spec.schema import ModelSpec
+    from leantrain.train.precision import PrecisionPolicy, apply_precision
+
+    spec = ModelSpec(n_layers=1, d_model=64, n_heads=4, n_kv_heads=2, ffn_hidden=128, vocab_size=96)
+    policy = PrecisionPolicy(compute="fp8", param_dtype=torch.float32, device_type="cuda")
+    for shards, narrow_gathered in ((8, True), (64, False)):
+        with torch.device("meta"):
+            model = Transformer(model_args_from_spec(spec, max_seq_len=16))
+        apply_precision(model, policy, cast=False, fsdp_float8_all_gather=True, fsdp_shards=shards)
+        attention = model.layers["0"].attention
+        assert type(attention.wk).__name__ == type(attention.wq).__name__ == "Float8Linear"
+        assert attention.wq.config.enable_fsdp_float8_all_gather  # 64 rows: one for each of 64 ranks
+        assert attention.wk.config.enable_fsdp_float8_all_gather is narrow_gathered, shards
+
+
+@pytest.mark.slow
+def test_fp8_rehearses_on_a_rank_whose_fsdp_shard_is_empty() -> None:
+    """The tiny model in fp8 on 64 FSDP ranks, its last rank (empty wk/wv shards) rehearsed to the end: torchao's
+    scale precompute after the optimizer step raised there before (`_foreach_norm` of an empty tensor)."""
+    pytest.importorskip("torchao")
+    from leantrain.golive.rehearse import rehearse
+    from leantrain.spec import load_spec
+
+    examples = Path(__file__).resolve().parents[1] / "examples"
+    spec = load_spec(examples / "tiny-cpu.yaml", overrides=[
+        "parallelism.data_parallel=64", "parallelism.zero_stage=3", "hardware.num_nodes=32",
+        "training.global_batch_tokens=32768", "hardware.accelerator=H100-SXM", "precision.compute=fp8",
+        "precision.master_weights=fp32"])
+    report = rehearse(spec, ranks=[63], isolated=False)
+    assert [r["rank"] for r in report["ranks"]] == [0, 63] and report["fits"]
+
+
 def test_fp8_with_tensor_parallel_is_accepted_and_moe_aux_loss_runs_under_pp() -> None:
     from leantrain.spec import spec_from_dict
 

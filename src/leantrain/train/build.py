@@ -48,15 +48,17 @@ class BuiltModel:
     param_bytes_total: int  # every parameter of the whole model once, in the master dtype
 
 
-def meta_model(spec: JobSpec, *, precision: PrecisionPolicy, fsdp: bool = False) -> Transformer:
+def meta_model(spec: JobSpec, *, precision: PrecisionPolicy, fsdp: bool = False, fsdp_shards: int = 1,
+               tp: int = 1) -> Transformer:
     """The whole model on the meta device with precision, recompute and compile applied (no memory).
 
-    `fsdp`: the model will be wrapped by FSDP2, so float8 layers all-gather their weights in float8.
+    `fsdp`: the model will be wrapped by FSDP2 over `fsdp_shards` ranks (after `tp`), so float8 layers
+    all-gather their weights in float8 (those with a row for every rank: `precision.fills_every_shard`).
     """
     args = model_args_from_spec(spec.model, max_seq_len=spec.data.seq_len)
     with torch.device("meta"):
         model = Transformer(args)
-    apply_precision(model, precision, cast=False, fsdp_float8_all_gather=fsdp)
+    apply_precision(model, precision, cast=False, fsdp_float8_all_gather=fsdp, fsdp_shards=fsdp_shards, tp=tp)
     prepare_model(model, spec)  # LoRA/QLoRA: adapters on the targets, the base frozen (train/finetune.py)
     model.set_recompute(spec.training.activation_checkpointing)
     if spec.training.compile:
@@ -72,7 +74,7 @@ def build_parallel_model(
     # A mesh for several ranks, or for one rank wrapped in FSDP2 (parallelism.fsdp_single_rank, a 1-rank group).
     meshed = runtime.distributed or dims.fsdp_single_rank
     fsdp = meshed and (dims.fsdp_enabled or dims.tp > 1)  # as parallelize decides
-    model = meta_model(spec, precision=precision, fsdp=fsdp)
+    model = meta_model(spec, precision=precision, fsdp=fsdp, fsdp_shards=dims.dp_shard, tp=dims.tp)
     itemsize = DTYPES[spec.precision.master_weights].itemsize
     param_bytes_total = sum(p.numel() for p in model.parameters()) * itemsize
     mesh = dims.build_mesh(runtime.device.type) if meshed else None

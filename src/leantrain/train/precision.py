@@ -95,21 +95,41 @@ def fp8_linear_filter(module: nn.Module, fqn: str) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
+def fills_every_shard(module: nn.Module, *, shards: int, tp: int) -> bool:
+    """Whether FSDP2's chunks of this Linear's weight rows (dim 0, after tensor parallelism's split of them)
+    leave no rank empty: FSDP2 cuts rows into chunks of ceil(rows / shards), so 576 rows (DeepSeek-V3's wkv_a)
+    over 128 ranks fill 116 of them."""
+    rows = module.out_features // max(tp, 1)
+    chunk = -(-rows // shards)
+    return rows > 0 and -(-rows // chunk) >= shards
+
+
 def apply_precision(
     model: nn.Module, policy: PrecisionPolicy, *, swap: bool = True, cast: bool = True,
-    fsdp_float8_all_gather: bool = False,
+    fsdp_float8_all_gather: bool = False, fsdp_shards: int = 1, tp: int = 1,
 ) -> nn.Module:
     """Swap Linear layers to float8 (fp8; on the meta device, before parallelize) and cast parameters to the
     master dtype (buffers such as RoPE tables and expert counts stay fp32). Returns the model.
 
-    `fsdp_float8_all_gather`: the model will be FSDP2-sharded, so the float8 weights are gathered in float8.
+    `fsdp_float8_all_gather`: the model will be FSDP2-sharded (`fsdp_shards` ranks, after `tp`), so the float8
+    weights are gathered in float8 — except a layer with too few rows to give every rank some: torchao's float8
+    all-gather and its one-shot scale precompute take each rank's local amax (`_foreach_norm(ord=inf)`,
+    `max(abs)`), which an empty shard cannot give (it raises, on the GPU as on the CPU); such layers gather in
+    the master dtype and still compute in float8. Found by rehearsing DeepSeek-V3 at 2,048 ranks (FSDP128).
     """
     if swap and policy.compute == "fp8":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-        filter_fn: Callable[[nn.Module, str], bool] = fp8_linear_filter
-        config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp_float8_all_gather)
-        convert_to_float8_training(model, config=config, module_filter_fn=filter_fn)
+        def fp8(gathered: bool) -> Callable[[nn.Module, str], bool]:
+            def accept(module: nn.Module, fqn: str) -> bool:
+                if not fp8_linear_filter(module, fqn):
+                    return False
+                return not fsdp_float8_all_gather or fills_every_shard(module, shards=fsdp_shards, tp=tp) == gathered
+            return accept
+
+        for gathered in (True, False) if fsdp_float8_all_gather else (False,):
+            config = Float8LinearConfig(enable_fsdp_float8_all_gather=gathered)
+            convert_to_float8_training(model, config=config, module_filter_fn=fp8(gathered))
     if cast and policy.param_dtype != torch.float32:
         for param in model.parameters():
             param.data = param.data.to(policy.param_dtype)
