@@ -317,8 +317,9 @@ def _rank_worker(target: RehearsalTarget, rank: int, data_dir: Path, scratch: Pa
 def _rehearse_ranks(target: RehearsalTarget, *, ranks: list[int], data_dir: Path,
                     scratch: Path, isolated: bool = True) -> list[dict[str, Any]]:
     """Rank 0 first (the source of the checkpoint manager's agreements: the others receive what it broadcast),
-    then the rest side by side, each in a fresh spawned process: torch caches device meshes and redistribution
-    plans per process, and a second fake world in the same process would find the first one's groups."""
+    then the rest side by side in spawned worker processes, one per CPU core, each rehearsing its ranks one after
+    another (`_rank_worker` drops torch's per-mesh caches first, and `rehearse_swaps.rank_keyed_meshes` keeps
+    one rank's meshes from matching another's)."""
     import concurrent.futures
     import multiprocessing
 
@@ -354,7 +355,7 @@ def _rehearse_ranks(target: RehearsalTarget, *, ranks: list[int], data_dir: Path
 
 def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] | None = None,
              data_dir: Path | None = None, isolated: bool = True, depth: str = "auto") -> dict[str, Any]:
-    """rehearsal.json for `spec` (see docs/rehearse.md). `isolated`: each rank in a fresh spawned process (the
+    """rehearsal.json for `spec` (see docs/rehearse.md). `isolated`: the ranks in spawned worker processes (the
     default); False runs them in this process one after another (tests that patch the trainer). `depth`: `auto`
     rehearses a deep model at one and two layers per pipeline chunk and extends it (golive.rehearse_depth),
     `full` runs every layer."""
