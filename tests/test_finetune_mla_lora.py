@@ -103,3 +103,46 @@ def test_mha_targets_on_a_latent_attention_model_are_refused_naming_its_linears(
     with pytest.raises(ValueError, match=r"wk, wq, wv match no Linear layer of the model \(its Linears: gate, "
                                          r"output, w1, w2, w3, wkv_a, wkv_b, wo, wq_a, wq_b\)"):
         apply_lora(model, targets=["wq", "wk", "wv", "wo"], rank=4, alpha=8.0, dropout=0.0)
+
+
+@pytest.fixture(scope="module")
+def trained_v3(tmp_path_factory: pytest.TempPathFactory, data_dir: Path) -> tuple[Path, Path, Any]:
+    """A DeepSeek-V3-shaped checkpoint (latent q, 1 dense + 2 MoE layers) after 3 LoRA steps with the default
+    targets: (hf_dir, run_dir, the trained LoRA model in memory)."""
+    from leantrain.ckpt.hook import TrainerCheckpointer
+    from leantrain.train.command import train
+
+    root = tmp_path_factory.mktemp("v3")
+    hf_dir = save_tiny_deepseek(root / "hf", version=3)
+    spec = mla_ft_spec(hf_dir, data_dir, root / "run", max_steps=3)
+    train(spec, run_dir=root / "run", max_steps=None, console=None)
+    resumed = Trainer(spec, run_dir=root / "run", checkpointer_factory=TrainerCheckpointer)  # the step-3 adapters
+    resumed.close()
+    assert resumed.step == 3
+    return hf_dir, root / "run", resumed.model.eval()
+
+
+def _tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (2, 24), generator=torch.Generator().manual_seed(1))
+
+
+def test_merged_export_of_a_deepseek_lora_run_loads_in_transformers_with_its_logits(
+    trained_v3: tuple[Path, Path, Any], tmp_path: Path
+) -> None:
+    """W + (alpha / rank) · B A on the latent attention, dense MLP and shared experts; the routed experts and the
+    selection bias copied from the base: transformers, our loader and the LoRA model give the same logits."""
+    from leantrain.ckpt.export import export_run
+    from leantrain.model.hf_load import import_hf
+    from test_model_mla import _theirs
+
+    _, run_dir, lora_model = trained_v3
+    result = export_run(run_dir, tmp_path / "merged")
+    assert result.merged_lora
+    tokens = _tokens()
+    with torch.no_grad():
+        expected = lora_model(tokens)
+        theirs = _theirs(tmp_path / "merged")(tokens).logits
+        ours_merged = import_hf(tmp_path / "merged").eval()(tokens)
+    assert expected.abs().max() > 1.0
+    torch.testing.assert_close(ours_merged, expected, rtol=0, atol=1e-5)
+    torch.testing.assert_close(theirs, expected, rtol=0, atol=1e-5)

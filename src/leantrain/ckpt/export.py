@@ -31,7 +31,9 @@ from leantrain.ckpt.dcp_io import SealedFileSystem, SealedReader
 from leantrain.ckpt.manager import _make_cipher
 from leantrain.ckpt.storage import open_store
 from leantrain.errors import UserInputError
-from leantrain.model.hf import CONFIG_FILE, from_hf_name, hf_config, plan_shards, to_hf_name, write_hf_shards
+from leantrain.model.hf import (
+    CONFIG_FILE, from_hf_expert_name, from_hf_name, hf_config, plan_shards, to_hf_name, write_hf_shards,
+)
 from leantrain.model.hf_load import weight_files
 from leantrain.model.lora import is_adapter, nf4_round
 from leantrain.model.transformer import model_args_from_spec
@@ -76,39 +78,56 @@ class DcpTensors:
         return {name: tensor.to(dtype) for name, tensor in state["model"].items()}
 
 
-def _base_tensor(files: dict[str, Path], name: str) -> torch.Tensor:
-    with safe_open(str(files[to_hf_name(name)]), framework="pt") as handle:
-        return handle.get_tensor(to_hf_name(name))
+def _base_tensor(files: dict[str, Path], name: str, experts: dict[str, list[str]]) -> torch.Tensor:
+    """Our tensor `name` from the base's safetensors: one HF tensor, or a stack of routed experts (experts, in,
+    out) gathered from each expert's (out, in) weight."""
+    if name in experts:
+        return torch.stack([_hf_tensor(files, hf_name).t() for hf_name in experts[name]])
+    return _hf_tensor(files, to_hf_name(name))
+
+
+def _hf_tensor(files: dict[str, Path], hf_name: str) -> torch.Tensor:
+    with safe_open(str(files[hf_name]), framework="pt") as handle:
+        return handle.get_tensor(hf_name)
 
 
 def _lora_loader(
     spec: JobSpec, dcp_tensors: DcpTensors, base: Path, dtype: torch.dtype, *, base_as_trained: bool = False
 ) -> tuple[Any, dict[str, int]]:
     """(load(names), sizes): base weights from safetensors with (alpha / rank) · B A merged into adapted ones;
-    `base_as_trained` (QLoRA): the adapted base weights NF4-rounded first, as the run trained on them."""
+    `base_as_trained` (QLoRA): the adapted base weights NF4-rounded first, as the run trained on them. A
+    DeepSeek base's per-expert weights are read as our stacks (routed experts carry no adapters: they are no
+    Linear of ours) and written back per expert; the selection bias stays fp32, as `export_hf` writes it."""
     files = weight_files(base)
     scale = spec.finetune.lora.alpha / spec.finetune.lora.rank
     tie = model_args_from_spec(spec.model, max_seq_len=1).shape.tie_embeddings
     sizes: dict[str, int] = {}
+    experts: dict[str, dict[int, str]] = {}
     for hf_name, file in files.items():
-        name = from_hf_name(hf_name) if not hf_name.endswith("rotary_emb.inv_freq") else None
-        if name is None or (tie and name == "output.weight"):
+        if hf_name.endswith("rotary_emb.inv_freq"):
             continue
+        stacked = from_hf_expert_name(hf_name)
+        name = stacked[0] if stacked else from_hf_name(hf_name)
+        if tie and name == "output.weight":
+            continue
+        if stacked:
+            experts.setdefault(name, {})[stacked[1]] = hf_name
         with safe_open(str(file), framework="pt") as handle:
             shape = handle.get_slice(hf_name).get_shape()
-        sizes[name] = int(torch.Size(shape).numel()) * dtype.itemsize
+        sizes[name] = sizes.get(name, 0) + int(torch.Size(shape).numel()) * dtype.itemsize
+    by_expert = {name: [members[e] for e in sorted(members)] for name, members in experts.items()}
 
     def load(group: list[str]) -> dict[str, torch.Tensor]:
         out = {}
         for name in group:
-            weight = _base_tensor(files, name).float()
+            weight = _base_tensor(files, name, by_expert).float()
             prefix = name.removesuffix(".weight")
             if f"{prefix}.lora_a" in dcp_tensors.meta:
                 if base_as_trained:  # QLoRA quantised exactly the adapted Linears' weights (model/lora.py)
                     weight = nf4_round(weight)
                 adapters = dcp_tensors.load([f"{prefix}.lora_a", f"{prefix}.lora_b"], dtype=torch.float32)
                 weight = weight + scale * (adapters[f"{prefix}.lora_b"] @ adapters[f"{prefix}.lora_a"])
-            out[name] = weight.to(dtype)
+            out[name] = weight if name.endswith("expert_bias") else weight.to(dtype)
         return out
 
     return load, sizes
