@@ -190,3 +190,25 @@ def test_the_ranks_agree_on_the_restart_attempt(tmp_path: Path) -> None:
     from parallel_harness import spawn_gloo
 
     assert spawn_gloo(functools.partial(_hook_attempts, str(tmp_path)), world_size=2, out_dir=tmp_path) == [1, 1]
+
+
+def _command_attempts() -> list[int]:
+    """`leantrain train`'s job attempt on each rank, rank 1 with torchrun's count 1, rank 0 with 0."""
+    from leantrain.train.command import job_attempt
+    from test_ckpt_manager import make_spec
+
+    rank = dist.get_rank()
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(rank)
+    os.environ["WORLD_SIZE"] = "2"
+    seen = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
+    dist.all_gather(seen, torch.tensor([job_attempt(make_spec())], dtype=torch.int64))
+    return [int(t.item()) for t in seen]
+
+
+@pytest.mark.slow
+def test_train_agrees_on_the_attempt_before_the_lease_and_first_start_check(tmp_path: Path) -> None:
+    """The count train/command.py gives the lease's takeover rule and the first-start check is the highest of any
+    rank, not rank 0's own (torchrun counts a restart only on the failing node)."""
+    from parallel_harness import spawn_gloo
+
+    assert spawn_gloo(_command_attempts, world_size=2, out_dir=tmp_path) == [1, 1]

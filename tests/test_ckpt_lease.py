@@ -99,6 +99,58 @@ def test_a_restart_of_the_same_torchrun_job_takes_over(tmp_path: Path, monkeypat
     lease.release()
 
 
+def test_the_takeover_rule_uses_the_jobs_agreed_attempt_not_this_nodes_count(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """torchrun counts a restart only on the failing node: a rank 0 on another node sees count 0 but the job's
+    agreed attempt is 1, so its own job's earlier lease is taken over at once (not after LEASE_STALE_S)."""
+    run_dir = tmp_path / "run"
+    _write_record(run_dir, age_s=1, job="job-7")
+    monkeypatch.setenv(JOB_ENV, "job-7")
+    monkeypatch.setenv(RESTART_ENV, "1")
+    with pytest.raises(UserInputError):  # the job agreed it is a first start: this node's count is not the job's
+        acquire_lease(run_dir, command="train", attempt=0)
+    monkeypatch.setenv(RESTART_ENV, "0")
+    lease = acquire_lease(run_dir, command="train", attempt=1)
+    assert "earlier attempt" in (lease.took_over or "")
+    lease.release()
+
+
+class _Reached(Exception):
+    pass
+
+
+def test_train_uses_the_agreed_attempt_for_the_lease_and_the_first_start_check(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restarted rank 0 whose own node did not fail (count 0; the job agreed on 1): train takes over its job's
+    lease and skips the first-start refusals (`--resume none` over its own checkpoints)."""
+    import leantrain.train.command as command
+    from leantrain.ckpt.resume import ResumeRequest
+    from leantrain.spec.load import load_spec
+
+    run_dir = tmp_path / "run"
+    _write_record(run_dir, age_s=1, job="job-7")
+    monkeypatch.setenv(JOB_ENV, "job-7")
+    monkeypatch.setenv(RESTART_ENV, "0")
+    monkeypatch.setattr(command, "job_attempt", lambda spec: 1)
+    monkeypatch.setattr(command, "_check_data_dir", lambda spec: None)
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("the first-start check ran on a restart")
+
+    def reached(*args: object, **kwargs: object) -> None:
+        raise _Reached
+
+    monkeypatch.setattr(command, "precheck", refuse)
+    monkeypatch.setattr(command, "description_snapshot", reached)
+    monkeypatch.setattr("leantrain.ckpt.preflight.preflight_storage", lambda spec, run_dir: None)
+    spec = load_spec(EXAMPLES / "tiny-cpu.yaml")
+    with pytest.raises(_Reached):
+        command.train(spec, run_dir=run_dir, max_steps=2, console=None, resume=ResumeRequest(mode="none"))
+    assert not (run_dir / LEASE_FILE).exists()  # released on the way out
+
+
 def test_workers_run_under_their_launchers_lease(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     run_dir = tmp_path / "run"
     launcher = acquire_lease(run_dir, command="launch")

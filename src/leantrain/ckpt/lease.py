@@ -12,8 +12,10 @@ under torchrun/Slurm/Kubernetes). Other ranks never touch it.
 When a lease is stale, and taken over (the rule): its holder ran on this host and its pid is gone (or is this
 very process and its heartbeat thread has ended: a lease an earlier call left behind), or its heartbeat is
 older than LEASE_STALE_S (a holder on another host that died, was SIGKILLed or lost the file system), or it
-belongs to the same torchrun job (TORCHELASTIC_RUN_ID) and this is a restart of that job's workers (restart
-attempt > 0). A lock file that is not readable JSON is judged by its age alone. Takeover renames the stale file
+belongs to the same torchrun job (TORCHELASTIC_RUN_ID) and this is a restart of that job's workers (the job's
+restart attempt > 0: the highest TORCHELASTIC_RESTART_COUNT of any rank, which train/command.py agrees on before
+it takes the lease, since torchrun counts a restart only on the node whose workers failed and a rank 0 that moved
+to another node would otherwise see 0 and wait LEASE_STALE_S for its own job's old lease). A lock file that is not readable JSON is judged by its age alone. Takeover renames the stale file
 aside and creates a new one with O_EXCL, so of two contenders only one wins.
 """
 
@@ -75,8 +77,9 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def stale_reason(record: dict[str, Any], *, stale_s: float = LEASE_STALE_S) -> str | None:
-    """Why the lease `record` may be taken over (the module's rule), or None while its holder is alive."""
+def stale_reason(record: dict[str, Any], *, stale_s: float = LEASE_STALE_S, attempt: int | None = None) -> str | None:
+    """Why the lease `record` may be taken over (the module's rule), or None while its holder is alive.
+    `attempt`: the job's agreed restart attempt (None: this process's own TORCHELASTIC_RESTART_COUNT)."""
     age_s = float(record.get("heartbeat_age_s", 0.0))
     if age_s > stale_s:
         return f"its heartbeat is {age_s:.0f} s old (stale after {stale_s:.0f} s)"
@@ -90,7 +93,9 @@ def stale_reason(record: dict[str, Any], *, stale_s: float = LEASE_STALE_S) -> s
         if not _pid_alive(pid):
             return f"its process {pid} on this host has exited"
     job = os.environ.get(JOB_ENV)
-    if job and record.get("job") == job and int(os.environ.get(RESTART_ENV, "0") or 0) > 0:
+    if attempt is None:
+        attempt = int(os.environ.get(RESTART_ENV, "0") or 0)
+    if job and record.get("job") == job and attempt > 0:
         return f"it is this torchrun job's ({job}) earlier attempt"
     return None
 
@@ -177,8 +182,10 @@ def read_lease_file(path: Path) -> dict[str, Any]:
 
 
 def acquire_lease(run_dir: Path, *, command: str, owner_only: bool = True,
-                  stale_s: float = LEASE_STALE_S, heartbeat_s: float = LEASE_HEARTBEAT_S) -> RunLease:
-    """Take the run dir's lease (creating the run dir), or raise UserInputError (exit 2) naming the holder."""
+                  stale_s: float = LEASE_STALE_S, heartbeat_s: float = LEASE_HEARTBEAT_S,
+                  attempt: int | None = None) -> RunLease:
+    """Take the run dir's lease (creating the run dir), or raise UserInputError (exit 2) naming the holder.
+    `attempt`: the job's agreed restart attempt (see the module's rule; None: this process's own count)."""
     from leantrain.security import make_private_dir
 
     run_dir = Path(run_dir)
@@ -210,7 +217,7 @@ def acquire_lease(run_dir: Path, *, command: str, owner_only: bool = True,
         held = read_lease(run_dir)
         if held is None:
             continue
-        reason = stale_reason(held, stale_s=stale_s)
+        reason = stale_reason(held, stale_s=stale_s, attempt=attempt)
         if reason is None:
             raise UserInputError(
                 f"run dir {run_dir} is in use by {describe_holder(held)} ({path}); wait for it to end or choose "

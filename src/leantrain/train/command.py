@@ -78,13 +78,16 @@ def train(
     from leantrain.ckpt.preflight import preflight_storage
 
     target = Path(run_dir or spec.run.dir)
+    attempt = job_attempt(spec)
     if int(os.environ.get("RANK", "0")) != 0:
-        return _train_leased(spec, run_dir=run_dir, max_steps=max_steps, console=console, resume=resume)
+        return _train_leased(spec, run_dir=run_dir, max_steps=max_steps, console=console, resume=resume,
+                             attempt=attempt)
     existed = target.exists()
-    lease = acquire_lease(target, command="train", owner_only=spec.security.owner_only)
+    lease = acquire_lease(target, command="train", owner_only=spec.security.owner_only, attempt=attempt)
     try:
         preflight_storage(spec, run_dir=target)
-        return _train_leased(spec, run_dir=run_dir, max_steps=max_steps, console=console, resume=resume)
+        return _train_leased(spec, run_dir=run_dir, max_steps=max_steps, console=console, resume=resume,
+                             attempt=attempt)
     except BaseException:
         if not existed:  # a start refused before it wrote anything leaves no empty run dir behind
             lease.release()
@@ -95,9 +98,33 @@ def train(
         lease.release()
 
 
+def job_attempt(spec: JobSpec) -> int:
+    """The job's restart attempt: the highest TORCHELASTIC_RESTART_COUNT of any rank (0 on a first start).
+
+    torchrun counts a restart only on the agent whose workers failed; an agent that restarts its workers because
+    the rendezvous changed keeps its count, so after a failure on one node the other nodes' ranks see a lower
+    one. The first-start check and the lease's takeover rule use this agreed count (as the hook's restart record
+    does), so a rank 0 on a node that did not fail neither refuses its own job's checkpoints (`--resume none`)
+    nor waits for its own job's old lease. With several ranks this starts the process group (the trainer reuses
+    it) and all-reduces the count, before rank 0 takes the lease.
+    """
+    count = restart_attempt()
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return count
+    import torch
+    import torch.distributed as dist
+
+    from leantrain.train.runtime import init_runtime
+
+    runtime = init_runtime(spec)
+    box = torch.tensor([count], dtype=torch.int64, device=runtime.device)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX)
+    return int(box.item())
+
+
 def _train_leased(
     spec: JobSpec, *, run_dir: Path | None, max_steps: int | None, console: Console | None,
-    resume: ResumeRequest | None = None,
+    resume: ResumeRequest | None = None, attempt: int = 0,
 ) -> TrainOutcome:
     from leantrain.train.trainer import Trainer
 
@@ -106,7 +133,7 @@ def _train_leased(
     _check_trainable(spec)
     _check_data_dir(spec)
     target = Path(run_dir or spec.run.dir)
-    if restart_attempt() == 0:  # refusals that need no model come before anything is written
+    if attempt == 0:  # refusals that need no model come before anything is written (the job's agreed attempt)
         precheck(spec, run_dir=target, request=resume or ResumeRequest(), max_steps=max_steps)
     rank = int(os.environ.get("RANK", "0"))
     before = description_snapshot(target) if rank == 0 else {}
