@@ -146,3 +146,50 @@ def test_merged_export_of_a_deepseek_lora_run_loads_in_transformers_with_its_log
     assert expected.abs().max() > 1.0
     torch.testing.assert_close(ours_merged, expected, rtol=0, atol=1e-5)
     torch.testing.assert_close(theirs, expected, rtol=0, atol=1e-5)
+
+
+def test_peft_export_of_deepseek_mlp_adapters_is_refused_naming_them(
+    trained_v3: tuple[Path, Path, Any], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """PEFT maps `*.gate_proj|up_proj|down_proj` targets of a DeepSeek MoE model onto the fused routed experts: the
+    dense MLP's and shared experts' adapters cannot be written as a PEFT adapter, so the export refuses (exit 2,
+    one line), naming them, and writes nothing."""
+    from leantrain.cli import main
+
+    _, run_dir, _ = trained_v3
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "adapter"), "--adapter-only"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Traceback" not in err
+    assert "cannot hold the LoRA on layers.0.feed_forward.w1, layers.0.feed_forward.w2" in err and "5 more" in err
+    assert not (tmp_path / "adapter").exists()
+
+
+def test_peft_adapter_of_a_deepseek_attention_lora_loads_onto_transformers_with_its_logits(
+    tmp_path: Path, data_dir: Path
+) -> None:
+    """Latent-attention targets only: target_modules are PEFT's short names (each names only adapted modules),
+    and PEFT on transformers' DeepSeek-V3 gives the LoRA model's logits; no routed expert gets an adapter."""
+    import json
+
+    from leantrain.ckpt.export import export_run
+    from leantrain.ckpt.hook import TrainerCheckpointer
+    from leantrain.train.command import train
+    from test_model_mla import _theirs
+
+    peft = pytest.importorskip("peft")
+    hf_dir = save_tiny_deepseek(tmp_path / "hf", version=3)
+    spec = mla_ft_spec(hf_dir, data_dir, tmp_path / "run", max_steps=2)
+    spec.finetune.lora.targets = ["wq_a", "wq_b", "wkv_a", "wkv_b", "wo"]
+    train(spec, run_dir=tmp_path / "run", max_steps=None, console=None)
+    lora_model = Trainer(spec, run_dir=tmp_path / "run", checkpointer_factory=TrainerCheckpointer)
+    lora_model.close()
+    assert export_run(tmp_path / "run", tmp_path / "adapter", adapter_only=True).adapter_only
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["kv_a_proj_with_mqa", "kv_b_proj", "o_proj", "q_a_proj", "q_b_proj"]
+    with_adapter = peft.PeftModel.from_pretrained(_theirs(hf_dir), tmp_path / "adapter").eval()
+    adapted = {n for n, m in with_adapter.named_modules() if hasattr(m, "lora_A")}
+    assert len(adapted) == 15 and all(".self_attn." in n for n in adapted)
+    tokens = _tokens()
+    with torch.no_grad():
+        expected = lora_model.model.eval()(tokens)
+        torch.testing.assert_close(with_adapter(tokens).logits, expected, rtol=0, atol=1e-5)

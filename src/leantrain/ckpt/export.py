@@ -149,18 +149,36 @@ def _copy_tokenizer(spec: JobSpec, out: Path) -> None:
 
 
 def _write_adapter(spec: JobSpec, dcp_tensors: DcpTensors, out: Path, *, base: Path) -> int:
-    """A PEFT LoRA adapter: lora_A (rank, in) and lora_B (out, rank) under PEFT's module names."""
+    """A PEFT LoRA adapter: lora_A (rank, in) and lora_B (out, rank) under PEFT's module names. target_modules
+    are the short names (`q_proj`) when each names only adapted modules of the base, else the adapted modules'
+    full names. Our LoRA never adapts routed experts (stacked tensors, no Linear); on a DeepSeek MoE base PEFT
+    (>= 0.18 with transformers 5) rewrites any `*.gate_proj|up_proj|down_proj` target, shared experts' and the
+    dense layers' too, into the fused routed-expert parameters, and the router is no Linear there: such
+    adapters are refused by name rather than written as an adapter that would load onto the wrong weights."""
     names = sorted(n for n in dcp_tensors.meta if is_adapter(n))
+    prefixes = sorted({n.rsplit(".", 1)[0] for n in names})
+    modules = {p: to_hf_name(f"{p}.weight").removesuffix(".weight") for p in prefixes}
+    moe_base = any(from_hf_expert_name(n) for n in weight_files(base))
+    unmapped = [p for p, m in modules.items() if p.endswith("router.gate") or (
+        moe_base and m.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj"))]
+    if unmapped:
+        shown = ", ".join(unmapped[:4]) + (f" and {len(unmapped) - 4} more" if len(unmapped) > 4 else "")
+        raise UserInputError(f"--adapter-only: a PEFT adapter cannot hold the LoRA on {shown} (on a DeepSeek MoE "
+                             "model PEFT moves every *_proj MLP target onto the routed experts, and the router is "
+                             "no Linear); export merged (without --adapter-only) or train attention-only targets")
     tensors = {}
     for name, tensor in dcp_tensors.load(names, dtype=torch.float32).items():
         prefix, which = name.rsplit(".", 1)
-        hf_prefix = to_hf_name(f"{prefix}.weight").removesuffix(".weight")
-        tensors[f"base_model.model.{hf_prefix}.lora_{which[-1].upper()}.weight"] = tensor.contiguous()
+        tensors[f"base_model.model.{modules[prefix]}.lora_{which[-1].upper()}.weight"] = tensor.contiguous()
     save_file(tensors, str(out / ADAPTER_WEIGHTS), metadata={"format": "pt"})
     lora = spec.finetune.lora
-    targets = sorted({to_hf_name(f"{n.rsplit('.', 1)[0]}.weight").split(".")[-2] for n in names})
+    adapted = set(modules.values())
+    short = {m.rsplit(".", 1)[-1] for m in adapted}
+    base_modules = {n.removesuffix(".weight") for n in weight_files(base) if n.endswith(".weight")}
+    exact = all(m in adapted for m in base_modules if m.rsplit(".", 1)[-1] in short)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base),
-              "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout, "target_modules": targets,
+              "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
+              "target_modules": sorted(short if exact else adapted),
               "bias": "none", "fan_in_fan_out": False, "inference_mode": True}
     (out / ADAPTER_CONFIG).write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
     return len(tensors)
