@@ -371,7 +371,7 @@ def whole_run_range_coverage_resampled(split: dict[str, Any], *, n_splits: int =
     (seeded, so the same every run): each half's efficiency and range from that half alone, the coverage of
     the other half, both ways. With ~10 runs per half one run moves a half's coverage by 10 points, so one
     fixed split says little; the mean over many splits is the method's expected coverage, and `in_70_90` the
-    share of single half-splits whose coverage lands in 70-90 %."""
+    share of single half-splits whose coverage lands in 70-90 %; `width` the geometric mean P90 / P10."""
     import random
 
     from leantrain.plan.uncertainty import conformal_range
@@ -380,6 +380,7 @@ def whole_run_range_coverage_resampled(split: dict[str, Any], *, n_splits: int =
     names = sorted(ratios)
     rng = random.Random(seed)
     shares: list[float] = []
+    widths: list[float] = []  # log(P90 / P10) of each half's range
     for _ in range(n_splits):
         order = rng.sample(names, len(names))
         half = len(order) // 2
@@ -387,7 +388,8 @@ def whole_run_range_coverage_resampled(split: dict[str, Any], *, n_splits: int =
             eff = fit_whole_run_efficiency([ratios[n] for n in calib])
             lo, _, hi = conformal_range(whole_run_residuals(ratios, eff, calib))
             shares.append(sum(lo <= r <= hi for r in whole_run_residuals(ratios, eff, held)) / len(held))
+            widths.append(hi - lo)
     shares.sort()
     return {"mean": statistics.mean(shares), "p10": shares[len(shares) // 10],
             "p90": shares[(9 * len(shares)) // 10], "in_70_90": sum(0.7 <= s <= 0.9 for s in shares) / len(shares),
-            "splits": float(n_splits)}
+            "splits": float(n_splits), "width": math.exp(statistics.mean(widths))}
