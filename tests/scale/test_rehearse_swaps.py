@@ -84,3 +84,25 @@ def test_shard_offsets_are_computed_for_real_under_fake_tensors() -> None:
             rehearsed = compute_local_shape_and_global_offset((128256, 16384), mesh, placements)
     assert expected == ((30, 16384), (128226, 0))  # the last rank's 30 rows, at its own offset
     assert rehearsed == expected and not probes.phase("startup").syncs
+
+
+def test_shard_offsets_are_kept_per_coordinate_not_reused_across_them() -> None:
+    """The offset arithmetic's answers are kept (a strided shard's costs tens of ms), keyed by the coordinate
+    too: every coordinate of a strided FSDP × TP split still gets its own offset inside one watch."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.tensor import _utils
+    from torch.distributed.tensor.placement_types import Shard, _StridedShard
+
+    from leantrain.golive.rehearse_probes import HostSyncCounter, Probes
+    from leantrain.golive.rehearse_swaps import host_reads
+
+    placements = (_StridedShard(0, split_factor=4), Shard(0))
+    coordinates = [[a, b] for a in range(3) for b in range(4)] * 2
+    expected = [_utils._compute_local_shape_and_global_offset((1000, 64), (3, 4), c, placements)
+                for c in coordinates]
+    counter = HostSyncCounter(Probes())
+    with FakeTensorMode(allow_non_fake_inputs=True), counter, host_reads(counter):
+        rehearsed = [_utils._compute_local_shape_and_global_offset((1000, 64), (3, 4), c, placements)
+                     for c in coordinates]
+    assert rehearsed == expected
+    assert len({offset for _, offset in rehearsed}) == 12
