@@ -100,3 +100,35 @@ def test_lora_skips_the_frozen_weight_gradients() -> None:
     expected = full.hardware_flops_per_token("full") - full.flops.matmul / 3 + 6 * lora.adapter_params
     assert lora.hardware_flops_per_token("full") == pytest.approx(expected)
     assert lora.hardware_flops_per_token("none") < 0.75 * full.hardware_flops_per_token("none")
+
+
+@pytest.mark.parametrize("model,targets", [
+    ("llama", None), ("llama", ["wq", "wk", "wv", "wo", "w1", "w2", "w3", "output"]),
+    ("v3", None), ("v2-q-full", None), ("v3", ["wq_a", "wkv_b", "w1", "w2", "w3", "gate", "output"]),
+], ids=["dense", "dense-all", "mla-moe", "mla-q-full", "mla-moe-router-output"])
+def test_planned_adapter_count_is_the_built_models_trainable_count(
+    tmp_path, model: str, targets: list[str] | None
+) -> None:
+    """The planner resolves LoRA targets as apply_lora does: MLA's latent projections, the dense MLP, the shared
+    experts and router of MoE layers (routed experts are no Linear), the untied output."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from leantrain.model.lora import apply_lora
+    from leantrain.model.tiny_hf import save_tiny_deepseek, save_tiny_hf
+    from leantrain.model.transformer import Transformer, model_args_from_spec
+
+    hf_dir = (save_tiny_hf(tmp_path / "hf", tokenizer=False) if model == "llama" else
+              save_tiny_deepseek(tmp_path / "hf", version=3 if model == "v3" else 2,
+                                 q_lora_rank=None if model == "v2-q-full" else 32))
+    lora = {"rank": 4, **({"targets": targets} if targets else {})}
+    spec = spec_from_dict({
+        "task": "finetune", "model": {"init_from": str(hf_dir)}, "finetune": {"method": "lora", "lora": lora},
+        "data": {"tokens_total": 1e6, "seq_len": 64}, "training": {"global_batch_tokens": 4 * 64, "micro_batch": 1},
+        "hardware": {"accelerator": "A100-80GB", "gpus_per_node": 1, "num_nodes": 1},
+        "budget": {"target_days": None, "num_gpus": 1}})
+    with torch.device("meta"):
+        built = Transformer(model_args_from_spec(spec.model, max_seq_len=64))
+    apply_lora(built, targets=list(spec.finetune.lora.targets), rank=4, alpha=8.0, dropout=0.0)
+    trainable = sum(p.numel() for p in built.parameters() if p.requires_grad)
+    assert adapter_params(plan_inputs(spec)) == trainable > 0

@@ -1,23 +1,56 @@
 """LoRA adapter shapes: which Linear of our block a target name means, and how many parameters rank-r adapters
-add (r·(in + out) per target Linear). Shape-level only, so the planner's inputs can count them."""
+add (r·(in + out) per target Linear). Shape-level only, so the planner's inputs can count them. The names
+resolve as `model.lora.apply_lora` swaps them (every nn.Linear with that attribute name): the attention's
+projections (MHA wq wk wv wo, or MLA's wq | wq_a wq_b, wkv_a, wkv_b, wo), the dense MLP's w1 w2 (w3 for SwiGLU),
+in MoE layers the shared experts' SwiGLU and the router's gate; routed experts are stacked tensors, no Linear,
+and get none. `output` (untied) is one Linear for the whole model."""
 
 from __future__ import annotations
 
 from leantrain.spec.shapes import ModelShape
 
 
+def _attention(shape: ModelShape) -> dict[str, tuple[int, int]]:
+    d, m = shape.d_model, shape.mla
+    if m is None:
+        q = shape.n_heads * shape.head_dim
+        return {"wq": (d, q), "wk": (d, shape.kv_dim), "wv": (d, shape.kv_dim), "wo": (q, d)}
+    heads = shape.n_heads
+    out = {"wkv_a": (d, m.kv_lora_rank + m.qk_rope_head_dim),
+           "wkv_b": (m.kv_lora_rank, heads * (m.qk_nope_head_dim + m.v_head_dim)), "wo": (heads * m.v_head_dim, d)}
+    if m.q_lora_rank:
+        out.update({"wq_a": (d, m.q_lora_rank), "wq_b": (m.q_lora_rank, heads * m.qk_head_dim)})
+    else:
+        out["wq"] = (d, heads * m.qk_head_dim)
+    return out
+
+
+def target_linears(shape: ModelShape, *, moe_layer: bool) -> dict[str, list[tuple[int, int]]]:
+    """(in, out) of every Linear a LoRA target name means in one of our blocks (a name may mean none)."""
+    d = shape.d_model
+    linears = {name: [io] for name, io in _attention(shape).items()}
+    moe = shape.moe
+    if moe_layer and moe is not None:
+        hidden = moe.num_shared_experts * moe.expert_hidden
+        mlp = {"w1": [(d, hidden)], "w3": [(d, hidden)], "w2": [(hidden, d)]} if hidden else {}
+        mlp["gate"] = [(d, moe.num_experts)]
+    else:
+        f = shape.ffn_hidden
+        mlp = {"w1": [(d, f)], "w2": [(f, d)]}
+        if shape.mlp == "swiglu":
+            mlp["w3"] = [(d, f)]
+    linears.update(mlp)
+    return linears
+
+
 def target_shapes(shape: ModelShape, *, moe_layer: bool) -> dict[str, tuple[int, int]]:
-    """(in, out) of each Linear a LoRA target name can mean in one of our blocks (routed experts get none)."""
-    d, kv, f = shape.d_model, shape.kv_dim, shape.ffn_hidden
-    shapes = {"wq": (d, d), "wk": (d, kv), "wv": (d, kv), "wo": (d, d)}
-    if not moe_layer:
-        shapes.update({"w1": (d, f), "w3": (d, f), "w2": (f, d)})
-    return shapes
+    """(in, out) of each Linear a LoRA target name means in one of our blocks (routed experts get none)."""
+    return {name: ios[0] for name, ios in target_linears(shape, moe_layer=moe_layer).items()}
 
 
 def per_layer_targets(shape: ModelShape, targets: tuple[str, ...], *, moe_layer: bool) -> list[tuple[int, int]]:
-    known = target_shapes(shape, moe_layer=moe_layer)
-    return [known[name] for name in targets if name in known]
+    known = target_linears(shape, moe_layer=moe_layer)
+    return [io for name in targets for io in known.get(name, [])]
 
 
 def lora_param_count(shape: ModelShape, *, rank: int, targets: tuple[str, ...]) -> float:
@@ -27,4 +60,6 @@ def lora_param_count(shape: ModelShape, *, rank: int, targets: tuple[str, ...]) 
     total = 0.0
     for count, moe in ((shape.num_dense_layers, False), (shape.num_moe_layers, True)):
         total += count * sum(rank * (i + o) for i, o in per_layer_targets(shape, targets, moe_layer=moe))
+    if "output" in targets and not shape.tie_embeddings:
+        total += rank * (shape.d_model + shape.vocab_size)
     return total
