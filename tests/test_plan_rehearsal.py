@@ -23,9 +23,8 @@ def _bench():
     return module
 
 
-# The pipeline row fails today (temp 0.67): torch's pipelining keeps the stage's unsharded fp32 gradients and
-# its gathered weights through the step, which the plan does not count yet (docs/plan.md, "Rehearsal vs plan").
-PIPELINE_GAP = pytest.mark.xfail(strict=True, reason="plan lacks torch pipelining's unsharded gradients")
+# The pipeline row: temp 0.67 while plan.memory.PIPELINE_HOLDS_UNSHARDED is off (0.94 with it).
+PIPELINE_GAP = pytest.mark.xfail(strict=True, reason="torch pipelining's unsharded gradients not planned yet")
 # TP8's activations are 0.86 while plan.activations.SP_GATHERED_PLANNED is off (0.99 with it).
 SP_GAP = pytest.mark.xfail(strict=True, reason="sequence parallelism's gathered inputs are not planned yet")
 
