@@ -194,7 +194,8 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
         warnings.simplefilter("ignore")
         root = scratch
         run_spec = rehearsal_spec(spec, data_dir=data_dir, run_dir=root / "run")
-        sync_mode, comm_mode = HostSyncCounter(probes), CollectiveRecorder(probes, group_names={})
+        comm_mode = CollectiveRecorder(probes, group_names={})
+        sync_mode = HostSyncCounter(probes, collectives=comm_mode)  # one dispatch mode watches both
         with contextlib.ExitStack() as stack:
             stack.enter_context(_rank_environment(rank, target.world_size, spec.hardware.gpus_per_node))
             stack.enter_context(fake_process_group(rank=rank, world_size=target.world_size))
@@ -207,7 +208,6 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
             startup_s = time.perf_counter()
             with files.watch():
                 stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-                stack.enter_context(comm_mode)
                 stack.enter_context(sync_mode)
                 stack.enter_context(host_reads(sync_mode))
                 trainer = Trainer(run_spec, run_dir=root / "run", max_steps=STEPS,

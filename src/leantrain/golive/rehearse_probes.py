@@ -7,12 +7,15 @@
   under fake tensors, so it answers them itself, with the healthy run's answer: True for a flag (finite, not
   empty), 1 for a number, every element selected by a mask. Each is recorded with its site, the innermost
   leantrain frame (`leantrain/train/trainer.py:224 _local_scalar_dense`).
-- `CollectiveRecorder`: a dispatch mode that sees the c10d and functional-collective ops (FSDP2's
+- `CollectiveRecorder`: handed every op the counter's mode sees, it records the c10d and functional-collective
+  ops (FSDP2's
   all-gathers and reduce-scatters, TP's DTensor redistributions, pipeline send/recv, expert all-to-alls, the
   checkpoint manager's agreements, object collectives) and records each as (op, group, bytes): the group is
   the mesh axis it runs on (`dp_shard`, `tp`, `pp`, `ep`, ...) or, off the device mesh, `world` / `control`
   (control-plane calls); bytes are what this rank hands the call (its input tensors). torch's
   `CommDebugMode` counts ops but not their groups or sizes, which is what tells O(layers) from O(world).
+  It is no dispatch mode of its own: each mode stacked over fake tensors re-dispatches every op once more
+  through Python (~8 % of a 405B rank's rehearsal each), so the one mode does both.
 - `FileReads`: files this process opens (Python's `open` audit event, which `open()`, `os.open()`,
   `np.memmap` and `np.load` raise) and bytes it reads (`rchar` in /proc/self/io), outside the Python install.
 """
@@ -164,9 +167,10 @@ class Probes:
 class HostSyncCounter(TorchDispatchMode):
     """Counts (and answers) the ops that would block the host on a device tensor. See the module docstring."""
 
-    def __init__(self, probes: Probes) -> None:
+    def __init__(self, probes: Probes, *, collectives: CollectiveRecorder | None = None) -> None:
         super().__init__()
         self.probes = probes
+        self.collectives = collectives
         self._last_site: str | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
@@ -175,6 +179,8 @@ class HostSyncCounter(TorchDispatchMode):
             return func(*args, **kwargs)
         if any(t is DTensor for t in types):
             return NotImplemented  # let DTensor lower to its local ops, which this mode then sees
+        if self.collectives is not None:
+            self.collectives.see(func, args, kwargs)
         tensors = [*_tensors(args), *_tensors(kwargs.values())]
         if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
             # Host data (the mesh's rank tables, torch.tensor(<Python numbers>), the sampler's batches): its
@@ -253,28 +259,21 @@ def _healthy_answer(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
     return tensor.reshape(-1).clone(), torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long)
 
 
-class CollectiveRecorder(TorchDispatchMode):
-    """Records every collective and point-to-point op with its group and bytes. See the module docstring."""
+class CollectiveRecorder:
+    """Records every collective and point-to-point op it is shown (by `HostSyncCounter`'s dispatch mode) with its
+    group and bytes. See the module docstring."""
 
     def __init__(self, probes: Probes, *, group_names: dict[str, str]) -> None:
-        super().__init__()
         self.probes = probes
         self.group_names = group_names  # c10d group name → label (mesh axis, world, control)
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-        kwargs = kwargs or {}
-        if func in METADATA_OPS:
-            return func(*args, **kwargs)
-        if any(t is DTensor for t in types):
-            return NotImplemented
-        namespace = func.namespace
-        if namespace in ("c10d", "_c10d_functional", "c10d_functional") and not func.__name__.startswith(
+    def see(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
+        if func.namespace in ("c10d", "_c10d_functional", "c10d_functional") and not func.__name__.startswith(
                 ("wait", "barrier", "monitored_barrier")):
             op = OP_NAMES.get(func._opname, func._opname.strip("_"))
             group = self._group_label([*args, *kwargs.values()])
             num_bytes = sum(t.numel() * t.element_size() for t in _input_tensors(func, args))
             self.probes.current.add_collective(op, group, num_bytes, control=is_control_site(call_site()))
-        return func(*args, **kwargs)
 
     def _group_label(self, args: list[Any]) -> str:
         for arg in args:
