@@ -64,6 +64,19 @@ def test_resumed_run_keeps_its_id_and_lists_earlier_attempts(tmp_path: Path, dat
     assert second["previous_attempts"][0]["spec_sha256"] == first["spec"]["sha256"]
 
 
+
+@pytest.mark.parametrize("text", ["{", "[1, 2]", '{"attempt": 3}', "\udcff"])
+def test_a_garbled_lineage_is_refused_naming_it_and_kept(tmp_path: Path, data_dir: Path, text: str) -> None:
+    """A run dir's lineage.json that is not a run's record stops the start with one line naming the file; the
+    file (the only record of earlier attempts) is left as it was, not replaced by a fresh run id."""
+    from leantrain.errors import UserInputError
+
+    path = tmp_path / "lineage.json"
+    path.write_bytes(text.encode("utf-8", "surrogateescape"))
+    with pytest.raises(UserInputError, match="lineage.json: not a"):
+        write_lineage(tmp_path, load_spec(TINY), data_dir=data_dir)
+    assert path.read_bytes() == text.encode("utf-8", "surrogateescape")
+
 def test_registry_and_runs_command_show_what_produced_each_checkpoint(
     tmp_path: Path, data_dir: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from leantrain.data.shards import sha256_file
+from leantrain.errors import UserInputError
 from leantrain.security import redact_obj, write_private_text
 from leantrain.spec import JobSpec
 
@@ -208,11 +209,19 @@ def collect_lineage(spec: JobSpec, *, data_dir: Path | None = None, spec_path: P
 
 
 def read_lineage(directory: Path) -> dict[str, Any] | None:
-    """The lineage.json in a run or checkpoint dir, or None."""
+    """The lineage.json in a run or checkpoint dir, or None. A file that is not a lineage record (garbled,
+    truncated, not a JSON object) is refused naming it; it is never overwritten, since it is the
+    only record of the run's earlier attempts."""
     path = Path(directory) / LINEAGE_FILE_NAME
     if not path.is_file():
         return None
-    return json.loads(path.read_text(encoding="utf-8"))
+    try:
+        lineage = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise UserInputError(f"{path}: not a lineage record ({error}); restore it or move it aside") from None
+    if not isinstance(lineage, dict):
+        raise UserInputError(f"{path}: not a lineage record (not a JSON object); restore it or move it aside")
+    return lineage
 
 
 def _attempt_summary(lineage: dict[str, Any]) -> dict[str, Any]:
@@ -236,6 +245,9 @@ def write_lineage(
     lineage = collect_lineage(spec, data_dir=data_dir, spec_path=spec_path)
     lineage["run"]["dir"] = str(run_dir.resolve())
     earlier = read_lineage(run_dir)
+    if earlier and "run_id" not in earlier:
+        raise UserInputError(f"{run_dir / LINEAGE_FILE_NAME}: not a run's lineage record (no run_id); restore it or "
+                             "move it aside")
     if earlier:
         lineage["run_id"] = earlier["run_id"]
         lineage["attempt"] = int(earlier.get("attempt", 0)) + 1
