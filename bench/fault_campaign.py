@@ -20,6 +20,7 @@ tests/test_launch_local.py (two emulated hosts), not here.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -233,25 +234,26 @@ def damage(tmp: Path, rng: random.Random, quick: bool) -> None:
         if name == "renamed step folder":
             lost.discard(sorted(good_before)[-1])
         ok = proc.returncode in (0, 2) and not traceback_in(proc) and one_line and not lost
+        reached = max(losses(run)) if (run / "metrics.jsonl").exists() else "?"
         detail = f"rc {proc.returncode}; " + (lines[-1][:160] if lines and proc.returncode else
-                                              f"resumed to step {max(losses(run)) if (run / 'metrics.jsonl').exists() else '?'}")
+                                              f"resumed to step {reached}")
         report("damage", name, ok, detail + (f"; LOST {sorted(lost)}" if lost else ""))
 
 
 # ---- 3. S3 faults ---------------------------------------------------------------------------------------------
 def s3(tmp: Path, rng: random.Random, quick: bool) -> None:
-    from s3_server import moto_s3
-
     from leantrain.ckpt.preflight import preflight_storage
     from leantrain.errors import LeantrainError
+    from s3_server import moto_s3
     from test_ckpt_manager import make_spec
 
     os.environ.update({"LT_CAMPAIGN_KEY": "testing-key", "LT_CAMPAIGN_SECRET": "testing-secret",
                        "AWS_DEFAULT_REGION": "us-east-1"})
 
     def spec(endpoint: str, bucket: str = "ckpt", key: str = "${LT_CAMPAIGN_KEY}") -> Any:
-        return make_spec(checkpoint={"storage": "object_store", "url": f"s3://{bucket}/runs/x", "endpoint_url": endpoint,
-                                     "access_key": key, "secret_key": "${LT_CAMPAIGN_SECRET}"})
+        return make_spec(checkpoint={"storage": "object_store", "url": f"s3://{bucket}/runs/x",
+                                     "endpoint_url": endpoint, "access_key": key,
+                                     "secret_key": "${LT_CAMPAIGN_SECRET}"})
 
     def expect_refusal(name: str, the_spec: Any, *words: str) -> None:
         start = time.monotonic()
@@ -292,10 +294,8 @@ def s3(tmp: Path, rng: random.Random, quick: bool) -> None:
     def accept() -> None:
         server.settimeout(0.5)
         while not stop.is_set():
-            try:
+            with contextlib.suppress(OSError):
                 held.append(server.accept()[0])
-            except OSError:
-                pass
 
     thread = threading.Thread(target=accept, daemon=True)
     thread.start()
@@ -355,7 +355,8 @@ BOMBS = {
     "nested 5,000 deep mapping": "model: " + "{a: " * 5000 + "1" + "}" * 5000 + "\n",
     "self-referencing alias": "model: &s [*s]\n",
     "billion laughs": "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
-        f"{c}: &{c} [{', '.join(['*' + p] * 10)}]\n" for p, c in zip("abcdefgh", "bcdefghi")) + "model: *i\n",
+        f"{c}: &{c} [{', '.join(['*' + p] * 10)}]\n"
+        for p, c in zip("abcdefgh", "bcdefghi", strict=True)) + "model: *i\n",
 }
 
 

@@ -32,7 +32,13 @@ from leantrain.ckpt.manager import _make_cipher
 from leantrain.ckpt.storage import open_store
 from leantrain.errors import UserInputError
 from leantrain.model.hf import (
-    CONFIG_FILE, from_hf_expert_name, from_hf_name, hf_config, plan_shards, to_hf_name, write_hf_shards,
+    CONFIG_FILE,
+    from_hf_expert_name,
+    from_hf_name,
+    hf_config,
+    plan_shards,
+    to_hf_name,
+    write_hf_shards,
 )
 from leantrain.model.hf_load import weight_files
 from leantrain.model.lora import is_adapter, nf4_round

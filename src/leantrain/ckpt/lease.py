@@ -15,8 +15,9 @@ older than LEASE_STALE_S (a holder on another host that died, was SIGKILLed or l
 belongs to the same torchrun job (TORCHELASTIC_RUN_ID) and this is a restart of that job's workers (the job's
 restart attempt > 0: the highest TORCHELASTIC_RESTART_COUNT of any rank, which train/command.py agrees on before
 it takes the lease, since torchrun counts a restart only on the node whose workers failed and a rank 0 that moved
-to another node would otherwise see 0 and wait LEASE_STALE_S for its own job's old lease). A lock file that is not readable JSON is judged by its age alone. Takeover renames the stale file
-aside and creates a new one with O_EXCL, so of two contenders only one wins.
+to another node would otherwise see 0 and wait LEASE_STALE_S for its own job's old lease). A lock file that is
+not readable JSON is judged by its age alone. Takeover renames the stale file aside and creates a new one with
+O_EXCL, so of two contenders only one wins.
 """
 
 from __future__ import annotations
