@@ -296,7 +296,7 @@ def test_bf16_states_without_rounding_equal_a_plain_reference_adamw_loop() -> No
 @pytest.mark.slow
 def test_bf16_states_under_fsdp_on_two_ranks_equal_one_process(tmp_path: Path) -> None:
     """optimizer_state: bf16 under FSDP2 (2 gloo ranks, each stepping its shards' bf16 moments) equals the same
-    optimizer in one process: losses and gradient norms to 1e-5 relative over 6 steps. Not bitwise: the
+    optimizer in one process: losses to 1e-5 and gradient norms to 5e-5 relative over 6 steps. Not bitwise: the
     reduce-scatter sums the gradients in another order (an fp32 ulp), and a moment that then lies near a bf16
     rounding midpoint rounds the other way (2^-8 of that moment); measured ≤ 2.7e-6 by step 6, where torch's
     AdamW with fp32 moments stays ≤ 2e-7. Round-to-nearest: stochastic rounding seeds its noise per rank, so a
@@ -309,7 +309,9 @@ def test_bf16_states_under_fsdp_on_two_ranks_equal_one_process(tmp_path: Path) -
     assert got["moment_dtypes"] == ["torch.bfloat16"] and got["param_dtypes"] == ["torch.float32"]
     ref = reference_run(make_spec(**layout), steps=steps)
     fp32 = reference_run(make_spec(data_parallel=2), steps=steps)  # torch's AdamW with fp32 moments
-    for key in ("loss", "grad_norm"):
-        assert got[key] == pytest.approx(ref[key], rel=1e-5), key
+    # The gradient norm squares what the moments' rounding moved: 1.07e-5 relative at step 6 on an AMD EPYC
+    # host (2026-12-02, the session-start code too), where the losses stayed within 1e-5.
+    for key, rel in (("loss", 1e-5), ("grad_norm", 5e-5)):
+        assert got[key] == pytest.approx(ref[key], rel=rel), key
     assert ref["loss"][-1] < ref["loss"][0]
     assert max(abs(a - b) for a, b in zip(ref["loss"], fp32["loss"], strict=True)) > 1e-5  # bf16 moments show
