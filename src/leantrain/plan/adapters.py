@@ -25,32 +25,28 @@ def _attention(shape: ModelShape) -> dict[str, tuple[int, int]]:
     return out
 
 
-def target_linears(shape: ModelShape, *, moe_layer: bool) -> dict[str, list[tuple[int, int]]]:
-    """(in, out) of every Linear a LoRA target name means in one of our blocks (a name may mean none)."""
+def target_shapes(shape: ModelShape, *, moe_layer: bool) -> dict[str, tuple[int, int]]:
+    """(in, out) of the Linear each LoRA target name means in one of our blocks (a name may mean none; routed
+    experts get none)."""
     d = shape.d_model
-    linears = {name: [io] for name, io in _attention(shape).items()}
+    shapes = _attention(shape)
     moe = shape.moe
     if moe_layer and moe is not None:
         hidden = moe.num_shared_experts * moe.expert_hidden
-        mlp = {"w1": [(d, hidden)], "w3": [(d, hidden)], "w2": [(hidden, d)]} if hidden else {}
-        mlp["gate"] = [(d, moe.num_experts)]
+        if hidden:
+            shapes.update({"w1": (d, hidden), "w3": (d, hidden), "w2": (hidden, d)})
+        shapes["gate"] = (d, moe.num_experts)
     else:
         f = shape.ffn_hidden
-        mlp = {"w1": [(d, f)], "w2": [(f, d)]}
+        shapes.update({"w1": (d, f), "w2": (f, d)})
         if shape.mlp == "swiglu":
-            mlp["w3"] = [(d, f)]
-    linears.update(mlp)
-    return linears
-
-
-def target_shapes(shape: ModelShape, *, moe_layer: bool) -> dict[str, tuple[int, int]]:
-    """(in, out) of each Linear a LoRA target name means in one of our blocks (routed experts get none)."""
-    return {name: ios[0] for name, ios in target_linears(shape, moe_layer=moe_layer).items()}
+            shapes["w3"] = (d, f)
+    return shapes
 
 
 def per_layer_targets(shape: ModelShape, targets: tuple[str, ...], *, moe_layer: bool) -> list[tuple[int, int]]:
-    known = target_linears(shape, moe_layer=moe_layer)
-    return [io for name in targets for io in known.get(name, [])]
+    known = target_shapes(shape, moe_layer=moe_layer)
+    return [known[name] for name in targets if name in known]
 
 
 def lora_param_count(shape: ModelShape, *, rank: int, targets: tuple[str, ...]) -> float:
