@@ -164,7 +164,8 @@ def _write_adapter(spec: JobSpec, dcp_tensors: DcpTensors, out: Path, *, base: P
     names = sorted(n for n in dcp_tensors.meta if is_adapter(n))
     prefixes = sorted({n.rsplit(".", 1)[0] for n in names})
     modules = {p: to_hf_name(f"{p}.weight").removesuffix(".weight") for p in prefixes}
-    moe_base = any(from_hf_expert_name(n) for n in weight_files(base))
+    base_files = weight_files(base)  # read once: the MoE test below and target_modules both need its names
+    moe_base = any(from_hf_expert_name(n) for n in base_files)
     unmapped = [p for p, m in modules.items() if p.endswith("router.gate") or (
         moe_base and m.rsplit(".", 1)[-1] in ("gate_proj", "up_proj", "down_proj"))]
     if unmapped:
@@ -180,7 +181,7 @@ def _write_adapter(spec: JobSpec, dcp_tensors: DcpTensors, out: Path, *, base: P
     lora = spec.finetune.lora
     adapted = set(modules.values())
     short = {m.rsplit(".", 1)[-1] for m in adapted}
-    base_modules = {n.removesuffix(".weight") for n in weight_files(base) if n.endswith(".weight")}
+    base_modules = {n.removesuffix(".weight") for n in base_files if n.endswith(".weight")}
     exact = all(m in adapted for m in base_modules if m.rsplit(".", 1)[-1] in short)
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": str(base),
               "r": lora.rank, "lora_alpha": lora.alpha, "lora_dropout": lora.dropout,
