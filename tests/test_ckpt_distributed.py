@@ -201,7 +201,7 @@ def _command_attempts() -> list[int]:
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(rank)
     os.environ["WORLD_SIZE"] = "2"
     seen = [torch.zeros(1, dtype=torch.int64) for _ in range(2)]
-    dist.all_gather(seen, torch.tensor([job_attempt(make_spec())], dtype=torch.int64))
+    dist.all_gather(seen, torch.tensor([job_attempt(make_spec()).number], dtype=torch.int64))
     return [int(t.item()) for t in seen]
 
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from leantrain.ckpt.attempt import JobAttempt
 from leantrain.ckpt.lease import (
     JOB_ENV,
     LEASE_ENV,
@@ -133,7 +134,7 @@ def test_train_uses_the_agreed_attempt_for_the_lease_and_the_first_start_check(
     _write_record(run_dir, age_s=1, job="job-7")
     monkeypatch.setenv(JOB_ENV, "job-7")
     monkeypatch.setenv(RESTART_ENV, "0")
-    monkeypatch.setattr(command, "job_attempt", lambda spec: 1)
+    monkeypatch.setattr(command, "job_attempt", lambda spec: JobAttempt(1))
     monkeypatch.setattr(command, "_check_data_dir", lambda spec: None)
 
     def refuse(*args: object, **kwargs: object) -> None:

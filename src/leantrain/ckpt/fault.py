@@ -16,7 +16,7 @@ Set in the environment of every rank (torchrun passes it on to the workers it re
                                        commit: `before_marker` (shards and manifest written, no COMMIT marker
                                        yet) or `before_retention` (committed and published, retention not run)
 
-Before dying, rank r writes `run_dir/fault-injected.json` (step, rank, wall time, restart attempt) and fsyncs
+Before dying, rank r writes `run_dir/fault-injected.json` (step, rank, wall time, the job's attempt) and fsyncs
 it. The marker makes the fault fire once: workers restarted by torchrun find it and train on, and the restart
 event reads the kill time from it to measure recovery. SIGKILL (not an exception) because that is what a
 crashed GPU, an OOM killer or a lost node looks like to the rest of the job: no handler, no flush, no goodbye.
@@ -118,8 +118,10 @@ def corrupt_newest_checkpoint(store: Store) -> str | None:
 class FaultInjector:
     """One rank's view of a `FaultPlan`; armed until the marker file says the fault has fired."""
 
-    def __init__(self, plan: FaultPlan, *, run_dir: Path, rank: int) -> None:
+    def __init__(self, plan: FaultPlan, *, run_dir: Path, rank: int, attempt: int | None = None) -> None:
+        """`attempt`: the job's agreed attempt (ckpt/attempt.py) the marker records; None: this process's count."""
         self.plan, self.run_dir, self.rank = plan, Path(run_dir), rank
+        self.attempt = restart_attempt() if attempt is None else attempt
         self.node_files: list[Path] = []  # what a lost node takes with it (the fast tier's folders)
         # Read once at start-up by every rank, so all ranks agree whether the forced save at step k happens.
         self.fired = read_marker(self.run_dir) is not None
@@ -176,7 +178,7 @@ class FaultInjector:
     def _die(self, step: int, *, corrupted: str | None, during_save: bool) -> None:
         self.fired = True
         record = {**asdict(self.plan), "step": step, "rank": self.rank, "time": time.time(),
-                  "attempt": restart_attempt(), "during_save": during_save, "corrupted": corrupted,
+                  "attempt": self.attempt, "during_save": during_save, "corrupted": corrupted,
                   "pid": os.getpid()}
         path = self.run_dir / MARKER_FILE
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -7,10 +7,11 @@ every rank, and `close()`. This module reads the trainer's attributes by name (d
 leantrain.train): model, optimizer, scheduler, sampler (Stateful with the global sample index), the counters
 step / tokens_seen / skipped_steps, runtime.rank / runtime.world_size, spec and run_dir.
 
-Restarts: a worker that torchrun restarted (TORCHELASTIC_RESTART_COUNT > 0 on any rank: the ranks agree on the
-highest, since an agent restarted by a membership change keeps its count) records a `restart` event after its
-resume (rank 0): the attempt, the step it resumed from, and `recovery_s`, the wall time from the failure to
-the end of the load. The failure time is the kill time a drill's fault marker recorded (then `planned`), or
+Restarts: a worker that torchrun restarted (the job's attempt > 0, agreed once per start by every rank,
+ckpt/attempt.py: `leantrain train` agrees on it before the lease and passes it in as `attempt`) records a
+`restart` event after its resume (rank 0): the attempt, the step it resumed from, its cause (`hang`, `drill`,
+`membership change` or `worker failure`) and `recovery_s`, the wall time from the failure to the end of the
+load. The failure time is the kill time a drill's fault marker recorded (then `planned`), or
 else the last sign of life in the run dir (the newest write to metrics.jsonl / events.jsonl), which bounds
 it from below. Every successful resume also records a `resume` event (`from_step`).
 The drill hook (ckpt/fault.py) is armed from the environment; without its variables it costs nothing.
@@ -42,10 +43,11 @@ from pathlib import Path
 from typing import Any
 
 import leantrain.ckpt.integrity as integ
+from leantrain.ckpt.attempt import JobAttempt, agree_job_attempt
 from leantrain.ckpt.control import checkpoint_requested, clear_checkpoint_request
 from leantrain.ckpt.dcp_io import apply_state_dict, build_state_dict
 from leantrain.ckpt.errors import CheckpointLoadError
-from leantrain.ckpt.fault import FaultInjector, FaultPlan, read_marker, restart_attempt
+from leantrain.ckpt.fault import FaultInjector, FaultPlan, read_marker
 from leantrain.ckpt.identity import MODEL_KEY, model_identity
 from leantrain.ckpt.manager import CheckpointManager, CheckpointSaveError
 from leantrain.ckpt.memory_tier import MemoryTier, capacity_problem, estimate_shard_bytes, memory_root
@@ -75,6 +77,13 @@ def last_sign_of_life_s(run_dir: Path) -> float | None:
     return max(times) if times else None
 
 
+def restart_cause(*, hangs: bool, planned: bool, membership_change: bool) -> str:
+    """A restart event's cause: the earlier attempt's hang records first, then a drill's kill, then a change of
+    the rendezvous with no failure counted; otherwise a worker failed."""
+    return ("hang" if hangs else "drill" if planned else "membership change" if membership_change
+            else "worker failure")
+
+
 class _Counters:
     """The trainer's loop counters as a Stateful, so they load straight back into its attributes."""
 
@@ -92,7 +101,10 @@ class _Counters:
 class TrainerCheckpointer:
     """Saves on the spec's interval (or when preempted, or at the last step) and resumes at start-up."""
 
-    def __init__(self, trainer: Any, *, resume: ResumeRequest | None = None, **manager_options: Any) -> None:
+    def __init__(self, trainer: Any, *, resume: ResumeRequest | None = None, attempt: JobAttempt | None = None,
+                 **manager_options: Any) -> None:
+        """`attempt`: the job's agreed attempt (train/command.py's job_attempt); None agrees on it here, for
+        callers that build a trainer themselves (tests, the rehearsal)."""
         self.started_s = time.time()
         self.resume = resume or ResumeRequest()
         self.finished = False  # the run had reached its last step already (nothing to train)
@@ -105,11 +117,8 @@ class TrainerCheckpointer:
             trainer.spec, run_dir=trainer.run_dir, rank=trainer.runtime.rank, world_size=trainer.runtime.world_size,
             **manager_options,
         )
-        # torchrun counts restarts per agent (node), and only where workers failed: an agent that restarts its
-        # workers because another node rejoined the rendezvous (a membership change) keeps its count. After a
-        # failure on another node this node's ranks see a lower count (rank 0 there would record no restart):
-        # the job's attempt is the highest count of any rank.
-        self.attempt = self.manager.highest(restart_attempt())
+        job = attempt if attempt is not None else agree_job_attempt(self.manager.highest)
+        self.attempt, self.membership_change = job.number, job.membership_change
         self.last_alive_s = last_alive_s if self.attempt > 0 else None
         store = self.manager.store
         self.provenance = CheckpointProvenance(
@@ -130,7 +139,8 @@ class TrainerCheckpointer:
         self._seen_saved_step: int | None = None
         self.stop_reason: str | None = None  # why the loop should stop: "preempted" or "checkpoint requested"
         plan = FaultPlan.from_env()
-        self.fault = None if plan is None else FaultInjector(plan, run_dir=trainer.run_dir, rank=trainer.runtime.rank)
+        self.fault = None if plan is None else FaultInjector(plan, run_dir=trainer.run_dir, rank=trainer.runtime.rank,
+                                                             attempt=self.attempt)
         self.memory = _memory_tier(trainer, self.manager)
         if self.fault is not None and self.memory is not None:
             self.fault.node_files = self.memory.node_folders()
@@ -306,7 +316,8 @@ class TrainerCheckpointer:
             "frozen_ranks": sorted(set(range(self.manager.world_size)) - set(aborted))}
         self.manager.events.emit(
             "restart", attempt=self.attempt, resumed_from=resumed_from, recovery_s=recovery_s, planned=planned,
-            cause="hang" if hangs else "drill" if planned else "worker failure", host=socket.gethostname(),
+            cause=restart_cause(hangs=bool(hangs), planned=planned, membership_change=self.membership_change),
+            host=socket.gethostname(),
             killed_step=marker.get("step") if planned and marker else None,
             startup_s=time.time() - self.started_s, **hang_fields,
         )

@@ -389,14 +389,14 @@ class CheckpointManager:
         """Rank 0's value on every rank, on the main thread's agreement group (all ranks call it together)."""
         return self._agree(value, self._control_pg)
 
-    def highest(self, value: int) -> int:
-        """The largest of every rank's `value`, on every rank, on the main thread's agreement group (all ranks call
-        it together; a tensor all-reduce, no pickled objects)."""
+    def highest(self, values: list[int]) -> list[int]:
+        """The element-wise largest of every rank's `values`, on every rank, on the main thread's agreement group
+        (all ranks call it together; a tensor all-reduce, no pickled objects)."""
         if self._control_pg is None:
-            return value
-        box = torch.tensor([int(value)], dtype=torch.int64)
+            return list(values)
+        box = torch.tensor([int(v) for v in values], dtype=torch.int64)
         dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self._control_pg)
-        return int(box.item())
+        return [int(v) for v in box.tolist()]
 
     def read_on_rank0(self, read: Callable[[], T]) -> T:
         """`read()` on rank 0 alone, its result on every rank, on the main thread's agreement group (all ranks

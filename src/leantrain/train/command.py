@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.markup import escape
 
-from leantrain.ckpt.fault import restart_attempt
+from leantrain.ckpt.attempt import JobAttempt, agree_job_attempt
 from leantrain.ckpt.integrity import step_dir
 from leantrain.ckpt.resume import ResumeRequest, precheck
 from leantrain.errors import Interrupted, LeantrainError, UserInputError
@@ -52,11 +52,11 @@ def _check_data_dir(spec: JobSpec) -> None:
         )
 
 
-def _checkpointer_factory(resume: ResumeRequest | None) -> Callable[[Trainer], Checkpointer]:
-    """The checkpoint manager's adapter, resuming as `--resume` asks."""
+def _checkpointer_factory(resume: ResumeRequest | None, *, attempt: JobAttempt) -> Callable[[Trainer], Checkpointer]:
+    """The checkpoint manager's adapter, resuming as `--resume` asks, with the job's agreed attempt."""
     from leantrain.ckpt.hook import TrainerCheckpointer
 
-    return functools.partial(TrainerCheckpointer, resume=resume)
+    return functools.partial(TrainerCheckpointer, resume=resume, attempt=attempt)
 
 
 @dataclass
@@ -83,7 +83,7 @@ def train(
         return _train_leased(spec, run_dir=run_dir, max_steps=max_steps, console=console, resume=resume,
                              attempt=attempt)
     existed = target.exists()
-    lease = acquire_lease(target, command="train", owner_only=spec.security.owner_only, attempt=attempt)
+    lease = acquire_lease(target, command="train", owner_only=spec.security.owner_only, attempt=attempt.number)
     try:
         preflight_storage(spec, run_dir=target)
         return _train_leased(spec, run_dir=run_dir, max_steps=max_steps, console=console, resume=resume,
@@ -98,33 +98,37 @@ def train(
         lease.release()
 
 
-def job_attempt(spec: JobSpec) -> int:
-    """The job's restart attempt: the highest TORCHELASTIC_RESTART_COUNT of any rank (0 on a first start).
+def job_attempt(spec: JobSpec) -> JobAttempt:
+    """The job's restart attempt (0 on a first start), agreed by every rank once per start (ckpt/attempt.py).
 
     torchrun counts a restart only on the agent whose workers failed; an agent that restarts its workers because
     the rendezvous changed keeps its count, so after a failure on one node the other nodes' ranks see a lower
-    one. The first-start check and the lease's takeover rule use this agreed count (as the hook's restart record
-    does), so a rank 0 on a node that did not fail neither refuses its own job's checkpoints (`--resume none`)
-    nor waits for its own job's old lease. With several ranks this starts the process group (the trainer reuses
-    it) and all-reduces the count, before rank 0 takes the lease.
+    one, and after a membership change alone every rank sees the count of the start before. The first-start
+    check, the lease's takeover rule and the checkpoint hook (its resume choice and `restart` event) all use this
+    one agreed attempt, so a rank 0 on a node that did not fail neither refuses its own job's checkpoints
+    (`--resume none`) nor waits for its own job's old lease. With several ranks this starts the process group
+    (the trainer reuses it) and all-reduces, before rank 0 takes the lease.
     """
-    count = restart_attempt()
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return count
+        return agree_job_attempt()
     import torch
     import torch.distributed as dist
 
     from leantrain.train.runtime import init_runtime
 
     runtime = init_runtime(spec)
-    box = torch.tensor([count], dtype=torch.int64, device=runtime.device)
-    dist.all_reduce(box, op=dist.ReduceOp.MAX)
-    return int(box.item())
+
+    def all_max(values: list[int]) -> list[int]:
+        box = torch.tensor(values, dtype=torch.int64, device=runtime.device)
+        dist.all_reduce(box, op=dist.ReduceOp.MAX)
+        return [int(v) for v in box.tolist()]
+
+    return agree_job_attempt(all_max)
 
 
 def _train_leased(
     spec: JobSpec, *, run_dir: Path | None, max_steps: int | None, console: Console | None,
-    resume: ResumeRequest | None = None, attempt: int = 0,
+    resume: ResumeRequest | None = None, attempt: JobAttempt | None = None,
 ) -> TrainOutcome:
     from leantrain.train.trainer import Trainer
 
@@ -133,7 +137,8 @@ def _train_leased(
     _check_trainable(spec)
     _check_data_dir(spec)
     target = Path(run_dir or spec.run.dir)
-    if attempt == 0:  # refusals that need no model come before anything is written (the job's agreed attempt)
+    attempt = attempt or JobAttempt()
+    if attempt.number == 0:  # refusals that need no model come before anything is written (the agreed attempt)
         precheck(spec, run_dir=target, request=resume or ResumeRequest(), max_steps=max_steps)
     rank = int(os.environ.get("RANK", "0"))
     before = description_snapshot(target) if rank == 0 else {}
@@ -142,7 +147,7 @@ def _train_leased(
     try:
         trainer = Trainer(
             spec, run_dir=target, max_steps=max_steps, console=console, extra_sinks=context.sinks,
-            checkpointer_factory=_checkpointer_factory(resume),
+            checkpointer_factory=_checkpointer_factory(resume, attempt=attempt),
         )
     except BaseException as err:
         for sink in context.sinks:  # the trainer never took them over: stop the alert watchdog here
