@@ -10,10 +10,29 @@ counts)`, so the rows bound for one rank are contiguous (rank r owns experts [rÂ
 Expert weights become DTensors sharded on dim 0 over the ep mesh (so checkpoints see the global tensor);
 `parallel.fsdp` then shards them further over the ranks holding the same experts (dp_mod_ep) with a
 `fully_shard` of their own, which also reduces their gradients.
+
+Under full activation checkpointing the block's forward runs again in backward, and routing is deterministic,
+so the recompute routes the same counts: it takes the first forward's split sizes (and received counts) instead
+of exchanging the counts and reading them on the host again (one host sync per MoE layer and micro-batch, not
+two). torchtitan reaches the same end in its op-level selective AC (`torchtitan/distributed/
+activation_checkpoint.py`: the dispatch's `all_to_all_single` outputs and device-to-host copies are always saved,
+so a recompute neither communicates nor syncs); its full AC re-runs `_token_dispatch` (`distributed/
+expert_parallel.py`) with its sync. Here the checkpoint call is a plain one, so each experts module keeps its
+dispatches' splits in forward order and its recomputes take them in that order (backward follows forward per
+stage module in plain accumulation, GPipe, 1F1B and interleaved 1F1B). The recompute checks what it takes:
+the row count on the host, the routed counts on the device (`torch._assert_async`, no sync), so a recompute
+in another order fails instead of sending rows by another micro-batch's splits. Only a forward under grad in
+a checkpointed region (saved-tensor hooks active) keeps an entry, and its autograd graph holds it (a hook on the
+MoE output's grad_fn), so a graph dropped without a backward takes its entries along; no recompute, selective
+recompute (the dispatch is outside the recomputed attention core) and no-grad forwards keep nothing.
 """
 
 from __future__ import annotations
 
+import contextlib
+import weakref
+from collections import deque
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,13 +47,26 @@ from leantrain.errors import UserInputError
 
 def expert_modules(model: nn.Module) -> list[nn.Module]:
     """The GroupedExperts of every MoE layer of `model` (a Transformer or a pipeline stage)."""
-    return [block.feed_forward.experts for block in model.layers.values() if getattr(block, "is_moe", False)]  # type: ignore[union-attr]
+    return [moe.experts for moe in _moe_modules(model)]
 
 
 def apply_expert_parallel(model: nn.Module, *, ep_mesh: DeviceMesh) -> None:
     """Split every MoE layer's experts over `ep_mesh` in place (`parallel.fsdp` then shards them over dp_mod_ep)."""
-    for experts in expert_modules(model):
+    for moe in _moe_modules(model):
+        experts = moe.experts
+        experts._ep_kept = deque()  # weak references to _KeptSplits, in forward order
+        experts._ep_pending = None  # this forward's entry until the MoE output's graph holds it
         distribute_module(experts, ep_mesh, partition_fn=_shard_experts, input_fn=_dispatch, output_fn=_combine)
+        moe.register_forward_hook(_hold_kept_splits)
+
+
+def _moe_modules(model: nn.Module) -> list[nn.Module]:
+    return [block.feed_forward for block in model.layers.values() if getattr(block, "is_moe", False)]  # type: ignore[union-attr]
+
+
+def kept_splits(model: nn.Module) -> int:
+    """Dispatches of `model` whose split sizes are kept for a recompute still to come (0 between steps)."""
+    return sum(len(getattr(experts, "_ep_kept", ())) for experts in expert_modules(model))
 
 
 def _shard_experts(name: str, module: nn.Module, mesh: DeviceMesh) -> None:
@@ -54,11 +86,18 @@ def _dispatch(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> t
     ep = mesh.size()
     num_local = counts.shape[0] // ep
     group = mesh.get_group()
-    # recv_counts[s, j]: rows rank s sends to this rank's j-th expert.
-    recv_counts = torch.empty_like(counts)
-    dist.all_to_all_single(recv_counts, counts, group=group)
-    recv_counts = recv_counts.view(ep, num_local)
-    send_splits, recv_splits = host_splits(counts.view(ep, num_local), recv_counts, num_rows=x_sorted.shape[0])
+    if _is_recompute():
+        kept = _take_kept_splits(module, counts=counts, num_rows=x_sorted.shape[0])
+        recv_counts, send_splits, recv_splits = kept.recv_counts, kept.send_splits, kept.recv_splits
+    else:
+        # recv_counts[s, j]: rows rank s sends to this rank's j-th expert.
+        recv_counts = torch.empty_like(counts)
+        dist.all_to_all_single(recv_counts, counts, group=group)
+        recv_counts = recv_counts.view(ep, num_local)
+        send_splits, recv_splits = host_splits(counts.view(ep, num_local), recv_counts, num_rows=x_sorted.shape[0])
+        if _may_be_recomputed():
+            _keep_splits(module, _KeptSplits(counts=counts.detach(), recv_counts=recv_counts,
+                                             send_splits=send_splits, recv_splits=recv_splits))
     received = all_to_all_single_autograd(x_sorted, recv_splits, send_splits, group)  # (rows_in, d_model)
     local_ids = torch.arange(num_local, device=counts.device).repeat(ep)
     # (rows_in,), by source rank then expert; the size is known, so no second read of the counts
@@ -66,6 +105,66 @@ def _dispatch(module: nn.Module, inputs: tuple[Any, ...], mesh: DeviceMesh) -> t
     order = local_ids.argsort(stable=True)
     module._ep_state = (order, send_splits, recv_splits, group)  # read by _combine
     return received[order], local_ids[order], recv_counts.sum(dim=0)
+
+
+@dataclass
+class _KeptSplits:
+    """One dispatch's answers, for the recompute of the same forward (two E-long vectors and two ep-long lists)."""
+
+    counts: torch.Tensor  # (experts,) rows this rank routed to each expert: the recompute is checked against it
+    recv_counts: torch.Tensor  # (ep, local experts) rows each rank sends to this rank's experts
+    send_splits: list[int]
+    recv_splits: list[int]
+
+
+def _is_recompute() -> bool:
+    """A forward run by the autograd engine with grad on: activation checkpointing's recompute (torch.utils.
+    checkpoint runs it from a saved tensor's unpack hook, inside the backward's graph task)."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
+
+
+def _may_be_recomputed() -> bool:
+    """A forward under grad whose saved tensors go through saved-tensor hooks: torch.utils.checkpoint's (full
+    recompute puts the dispatch in such a region; selective recompute and none do not)."""
+    return torch.is_grad_enabled() and torch._C._autograd._top_saved_tensors_default_hooks(True) is not None
+
+
+def _keep_splits(module: nn.Module, kept: _KeptSplits) -> None:
+    queue: deque[weakref.ref[_KeptSplits]] = module._ep_kept
+
+    def forget(ref: weakref.ref[_KeptSplits]) -> None:  # the graph holding the entry is gone
+        with contextlib.suppress(ValueError):  # not there when its recompute took it
+            queue.remove(ref)
+
+    queue.append(weakref.ref(kept, forget))
+    module._ep_pending = kept
+
+
+def _hold_kept_splits(moe: nn.Module, args: Any, output: torch.Tensor) -> None:
+    """Forward hook of the MoE layer: its output's autograd graph holds this forward's kept splits, so they live
+    while a backward (and the recompute in it) can still come, and no longer. Without a graph there is no backward
+    through this layer: the entry is dropped."""
+    experts = moe.experts
+    kept, experts._ep_pending = experts._ep_pending, None
+    if kept is not None and isinstance(output, torch.Tensor) and output.grad_fn is not None:
+        output.grad_fn.register_prehook(lambda grad_outputs, kept=kept: None)
+
+
+def _take_kept_splits(module: nn.Module, *, counts: torch.Tensor, num_rows: int) -> _KeptSplits:
+    """The oldest kept splits of this experts module, checked against the recompute's routing."""
+    queue: deque[weakref.ref[_KeptSplits]] = module._ep_kept
+    kept = queue.popleft()() if queue else None
+    if kept is None:
+        raise RuntimeError("expert parallelism: a recomputed MoE forward found no split sizes kept by its first "
+                           "forward (a recompute without a forward under grad, or a second backward of the same "
+                           "graph); the recompute reuses the first forward's all-to-all splits")
+    if sum(kept.send_splits) != num_rows:
+        raise RuntimeError(f"expert parallelism: a recomputed MoE forward routes {num_rows} rows, the oldest kept "
+                           f"forward routed {sum(kept.send_splits)}: backward must follow forward order per stage")
+    # On the device (no host sync): another micro-batch's splits would send rows to the wrong ranks.
+    torch._assert_async((counts == kept.counts).all(), "expert parallelism: a recomputed MoE forward routed other "
+                        "counts than the oldest kept forward: backward must follow forward order per stage")
+    return kept
 
 
 def host_splits(send_counts: torch.Tensor, recv_counts: torch.Tensor, *, num_rows: int) -> tuple[list[int], list[int]]:
