@@ -43,6 +43,7 @@ sys.path.insert(0, str(ROOT / "tests"))  # the tests' tiny job and S3 server hel
 PY = sys.executable
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 RESULTS: dict[str, list[bool]] = {}
+KIND_FILTER: list[str] = []  # --kind: the damage kinds to run (default: all)
 
 
 def report(campaign: str, name: str, ok: bool, detail: str = "") -> None:
@@ -191,6 +192,7 @@ def damage_kinds(other_run: Path) -> dict[str, Callable[[Path], None]]:
 
 
 def damage(tmp: Path, rng: random.Random, quick: bool) -> None:
+    """Each kind on a copy of one killed run; `--kind WORDS` keeps the kinds whose name holds WORDS."""
     spec = job_spec(tmp)
     base = tmp / "base"
     from leantrain.ckpt.fault import ENV_KILL_AT_STEP
@@ -210,6 +212,8 @@ def damage(tmp: Path, rng: random.Random, quick: bool) -> None:
     kinds = list(damage_kinds(other).items())
     if quick:
         kinds = kinds[:: 4]
+    if KIND_FILTER:
+        kinds = [(name, hurt) for name, hurt in kinds if any(word in name for word in KIND_FILTER)]
     for name, hurt in kinds:
         run = tmp / ("d-" + name.replace(" ", "_").replace("'", ""))
         shutil.copytree(base, run, symlinks=True)
@@ -231,13 +235,20 @@ def damage(tmp: Path, rng: random.Random, quick: bool) -> None:
                     p.chmod(0o755)
         kept = {p.name for p in _ckpts(run).glob("step-*")} if with_folder else set()
         lost = {n for n in good_before - kept if n not in name}  # a folder the damage itself moved is not lost
+        if name == "checkpoints path is a file":
+            lost = set()  # the damage itself replaced the folder by a file: nothing the resume could keep
         if name == "renamed step folder":
             lost.discard(sorted(good_before)[-1])
         ok = proc.returncode in (0, 2) and not traceback_in(proc) and one_line and not lost
         reached = max(losses(run)) if (run / "metrics.jsonl").exists() else "?"
         detail = f"rc {proc.returncode}; " + (lines[-1][:160] if lines and proc.returncode else
                                               f"resumed to step {reached}")
-        report("damage", name, ok, detail + (f"; LOST {sorted(lost)}" if lost else ""))
+        why = [w for w, bad in (("traceback", traceback_in(proc)), (f"{len(lines)} stderr lines", not one_line),
+                                (f"exit {proc.returncode}", proc.returncode not in (0, 2))) if bad]
+        report("damage", name, ok, (f"[{', '.join(why)}] " if why else "") + detail
+               + (f"; LOST {sorted(lost)}" if lost else ""))
+        if not ok:
+            print("    " + "\n    ".join(lines[-12:]), flush=True)
 
 
 # ---- 3. S3 faults ---------------------------------------------------------------------------------------------
@@ -336,7 +347,8 @@ def signals(tmp: Path, rng: random.Random, quick: bool) -> None:
         deadline = time.monotonic() + 300
         ckpts = run_dir / "checkpoints"
         while time.monotonic() < deadline and proc.poll() is None:  # the first save has started
-            if ckpts.is_dir() and any(ckpts.iterdir()):
+            # a save's folder, not the storage preflight's probe file (written before the signal handlers)
+            if ckpts.is_dir() and any("step-" in p.name for p in ckpts.iterdir()):
                 break
             time.sleep(0.005)
         proc.send_signal(sig)
@@ -495,7 +507,9 @@ def main() -> int:
     parser.add_argument("--only", action="append", choices=list(CAMPAIGNS))
     parser.add_argument("--quick", action="store_true", help="fewer repetitions (the totals say how many ran)")
     parser.add_argument("--seed", type=int, default=25)
+    parser.add_argument("--kind", action="append", default=[], help="damage: only the kinds whose name holds this")
     args = parser.parse_args()
+    KIND_FILTER.extend(args.kind)
     rng = random.Random(args.seed)
     for name in args.only or list(CAMPAIGNS):
         start = time.monotonic()

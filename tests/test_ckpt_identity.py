@@ -67,6 +67,42 @@ def test_a_renamed_folder_is_refused_by_name_and_the_run_falls_back(tmp_path: Pa
     assert refused.value.exit_code == 2
 
 
+def test_a_refusal_is_its_one_line_error_and_a_fallback_still_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Two folders swapped (each manifest names the other's step): the refusal names both and is the only line
+    on the console (the skipped checkpoints' warnings were held); a fallback that loads still shows them."""
+    run_dir = tmp_path / "run"
+    ckpt = manager(run_dir, THIS)
+    app = make_app()
+    for at in (2, 4):
+        train(app, 2)
+        ckpt.save(at, app, blocking=True)
+    ckpt.close()
+    root = run_dir / "checkpoints"
+    (root / "step-00000002").rename(root / "x")
+    (root / "step-00000004").rename(root / "step-00000002")
+    (root / "x").rename(root / "step-00000004")
+    caplog.set_level("WARNING", logger="leantrain.ckpt")
+    refused_run = manager(run_dir, THIS)
+    with pytest.raises(CheckpointLoadError) as refused:
+        refused_run.load_latest(make_app(seed=6))
+    refused_run.close()
+    assert refused.value.exit_code == 2 and "\n" not in str(refused.value)
+    assert "step-00000002" in str(refused.value) and "step-00000004" in str(refused.value)
+    assert not [r for r in caplog.records if r.name == "leantrain.ckpt" and "checkpoint_" in r.getMessage()]
+    assert [e["event"] for e in events(run_dir)].count("checkpoint_misnamed") == 2  # still in events.jsonl
+
+    shutil.rmtree(root / "step-00000004")  # the folder named 2 (holding step 4) is left: refused, nothing good
+    (root / "step-00000002").rename(root / "step-00000004")  # now named right: loads after a misnamed one
+    shutil.copytree(root / "step-00000004", root / "step-00000006")
+    fallback = manager(run_dir, THIS)
+    assert fallback.load_latest(make_app(seed=7)) == 4
+    fallback.close()
+    shown = [r.getMessage() for r in caplog.records if r.name == "leantrain.ckpt"]
+    assert any(m.startswith("checkpoint_misnamed:") and "step-00000006" in m for m in shown)
+
+
 def test_another_models_checkpoint_is_skipped_for_the_runs_own_and_kept(tmp_path: Path) -> None:
     run_dir, other_dir = tmp_path / "run", tmp_path / "other"
     ours = manager(run_dir, THIS)

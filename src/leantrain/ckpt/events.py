@@ -7,11 +7,12 @@ Only rank 0 writes, so lines never interleave across processes.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ class EventLog:
         self.on_alert = on_alert
         self.audit = audit  # e.g. security.AuditLog(...).append
         self._lock = threading.Lock()
+        self._held: tuple[int, list[str]] | None = None  # (thread, warnings) while console_held() holds them
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -64,6 +66,29 @@ class EventLog:
                 # above is kept, and `leantrain runs RUN_DIR` reports the broken chain.
                 log.warning("audit.log append failed for %s: %s: %s", event, type(err).__name__, err)
         if event in ALERT_EVENTS:
-            log.warning("%s: %s", event, {k: v for k, v in fields.items()})
+            message = f"{event}: {fields}"
+            held = self._held
+            if held is not None and held[0] == threading.get_ident():
+                held[1].append(message)
+            else:
+                log.warning("%s", message)
             if self.on_alert is not None:
                 self.on_alert(event, record)
+
+    @contextlib.contextmanager
+    def console_held(self) -> Iterator[Callable[[], None]]:
+        """Hold the console warnings of alert events this thread emits inside: the yielded `flush()` prints
+        them (a resume that fell back and loaded); unflushed they are dropped (a refusal, whose one-line error
+        names every reason). The events file and the alert callback get each event at once either way."""
+        held: list[str] = []
+        self._held = (threading.get_ident(), held)
+
+        def flush() -> None:
+            for message in held:
+                log.warning("%s", message)
+            held.clear()
+
+        try:
+            yield flush
+        finally:
+            self._held = None

@@ -65,7 +65,24 @@ def _list(m: CheckpointManager, store: Store) -> list[integ.StepEntry]:
 
 def load(m: CheckpointManager, app_state: dict[str, Any], *, step: int | None = None, source: Store | None = None,
          check: ResumeCheck | None = None) -> int | None:
-    """The loaded step, or None when the store holds no checkpoint at all (see the module docstring)."""
+    """The loaded step, or None when the store holds no checkpoint at all (see the module docstring).
+
+    The console warnings of the checkpoints it skips are shown once a load succeeds (the fallback); a refusal
+    (CheckpointLoadError) shows its one-line error alone, since it names every skipped checkpoint and why."""
+    with m.events.console_held() as flush:
+        try:
+            loaded = _load(m, app_state, step=step, source=source, check=check)
+        except CheckpointLoadError:
+            raise
+        except BaseException:
+            flush()
+            raise
+        flush()
+        return loaded
+
+
+def _load(m: CheckpointManager, app_state: dict[str, Any], *, step: int | None, source: Store | None,
+          check: ResumeCheck | None) -> int | None:
     store = source or m.store
     own = source is None
     entries = _list(m, store)
