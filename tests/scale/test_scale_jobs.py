@@ -79,14 +79,13 @@ def test_no_host_sync_in_a_step_outside_logging(jobs: dict[str, dict[str, Any]])
 def test_an_moe_step_syncs_only_for_the_all_to_all_sizes(jobs: dict[str, dict[str, Any]]) -> None:
     # Dropless expert parallelism needs its all-to-all split sizes on the host: one read per MoE layer and
     # micro-batch (as torchtitan's dispatch), nothing else. The example recomputes in full (it does not fit 80 GB
-    # under 1F1B otherwise), and the recomputed forward reads them again: two per MoE layer and micro-batch
-    # (measured 2026-12-02 on a cut of this job: 32 with full, 16 with selective, 16 micro-batches). Open: keep
-    # the first read's splits for the recomputed forward.
+    # under 1F1B otherwise); the recomputed forward takes the first forward's splits (parallel/expert.py), so it
+    # reads none (before that: 32 a step with full recompute, 16 with selective, 16 micro-batches).
     report = jobs["DeepSeek-V3/2048"]
     counts = report["ranks"][0]["host_sync_counts"]["step"]
     assert len(counts) == 1 and "leantrain/parallel/expert.py:" in next(iter(counts)) and next(iter(counts)).endswith(
         "expert split sizes (.tolist)"), counts
-    assert sum(counts.values()) == 2 * report["num_microbatches"]  # one MoE layer on this stage, full recompute
+    assert sum(counts.values()) == report["num_microbatches"]  # one MoE layer on this stage, full recompute
 
 
 def test_control_collectives_at_most_one_per_50_steps(jobs: dict[str, dict[str, Any]]) -> None:
