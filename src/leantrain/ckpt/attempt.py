@@ -7,9 +7,9 @@ alone every rank sees the count of the start before, 0 on a job that never faile
 like a first one (first-start refusals, the user's `--resume` instead of the run's own newest checkpoint, no
 `restart` event, the lease of its own job's earlier attempt not taken over).
 
-So after the agreement each node's local rank 0 leaves a note in the node's temp dir, keyed by the job
-(TORCHELASTIC_RUN_ID) and its agent (the workers' parent process: pid and start time, so a later torchrun
-with a recycled pid is another agent): the attempt it agreed and the highest count. The next start of that
+So after the agreement each node's local rank 0 leaves a note in the node's temp dir (a folder per user), keyed
+by the job (TORCHELASTIC_RUN_ID) and its agent (the workers' parent process: pid and start time, so a later
+torchrun with a recycled pid is another agent): the attempt it agreed and the highest count. The next start of that
 agent's workers reads it. The job's attempt is the highest count of any rank, or one more than the highest
 noted attempt where that is higher, so one job's starts are numbered in order; it is a membership change when
 some agent had noted a start and no rank's count has risen since. Without torchrun (no TORCHELASTIC_RUN_ID)
@@ -42,7 +42,8 @@ class JobAttempt:
 
 
 def notes_dir() -> Path:
-    return Path(tempfile.gettempdir()) / NOTES_DIR_NAME
+    """Per user (another user's notes are neither read nor clobbered), in the node's temp dir."""
+    return Path(tempfile.gettempdir()) / f"{NOTES_DIR_NAME}-{os.getuid()}"
 
 
 def _process_start(pid: int) -> str:
@@ -82,7 +83,7 @@ def write_agent_note(attempt: JobAttempt, *, count: int) -> None:
     if path is None or int(os.environ.get("LOCAL_RANK", "0") or 0) != 0:
         return
     with contextlib.suppress(OSError):  # without a note a later membership change looks like a first start
-        path.parent.mkdir(parents=True, exist_ok=True)
+        path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
         for old in path.parent.glob("*.json"):
             pid = old.stem.rsplit("-", 2)[-2] if old.stem.count("-") >= 2 else ""
             if pid.isdigit() and old != path and not Path(f"/proc/{pid}").exists():
