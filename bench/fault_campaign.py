@@ -57,8 +57,14 @@ def cli(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 
 
 
 def torchrun(args: list[str], *, env: dict[str, str] | None = None, restarts: int = 1) -> subprocess.CompletedProcess:
+    """torchrun with the environment `leantrain launch` gives it (launch.resources.TORCHRUN_ENV): without
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 the restarted workers can read the previous round's gloo addresses from
+    torch's shared rendezvous store and time out connecting (seen here: 2 of the first 3 kills)."""
+    from leantrain.launch.resources import TORCHRUN_ENV
+
     return subprocess.run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-                           "--max-restarts", str(restarts), "-m", "leantrain.cli", *args], env=env or ENV,
+                           "--max-restarts", str(restarts), "-m", "leantrain.cli", *args],
+                          env={**(env or ENV), **TORCHRUN_ENV},
                           capture_output=True, text=True, timeout=900)
 
 
