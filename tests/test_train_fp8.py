@@ -30,8 +30,10 @@ def data_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def job(data_dir: Path, *, compute: str, steps: int, moe: bool = False, **parallelism: Any) -> dict[str, Any]:
-    # widths divisible by 16 (the float8 GEMM's rule), so every block Linear is converted
-    model: dict[str, Any] = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128,
+    # widths divisible by 16 (the float8 GEMM's rule; under TP2 every shard too), so every block Linear is
+    # converted; and small: on the CPU `torch._scaled_mm` is a reference kernel (measured ~14M multiply-adds/s:
+    # 49 ms for 128x64x128), so each GEMM's size is what this file's time is made of
+    model: dict[str, Any] = {"n_layers": 2, "d_model": 32, "n_heads": 2, "n_kv_heads": 2, "ffn_hidden": 64,
                              "vocab_size": VOCAB, "tie_embeddings": False}
     if moe:
         model |= {"architecture": "moe", "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32,
@@ -39,7 +41,7 @@ def job(data_dir: Path, *, compute: str, steps: int, moe: bool = False, **parall
     return {
         "model": model, "parallelism": parallelism, "precision": {"compute": compute},
         "data": {"tokens_total": 1e6, "seq_len": SEQ, "dir": str(data_dir)},
-        "training": {"global_batch_tokens": 8 * SEQ, "micro_batch": 4, "lr": 3e-3, "warmup_steps": 5,
+        "training": {"global_batch_tokens": 4 * SEQ, "micro_batch": 2, "lr": 3e-3, "warmup_steps": 5,
                      "max_steps": steps, "device": "cpu", "log_every": 1, "deterministic": True, "eval_every": 0},
         "checkpoint": {"interval_steps": 1000},
         "hardware": {"accelerator": "cpu", "gpus_per_node": 2, "num_nodes": 1, "peak_flops": 1e11},
