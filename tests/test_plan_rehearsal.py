@@ -2,7 +2,9 @@
 tensors) on a small grid of layouts: a Llama-3-8B-wide model cut to 4 layers, rank 0 of each world.
 bench/plan_vs_rehearsal.py runs the whole grid (13 layouts, bench/RESULTS.md); these pin one layout per
 mechanism: ZeRO-2's gathered stage, TP with the vocabulary-parallel loss (TP2, and TP8 where the loss's
-backward and the sequence-parallel gathered inputs weigh most), a pipeline's first stage."""
+backward and the sequence-parallel gathered inputs weigh most), a pipeline's first stage (the stage torch's
+pipelining keeps gathered with its unsharded gradients). The in-flight micro-batch count of every pipeline
+schedule is checked against the order torch's own schedule runs (cheap, not heavy)."""
 
 from __future__ import annotations
 
@@ -10,6 +12,9 @@ import importlib.util
 from pathlib import Path
 
 import pytest
+
+from leantrain.plan.activations import in_flight_microbatches
+from leantrain.plan.layout import Layout
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "plan_vs_rehearsal.py"
 TOLERANCE = 0.10  # the issue's ±10 % per category
@@ -23,16 +28,9 @@ def _bench():
     return module
 
 
-# The pipeline row: temp 0.67 while plan.memory.PIPELINE_HOLDS_UNSHARDED is off (0.94 with it).
-PIPELINE_GAP = pytest.mark.xfail(strict=True, reason="torch pipelining's unsharded gradients not planned yet")
-# TP8's activations are 0.86 while plan.activations.SP_GATHERED_PLANNED is off (0.99 with it).
-SP_GAP = pytest.mark.xfail(strict=True, reason="sequence parallelism's gathered inputs are not planned yet")
-
-
 @pytest.mark.heavy
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["fsdp8 zero2 selective", "fsdp4 tp2", pytest.param("fsdp2 tp8", marks=SP_GAP),
-                                  pytest.param("fsdp4 pp2 1f1b", marks=PIPELINE_GAP)])
+@pytest.mark.parametrize("name", ["fsdp8 zero2 selective", "fsdp4 tp2", "fsdp2 tp8", "fsdp4 pp2 1f1b"])
 def test_plan_matches_the_rehearsal_per_category(name: str) -> None:
     bench = _bench()
     dp, tp, pp, zero, schedule, virtual, recompute, extra = bench.GRID[name]
@@ -41,3 +39,45 @@ def test_plan_matches_the_rehearsal_per_category(name: str) -> None:
     off = {c: plan[c] / measured[c] for c in bench.CATEGORIES if measured[c] > 2**20}
     bad = {c: round(r, 3) for c, r in off.items() if abs(r - 1) > TOLERANCE}
     assert not bad, (name, bad)
+
+
+def _torch_peak_chunks(schedule: str, p: int, v: int, m: int, rank: int) -> int:
+    """The most chunk forwards whose backward has not run yet, over the order torch's schedule gives `rank`."""
+    from torch.distributed.pipelining import schedules as ts
+
+    if schedule == "interleaved_1f1b":
+        per_round = m // max(1, m // p)
+        warmup = ts._get_warmup_ops(rank, v, per_round, p, m, multiply_factor=2)
+        ops = ts._get_1f1b_rank_ops(
+            v, p, warmup, v * m - warmup, warmup, rank,
+            lambda step: ((step // per_round) % v) * p + rank,
+            lambda step: (v - 1 - ((step - warmup) // per_round) % v) * p + rank)
+    else:  # Schedule1F1B: min(m, p - rank) warm-up forwards, then one forward and one backward a step
+        warmup = min(m, p - rank)
+        ops = [ts._Action(rank, ts._ComputationType.FORWARD, i) for i in range(warmup)]
+        for i in range(m):
+            ops.append(ts._Action(rank, ts._ComputationType.FULL_BACKWARD, i))
+            if warmup + i < m:
+                ops.append(ts._Action(rank, ts._ComputationType.FORWARD, warmup + i))
+    live = peak = 0
+    for op in ops:
+        if op is not None and op.computation_type == ts._ComputationType.FORWARD:
+            live += 1
+            peak = max(peak, live)
+        elif op is not None and op.computation_type == ts._ComputationType.FULL_BACKWARD:
+            live -= 1
+    return peak
+
+
+@pytest.mark.parametrize(("schedule", "p", "v", "m"), [
+    ("1f1b", 2, 1, 8), ("1f1b", 4, 1, 16), ("1f1b", 4, 1, 2), ("interleaved_1f1b", 2, 2, 4),
+    ("interleaved_1f1b", 2, 2, 16), ("interleaved_1f1b", 4, 2, 16), ("interleaved_1f1b", 8, 2, 32),
+    ("interleaved_1f1b", 16, 7, 16), ("interleaved_1f1b", 4, 4, 8), ("interleaved_1f1b", 4, 2, 6),
+    ("interleaved_1f1b", 2, 2, 2)])
+def test_in_flight_microbatches_are_torchs_schedule_order(schedule: str, p: int, v: int, m: int) -> None:
+    """The plan's warm-up count is the one torch's Schedule1F1B / ScheduleInterleaved1F1B run (the trainer's
+    schedules): at every rank, the peak of chunk forwards not yet backwarded, in units of the stage (v chunks).
+    m = 6 on 4 stages is a round of 6 micro-batches in torch (`microbatches_per_round`), not Megatron's p."""
+    layout = Layout(dp=1, tp=1, pp=p, schedule=schedule, virtual_stages=v)
+    for rank in range(p):
+        assert in_flight_microbatches(layout, m, stage=rank) == _torch_peak_chunks(schedule, p, v, m, rank) / v, rank

@@ -35,11 +35,10 @@ from leantrain.plan.layout import Layout
 from leantrain.spec.shapes import ModelShape
 
 LOGIT_SAVED_BYTES = 4.0  # per logit: the fp32 log-softmax cross-entropy keeps for backward (an activation)
-# Sequence parallelism's gathered matmul inputs (ActivationTerms.sp_gathered) are measured by `leantrain
-# rehearse` (TP8 activations 0.99 with them, 0.86 without) but off in the plan for now: the published runs
-# the whole-run calibration searches layouts for are planned with the eager count, and with them counted its
-# split-half error rose from 0.11 to 0.21 (tests/test_plan_calibration.py); on with the next refit.
-SP_GATHERED_PLANNED = False
+# Sequence parallelism's gathered matmul inputs (ActivationTerms.sp_gathered), measured by `leantrain
+# rehearse` (TP8 activations 0.99 with them, 0.86 without; bench/plan_vs_rehearsal.py). A switch so that the
+# calibration can be compared without them (tests/test_plan_calibration.py, docs/plan.md).
+SP_GATHERED_PLANNED = True
 
 
 @dataclass(frozen=True)
@@ -130,7 +129,7 @@ def activation_terms(shape: ModelShape, *, seq_len: int, act_bytes: float, flash
     # w1, w2) plus the attention output and the block input; MoE layers keep their routed tensors as above.
     op_mlp = mlp if moe_layer and shape.moe is not None else e * (f + h)
     op_saved = e * (h + shape.kv_dim) + op_mlp + e * h + e * h
-    # the two norms' outputs (see ActivationTerms); measured, but not planned yet (SP_GATHERED_PLANNED)
+    # the two norms' outputs (see ActivationTerms), kept whole-sequence by torch's DTensor SP
     sp_gathered = 2 * e * h if SP_GATHERED_PLANNED and not (fused or gpt_style) else 0.0
     return ActivationTerms(replicated=replicated + rope, sharded=qkv + out_proj_input + mlp, core=core,
                            op_saved=op_saved, selective_replicated=sel_replicated, selective_sharded=sel_sharded,
@@ -192,9 +191,12 @@ def in_flight_microbatches(layout: Layout, num_microbatches: int, *, stage: int 
     """Micro-batches (in units of the stage's whole layer set) whose activations a stage holds at its peak.
 
     1F1B: p − stage (warm-up forwards + the one in its backward), at most m. GPipe: all m. Interleaved 1F1B
-    with v chunks (Megatron's schedule): 2(p − stage − 1) + (v − 1)·p + 1 chunk forwards of 1/v of the stage
-    each, i.e. p + (p − 1)/v on the first stage (Narayanan et al. 2021; Korthikanti et al. 2022 §4.2.3).
-    DualPipe: p + 1 (each rank runs a stage of both directions)."""
+    with v chunks, as torch's ScheduleInterleaved1F1B runs it (pipelining/schedules.py `_get_warmup_ops`):
+    w = (v − 1)·r + 2(p − stage − 1) warm-up chunk forwards, r the micro-batches per round (m // (m // p), p
+    when p divides m), at most m·v, then one more forward before the first backward: min(w + 1, m·v) chunk
+    forwards of 1/v of the stage each, i.e. p + (p − 1)/v on the first stage when p divides m (Megatron's
+    count: Narayanan et al. 2021; Korthikanti et al. 2022 §4.2.3). DualPipe: p + 1 (each rank runs a stage of
+    both directions)."""
     p, m, v = layout.pp, num_microbatches, layout.virtual_stages
     if p == 1:
         return 1.0
@@ -203,6 +205,7 @@ def in_flight_microbatches(layout: Layout, num_microbatches: int, *, stage: int 
     if layout.schedule == "dualpipe":  # p + 1 on every rank (deepseek-ai/DualPipe's table)
         return float(min(m, p + 1))
     if layout.schedule == "interleaved_1f1b" and v > 1:
-        chunks = 2 * (p - stage - 1) + (v - 1) * p + 1
-        return float(min(m, chunks / v))
+        per_round = m // max(1, m // p)
+        warmup = min((v - 1) * per_round + 2 * (p - stage - 1), m * v)
+        return min(warmup + 1, m * v) / v
     return float(min(p - stage, m))

@@ -57,11 +57,10 @@ LOSS_PARALLEL_TRANSIENT_BYTES = 12.0  # per logit of the rank's vocabulary slice
 # before the backward (`del pred`); the plan counts what this trainer holds.
 KEEPS_COMPUTE_LOGITS = True
 # A pipeline stage under FSDP keeps its stage gathered and its unsharded gradients through the step (torch's
-# pipelining turns resharding after backward and gradient sync off for every micro-batch: `_states`). True of
-# the trainer (rehearsed), but off in the plan for now: with it the whole-run calibration's split-half check
-# (tests/test_plan_calibration.py) fails (its published runs are searched with the plan's memory); on with
-# the next refit of plan/uncertainty.py's whole-run range.
-PIPELINE_HOLDS_UNSHARDED = False
+# pipelining turns resharding after backward and gradient sync off for every micro-batch: `_states`), as the
+# trainer does (rehearsed: bench/plan_vs_rehearsal.py). A switch so that the calibration can be compared
+# without it (tests/test_plan_calibration.py, docs/plan.md).
+PIPELINE_HOLDS_UNSHARDED = True
 
 
 @dataclass(frozen=True)
