@@ -1,6 +1,7 @@
 """Expert parallelism under full activation checkpointing: the recomputed forward reuses the first forward's
 all-to-all split sizes (no second exchange of the counts, no second host read), and trains exactly as without
-recompute. 2 gloo ranks (FSDP over both, experts split over both), 2 micro-batches a step, 2 MoE layers."""
+recompute. 2 gloo ranks (FSDP over both, experts split over both), 2 micro-batches a step, 2 MoE layers; and 4
+ranks with two pipeline stages (1F1B, interleaved 1F1B), where a layer has two forwards awaiting their recompute."""
 
 from __future__ import annotations
 
