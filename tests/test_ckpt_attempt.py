@@ -113,3 +113,28 @@ def test_the_hook_takes_the_agreed_attempt_and_records_the_restart_cause(
         hook.close()
     restarts = [e for e in events(run_dir) if e["event"] == "restart"]
     assert [(e["attempt"], e["cause"], e["resumed_from"]) for e in restarts] == [(1, "membership change", 2)]
+
+
+def test_train_warns_when_torchrun_shares_its_store_with_the_workers(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun hands the workers its one store for every round:
+    rank 0 says so (once per start, before the process group), since a restart can then time out connecting."""
+    import leantrain.train.command as command
+    import leantrain.train.runtime as runtime
+
+    class Started(Exception):
+        pass
+
+    def init_runtime(spec: object) -> None:
+        raise Started
+
+    monkeypatch.setattr(runtime, "init_runtime", init_runtime)
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "0")
+    for shared, warned in (("True", True), ("False", False)):
+        caplog.clear()
+        monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", shared)
+        with caplog.at_level("WARNING", logger="leantrain.train"), pytest.raises(Started):
+            command.job_attempt(make_spec())
+        assert any("TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in r.getMessage() for r in caplog.records) == warned

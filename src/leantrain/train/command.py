@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import math
 import os
 import sys
@@ -35,6 +36,8 @@ if TYPE_CHECKING:
 
 
 INTERRUPT_SIGNALS = ("SIGINT", "SIGTERM")
+SHARED_STORE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # launch.resources.TORCHRUN_ENV sets it to 1
+log = logging.getLogger("leantrain.train")
 
 
 def _check_trainable(spec: JobSpec) -> None:
@@ -116,6 +119,11 @@ def job_attempt(spec: JobSpec) -> JobAttempt:
 
     from leantrain.train.runtime import init_runtime
 
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("RANK", "0")) == 0:
+        # torch's rendezvous then keeps one store for every round, unprefixed: a restarted group can read the
+        # previous round's gloo addresses and time out connecting (measured: 2 of 3 restarts failed so).
+        log.warning("torchrun shares its rendezvous store with the workers: restarts of this job can time out "
+                    "connecting; set %s=1 in torchrun's environment (`leantrain launch` does)", SHARED_STORE_OFF)
     runtime = init_runtime(spec)
 
     def all_max(values: list[int]) -> list[int]:
