@@ -109,11 +109,11 @@ def _random_split_errors(ratios: dict[str, float], *, n_splits: int = 2000, seed
 def test_whole_run_gpu_hours_out_of_sample(whole_split) -> None:
     """The step-time constants never see the whole runs; the whole-run efficiency fitted on half the runs
     predicts the other half. The planner searches most published runs' layouts with its memory model, which
-    plans what this trainer holds (torch pipelining's gathered stage and unsharded fp32 gradients, sequence
-    parallelism's gathered inputs): layouts other frameworks ran are dearer here, the searched ones slower, and
-    the whole runs' ratios spread (the fit on all 21 stays 0.78). Over 2,000 random half-splits the held-out
-    median error averages 13.9 % (P90 19.2 %; without those two rules 10.6 %, P90 14.7 %); without the
-    whole-run efficiency (1.0) the planner misses by 22.0 %."""
+    plans what this trainer holds (torch pipelining's gathered stage, unsharded fp32 gradients and receive
+    buffers, sequence parallelism's gathered inputs): layouts other frameworks ran are dearer here, the searched
+    ones slower, and the whole runs' ratios spread (the fit on all 21 stays 0.78). Over 2,000 random
+    half-splits the held-out median error averages 14.2 % (P90 19.9 %; without those rules 10.6 %, P90
+    14.7 %); without the whole-run efficiency (1.0) the planner misses by 22.0 %."""
     errors = _random_split_errors(whole_split["ratios_at_1"])
     mean = statistics.mean(errors)
     assert mean < 0.20, mean

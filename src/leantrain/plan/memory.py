@@ -20,7 +20,8 @@ Conventions (docs/plan.md has the derivations; activation terms in plan/activati
   holds its Linear weights in NF4) and train adapters with their own states.
 - Buffers: the loss backward's fp32 gradients of the logits (last stage; the larger of them and full
   recompute's rebuilt block), DDP gradient buckets, FSDP gathers (at ZeRO-3 on the last stage the last block,
-  kept gathered for the backward), and a framework reserve.
+  kept gathered for the backward), torch's pipeline receive buffers (one per micro-batch, chunk and direction),
+  and a framework reserve.
 """
 
 from __future__ import annotations
@@ -61,6 +62,12 @@ KEEPS_COMPUTE_LOGITS = True
 # trainer does (rehearsed: bench/plan_vs_rehearsal.py). A switch so that the calibration can be compared
 # without it (tests/test_plan_calibration.py, docs/plan.md).
 PIPELINE_HOLDS_UNSHARDED = True
+# torch's PipelineStage allocates, once and for the whole run, a receive buffer per micro-batch for each
+# non-first chunk's input and for each non-last chunk's output gradient (pipelining/stage.py
+# `_setup_forward_recv_info`, `_setup_backward_recv_info`): m hidden-sized tensors per chunk and direction.
+# Measured with real tensors on 2 gloo ranks (Schedule1F1B: after a step exactly m output-sized tensors live on
+# the first stage, held by its gradient receive buffers) and by `leantrain rehearse` (the pipelines' peaks).
+PIPELINE_RECV_BUFFERS = True
 
 
 @dataclass(frozen=True)
@@ -282,6 +289,19 @@ def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first
     return held + head, max(logit_count * per_logit, one_layer_full)
 
 
+def recv_buffer_bytes(inputs: PlanInputs, layout: Layout, *, stage: int, num_microbatches: int) -> float:
+    """The per-micro-batch receive buffers torch's PipelineStage keeps on a rank (PIPELINE_RECV_BUFFERS): of its
+    v chunks every one but the model's first receives an input and every one but the model's last an output
+    gradient, m of each, the size of a chunk's output (sequence-sharded under SP, as the output it sends)."""
+    if layout.pp == 1 or not PIPELINE_RECV_BUFFERS:
+        return 0.0
+    v = layout.virtual_stages if layout.schedule == "interleaved_1f1b" else 1
+    directions = 2 * v - (stage == 0) - (stage == layout.pp - 1)
+    tokens = layout.micro_batch * inputs.seq_len
+    return directions * num_microbatches * tokens * inputs.shape.d_model * inputs.act_bytes / (
+        layout.tp if layout.sp else 1)
+
+
 def rope_table_bytes(inputs: PlanInputs) -> float:
     """The RoPE cos/sin tables every model part keeps as an fp32 buffer (model/transformer.py), unsharded."""
     return 2 * inputs.seq_len * inputs.shape.head_dim * 4.0
@@ -321,7 +341,8 @@ def stage_memory(inputs: PlanInputs, layout: Layout, *, stage: int, num_microbat
         # root too) except the last block, which parallel/fsdp.py keeps gathered for the backward that follows
         # at once (its compute-dtype copy; its gradient does not exist yet). Measured by `leantrain rehearse`.
         gather = sp.last_block * inputs.weight_bytes
-    buffers = inputs.framework_reserve_bytes + transient + gather
+    buffers = inputs.framework_reserve_bytes + transient + gather + recv_buffer_bytes(inputs, layout, stage=stage,
+                                                                                       num_microbatches=num_microbatches)
     if layout.zero == 0 and layout.dp > 1:
         buffers += DDP_BUCKET_BYTES
     return MemoryBreakdown(params=params, grads=grads, optimizer=optimizer, activations=activations,
