@@ -4,7 +4,8 @@ bench/plan_vs_rehearsal.py runs the whole grid (13 layouts, bench/RESULTS.md); t
 mechanism: ZeRO-2's gathered stage, TP with the vocabulary-parallel loss (TP2, and TP8 where the loss's
 backward and the sequence-parallel gathered inputs weigh most), a pipeline's first stage (the stage torch's
 pipelining keeps gathered with its unsharded gradients). The in-flight micro-batch count of every pipeline
-schedule is checked against the order torch's own schedule runs (cheap, not heavy)."""
+schedule is checked against the order torch's own schedule runs, and the pipeline receive buffers against what
+torch's PipelineStage keeps on 2 gloo ranks (not heavy)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,60 @@ def test_in_flight_microbatches_are_torchs_schedule_order(schedule: str, p: int,
     layout = Layout(dp=1, tp=1, pp=p, schedule=schedule, virtual_stages=v)
     for rank in range(p):
         assert in_flight_microbatches(layout, m, stage=rank) == _torch_peak_chunks(schedule, p, v, m, rank) / v, rank
+
+
+def _recv_buffer_worker(rank: int, port: int, m: int, out: str) -> None:
+    """One rank of a 2-stage Schedule1F1B over gloo: the receive buffers its PipelineStage keeps after 2 steps."""
+    import json
+    import os
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    d, seq = 32, 16
+    stage = PipelineStage(torch.nn.Sequential(torch.nn.Linear(d, d), torch.nn.Linear(d, d)), rank, 2,
+                          torch.device("cpu"))
+    schedule = Schedule1F1B(stage, n_microbatches=m, loss_fn=lambda y, t: (y - t).pow(2).mean())
+    for _ in range(2):
+        if rank == 0:
+            schedule.step(torch.randn(m, seq, d))
+        else:
+            schedule.step(target=torch.zeros(m, seq, d), losses=[])
+    held = [info.buffer for infos in (*stage.args_recv_info.values(), *stage.grad_recv_info.values())
+            for info in infos if getattr(info, "buffer", None) is not None]
+    with open(f"{out}/{rank}.json", "w") as f:
+        json.dump({"buffers": len(held), "numel": sorted({t.numel() for t in held})}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("m", [5])
+def test_pipeline_receive_buffers_are_what_torchs_stage_keeps(tmp_path: Path, m: int) -> None:
+    """torch's PipelineStage keeps one receive buffer per micro-batch for the first stage's output gradients and
+    the last stage's inputs, a micro-batch's hidden states each, across steps: what plan.memory
+    `recv_buffer_bytes` counts (PIPELINE_RECV_BUFFERS)."""
+    import json
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from leantrain.plan.inputs import plan_inputs
+    from leantrain.plan.memory import recv_buffer_bytes
+    from leantrain.spec import spec_from_dict
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_recv_buffer_worker, args=(port, m, str(tmp_path)), nprocs=2, join=True)
+    seen = {rank: json.loads((tmp_path / f"{rank}.json").read_text()) for rank in (0, 1)}
+    inputs = plan_inputs(spec_from_dict({"model": {"n_layers": 4, "d_model": 32, "n_heads": 4, "vocab_size": 64},
+                                         "data": {"tokens_total": 1e6, "seq_len": 16}}))
+    one = 16 * 32 * inputs.act_bytes  # a micro-batch of one sequence: seq × d_model
+    layout = Layout(dp=1, tp=1, pp=2)
+    for rank in (0, 1):
+        assert seen[rank]["numel"] == [16 * 32], seen
+        assert recv_buffer_bytes(inputs, layout, stage=rank, num_microbatches=m) == seen[rank]["buffers"] * one, seen
