@@ -76,19 +76,20 @@ class EventLog:
                 self.on_alert(event, record)
 
     @contextlib.contextmanager
-    def console_held(self) -> Iterator[Callable[[], None]]:
-        """Hold the console warnings of alert events this thread emits inside: the yielded `flush()` prints
-        them (a resume that fell back and loaded); unflushed they are dropped (a refusal, whose one-line error
-        names every reason). The events file and the alert callback get each event at once either way."""
+    def console_held(self, *, drop_on: type[BaseException]) -> Iterator[None]:
+        """Hold the console warnings of alert events this thread emits inside and print them on the way out,
+        unless a `drop_on` exception leaves the block (a refusal whose one-line error names every reason). The
+        events file and the alert callback get each event at once either way."""
         held: list[str] = []
         self._held = (threading.get_ident(), held)
-
-        def flush() -> None:
-            for message in held:
-                log.warning("%s", message)
-            held.clear()
-
+        dropped = False
         try:
-            yield flush
+            yield
+        except drop_on:
+            dropped = True
+            raise
         finally:
             self._held = None
+            if not dropped:
+                for message in held:
+                    log.warning("%s", message)

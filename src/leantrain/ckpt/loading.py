@@ -69,16 +69,8 @@ def load(m: CheckpointManager, app_state: dict[str, Any], *, step: int | None = 
 
     The console warnings of the checkpoints it skips are shown once a load succeeds (the fallback); a refusal
     (CheckpointLoadError) shows its one-line error alone, since it names every skipped checkpoint and why."""
-    with m.events.console_held() as flush:
-        try:
-            loaded = _load(m, app_state, step=step, source=source, check=check)
-        except CheckpointLoadError:
-            raise
-        except BaseException:
-            flush()
-            raise
-        flush()
-        return loaded
+    with m.events.console_held(drop_on=CheckpointLoadError):
+        return _load(m, app_state, step=step, source=source, check=check)
 
 
 def _load(m: CheckpointManager, app_state: dict[str, Any], *, step: int | None, source: Store | None,
