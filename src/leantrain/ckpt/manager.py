@@ -394,9 +394,7 @@ class CheckpointManager:
         (all ranks call it together; a tensor all-reduce, no pickled objects)."""
         if self._control_pg is None:
             return list(values)
-        box = torch.tensor([int(v) for v in values], dtype=torch.int64)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX, group=self._control_pg)
-        return [int(v) for v in box.tolist()]
+        return all_reduce_max(values, group=self._control_pg)
 
     def read_on_rank0(self, read: Callable[[], T]) -> T:
         """`read()` on rank 0 alone, its result on every rank, on the main thread's agreement group (all ranks
@@ -447,6 +445,14 @@ class CheckpointManager:
             for group in self._own_groups:
                 dist.destroy_process_group(group)
             self._own_groups.clear()
+
+
+def all_reduce_max(values: list[int], *, group: Any = None, device: Any = None) -> list[int]:
+    """The element-wise largest of every rank's `values`, on every rank of `group` (all call it together; one
+    int64 tensor all-reduce, no pickled objects)."""
+    box = torch.tensor([int(v) for v in values], dtype=torch.int64, device=device)
+    dist.all_reduce(box, op=dist.ReduceOp.MAX, group=group)
+    return [int(v) for v in box.tolist()]
 
 
 def _make_cipher(spec: JobSpec) -> ChunkCipher | None:

@@ -114,9 +114,7 @@ def job_attempt(spec: JobSpec) -> JobAttempt:
     """
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return agree_job_attempt()
-    import torch
-    import torch.distributed as dist
-
+    from leantrain.ckpt.manager import all_reduce_max
     from leantrain.train.runtime import init_runtime
 
     if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and int(os.environ.get("RANK", "0")) == 0:
@@ -125,13 +123,7 @@ def job_attempt(spec: JobSpec) -> JobAttempt:
         log.warning("torchrun shares its rendezvous store with the workers: restarts of this job can time out "
                     "connecting; set %s=1 in torchrun's environment (`leantrain launch` does)", SHARED_STORE_OFF)
     runtime = init_runtime(spec)
-
-    def all_max(values: list[int]) -> list[int]:
-        box = torch.tensor(values, dtype=torch.int64, device=runtime.device)
-        dist.all_reduce(box, op=dist.ReduceOp.MAX)
-        return [int(v) for v in box.tolist()]
-
-    return agree_job_attempt(all_max)
+    return agree_job_attempt(functools.partial(all_reduce_max, device=runtime.device))
 
 
 def _train_leased(
