@@ -96,6 +96,29 @@ def test_out_of_memory_is_recorded_before_the_error(demo_data: Path, tmp_path: P
     events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
     oom_events = [e for e in events if e.get("kind") == "oom"]
     assert oom_events and oom_events[0]["rank"] == 0 and "out of memory" in oom_events[0]["error"]
+    assert oom_events[0]["attempt"] == 0 and (run_dir / "oom" / "rank-0-attempt-0.json").is_file()
+
+
+def test_out_of_memory_records_the_jobs_agreed_attempt(demo_data: Path, tmp_path: Path,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """After a membership change (or a failure on another node) this node's restart count is lower than the job's
+    agreed attempt: the OOM record and event carry the agreed one, as the hang records and restart events do."""
+    import leantrain.train.command as command
+    from leantrain.ckpt.attempt import JobAttempt
+    from leantrain.train.trainer import Trainer
+
+    def oom(self: Trainer) -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(Trainer, "train_step", oom)
+    monkeypatch.setattr(command, "job_attempt", lambda spec: JobAttempt(number=2, membership_change=True))
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    run_dir = tmp_path / "run"
+    with pytest.raises(torch.OutOfMemoryError):
+        main(["train", str(EXAMPLES / "tiny-cpu.yaml"), "--set", f"data.dir={demo_data}", "--run-dir", str(run_dir)])
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    assert [e["attempt"] for e in events if e.get("kind") == "oom"] == [2]
+    assert [p.name for p in (run_dir / "oom").iterdir()] == ["rank-0-attempt-2.json"]
 
 
 def test_trainer_close_always_closes_metrics_and_runtime(monkeypatch: pytest.MonkeyPatch) -> None:

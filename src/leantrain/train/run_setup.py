@@ -149,10 +149,12 @@ def record_ranks_joined(run_dir: Path, *, rank: int, world_size: int, distribute
             append_event(run_dir, "rank_joined", rank=joined_rank, host=host)
 
 
-def record_oom(run_dir: Path, *, rank: int, mem_bytes: int, error: BaseException) -> None:
+def record_oom(run_dir: Path, *, rank: int, mem_bytes: int, error: BaseException, attempt: int | None = None) -> None:
     """An out-of-memory error, recorded before the rank dies: its own RUN_DIR/oom/rank-R-attempt-A.json
     (ckpt/rank_records.py; validate and doctor aggregate them), and on rank 0 also the `oom` event, so many
-    ranks failing at once never write one shared file together."""
+    ranks failing at once never write one shared file together. `attempt`: the job's agreed attempt (the
+    checkpointer's, ckpt/attempt.py); without one, this node's own restart count (lower than the job's on a node
+    that did not fail, and unchanged after a membership change)."""
     import socket
 
     from leantrain.ckpt.fault import restart_attempt
@@ -160,6 +162,7 @@ def record_oom(run_dir: Path, *, rank: int, mem_bytes: int, error: BaseException
     from leantrain.observe.report_data import append_event
 
     record = {"host": socket.gethostname(), "mem_bytes": mem_bytes, "error": str(error).splitlines()[0][:300]}
-    write_rank_record(run_dir, OOM, rank=rank, attempt=restart_attempt(), record=record)
+    attempt = restart_attempt() if attempt is None else attempt
+    write_rank_record(run_dir, OOM, rank=rank, attempt=attempt, record=record)
     if rank == 0:
-        append_event(run_dir, "oom", rank=rank, attempt=restart_attempt(), **record)
+        append_event(run_dir, "oom", rank=rank, attempt=attempt, **record)

@@ -312,7 +312,8 @@ class Trainer:
             try:
                 result = self.train_step()
             except torch.OutOfMemoryError as err:
-                record_oom(self.run_dir, rank=runtime.rank, mem_bytes=peak_memory_bytes(self.device), error=err)
+                record_oom(self.run_dir, rank=runtime.rank, mem_bytes=peak_memory_bytes(self.device), error=err,
+                           attempt=getattr(self.checkpointer, "attempt", None))
                 raise
             window.add(result)
             last = self.step == self.max_steps
