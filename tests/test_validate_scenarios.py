@@ -95,6 +95,23 @@ def _planned_restart(run_dir: Path) -> None:
                                  "cause": "drill", "recovery_s": 3.1}) + "\n")
 
 
+def test_membership_change_restart_warns_and_a_failure_beside_it_still_fails(tmp_path: Path) -> None:
+    """A restart because a node joined or left (no worker failed, ckpt/attempt.py) is the elastic job working:
+    WARN naming it, never an unexpected restart; a worker failure in the same run still fails the check."""
+    run_dir = make_run(tmp_path, "healthy")
+    (run_dir / "drill.json").unlink()  # no drill: its kills would count as planned restarts
+    with (run_dir / "events.jsonl").open("a") as handle:
+        handle.write(json.dumps({"time": 1.8e9 + 30, "kind": "restart", "attempt": 1, "step": 40, "planned": False,
+                                 "cause": "membership change", "recovery_s": 9.0}) + "\n")
+    status, evidence = _by_name(run_dir)["no unexpected restarts"]
+    assert status == "WARN" and "1 membership change(s)" in evidence and "unexpected" not in evidence, evidence
+    with (run_dir / "events.jsonl").open("a") as handle:
+        handle.write(json.dumps({"time": 1.8e9 + 60, "kind": "restart", "attempt": 2, "step": 60, "planned": False,
+                                 "cause": "worker failure", "recovery_s": 9.0}) + "\n")
+    status, evidence = _by_name(run_dir)["no unexpected restarts"]
+    assert status == "FAIL" and "1 unexpected" in evidence and "1 membership change" in evidence, evidence
+
+
 def test_cuda_oom_in_a_torchrun_rank_log_fails(tmp_path: Path) -> None:
     run_dir = make_run(tmp_path, "healthy")
     assert _by_name(run_dir)["no errors"][0] == "PASS"

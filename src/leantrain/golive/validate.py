@@ -95,10 +95,15 @@ def health_checks(run: RunData) -> list[Check]:
     planned = planned_events = sum(1 for e in restarts if e.get("planned") or e.get("cause") == "drill")
     if run.drill:
         planned = max(planned, int(as_float(run.drill.get("num_kills", 1)) or 1))
-    unexpected = max(len(restarts), len(jumps)) - planned
-    checks.append(Check("health", "no unexpected restarts", "FAIL" if unexpected > 0 else "PASS",
+    # A membership change (torchrun restarted the workers because a node joined or left the rendezvous, no worker
+    # failed: ckpt/attempt.py) is the elastic job doing its work, not a failure: a warning, never a failure.
+    moved = sum(1 for e in restarts if e.get("cause") == "membership change")
+    unexpected = max(len(restarts), len(jumps)) - planned - moved
+    status = "FAIL" if unexpected > 0 else "WARN" if moved else "PASS"
+    checks.append(Check("health", "no unexpected restarts", status,
                         f"{len(restarts)} restart event(s), {len(jumps)} resume(s) in metrics, {planned} planned "
-                        f"(fault drill)" + (f"; {unexpected} unexpected" if unexpected > 0 else "")
+                        f"(fault drill)" + (f", {moved} membership change(s) (a node joined or left)" if moved else "")
+                        + (f"; {unexpected} unexpected" if unexpected > 0 else "")
                         + restart_causes(restarts, read_rank_records(run.run_dir, HANG))))
     errors = [f"{e.get('kind')} at step {e.get('step')}: {e.get('message', e.get('error', ''))}"
               for e in run.events_of("error", "oom", "node_lost")]
