@@ -139,3 +139,39 @@ def test_trainer_close_always_closes_metrics_and_runtime(monkeypatch: pytest.Mon
     with pytest.raises(RuntimeError, match="last save failed"):
         trainer_module.Trainer.close(fake)  # type: ignore[arg-type]
     assert closed == ["metrics", "runtime rt"]
+
+
+@pytest.mark.parametrize("signal_name", ["SIGTERM", "SIGINT"])
+def test_a_signal_during_start_up_is_one_line_and_releases_the_lease(
+        demo_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        signal_name: str) -> None:
+    """A scheduler's SIGTERM while the model builds or loads (minutes at scale, before the checkpointer's own
+    handler) used to end the process silently (exit -15) holding the run dir's lease; now: exit 128+signal with one
+    line, the lease gone, the run marked interrupted, the process's handlers as they were, and a rerun trains."""
+    import os
+    import signal
+
+    from leantrain.ckpt.lease import lease_path
+    from leantrain.train.trainer import Trainer
+
+    built = Trainer.__init__
+    signum = int(getattr(signal, signal_name))
+
+    def signalled(self: Trainer, *args: Any, **kwargs: Any) -> None:
+        os.kill(os.getpid(), signum)  # arrives while the trainer is being built
+        built(self, *args, **kwargs)
+
+    monkeypatch.setattr(Trainer, "__init__", signalled)
+    before = signal.getsignal(signum)
+    run_dir = tmp_path / "run"
+    args = ["train", str(EXAMPLES / "tiny-cpu.yaml"), "--set", f"data.dir={demo_data}", "--run-dir", str(run_dir)]
+    assert main(args) == 128 + signum
+    err = capsys.readouterr().err
+    assert f"stopped by {signal_name} during start-up" in err and "Traceback" not in err
+    assert len([line for line in err.splitlines() if line.startswith("error:")]) == 1, err
+    assert not lease_path(run_dir).exists() and signal.getsignal(signum) is before
+    ends = [e["fields"] for e in map(json.loads, (run_dir / "audit.log").read_text().splitlines())
+            if e["event"] == "command.end"]
+    assert [e["status"] for e in ends] == ["interrupted"], ends
+    monkeypatch.setattr(Trainer, "__init__", built)
+    assert main(args + ["--max-steps", "2"]) == 0

@@ -71,12 +71,64 @@ class TrainOutcome:
     interrupted: Interrupted | None = None
 
 
+class StartupSignals:
+    """SIGINT/SIGTERM outside the training loop's own handling (ckpt/policy.py's PreemptionHandler, set up with
+    the checkpointer): while the job starts (process group, model build, load or resume: minutes at scale) and
+    while it closes. Python's default would end the process at once on SIGTERM, silently (exit -15), with the
+    run dir's lease still held and the run marked as nothing. Here the signal becomes `Interrupted` (exit
+    130/143, one line naming the signal and the phase), so the lease is released and the run marked
+    interrupted on the way out; the next start resumes from the newest checkpoint. A second signal gets the
+    default action (an impatient operator still stops the process at once)."""
+
+    def __init__(self) -> None:
+        import signal
+        import threading
+
+        self.phase: str | None = "start-up"  # None: the training loop, whose own handler has the signal
+        self._previous: dict[int, Any] = {}
+        if threading.current_thread() is threading.main_thread():  # signal.signal works only there
+            for name in INTERRUPT_SIGNALS:
+                signum = int(getattr(signal, name))
+                self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum: int, frame: object) -> None:
+        import signal
+
+        for other in self._previous:
+            signal.signal(other, signal.SIG_DFL)
+        if self.phase is None:  # the training loop: only an operator's second signal gets here (PreemptionHandler)
+            signal.raise_signal(signum)
+            return
+        name = signal.Signals(signum).name
+        raise Interrupted(f"stopped by {name} during {self.phase} (outside the training loop); run the same "
+                          "command again: it resumes from the newest checkpoint", signal_name=name)
+
+    def restore(self) -> None:
+        import signal
+
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous.clear()
+
+
 def train(
     spec: JobSpec, *, run_dir: Path | None, max_steps: int | None, console: Console | None,
     resume: ResumeRequest | None = None,
 ) -> TrainOutcome:
     """Build a trainer for the spec, train to the end (or a signal), close it; rank 0 holds the run dir's lease
-    (ckpt/lease.py) throughout, so a second job into the same run dir exits 2 naming this one."""
+    (ckpt/lease.py) throughout, so a second job into the same run dir exits 2 naming this one. A signal before
+    or after the training loop is one line and exit 130/143 (StartupSignals)."""
+    signals = StartupSignals()
+    try:
+        return _train(spec, run_dir=run_dir, max_steps=max_steps, console=console, resume=resume, signals=signals)
+    finally:
+        signals.restore()
+
+
+def _train(
+    spec: JobSpec, *, run_dir: Path | None, max_steps: int | None, console: Console | None,
+    resume: ResumeRequest | None, signals: StartupSignals,
+) -> TrainOutcome:
     from leantrain.ckpt.lease import acquire_lease
     from leantrain.ckpt.preflight import preflight_storage
 
@@ -84,13 +136,13 @@ def train(
     attempt = job_attempt(spec)
     if int(os.environ.get("RANK", "0")) != 0:
         return _train_leased(spec, run_dir=run_dir, max_steps=max_steps, console=console, resume=resume,
-                             attempt=attempt)
+                             attempt=attempt, signals=signals)
     existed = target.exists()
     lease = acquire_lease(target, command="train", owner_only=spec.security.owner_only, attempt=attempt.number)
     try:
         preflight_storage(spec, run_dir=target)
         return _train_leased(spec, run_dir=run_dir, max_steps=max_steps, console=console, resume=resume,
-                             attempt=attempt)
+                             attempt=attempt, signals=signals)
     except BaseException:
         if not existed:  # a start refused before it wrote anything leaves no empty run dir behind
             lease.release()
@@ -128,7 +180,7 @@ def job_attempt(spec: JobSpec) -> JobAttempt:
 
 def _train_leased(
     spec: JobSpec, *, run_dir: Path | None, max_steps: int | None, console: Console | None,
-    resume: ResumeRequest | None = None, attempt: JobAttempt | None = None,
+    resume: ResumeRequest | None = None, attempt: JobAttempt | None = None, signals: StartupSignals | None = None,
 ) -> TrainOutcome:
     from leantrain.train.trainer import Trainer
 
@@ -152,11 +204,13 @@ def _train_leased(
     except BaseException as err:
         for sink in context.sinks:  # the trainer never took them over: stop the alert watchdog here
             sink.close()
-        finish_run(context, status=status)
+        finish_run(context, status="interrupted" if isinstance(err, Interrupted) else status)
         if isinstance(err, LeantrainError) and err.exit_code == 2:  # refused (e.g. every checkpoint invalid):
             restore_description(target, before)  # the run dir describes the run that was, not the refused one
         raise
     outcome = TrainOutcome()
+    if signals is not None:
+        signals.phase = None
     try:
         outcome.records = trainer.train()
         hook = trainer.checkpointer
@@ -167,7 +221,12 @@ def _train_leased(
         if outcome.interrupted is not None:
             status = "interrupted"
         return outcome
+    except Interrupted:
+        status = "interrupted"
+        raise
     finally:
+        if signals is not None:
+            signals.phase = "shutdown"
         trainer.close()
         finish_run(context, status=status)
 
