@@ -325,17 +325,21 @@ def s3(tmp: Path, rng: random.Random, quick: bool) -> None:
         server.close()
         for conn in held:
             conn.close()
-    # Wrong credentials need a server that checks them; moto accepts any key, so this is a signature check only
-    # when moto's authentication is on (INITIAL_NO_AUTH_ACTION_COUNT=0 in the server's environment).
-    os.environ["INITIAL_NO_AUTH_ACTION_COUNT"] = "0"
-    try:
-        with moto_s3() as endpoint:
-            os.environ["LT_CAMPAIGN_BADKEY"] = "wrong-key"
-            boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing-key",
-                         aws_secret_access_key="testing-secret").create_bucket(Bucket="ckpt")
+    # Wrong credentials need a server that checks them; moto accepts any key until its authentication is on
+    # (moto.settings.INITIAL_NO_AUTH_ACTION_COUNT = 0, read per request by the server threads of this process;
+    # the environment variable of the same name is read once, at moto's import, so setting it here is too late).
+    import moto.settings
+
+    with moto_s3() as endpoint:
+        os.environ["LT_CAMPAIGN_BADKEY"] = "wrong-key"
+        boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="testing-key",
+                     aws_secret_access_key="testing-secret").create_bucket(Bucket="ckpt")
+        saved = moto.settings.INITIAL_NO_AUTH_ACTION_COUNT
+        moto.settings.INITIAL_NO_AUTH_ACTION_COUNT = 0
+        try:
             expect_refusal("wrong credentials", spec(endpoint, key="${LT_CAMPAIGN_BADKEY}"), "s3://ckpt/runs/x")
-    finally:
-        os.environ.pop("INITIAL_NO_AUTH_ACTION_COUNT", None)
+        finally:
+            moto.settings.INITIAL_NO_AUTH_ACTION_COUNT = saved
 
 
 # ---- 4. SIGTERM / SIGINT mid-save -----------------------------------------------------------------------------
