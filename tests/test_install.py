@@ -38,6 +38,20 @@ def test_torch_check_fails_on_another_version(tmp_path: Path) -> None:
     assert done.returncode == 1 and "constraints.txt pins 1.0.0" in done.stderr
 
 
+def test_make_test_writes_bytecode_and_spreads_the_files_over_the_cores() -> None:
+    """`make test` / `make test-heavy` run with bytecode writing on (the tests start hundreds of processes, each of
+    which would compile torch again under PYTHONDONTWRITEBYTECODE=1), and `make test` over pytest-xdist workers by
+    file (module fixtures once), which the test extra installs."""
+    import tomllib
+
+    makefile = (REPO / "Makefile").read_text()
+    assert "TEST_ENV := env -u PYTHONDONTWRITEBYTECODE OMP_NUM_THREADS=1" in makefile
+    assert '$(TEST_ENV) $(PY) -m pytest -m "not heavy" -n $(TEST_WORKERS) --dist loadfile' in makefile
+    assert "$(TEST_ENV) $(PY) -m pytest -m heavy" in makefile
+    extras = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(req.startswith("pytest-xdist") for req in extras["test"])
+
+
 def test_the_demo_writes_the_bytecode_of_what_its_processes_import_once() -> None:
     """`make demo` compiles the modules its ranks import in one process first, with bytecode writing on even where
     PYTHONDONTWRITEBYTECODE=1 is set (else every torchrun agent and rank compiles torch again); each one exists."""
