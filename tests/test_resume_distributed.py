@@ -19,6 +19,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -337,3 +338,68 @@ def test_fast_tier_beside_async_durable_saves_on_two_ranks(tmp_path: Path) -> No
     assert all(e["peer"] == 1 for e in kinds if e["kind"] == "memory_checkpoint_saved")
     assert not [e for e in kinds if e["kind"] in ("memory_checkpoint_failed", "memory_tier_disabled")]
     assert [e["step"] for e in kinds if e["kind"] == "checkpoint_saved"] == [2, 4, 6]
+
+
+def _last_logged_step(metrics: Path) -> int:
+    """The newest step in a metrics file another process is writing (a line cut short is not read)."""
+    steps = [0]
+    with contextlib.suppress(OSError):
+        for line in metrics.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                steps.append(int(json.loads(line).get("step", 0)))
+    return max(steps)
+
+
+MEMBERSHIP_STEPS = 400  # long enough (~10 s of steps) for the second node to join while the first trains
+
+
+@pytest.mark.heavy
+@pytest.mark.slow
+def test_a_node_joining_is_a_membership_change_restart_that_resumes_at_the_larger_world(tmp_path: Path) -> None:
+    """An elastic job (`--nnodes 1:2`) trains on one node; a second node's agent joins the rendezvous while it
+    trains. No worker failed, so torchrun restarts the first node's workers without counting a restart
+    (TORCHELASTIC_RESTART_COUNT stays 0 on both nodes): the ranks still agree on attempt 1 from the first
+    agent's note (ckpt/attempt.py), the new rank 0 records one restart with `cause: membership change`, resumes
+    the newest checkpoint at world size 2 and trains to the end; validate warns about it, never fails it."""
+    spec_file = write_resume_spec(tmp_path)
+    run_dir = tmp_path / "run"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO",
+           "LEANTRAIN_RDZV_ENDPOINT": f"127.0.0.1:{_free_port()}"}
+    argv = [sys.executable, "-m", "leantrain.cli", "launch", str(spec_file), "--nnodes", "1:2", "--nproc", "1",
+            "--max-restarts", "1", "--run-dir", str(run_dir), "--set", f"training.max_steps={MEMBERSHIP_STEPS}"]
+    logs = [tmp_path / f"agent-{i}.log" for i in range(2)]
+    metrics = run_dir / "metrics.jsonl"
+    with contextlib.ExitStack() as stack:
+        outs = [stack.enter_context(path.open("w")) for path in logs]
+        procs = [subprocess.Popen(argv, stdout=outs[0], stderr=subprocess.STDOUT, env=env, start_new_session=True)]
+        try:
+            deadline = time.monotonic() + 300
+            while _last_logged_step(metrics) < 4:  # the first node trains
+                assert procs[0].poll() is None and time.monotonic() < deadline, logs[0].read_text()[-3000:]
+                time.sleep(0.1)
+            procs.append(subprocess.Popen(argv, stdout=outs[1], stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True))
+            codes = [proc.wait(timeout=900) for proc in procs]
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+    texts = [path.read_text() for path in logs]
+    assert codes == [0, 0], [text[-3000:] for text in texts]
+    kinds = events(run_dir)
+    restart = [e for e in kinds if e["kind"] == "restart"]
+    assert len(restart) == 1 and restart[0]["cause"] == "membership change" and restart[0]["attempt"] == 1, restart
+    assert restart[0]["planned"] is False and restart[0]["resumed_from"] >= 4, restart
+    loaded = [e for e in kinds if e["kind"] == "checkpoint_loaded"]
+    assert (loaded[-1]["saved_world_size"], loaded[-1]["world_size"]) == (1, 2), loaded
+    assert json.loads((run_dir / "train_info.json").read_text())["world_size"] == 2
+    losses = logged_losses(run_dir)
+    assert sorted(losses) == list(range(1, MEMBERSHIP_STEPS + 1))
+    assert np.isfinite([values[-1] for values in losses.values()]).all()
+    from leantrain.golive.validate import health_checks
+
+    check = next(c for c in health_checks(load_run(run_dir)) if c.name == "no unexpected restarts")
+    assert check.status == "WARN" and "1 membership change(s)" in check.evidence, check
+    print(f"node joined after step {restart[0]['resumed_from']}: training again at world size 2 after "
+          f"{restart[0]['recovery_s']:.1f} s")
