@@ -194,3 +194,30 @@ def test_a_step_of_many_micro_batches_extended_from_two_counts_equals_its_full_r
         got, want = extended["memory_bytes"], whole["memory_bytes"]
         for category in ("params", "grads", "optimizer", "activations", "peak"):
             assert abs(got[category] - want[category]) <= 0.01 * max(want[category], 1), (extended["rank"], category)
+
+
+def test_the_pipeline_receive_buffers_are_counted_whole_as_temp() -> None:
+    """torch's PipelineStage makes one receive buffer per micro-batch in step 1 (the first stage's output
+    gradients, the last stage's inputs) and keeps them through every step: the rehearsal counts all of them at
+    the steady step's peak, as temp (the plan's category), not just those a receive of the tracked step has
+    written yet, filed as activations. Four more micro-batches add exactly four buffers to temp, on both
+    stages, and to the activations only the step's larger batch of token ids and targets (24 KB a micro-batch
+    here, 1/5 of a buffer)."""
+    from leantrain.golive.rehearse import rehearse
+    from leantrain.spec import load_spec
+
+    def rehearsed(microbatches: int) -> list[dict[str, int]]:
+        spec = load_spec(EXAMPLES / "tiny-cpu.yaml", overrides=[
+            *TINY, "model.tie_embeddings=false", "parallelism.data_parallel=4", "parallelism.pipeline_parallel=2",
+            "parallelism.pipeline_schedule=1f1b", "parallelism.zero_stage=1",
+            f"training.global_batch_tokens={microbatches * 4 * 128 * 4}"])  # micro_batch 4 × seq 128 × dp 4
+        report = rehearse(spec, ranks=[0, 7], isolated=False, depth="full")
+        assert [r["num_microbatches"] for r in report["ranks"]] == [microbatches] * 2
+        return [r["memory_bytes"] for r in report["ranks"]]
+
+    buffer = 4 * 128 * 64 * 4  # micro_batch × seq × d_model × fp32: a stage's output (and its gradient)
+    for few, many in zip(rehearsed(4), rehearsed(8), strict=True):
+        batch = many["activations"] - few["activations"]
+        assert 0 <= batch < buffer, (few, many)
+        assert many["temp"] - few["temp"] == 4 * buffer, (few, many)
+        assert many["peak"] - few["peak"] == 4 * buffer + batch, (few, many)

@@ -26,7 +26,7 @@ from unittest import mock
 import numpy as np
 
 from leantrain.errors import LeantrainError, UserInputError
-from leantrain.golive.rehearse_memory import unseen_sharding_propagation
+from leantrain.golive.rehearse_memory import pipeline_receive_buffers, step_mem_tracker, unseen_sharding_propagation
 from leantrain.golive.rehearse_probes import (
     Broadcasts,
     CollectiveRecorder,
@@ -144,34 +144,6 @@ def _rank_environment(rank: int, world_size: int, gpus_per_node: int) -> context
                         "GROUP_RANK": str(rank // gpus_per_node)})
 
 
-def _step_mem_tracker() -> Any:
-    """torch's MemTracker, for a loop: a root module called again (the next micro-batch, the next pipeline
-    chunk) starts its per-module stats afresh instead of raising; the per-device peak is kept across calls.
-
-    Only the device's peak is kept up to date after each op: torch's tracker also walks every module it has
-    seen after every op to update per-module peaks, which the rehearsal never reads and which was a sixth of a
-    405B rank's rehearsal time (the walk grows with the modules, ~90 per op there)."""
-    from copy import deepcopy
-
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker
-
-    class StepMemTracker(MemTracker):
-        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
-            name = self._mod_tracker.get_known_fqn(module)
-            if module in self.memory_tracking and not self._mod_tracker.is_bw and (
-                    set(self._mod_tracker.parents) - {name}) <= {"Global"}:
-                del self.memory_tracking[module]
-            super()._pre_fw_hook(module, inputs)
-
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
-                    self._peak_mem[dev] = snap[_TOTAL_KEY]
-                    self._peak_mem_snap[dev] = deepcopy(snap)
-
-    return StepMemTracker()
-
-
 def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch: Path,
                   broadcasts: Broadcasts) -> dict[str, Any]:
     """Run the trainer as rank `rank` under a fake world; what it held, issued and read."""
@@ -187,7 +159,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
     probes = Probes()
     files = FileReads()
     saves: list[dict[str, Any]] = []
-    mem = _step_mem_tracker()
+    mem = step_mem_tracker()
     steps_done: list[int] = []
     resident: dict[str, int] = {}
     with warnings.catch_warnings():
@@ -223,6 +195,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
                 probes.new_phase(f"step{number}")
                 if number != 2:
                     return step_fn()
+                mem.track_external(*pipeline_receive_buffers(trainer.parallel.stages))  # made in step 1
                 with mem:  # the steady step: optimizer states exist; its peak is the run's
                     result = step_fn()
                 resident.update(resident_bytes(trainer))

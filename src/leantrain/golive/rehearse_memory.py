@@ -1,4 +1,16 @@
-"""What `leantrain rehearse`'s memory count must not see: DTensor's sharding propagation under fake tensors.
+"""What `leantrain rehearse`'s memory count must see and must not see.
+
+Must see: the steady step (step 2) is counted by torch's MemTracker, which learns of a tensor when an op of the
+tracked step makes or touches it. torch's PipelineStage makes its receive buffers (one per micro-batch for each
+non-first chunk's input and each non-last chunk's output gradient) once, in step 1, and they stay allocated
+through every step; MemTracker would count each only from the op that first writes it in step 2, in the
+category of that moment (a receive issued by the schedule outside autograd's backward reads as an
+activation), so at the peak the buffers of micro-batches not yet received were missing and the rest were
+filed as activations. `pipeline_receive_buffers` hands them to the tracker before the step and
+`step_mem_tracker` keeps them in their own category ("Other", reported under temp, as the plan counts them,
+`plan.memory.PIPELINE_RECV_BUFFERS`) for the whole step.
+
+Must not see: DTensor's sharding propagation under fake tensors.
 
 For every DTensor op (and inside the vocabulary-parallel loss's handlers) torch computes the output's global
 shape by running the op once on tensors of the *global* shape (`ShardingPropagator._propagate_tensor_meta`).
@@ -12,7 +24,7 @@ probes) off the stack, as a real run does. Checked against real gloo runs in tes
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from typing import Any
 from unittest import mock
@@ -40,3 +52,55 @@ def unseen_sharding_propagation() -> Iterator[None]:
 
     with mock.patch.object(ShardingPropagator, "_propagate_tensor_meta_non_cached", propagate):
         yield
+
+
+def pipeline_receive_buffers(stages: Iterable[Any]) -> list[Any]:
+    """The receive buffers torch's PipelineStages of this rank keep (`args_recv_info` for the inputs of a
+    non-first chunk, `grad_recv_info` for the output gradients of a non-last one; root inputs have none)."""
+    buffers = []
+    for stage in stages:
+        for table in (getattr(stage, "args_recv_info", {}), getattr(stage, "grad_recv_info", {})):
+            for infos in table.values():
+                for info in infos:
+                    if getattr(info, "buffer", None) is not None and not getattr(info, "is_root_arg", False):
+                        buffers.append(info.buffer)
+    return buffers
+
+
+def step_mem_tracker() -> Any:
+    """torch's MemTracker, for a loop: a root module called again (the next micro-batch, the next pipeline
+    chunk) starts its per-module stats afresh instead of raising; the per-device peak is kept across calls; and
+    a tensor handed to `track_external` as itself (the pipeline's receive buffers) keeps its category "Other"
+    when an op writes into it (torch's tracker would re-file it as an activation or temp at each write).
+
+    Only the device's peak is kept up to date after each op: torch's tracker also walks every module it has
+    seen after every op to update per-module peaks, which the rehearsal never reads and which was a sixth of a
+    405B rank's rehearsal time (the walk grows with the modules, ~90 per op there)."""
+    from copy import deepcopy
+
+    from torch.distributed._tools.common_utils import get_untyped_storages
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+
+    class StepMemTracker(MemTracker):
+        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+            name = self._mod_tracker.get_known_fqn(module)
+            if module in self.memory_tracking and not self._mod_tracker.is_bw and (
+                    set(self._mod_tracker.parents) - {name}) <= {"Global"}:
+                del self.memory_tracking[module]
+            super()._pre_fw_hook(module, inputs)
+
+        def _update_and_maybe_create_winfos(self, t: Any, reftype: Any, update_existing: bool = False) -> Any:
+            kept = [winfo for st in get_untyped_storages(t)
+                    if (winfo := self._WINFO.get(st, (None, None))[0]) is not None
+                    and winfo.reftype == _MemRefType.OTH]
+            if kept and reftype != _MemRefType.OTH:
+                return set(kept)  # a receive buffer written by a recv: still a receive buffer
+            return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+
+        def _update_peak_stats(self, peak_state: Any) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = deepcopy(snap)
+
+    return StepMemTracker()
