@@ -122,6 +122,10 @@ def test_rehearsal_json_has_every_field(tmp_path: Path) -> None:
     (["--world", "7"], "training.global_batch_tokens"),
     (["--ranks", "8"], "rank 8 is outside"),
     (["--ranks", "zero"], "--ranks"),
+    # a planning-only schedule is refused by name, as `train` refuses it (was: "pipeline.py:207 cannot run
+    # under fake tensors: KeyError: 'dualpipe'")
+    (["--set", "parallelism.pipeline_parallel=2", "--set", "parallelism.data_parallel=4",
+      "--set", "parallelism.pipeline_schedule=dualpipe"], "parallelism.pipeline_schedule: dualpipe is planning only"),
 ])
 def test_bad_input_exits_2_naming_the_option(args: list[str], message: str, capsys: pytest.CaptureFixture[str],
                                              tmp_path: Path) -> None:

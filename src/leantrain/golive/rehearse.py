@@ -79,7 +79,9 @@ class RehearsalTarget:
 def resolve_target(spec: JobSpec, *, world_size: int | None, ranks: list[int] | None) -> RehearsalTarget:
     """The world size (the spec's `parallelism` product unless `--world`) and ranks; exit 2 on what cannot run."""
     from leantrain.parallel.dims import layout_for_run
+    from leantrain.train.command import check_trainable
 
+    check_trainable(spec)  # what train refuses is refused here by name, not as a code path under fake tensors
     par = spec.parallelism
     world = world_size or par.data_parallel * par.tensor_parallel * par.pipeline_parallel
     if world < 1:
@@ -287,42 +289,52 @@ def _rank_worker(target: RehearsalTarget, rank: int, data_dir: Path, scratch: Pa
     return "ok", report, broadcasts
 
 
-def _rehearse_ranks(target: RehearsalTarget, *, ranks: list[int], data_dir: Path,
-                    scratch: Path, isolated: bool = True) -> list[dict[str, Any]]:
-    """Rank 0 first (the source of the checkpoint manager's agreements: the others receive what it broadcast),
-    then the rest side by side in spawned worker processes, one per CPU core, each rehearsing its ranks one after
-    another (`_rank_worker` drops torch's per-mesh caches first, and `rehearse_swaps.rank_keyed_meshes` keeps
-    one rank's meshes from matching another's)."""
+def _rehearse_ranks(targets: list[RehearsalTarget], *, ranks: list[int], data_dir: Path,
+                    scratch: Path, isolated: bool = True) -> list[list[dict[str, Any]]]:
+    """Each target's reports of `ranks`, rank 0 first (the source of the checkpoint manager's agreements: the
+    others receive what it broadcast). Isolated: spawned worker processes, one per CPU core, in two rounds for
+    all the targets together (the short depths and micro-batch counts `--depth auto` rehearses): every target's
+    rank 0 side by side, then every other (target, rank) pair, so no core waits for one rank 0 while another
+    target's ranks are ready. A worker rehearses its ranks one after another (`_rank_worker` drops torch's
+    per-mesh caches first, and `rehearse_swaps.rank_keyed_meshes` keeps one rank's meshes from matching
+    another's)."""
     import concurrent.futures
     import multiprocessing
 
-    context = multiprocessing.get_context("spawn")
-    reports: list[dict[str, Any]] = []
+    reports: list[list[dict[str, Any]]] = [[] for _ in targets]
+    rest = [r for r in ranks if r != 0]
     if not isolated:  # in this process, one rank after another (what a test that patches the trainer needs)
-        broadcasts = Broadcasts()
-        for rank in ranks:
-            forget_torch_caches()
-            reports.append(_rehearse_or_explain(target, rank=rank, data_dir=data_dir, scratch=scratch,
-                                                broadcasts=broadcasts))
+        for index, target in enumerate(targets):
+            broadcasts = Broadcasts()
+            for rank in [0, *rest]:
+                forget_torch_caches()
+                reports[index].append(_rehearse_or_explain(target, rank=rank, data_dir=data_dir, scratch=scratch,
+                                                           broadcasts=broadcasts))
         forget_torch_caches()
         return reports
 
-    def take(outcome: tuple[str, Any, Broadcasts]) -> Broadcasts:
+    def take(index: int, outcome: tuple[str, Any, Broadcasts]) -> Broadcasts:
         status, value, sent = outcome
         if status != "ok":
             raise RehearsalError(value)
-        reports.append(value)
+        reports[index].append(value)
         return sent
 
-    with concurrent.futures.ProcessPoolExecutor(max_workers=1, mp_context=context) as pool:
-        broadcasts = take(pool.submit(_rank_worker, target, 0, data_dir, scratch, Broadcasts()).result())
-    rest = [r for r in ranks if r != 0]
-    if rest:
-        workers = max(1, min(len(rest), os.cpu_count() or 1))
-        with concurrent.futures.ProcessPoolExecutor(max_workers=workers, mp_context=context) as pool:
-            for outcome in pool.map(_rank_worker, *zip(*[(target, r, data_dir, scratch, broadcasts) for r in rest],
-                                                       strict=True)):
-                take(outcome)
+    context = multiprocessing.get_context("spawn")
+    cores = os.cpu_count() or 1
+    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, min(len(targets), cores)),
+                                                mp_context=context) as pool:
+        firsts = list(pool.map(_rank_worker, targets, [0] * len(targets), [data_dir] * len(targets),
+                               [scratch] * len(targets), [Broadcasts() for _ in targets]))
+    sent = [take(index, outcome) for index, outcome in enumerate(firsts)]
+    jobs = [(index, rank) for index in range(len(targets)) for rank in rest]
+    if jobs:
+        with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, min(len(jobs), cores)),
+                                                    mp_context=context) as pool:
+            outcomes = pool.map(_rank_worker, *zip(*[(targets[i], r, data_dir, scratch, sent[i]) for i, r in jobs],
+                                                   strict=True))
+            for (index, _rank), outcome in zip(jobs, outcomes, strict=True):
+                take(index, outcome)
     return reports
 
 
@@ -352,25 +364,33 @@ def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] |
         data = synthetic_data_dir(target.spec, root=Path(scratch)) if data_dir is None else data_dir
         chosen = sorted({0, *target.ranks})
 
-        def at_depth(target: RehearsalTarget) -> list[dict[str, Any]]:
+        def depths(target: RehearsalTarget) -> list[RehearsalTarget]:
             if full_reason is not None:
-                return _rehearse_ranks(target, ranks=chosen, data_dir=data, scratch=Path(scratch), isolated=isolated)
+                return [target]
             chunks = rehearse_depth.chunks_of(target.spec_run)
-            one, two = (_rehearse_ranks(resolve_target(rehearse_depth.with_layers(target.spec, chunks * d),
-                                                       world_size=target.world_size, ranks=chosen),
-                                        ranks=chosen, data_dir=data, scratch=Path(scratch), isolated=isolated)
-                        for d in rehearse_depth.SHORT_DEPTHS)
+            return [resolve_target(rehearse_depth.with_layers(target.spec, chunks * d), world_size=target.world_size,
+                                   ranks=chosen) for d in rehearse_depth.SHORT_DEPTHS]
+
+        def at_depth(target: RehearsalTarget, reports: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+            if full_reason is not None:
+                return reports[0]
+            one, two = reports
             return rehearse_depth.extend_reports(target.spec_run, n_layers=n_layers, one=one, two=two)
 
         count = rehearse_depth.microbatches(target.spec_run, world_size=target.world_size)
         short_counts = rehearse_depth.short_microbatches(target.spec_run, count=count) if depth == "auto" else None
-        if short_counts is None:
-            rank_reports = at_depth(target)
-        else:
-            one, two = (at_depth(resolve_target(rehearse_depth.with_microbatches(
-                target.spec, m, world_size=target.world_size), world_size=target.world_size, ranks=chosen))
-                for m in short_counts)
-            rank_reports = rehearse_depth.extend_microbatches(one, two, counts=short_counts, count=count)
+        counted = [target] if short_counts is None else [resolve_target(rehearse_depth.with_microbatches(
+            target.spec, m, world_size=target.world_size), world_size=target.world_size, ranks=chosen)
+            for m in short_counts]
+        runs = [depths(t) for t in counted]  # every rehearsal this answer needs, run together
+        flat = _rehearse_ranks([t for group in runs for t in group], ranks=chosen, data_dir=data,
+                               scratch=Path(scratch), isolated=isolated)
+        per_count = []
+        for t, group in zip(counted, runs, strict=True):
+            per_count.append(at_depth(t, flat[:len(group)]))
+            flat = flat[len(group):]
+        rank_reports = per_count[0] if short_counts is None else rehearse_depth.extend_microbatches(
+            *per_count, counts=short_counts, count=count)
     num_microbatches = rank_reports[0]["num_microbatches"]  # the trainer's own accumulation count
     plan = planned_memory(run_spec, world_size=target.world_size, num_microbatches=num_microbatches)
     for report in rank_reports:  # each rank against the plan of its own pipeline stage

@@ -40,7 +40,8 @@ SHARED_STORE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # launch.resources.TORC
 log = logging.getLogger("leantrain.train")
 
 
-def _check_trainable(spec: JobSpec) -> None:
+def check_trainable(spec: JobSpec) -> None:
+    """What the spec rules accept for planning but the trainer does not run (also `leantrain rehearse`'s check)."""
     if spec.parallelism.pipeline_parallel > 1 and spec.parallelism.pipeline_schedule == "dualpipe":
         raise UserInputError(
             "parallelism.pipeline_schedule: dualpipe is planning only (`leantrain plan` prices DeepSeek-V3's "
@@ -186,7 +187,7 @@ def _train_leased(
 
     if max_steps is not None and max_steps < 0:
         raise UserInputError(f"--max-steps must be 0 (build the model, record model_ready, stop) or more: {max_steps}")
-    _check_trainable(spec)
+    check_trainable(spec)
     _check_data_dir(spec)
     target = Path(run_dir or spec.run.dir)
     attempt = attempt or JobAttempt()
