@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 from typing import Any
 
@@ -175,3 +176,48 @@ def test_a_signal_during_start_up_is_one_line_and_releases_the_lease(
     assert [e["status"] for e in ends] == ["interrupted"], ends
     monkeypatch.setattr(Trainer, "__init__", built)
     assert main(args + ["--max-steps", "2"]) == 0
+
+
+BLOCKED_START = """
+import socket, sys
+from datetime import timedelta
+from pathlib import Path
+import torch.distributed as dist
+from leantrain.train.startup_signals import StartupSignals
+
+signals = StartupSignals(grace_s=1.0)
+signals.on_stuck = lambda: Path(sys.argv[1]).write_text("released")
+with socket.socket() as sock:
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+print("waiting for the peer", flush=True)
+# rank 1 never comes: the rendezvous blocks in C++, where a Python signal handler cannot run
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", world_size=2, rank=0,
+                        timeout=timedelta(seconds=120))
+"""
+
+
+def test_a_signal_while_start_up_is_blocked_in_cpp_still_ends_the_process(tmp_path: Path) -> None:
+    """torchrun stops the survivors of a dead rank with SIGTERM; a survivor still starting waits in the rendezvous
+    or a collective, in C++, and never runs a Python handler (before StartupSignals the default action ended it
+    at once). The watcher thread ends it within the grace period: the lease released, one line, exit 143."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    marker = tmp_path / "lease-released"
+    proc = subprocess.Popen([sys.executable, "-c", BLOCKED_START, str(marker)], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "waiting for the peer"
+        time.sleep(1.0)  # inside init_process_group
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 143, err
+    assert "stopped by SIGTERM during start-up" in err and "Traceback" not in err, err
+    assert marker.read_text() == "released"

@@ -29,6 +29,7 @@ from leantrain.ckpt.resume import ResumeRequest, precheck
 from leantrain.errors import Interrupted, LeantrainError, UserInputError
 from leantrain.spec.schema import JobSpec
 from leantrain.train.run_setup import description_snapshot, finish_run, prepare_run, restore_description
+from leantrain.train.startup_signals import StartupSignals
 
 if TYPE_CHECKING:
     from leantrain.demo_context import DemoContext
@@ -72,46 +73,6 @@ class TrainOutcome:
     interrupted: Interrupted | None = None
 
 
-class StartupSignals:
-    """SIGINT/SIGTERM outside the training loop's own handling (ckpt/policy.py's PreemptionHandler, set up with
-    the checkpointer): while the job starts (process group, model build, load or resume: minutes at scale) and
-    while it closes. Python's default would end the process at once on SIGTERM, silently (exit -15), with the
-    run dir's lease still held and the run marked as nothing. Here the signal becomes `Interrupted` (exit
-    130/143, one line naming the signal and the phase), so the lease is released and the run marked
-    interrupted on the way out; the next start resumes from the newest checkpoint. A second signal gets the
-    default action (an impatient operator still stops the process at once)."""
-
-    def __init__(self) -> None:
-        import signal
-        import threading
-
-        self.phase: str | None = "start-up"  # None: the training loop, whose own handler has the signal
-        self._previous: dict[int, Any] = {}
-        if threading.current_thread() is threading.main_thread():  # signal.signal works only there
-            for name in INTERRUPT_SIGNALS:
-                signum = int(getattr(signal, name))
-                self._previous[signum] = signal.signal(signum, self._handle)
-
-    def _handle(self, signum: int, frame: object) -> None:
-        import signal
-
-        for other in self._previous:
-            signal.signal(other, signal.SIG_DFL)
-        if self.phase is None:  # the training loop: only an operator's second signal gets here (PreemptionHandler)
-            signal.raise_signal(signum)
-            return
-        name = signal.Signals(signum).name
-        raise Interrupted(f"stopped by {name} during {self.phase} (outside the training loop); run the same "
-                          "command again: it resumes from the newest checkpoint", signal_name=name)
-
-    def restore(self) -> None:
-        import signal
-
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
-        self._previous.clear()
-
-
 def train(
     spec: JobSpec, *, run_dir: Path | None, max_steps: int | None, console: Console | None,
     resume: ResumeRequest | None = None,
@@ -140,6 +101,7 @@ def _train(
                              attempt=attempt, signals=signals)
     existed = target.exists()
     lease = acquire_lease(target, command="train", owner_only=spec.security.owner_only, attempt=attempt.number)
+    signals.on_stuck = lease.release  # a signal the blocked main thread cannot take still frees the run dir
     try:
         preflight_storage(spec, run_dir=target)
         return _train_leased(spec, run_dir=run_dir, max_steps=max_steps, console=console, resume=resume,
