@@ -29,14 +29,13 @@ from leantrain.ckpt.resume import ResumeRequest, precheck
 from leantrain.errors import Interrupted, LeantrainError, UserInputError
 from leantrain.spec.schema import JobSpec
 from leantrain.train.run_setup import description_snapshot, finish_run, prepare_run, restore_description
-from leantrain.train.startup_signals import StartupSignals
+from leantrain.train.startup_signals import INTERRUPT_SIGNALS, StartupSignals
 
 if TYPE_CHECKING:
     from leantrain.demo_context import DemoContext
     from leantrain.train.trainer import Checkpointer, Trainer
 
 
-INTERRUPT_SIGNALS = ("SIGINT", "SIGTERM")
 SHARED_STORE_OFF = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"  # launch.resources.TORCHRUN_ENV sets it to 1
 log = logging.getLogger("leantrain.train")
 
