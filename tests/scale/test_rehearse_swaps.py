@@ -5,6 +5,7 @@ their own device mesh (each fails when its swap is taken out)."""
 from __future__ import annotations
 
 import contextlib
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -106,3 +107,59 @@ def test_shard_offsets_are_kept_per_coordinate_not_reused_across_them() -> None:
                      for c in coordinates]
     assert rehearsed == expected
     assert len({offset for _, offset in rehearsed}) == 12
+
+
+def _read(path: str) -> bytes:
+    try:
+        return Path(path).read_bytes()
+    except OSError:
+        return b""
+
+
+def _workers(pid: int) -> set[int]:
+    """The spawned multiprocessing workers among `pid`'s children."""
+    children = {int(c) for c in _read(f"/proc/{pid}/task/{pid}/children").split()}
+    return {c for c in children if b"spawn_main" in _read(f"/proc/{c}/cmdline")}
+
+
+def _alive(pid: int) -> bool:
+    stat = _read(f"/proc/{pid}/stat")
+    return bool(stat) and stat.rsplit(b")", 1)[-1].split()[0] != b"Z"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not __import__("os").path.isdir("/proc/self/task"), reason="reads /proc (Linux)")
+def test_a_terminated_rehearsal_takes_its_worker_processes_with_it(tmp_path: Any) -> None:
+    """SIGTERM to `leantrain rehearse` (a scheduler, `kill`) used to leave its spawned rank workers running as
+    orphans, minutes of CPU each; now each worker ends with its parent (PR_SET_PDEATHSIG)."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    sets = [f"--set={s}" for s in UNEVEN]
+    proc = subprocess.Popen([sys.executable, "-m", "leantrain.cli", "rehearse", str(EXAMPLES / "tiny-cpu.yaml"),
+                             *sets, "--ranks", "0,1,2,3,4,5,6,7", "--json", str(tmp_path / "r.json")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    workers: set[int] = set()
+    try:
+        deadline = time.monotonic() + 120
+        while not workers and time.monotonic() < deadline and proc.poll() is None:
+            workers = _workers(proc.pid)
+            time.sleep(0.05)
+        assert workers, "no rank worker started"
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while any(_alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [w for w in workers if _alive(w)], workers
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        for worker in workers:
+            with contextlib.suppress(OSError):
+                os.kill(worker, signal.SIGKILL)

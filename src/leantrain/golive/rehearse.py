@@ -276,6 +276,19 @@ def _rehearse_or_explain(target: RehearsalTarget, **kwargs: Any) -> dict[str, An
             f"{type(err).__name__}: {first}") from None
 
 
+def _die_with_parent() -> None:
+    """Worker initializer: the worker ends with the rehearsal that spawned it. Without it a SIGTERM to
+    `leantrain rehearse` (a scheduler, `kill`) left its workers running as orphans, each minutes of CPU into a
+    rank (seen 2026-12-03). Linux: prctl(PR_SET_PDEATHSIG, SIGTERM); elsewhere a no-op."""
+    import ctypes
+    import signal
+
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
+    if os.getppid() == 1:  # the parent died before the call above took effect
+        os._exit(1)
+
+
 def _rank_worker(target: RehearsalTarget, rank: int, data_dir: Path, scratch: Path,
                  broadcasts: Broadcasts) -> tuple[str, Any, Broadcasts]:
     """One rank in a worker process: ("ok", report, what it broadcast) or ("error", message, ...). A worker
@@ -323,14 +336,14 @@ def _rehearse_ranks(targets: list[RehearsalTarget], *, ranks: list[int], data_di
     context = multiprocessing.get_context("spawn")
     cores = os.cpu_count() or 1
     with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, min(len(targets), cores)),
-                                                mp_context=context) as pool:
+                                                mp_context=context, initializer=_die_with_parent) as pool:
         firsts = list(pool.map(_rank_worker, targets, [0] * len(targets), [data_dir] * len(targets),
                                [scratch] * len(targets), [Broadcasts() for _ in targets]))
     sent = [take(index, outcome) for index, outcome in enumerate(firsts)]
     jobs = [(index, rank) for index in range(len(targets)) for rank in rest]
     if jobs:
         with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, min(len(jobs), cores)),
-                                                    mp_context=context) as pool:
+                                                    mp_context=context, initializer=_die_with_parent) as pool:
             outcomes = pool.map(_rank_worker, *zip(*[(targets[i], r, data_dir, scratch, sent[i]) for i, r in jobs],
                                                    strict=True))
             for (index, _rank), outcome in zip(jobs, outcomes, strict=True):
