@@ -20,6 +20,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -198,20 +199,32 @@ def _launch_two_hosts(drilled: dict[str, Any], *, plan: FaultPlan, run_dir: Path
            "LEANTRAIN_RDZV_ENDPOINT": f"127.0.0.1:{_free_port()}"}
     argv = [sys.executable, "-m", "leantrain.cli", "launch", str(drilled["spec_file"]), "--nnodes", "2",
             "--nproc", "1", "--max-restarts", "1", "--run-dir", str(run_dir)]
-    logs = [run_dir.parent / f"{run_dir.name}-agent-{i}.log" for i in range(2)]
+    return _run_agents(argv, env, [run_dir.parent / f"{run_dir.name}-agent-{i}.log" for i in range(2)])
+
+
+def _run_agents(argv: list[str], env: dict[str, str], logs: list[Path], *,
+                second_when: Callable[[], bool] | None = None) -> tuple[list[int], list[str]]:
+    """Two torchrun agents running `argv` (their consoles in `logs`): the second starts right after the first, or
+    once `second_when()` holds; returns both exit codes and both consoles."""
     with contextlib.ExitStack() as stack:
         outs = [stack.enter_context(path.open("w")) for path in logs]
-        procs = [subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-                 for out in outs]
+        procs: list[subprocess.Popen[bytes]] = []
         try:
+            procs.append(subprocess.Popen(argv, stdout=outs[0], stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True))
+            deadline = time.monotonic() + 300
+            while second_when is not None and not second_when():
+                assert procs[0].poll() is None and time.monotonic() < deadline, logs[0].read_text()[-3000:]
+                time.sleep(0.1)
+            procs.append(subprocess.Popen(argv, stdout=outs[1], stderr=subprocess.STDOUT, env=env,
+                                          start_new_session=True))
             codes = [proc.wait(timeout=900) for proc in procs]
         finally:
             for proc in procs:
                 if proc.poll() is None:
                     os.killpg(proc.pid, signal.SIGKILL)
                     proc.wait()
-    texts = [path.read_text() for path in logs]
-    return codes, texts
+    return codes, [path.read_text() for path in logs]
 
 
 @pytest.mark.heavy
@@ -367,25 +380,9 @@ def test_a_node_joining_is_a_membership_change_restart_that_resumes_at_the_large
            "LEANTRAIN_RDZV_ENDPOINT": f"127.0.0.1:{_free_port()}"}
     argv = [sys.executable, "-m", "leantrain.cli", "launch", str(spec_file), "--nnodes", "1:2", "--nproc", "1",
             "--max-restarts", "1", "--run-dir", str(run_dir), "--set", f"training.max_steps={MEMBERSHIP_STEPS}"]
-    logs = [tmp_path / f"agent-{i}.log" for i in range(2)]
     metrics = run_dir / "metrics.jsonl"
-    with contextlib.ExitStack() as stack:
-        outs = [stack.enter_context(path.open("w")) for path in logs]
-        procs = [subprocess.Popen(argv, stdout=outs[0], stderr=subprocess.STDOUT, env=env, start_new_session=True)]
-        try:
-            deadline = time.monotonic() + 300
-            while _last_logged_step(metrics) < 4:  # the first node trains
-                assert procs[0].poll() is None and time.monotonic() < deadline, logs[0].read_text()[-3000:]
-                time.sleep(0.1)
-            procs.append(subprocess.Popen(argv, stdout=outs[1], stderr=subprocess.STDOUT, env=env,
-                                          start_new_session=True))
-            codes = [proc.wait(timeout=900) for proc in procs]
-        finally:
-            for proc in procs:
-                if proc.poll() is None:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    proc.wait()
-    texts = [path.read_text() for path in logs]
+    codes, texts = _run_agents(argv, env, [tmp_path / f"agent-{i}.log" for i in range(2)],
+                               second_when=lambda: _last_logged_step(metrics) >= 4)  # once the first node trains
     assert codes == [0, 0], [text[-3000:] for text in texts]
     kinds = events(run_dir)
     restart = [e for e in kinds if e["kind"] == "restart"]
