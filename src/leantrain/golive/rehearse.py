@@ -27,8 +27,8 @@ import numpy as np
 
 from leantrain.errors import LeantrainError, UserInputError
 from leantrain.golive.rehearse_memory import pipeline_receive_buffers, step_mem_tracker, unseen_sharding_propagation
+from leantrain.golive.rehearse_peers import DONE, Broadcasts, object_collectives
 from leantrain.golive.rehearse_probes import (
-    Broadcasts,
     CollectiveRecorder,
     FileReads,
     HostSyncCounter,
@@ -36,7 +36,6 @@ from leantrain.golive.rehearse_probes import (
     StepLog,
     control_window,
     group_labels,
-    object_collectives,
     resident_bytes,
 )
 from leantrain.golive.rehearse_report import (
@@ -305,10 +304,11 @@ def _rank_worker(target: RehearsalTarget, rank: int, data_dir: Path, scratch: Pa
 def _rehearse_ranks(targets: list[RehearsalTarget], *, ranks: list[int], data_dir: Path,
                     scratch: Path, isolated: bool = True) -> list[list[dict[str, Any]]]:
     """Each target's reports of `ranks`, rank 0 first (the source of the checkpoint manager's agreements: the
-    others receive what it broadcast). Isolated: spawned worker processes, one per CPU core, in two rounds for
-    all the targets together (the short depths and micro-batch counts `--depth auto` rehearses): every target's
-    rank 0 side by side, then every other (target, rank) pair, so no core waits for one rank 0 while another
-    target's ranks are ready. A worker rehearses its ranks one after another (`_rank_worker` drops torch's
+    others receive what it broadcast). Isolated: spawned worker processes, one per CPU core, for all the targets
+    together (the short depths and micro-batch counts `--depth auto` rehearses): every target's rank 0 is given
+    to the pool first and publishes what it broadcasts into a channel as it runs (golive/rehearse_peers.py), and
+    the other ranks start as workers free up, waiting in the channel for a value rank 0 has not sent yet, so no
+    core waits for a whole rank 0. A worker rehearses its ranks one after another (`_rank_worker` drops torch's
     per-mesh caches first, and `rehearse_swaps.rank_keyed_meshes` keeps one rank's meshes from matching
     another's)."""
     import concurrent.futures
@@ -326,28 +326,31 @@ def _rehearse_ranks(targets: list[RehearsalTarget], *, ranks: list[int], data_di
         forget_torch_caches()
         return reports
 
-    def take(index: int, outcome: tuple[str, Any, Broadcasts]) -> Broadcasts:
-        status, value, sent = outcome
+    def take(index: int, outcome: tuple[str, Any, Broadcasts]) -> None:
+        status, value, _sent = outcome
         if status != "ok":
             raise RehearsalError(value)
         reports[index].append(value)
-        return sent
 
     context = multiprocessing.get_context("spawn")
-    cores = os.cpu_count() or 1
-    with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, min(len(targets), cores)),
-                                                mp_context=context, initializer=_die_with_parent) as pool:
-        firsts = list(pool.map(_rank_worker, targets, [0] * len(targets), [data_dir] * len(targets),
-                               [scratch] * len(targets), [Broadcasts() for _ in targets]))
-    sent = [take(index, outcome) for index, outcome in enumerate(firsts)]
     jobs = [(index, rank) for index in range(len(targets)) for rank in rest]
-    if jobs:
-        with concurrent.futures.ProcessPoolExecutor(max_workers=max(1, min(len(jobs), cores)),
-                                                    mp_context=context, initializer=_die_with_parent) as pool:
-            outcomes = pool.map(_rank_worker, *zip(*[(targets[i], r, data_dir, scratch, sent[i]) for i, r in jobs],
-                                                   strict=True))
-            for (index, _rank), outcome in zip(jobs, outcomes, strict=True):
-                take(index, outcome)
+    workers = max(1, min(len(targets) + len(jobs), os.cpu_count() or 1))
+    with context.Manager() as manager, concurrent.futures.ProcessPoolExecutor(
+            max_workers=workers, mp_context=context, initializer=_die_with_parent) as pool:
+        channels = [manager.dict() for _ in targets]
+        # Every target's rank 0 first (the pool starts work in the order it was given, so no rank waits on a
+        # rank 0 that has not started), publishing what it broadcasts; the others start as workers free up.
+        firsts = [pool.submit(_rank_worker, target, 0, data_dir, scratch,
+                              Broadcasts(channel=channel, publishes=True))
+                  for target, channel in zip(targets, channels, strict=True)]
+        for future, channel in zip(firsts, channels, strict=True):
+            future.add_done_callback(lambda _future, channel=channel: channel.__setitem__(DONE, [True]))
+        others = [pool.submit(_rank_worker, targets[index], rank, data_dir, scratch,
+                              Broadcasts(channel=channels[index])) for index, rank in jobs]
+        for index, future in enumerate(firsts):
+            take(index, future.result())
+        for (index, _rank), future in zip(jobs, others, strict=True):
+            take(index, future.result())
     return reports
 
 
