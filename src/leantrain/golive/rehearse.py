@@ -313,6 +313,7 @@ def _rehearse_ranks(targets: list[RehearsalTarget], *, ranks: list[int], data_di
     another's)."""
     import concurrent.futures
     import multiprocessing
+    from multiprocessing.managers import SyncManager
 
     reports: list[list[dict[str, Any]]] = [[] for _ in targets]
     rest = [r for r in ranks if r != 0]
@@ -335,7 +336,9 @@ def _rehearse_ranks(targets: list[RehearsalTarget], *, ranks: list[int], data_di
     context = multiprocessing.get_context("spawn")
     jobs = [(index, rank) for index in range(len(targets)) for rank in rest]
     workers = max(1, min(len(targets) + len(jobs), os.cpu_count() or 1))
-    with context.Manager() as manager, concurrent.futures.ProcessPoolExecutor(
+    manager = SyncManager(ctx=context)
+    manager.start(initializer=_die_with_parent)  # its server process, too, ends with this one
+    with manager, concurrent.futures.ProcessPoolExecutor(
             max_workers=workers, mp_context=context, initializer=_die_with_parent) as pool:
         channels = [manager.dict() for _ in targets]
         # Every target's rank 0 first (the pool starts work in the order it was given, so no rank waits on a
