@@ -110,3 +110,42 @@ def test_the_peak_holds_the_optimizer_states_made_before_the_tracked_step() -> N
     resident = {"params": 0, "grads": 0, "optimizer": states}
     assert abs(memory_categories(early, resident)["peak"] - late["Total"]) < 64
     assert abs(memory_categories(late, resident)["peak"] - late["Total"]) < 64  # not counted twice
+
+
+def _fsdp_forward_peak(*, gathers_as_temp: bool) -> tuple[dict[str, int], int]:
+    """Rank 0 of a fake 2-rank world: a Linear under FSDP2, its forward tracked by the rehearsal's tracker."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from leantrain.golive.rehearse_memory import fsdp_gathers_as_temp, step_mem_tracker
+    from leantrain.golive.rehearse_probes import HostSyncCounter, Probes
+    from leantrain.parallel.dryrun import fake_process_group
+
+    with contextlib.ExitStack() as stack, warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        stack.enter_context(fake_process_group(rank=0, world_size=2))
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+        stack.enter_context(HostSyncCounter(Probes()))
+        model = nn.Sequential(nn.Linear(1024, 1024, bias=False), nn.Linear(1024, 8, bias=False))
+        fully_shard(model[0], mesh=mesh)  # a unit of its own: gathered in its forward, resharded after it
+        fully_shard(model, mesh=mesh)
+        x = torch.randn(4, 1024)
+        model(x).sum().backward()  # step 1: FSDP's lazy init; every unit resharded at its end
+        tracker = step_mem_tracker()
+        tracker.track_external(model)
+        with tracker, fsdp_gathers_as_temp(tracker) if gathers_as_temp else contextlib.nullcontext():
+            model(x)
+        peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    return {str(k).split(".")[-1]: int(v) for k, v in peak.items()}, 1024 * 1024 * 4  # the first Linear
+
+
+def test_fsdp_all_gather_buffers_are_temp_not_activations() -> None:
+    """FSDP2's flat all-gather output (here the whole 4 MiB weight, fp32) is a communication buffer: the
+    rehearsal files it under "Other" (reported as temp, where the plan counts gathered weights); MemTracker alone
+    files it as an activation when the unshard runs in a forward."""
+    with_it, gathered = _fsdp_forward_peak(gathers_as_temp=True)
+    without, _ = _fsdp_forward_peak(gathers_as_temp=False)
+    assert with_it["OTH"] >= gathered and without["OTH"] == 0, (with_it, without)
+    assert without["ACT"] - with_it["ACT"] >= gathered, (with_it, without)

@@ -26,7 +26,12 @@ from unittest import mock
 import numpy as np
 
 from leantrain.errors import LeantrainError, UserInputError
-from leantrain.golive.rehearse_memory import pipeline_receive_buffers, step_mem_tracker, unseen_sharding_propagation
+from leantrain.golive.rehearse_memory import (
+    fsdp_gathers_as_temp,
+    pipeline_receive_buffers,
+    step_mem_tracker,
+    unseen_sharding_propagation,
+)
 from leantrain.golive.rehearse_peers import DONE, Broadcasts, object_collectives
 from leantrain.golive.rehearse_probes import (
     CollectiveRecorder,
@@ -197,7 +202,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
                 if number != 2:
                     return step_fn()
                 mem.track_external(*pipeline_receive_buffers(trainer.parallel.stages))  # made in step 1
-                with mem:  # the steady step: optimizer states exist; its peak is the run's
+                with mem, fsdp_gathers_as_temp(mem):  # the steady step: optimizer states exist; its peak is the run's
                     result = step_fn()
                 resident.update(resident_bytes(trainer))
                 return result

@@ -10,6 +10,12 @@ filed as activations. `pipeline_receive_buffers` hands them to the tracker befor
 `step_mem_tracker` keeps them in their own category ("Other", reported under temp, as the plan counts them,
 `plan.memory.PIPELINE_RECV_BUFFERS`) for the whole step.
 
+Likewise FSDP2's flat all-gather buffer (one per unshard of a parameter group, freed after the copy into the
+unsharded parameters): MemTracker files it as an activation when the unshard runs in a forward, so a peak that
+falls in a forward (an interleaved pipeline's from 8 micro-batches on) showed a whole group's gathered weights,
+the embedding's 1,002 MiB at Llama-3-8B width, as activations. `fsdp_gathers_as_temp` re-files each such buffer
+under "Other" (temp, where the plan counts gathered weights) as soon as the all-gather is issued.
+
 Must not see: DTensor's sharding propagation under fake tensors.
 
 For every DTensor op (and inside the vocabulary-parallel loss's handlers) torch computes the output's global
@@ -104,3 +110,23 @@ def step_mem_tracker() -> Any:
                     self._peak_mem_snap[dev] = deepcopy(snap)
 
     return StepMemTracker()
+
+
+@contextmanager
+def fsdp_gathers_as_temp(tracker: Any) -> Iterator[None]:
+    """Within it, FSDP2's flat all-gather output is filed by `tracker` as "Other" (temp) from its all-gather on
+    (module docstring; `step_mem_tracker` keeps it there while the collective and the copy-out touch it)."""
+    from torch.distributed._tools.mem_tracker import _MemRefType
+    from torch.distributed.fsdp._fully_shard import _fsdp_param_group
+
+    original = _fsdp_param_group.foreach_all_gather
+
+    def foreach_all_gather(*args: Any, **kwargs: Any) -> Any:
+        result = original(*args, **kwargs)
+        output = getattr(result, "all_gather_output", None)
+        if output is not None and getattr(tracker, "_WINFO", None) is not None:
+            tracker._update_and_maybe_create_winfos(output, _MemRefType.OTH)
+        return result
+
+    with mock.patch.object(_fsdp_param_group, "foreach_all_gather", foreach_all_gather):
+        yield
