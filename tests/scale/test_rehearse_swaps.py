@@ -164,3 +164,17 @@ def test_a_terminated_rehearsal_takes_its_worker_processes_with_it(tmp_path: Any
         for worker in workers:
             with contextlib.suppress(OSError):
                 os.kill(worker, signal.SIGKILL)
+
+
+def test_the_peak_listing_adds_up_to_the_rehearsals_categories() -> None:
+    """scripts/rehearsal_peak.py lists the storages live at the peak; its activations are the report's."""
+    import importlib.util
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "rehearsal_peak.py"
+    loaded = importlib.util.spec_from_file_location("rehearsal_peak", path)
+    assert loaded is not None and loaded.loader is not None
+    module = importlib.util.module_from_spec(loaded)
+    loaded.loader.exec_module(module)
+    record, live = module.peak_storages(EXAMPLES / "tiny-cpu.yaml", sets=list(UNEVEN), rank=0)
+    listed = sum(size * n for (category, size), n in live.items() if category == "ACT")
+    assert listed == record["memory_bytes"]["activations"] > 0
