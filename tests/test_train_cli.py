@@ -83,18 +83,23 @@ def test_run_dir_describes_itself(demo_data: Path, tmp_path: Path) -> None:
     assert main(["runs"]) == 0
 
 
-def test_out_of_memory_is_recorded_before_the_error(demo_data: Path, tmp_path: Path,
-                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+def _train_into_oom(demo_data: Path, run_dir: Path, monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """`leantrain train` whose first step runs out of memory; the run dir's events."""
     from leantrain.train.trainer import Trainer
 
     def oom(self: Trainer) -> None:
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
     monkeypatch.setattr(Trainer, "train_step", oom)
-    run_dir = tmp_path / "run"
     with pytest.raises(torch.OutOfMemoryError):
         main(["train", str(EXAMPLES / "tiny-cpu.yaml"), "--set", f"data.dir={demo_data}", "--run-dir", str(run_dir)])
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+
+
+def test_out_of_memory_is_recorded_before_the_error(demo_data: Path, tmp_path: Path,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    run_dir = tmp_path / "run"
+    events = _train_into_oom(demo_data, run_dir, monkeypatch)
     oom_events = [e for e in events if e.get("kind") == "oom"]
     assert oom_events and oom_events[0]["rank"] == 0 and "out of memory" in oom_events[0]["error"]
     assert oom_events[0]["attempt"] == 0 and (run_dir / "oom" / "rank-0-attempt-0.json").is_file()
@@ -106,18 +111,11 @@ def test_out_of_memory_records_the_jobs_agreed_attempt(demo_data: Path, tmp_path
     agreed attempt: the OOM record and event carry the agreed one, as the hang records and restart events do."""
     import leantrain.train.command as command
     from leantrain.ckpt.attempt import JobAttempt
-    from leantrain.train.trainer import Trainer
 
-    def oom(self: Trainer) -> None:
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-    monkeypatch.setattr(Trainer, "train_step", oom)
     monkeypatch.setattr(command, "job_attempt", lambda spec: JobAttempt(number=2, membership_change=True))
     monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
     run_dir = tmp_path / "run"
-    with pytest.raises(torch.OutOfMemoryError):
-        main(["train", str(EXAMPLES / "tiny-cpu.yaml"), "--set", f"data.dir={demo_data}", "--run-dir", str(run_dir)])
-    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    events = _train_into_oom(demo_data, run_dir, monkeypatch)
     assert [e["attempt"] for e in events if e.get("kind") == "oom"] == [2]
     assert [p.name for p in (run_dir / "oom").iterdir()] == ["rank-0-attempt-2.json"]
 

@@ -294,16 +294,17 @@ def _die_with_parent() -> None:
 
 
 def _rank_worker(target: RehearsalTarget, rank: int, data_dir: Path, scratch: Path,
-                 broadcasts: Broadcasts) -> tuple[str, Any, Broadcasts]:
-    """One rank in a worker process: ("ok", report, what it broadcast) or ("error", message, ...). A worker
+                 broadcasts: Broadcasts) -> tuple[str, Any]:
+    """One rank in a worker process: ("ok", report) or ("error", message); what rank 0 broadcasts reaches the
+    others through `broadcasts.channel` while it runs, not through this return value. A worker
     runs several ranks one after another: torch's per-mesh caches are dropped first (meshes of different ranks
     never compare equal while rehearsing: `rehearse_swaps.rank_keyed_meshes`)."""
     forget_torch_caches()
     try:
         report = _rehearse_or_explain(target, rank=rank, data_dir=data_dir, scratch=scratch, broadcasts=broadcasts)
     except UserInputError as err:
-        return "error", str(err), broadcasts
-    return "ok", report, broadcasts
+        return "error", str(err)
+    return "ok", report
 
 
 def _rehearse_ranks(targets: list[RehearsalTarget], *, ranks: list[int], data_dir: Path,
@@ -332,8 +333,8 @@ def _rehearse_ranks(targets: list[RehearsalTarget], *, ranks: list[int], data_di
         forget_torch_caches()
         return reports
 
-    def take(index: int, outcome: tuple[str, Any, Broadcasts]) -> None:
-        status, value, _sent = outcome
+    def take(index: int, outcome: tuple[str, Any]) -> None:
+        status, value = outcome
         if status != "ok":
             raise RehearsalError(value)
         reports[index].append(value)

@@ -76,8 +76,9 @@ def pipeline_receive_buffers(stages: Iterable[Any]) -> list[Any]:
 def step_mem_tracker() -> Any:
     """torch's MemTracker, for a loop: a root module called again (the next micro-batch, the next pipeline
     chunk) starts its per-module stats afresh instead of raising; the per-device peak is kept across calls; and
-    a tensor handed to `track_external` as itself (the pipeline's receive buffers) keeps its category "Other"
-    when an op writes into it (torch's tracker would re-file it as an activation or temp at each write).
+    a storage filed as "Other" (the pipeline's receive buffers handed to `track_external`, FSDP's all-gather
+    buffers re-filed by `fsdp_gathers_as_temp`) keeps that category when an op writes into it (torch's tracker
+    would re-file it as an activation or temp at each write).
 
     Only the device's peak is kept up to date after each op: torch's tracker also walks every module it has
     seen after every op to update per-module peaks, which the rehearsal never reads and which was a sixth of a
@@ -100,7 +101,7 @@ def step_mem_tracker() -> Any:
                     if (winfo := self._WINFO.get(st, (None, None))[0]) is not None
                     and winfo.reftype == _MemRefType.OTH]
             if kept and reftype != _MemRefType.OTH:
-                return set(kept)  # a receive buffer written by a recv: still a receive buffer
+                return set(kept)  # a buffer written by a recv or an all-gather: still a buffer
             return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
 
         def _update_peak_stats(self, peak_state: Any) -> None:
@@ -123,8 +124,8 @@ def fsdp_gathers_as_temp(tracker: Any) -> Iterator[None]:
 
     def foreach_all_gather(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
-        output = getattr(result, "all_gather_output", None)
-        if output is not None and getattr(tracker, "_WINFO", None) is not None:
+        output = getattr(result, "all_gather_output", None)  # torch types the result as optional
+        if output is not None:
             tracker._update_and_maybe_create_winfos(output, _MemRefType.OTH)
         return result
 

@@ -1,8 +1,8 @@
 """The rehearsed rank's peers, answered without them: torch.distributed's object collectives.
 
 A rehearsal runs one rank of a fake world; what its peers would send in an object collective is answered from
-the rank itself (a gather: every rank's value equal to this one's) or from the broadcast's source rank, rank 0,
-rehearsed first (`Broadcasts`). The ranks run side by side in worker processes (golive/rehearse.py): rank 0
+the rank itself (a gather: every rank's value equal to this one's) or from what the broadcast's source, rank
+0, sent in its own rehearsal (`Broadcasts`). The ranks run side by side in worker processes (golive/rehearse.py): rank 0
 publishes what it sends into a channel shared with the other workers while it runs (`Broadcasts.channel`, a
 multiprocessing manager's dict), and a rank that needs one of its values waits for it there, or for rank 0 to
 end (then nothing more will come, and the rank's own objects stand, as before). So the other ranks need not
@@ -31,8 +31,8 @@ POLL_S = 0.02  # lookups are few (start-up agreements, the first stage metadata)
 
 @dataclass
 class Broadcasts:
-    """What each broadcast's source sent, by (group, call number): the ranks rehearsed after the source receive
-    it at the same call (collectives are issued in the same order on every rank of a group)."""
+    """What each broadcast's source sent, by (group, call number): the other ranks receive it at the same call
+    (collectives are issued in the same order on every rank of a group)."""
 
     sent: dict[tuple[str, int], list[Any]] = field(default_factory=dict)
     calls: Counter[str] = field(default_factory=Counter)
