@@ -142,7 +142,7 @@ def job_attempt(spec: JobSpec) -> JobAttempt:
 
 def _train_leased(
     spec: JobSpec, *, run_dir: Path | None, max_steps: int | None, console: Console | None,
-    resume: ResumeRequest | None = None, attempt: JobAttempt | None = None, signals: StartupSignals | None = None,
+    resume: ResumeRequest | None, attempt: JobAttempt, signals: StartupSignals,
 ) -> TrainOutcome:
     from leantrain.train.trainer import Trainer
 
@@ -151,7 +151,6 @@ def _train_leased(
     check_trainable(spec)
     _check_data_dir(spec)
     target = Path(run_dir or spec.run.dir)
-    attempt = attempt or JobAttempt()
     if attempt.number == 0:  # refusals that need no model come before anything is written (the agreed attempt)
         precheck(spec, run_dir=target, request=resume or ResumeRequest(), max_steps=max_steps)
     rank = int(os.environ.get("RANK", "0"))
@@ -171,8 +170,7 @@ def _train_leased(
             restore_description(target, before)  # the run dir describes the run that was, not the refused one
         raise
     outcome = TrainOutcome()
-    if signals is not None:
-        signals.phase = None
+    signals.phase = None  # the checkpointer's PreemptionHandler has the signals now
     try:
         outcome.records = trainer.train()
         hook = trainer.checkpointer
@@ -187,8 +185,7 @@ def _train_leased(
         status = "interrupted"
         raise
     finally:
-        if signals is not None:
-            signals.phase = "shutdown"
+        signals.phase = "shutdown"
         trainer.close()
         finish_run(context, status=status)
 
