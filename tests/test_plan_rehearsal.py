@@ -4,9 +4,10 @@ bench/plan_vs_rehearsal.py runs the whole grid (13 layouts, bench/RESULTS.md); t
 mechanism: ZeRO-2's gathered stage, TP with the vocabulary-parallel loss (TP2, and TP8 where the loss's
 backward and the sequence-parallel gathered inputs weigh most), a pipeline's first stage (the stage torch's
 pipelining keeps gathered with its unsharded gradients), an interleaved pipeline (its peak falls in a forward,
-where FSDP's flat all-gather buffer is temp, not an activation). The in-flight micro-batch count of every pipeline
-schedule is checked against the order torch's own schedule runs, and the pipeline receive buffers against what
-torch's PipelineStage keeps on 2 gloo ranks (not heavy)."""
+where FSDP's flat all-gather buffer is temp, not an activation), TP with a pipeline (the first stage's
+vocabulary-parallel embedding, whose gradient is this rank's rows: a whole-vocabulary one was 1 GiB of temp).
+The in-flight micro-batch count of every pipeline schedule is checked against the order torch's own schedule
+runs, and the pipeline receive buffers against what torch's PipelineStage keeps on 2 gloo ranks (not heavy)."""
 
 from __future__ import annotations
 
@@ -33,7 +34,7 @@ def _bench():
 @pytest.mark.heavy
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp8 zero2 selective", "fsdp4 tp2", "fsdp2 tp8", "fsdp4 pp2 1f1b",
-                                  "fsdp2 pp2 interleaved"])
+                                  "fsdp2 pp2 interleaved", "fsdp2 tp2 pp2"])
 def test_plan_matches_the_rehearsal_per_category(name: str) -> None:
     bench = _bench()
     dp, tp, pp, zero, schedule, virtual, recompute, extra = bench.GRID[name]

@@ -6,12 +6,17 @@ units), wo and w2 row-wise (partial sums reduced). With sequence parallelism the
 blocks is split along the sequence (Korthikanti et al. 2022): the norms run on 1/tp of the tokens, and the
 row-wise outputs reduce-scatter instead of all-reduce, the column-wise inputs all-gather.
 
-The embedding is vocab-split (row-wise: each rank looks up its vocabulary rows, the partial outputs are
-summed, or reduce-scattered along the sequence under sequence parallelism), as torchtitan's Llama TP plan
-does (torchtitan/models/llama3/infra/parallelize.py): a 128k × 16k embedding whole on every TP rank is
-4 GiB of fp32 master plus its Adam states. With tied embeddings it stays whole (the head multiplies by
-the same weight outside any TP style). The untied output projection is column-wise (vocab split); with loss
-parallel its logits stay vocab-sharded (a DTensor) and the cross-entropy runs under `loss_parallel()`.
+The embedding is vocab-split (row-wise: each rank looks up its vocabulary rows, the partial outputs are summed, or
+reduce-scattered along the sequence under sequence parallelism), as torchtitan's Llama TP plan does
+(torchtitan/models/llama3/infra/parallelize.py): a 128k × 16k embedding whole on every TP rank is 4 GiB of fp32
+master plus its Adam states. Its lookup is Megatron's vocabulary-parallel one (`_VocabParallel`), so that the
+weight's gradient is this rank's rows only: torch's RowwiseParallel gives the same forward, but DTensor has no
+row-wise rule for the embedding's backward, so every rank computed the whole-vocabulary gradient (a Replicate
+DTensor), which FSDP kept in fp32 through a pipeline step's micro-batches before taking its rows (2 GiB per rank
+at Llama 3 8B's width, 8 GiB at 405B's; found by `leantrain rehearse`). With tied embeddings it stays whole (the
+head multiplies by the same weight outside any TP style). The untied output projection is column-wise (vocab
+split); with loss parallel its logits stay vocab-sharded (a DTensor) and the cross-entropy runs under
+`loss_parallel()`.
 Under fp8 the block's float8 Linear layers take torchao's float8 styles (`Float8ColwiseParallel`,
 `Float8RowwiseParallel`, and `PrepareFloat8ModuleInput` for the sequence-parallel all-gathers, which then move
 float8 instead of bf16), as torchtitan's plan does; the head and the embedding keep the plain styles.
@@ -23,13 +28,15 @@ without it by `parallel.expert.apply_expert_tensor_parallel` (each expert's hidd
 from __future__ import annotations
 
 import contextlib
+import types
 from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     PrepareModuleInput,
@@ -64,7 +71,7 @@ def apply_tensor_parallel(
     has_output = getattr(model, "output", None) is not None
     if getattr(model, "tok_embeddings", None) is not None:
         if not tied_embeddings:
-            top["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=seq_layout)
+            top["tok_embeddings"] = _VocabParallel(output_layout=seq_layout)
         elif sequence_parallel:
             # The whole embedding output is on every rank; keeping this rank's sequence chunk needs no communication.
             top["tok_embeddings"] = PrepareModuleOutput(output_layouts=Replicate(), desired_output_layouts=Shard(1))
@@ -172,6 +179,40 @@ class _SumGradient(ParallelStyle):
 
         module.register_forward_pre_hook(hook)
         return module
+
+
+class _VocabParallel(ParallelStyle):
+    """An nn.Embedding split by vocabulary rows over TP (Shard(0)): each rank looks up the tokens its rows hold
+    (zeros for the others), the partial outputs are summed into `output_layout` (all-reduce to Replicate, or
+    reduce-scatter to Shard(1) under sequence parallelism; backward: the matching all-gather), and the lookup's
+    backward runs on the local rows, so the weight's gradient is a Shard(0) DTensor of this rank's rows."""
+
+    def __init__(self, *, output_layout: Shard | Replicate) -> None:
+        super().__init__()
+        self.output_layout = output_layout
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        if not isinstance(module, nn.Embedding) or module.padding_idx is not None or module.max_norm is not None:
+            raise TypeError(f"vocabulary-parallel embedding expects a plain nn.Embedding, got {module}")
+        weight = distribute_tensor(module.weight, device_mesh, [Shard(0)], src_data_rank=self.src_data_rank)
+        module.register_parameter("weight", nn.Parameter(weight, requires_grad=module.weight.requires_grad))
+        module.tp_output_layout = self.output_layout
+        # bound, not a closure: a deep copy of the model (a DPO reference) then looks up in its own weight
+        module.forward = types.MethodType(_vocab_parallel_lookup, module)  # type: ignore[method-assign]
+        return module
+
+
+def _vocab_parallel_lookup(module: nn.Embedding, ids: torch.Tensor) -> torch.Tensor:
+    weight = module.weight  # the TP DTensor (FSDP's unsharded parameter when FSDP wraps the module)
+    mesh = weight.device_mesh
+    if isinstance(ids, DTensor):
+        ids = ids.to_local()
+    rows = weight.to_local()
+    start = mesh.get_local_rank() * -(-weight.shape[0] // mesh.size())  # torch.chunk's split, as Shard(0)'s
+    outside = (ids < start) | (ids >= start + rows.shape[0])
+    local = F.embedding((ids - start).masked_fill(outside, 0), rows).masked_fill(outside.unsqueeze(-1), 0)
+    summed = DTensor.from_local(local, mesh, (Partial(),), run_check=False)
+    return summed.redistribute(mesh, (module.tp_output_layout,)).to_local()
 
 
 class _GatherThenSplit(ParallelStyle):
