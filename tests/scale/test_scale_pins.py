@@ -171,11 +171,11 @@ def test_a_deep_model_extended_from_two_depths_equals_its_full_rehearsal() -> No
         assert abs(got["peak"] - want["peak"]) <= 0.02 * want["peak"], (got, want)
 
 
-@pytest.mark.parametrize(("pp", "counts", "total"), [(2, [3, 5], 16), (4, [5, 9], 32)])
+@pytest.mark.parametrize(("pp", "counts", "total"), [(2, [3, 4], 16), (4, [5, 6], 32)])
 def test_a_step_of_many_micro_batches_extended_from_two_counts_equals_its_full_rehearsal(
         pp: int, counts: list[int], total: int) -> None:
     """`--depth auto` also rehearses a step of many micro-batches with two short counts (1F1B: M1 = pp + 1,
-    M2 = M1 + pp) and extends linearly: 16 micro-batches on PP2 × 1F1B give the same collectives, host
+    M2 = M1 + 1) and extends linearly: 16 micro-batches on PP2 × 1F1B give the same collectives, host
     syncs and memory as the whole step (DeepSeek-V3's 120 is what this saves). The memory does grow with the
     count (torch's stages allocate a receive buffer per micro-batch), linearly, and no longer by a whole output
     per micro-batch on the last stage (the schedule kept every micro-batch's logits: 36 MB here, now 7.6)."""

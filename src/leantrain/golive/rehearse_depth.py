@@ -127,11 +127,12 @@ def extend_reports(spec: JobSpec, *, n_layers: int, one: list[dict[str, Any]],
 # micro-batch, and so is its memory: 1F1B keeps at most pp - stage micro-batches in flight, but torch's
 # PipelineStage allocates one receive buffer per micro-batch (activations forward, their gradients backward),
 # a micro-batch's activation each. So a step of many micro-batches (DeepSeek-V3: 120) is rehearsed with two
-# short counts M1 and M1 + pp and extended linearly, like the depth. M1 is where the growth is linear already,
+# short counts M1 and M2 and extended linearly, like the depth. M1 is where the growth is linear already,
 # measured stage by stage on tiny models: 1F1B from pp + 1 (PP4, first stage: +435 kB from 4 to 5, then +156 kB
 # per micro-batch from 5 to 24; the last stage linear from 4), interleaved from pp × virtual_stages (PP2 × v2:
 # +4.1 MB from 2 to 4, then +0.84 MB per two up to 12). Interleaved and the other schedules keep the wider
-# 2 × pp × virtual_stages (GPipe holds every micro-batch until its backward: linear from the start).
+# 2 × pp × virtual_stages (GPipe holds every micro-batch until its backward: linear from the start). M2 is
+# M1 + 1 for 1F1B (one more forward and backward per stage), M1 + pp for the schedules that run rounds of pp.
 def _micro_step_tokens(spec: JobSpec, *, world_size: int) -> int:
     """Tokens of one micro-batch over all data-parallel ranks (the trainer's micro_batch × seq_len × dp)."""
     par = spec.parallelism
@@ -147,8 +148,11 @@ def microbatches(spec: JobSpec, *, world_size: int) -> int:
 def short_microbatches(spec: JobSpec, *, count: int) -> tuple[int, int] | None:
     """(M1, M2) to rehearse instead of `count` micro-batches, None when the short runs would not save time."""
     pp, vs = spec.parallelism.pipeline_parallel, spec.parallelism.virtual_stages
-    first = pp + 1 if spec.parallelism.pipeline_schedule == "1f1b" else max(2, 2 * pp * vs)
-    second = first + max(pp, 1)
+    if spec.parallelism.pipeline_schedule == "1f1b":  # past the warm-up each micro-batch is one more F and B
+        first, second = pp + 1, pp + 2
+    else:  # torch's interleaved schedule runs micro-batches in rounds of pp
+        first = max(2, 2 * pp * vs)
+        second = first + max(pp, 1)
     return (first, second) if count > 2 * second - first else None
 
 
