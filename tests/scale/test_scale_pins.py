@@ -46,6 +46,17 @@ def test_the_clean_job_passes_every_pin(clean: dict[str, Any]) -> None:
     assert rank["checkpoint_save"]["write_items"] > 0 and rank["startup"]["files_opened"] > 0
 
 
+def test_fp8_weight_scales_are_a_data_plane_collective_not_a_control_call() -> None:
+    """fp8 under FSDP all-reduces its weights' amaxes over the FSDP ranks after each optimizer step (torchao's
+    precompute_float8_dynamic_scale_for_fsdp, called from train/precision.py): part of the step's math, like
+    torchtitan's. DeepSeek-V3's fp8 rehearsal had filed it as a control-plane call every step (1.02 per step
+    against the pin's 1/50)."""
+    report = _rehearse("precision.compute=fp8")
+    rank = report["ranks"][0]
+    assert not few_control_collectives(report), rank["control_collectives"]
+    assert {c["op"] for c in rank["collectives_per_step"] if c["group"] == "dp_shard"} >= {"all_reduce"}
+
+
 def test_a_host_sync_in_the_step_is_caught_with_its_site(monkeypatch: pytest.MonkeyPatch) -> None:
     from leantrain.train import step_metrics
 

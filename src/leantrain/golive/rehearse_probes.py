@@ -72,8 +72,11 @@ SYNC_OPS = {
 # Collectives issued from these parts of leantrain (or from torch itself: FSDP, DTensor, pipelining) move the
 # model's tensors: the data plane. The rest (checkpoint agreement, metrics, run bookkeeping) is the control plane.
 # The loss (train/step_metrics.py's SourceLoss) is part of the step's math: under loss parallelism its
-# vocabulary-split cross-entropy reduces over the TP ranks.
-DATA_PLANE_SITES = ("leantrain/parallel/", "leantrain/model/", "leantrain/train/step_metrics.py", "torch")
+# vocabulary-split cross-entropy reduces over the TP ranks. So are fp8's weight scales (train/precision.py
+# after each optimizer step: torchao's precompute_float8_dynamic_scale_for_fsdp, one all-reduce of the amaxes
+# over the FSDP ranks, as torchtitan does).
+DATA_PLANE_SITES = ("leantrain/parallel/", "leantrain/model/", "leantrain/train/step_metrics.py",
+                    "leantrain/train/precision.py", "torch")
 
 
 def is_control_site(site: str) -> bool:
