@@ -30,8 +30,8 @@ def peak_storages(spec_path: Path, *, sets: list[str], rank: int) -> tuple[dict[
     live: collections.Counter = collections.Counter()
     make_tracker = rehearse_module.step_mem_tracker
 
-    def tracker_listing_its_peak() -> Any:
-        tracker = make_tracker()
+    def tracker_listing_its_peak(**kwargs: Any) -> Any:
+        tracker = make_tracker(**kwargs)
 
         def update_peak(self: Any, peak_state: Any) -> None:
             for device, snap in self._curr_mem_snap.items():

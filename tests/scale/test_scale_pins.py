@@ -50,10 +50,12 @@ def test_fp8_weight_scales_are_a_data_plane_collective_not_a_control_call() -> N
     """fp8 under FSDP all-reduces its weights' amaxes over the FSDP ranks after each optimizer step (torchao's
     precompute_float8_dynamic_scale_for_fsdp, called from train/precision.py): part of the step's math, like
     torchtitan's. DeepSeek-V3's fp8 rehearsal had filed it as a control-plane call every step (1.02 per step
-    against the pin's 1/50)."""
+    against the pin's 1/50), and the memory tracker's own listing of torchao's fp8 weights (whose
+    `__tensor_flatten__` reads `bool(scale)`) as a host sync of the trainer's, one per layer and step."""
     report = _rehearse("precision.compute=fp8")
     rank = report["ranks"][0]
     assert not few_control_collectives(report), rank["control_collectives"]
+    assert not no_host_syncs(report), rank["host_sync_counts"]
     assert {c["op"] for c in rank["collectives_per_step"] if c["group"] == "dp_shard"} >= {"all_reduce"}
 
 

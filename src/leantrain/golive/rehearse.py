@@ -165,7 +165,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
     probes = Probes()
     files = FileReads()
     saves: list[dict[str, Any]] = []
-    mem = step_mem_tracker()
+    mem = step_mem_tracker(quiet=probes.paused)
     steps_done: list[int] = []
     resident: dict[str, int] = {}
     with warnings.catch_warnings():

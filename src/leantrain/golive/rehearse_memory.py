@@ -30,8 +30,8 @@ probes) off the stack, as a real run does. Checked against real gloo runs in tes
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 from unittest import mock
 
@@ -73,12 +73,17 @@ def pipeline_receive_buffers(stages: Iterable[Any]) -> list[Any]:
     return buffers
 
 
-def step_mem_tracker() -> Any:
+def step_mem_tracker(*, quiet: Callable[[], AbstractContextManager[Any]] = nullcontext) -> Any:
     """torch's MemTracker, for a loop: a root module called again (the next micro-batch, the next pipeline
     chunk) starts its per-module stats afresh instead of raising; the per-device peak is kept across calls; and
     a storage filed as "Other" (the pipeline's receive buffers handed to `track_external`, FSDP's all-gather
     buffers re-filed by `fsdp_gathers_as_temp`) keeps that category when an op writes into it (torch's tracker
     would re-file it as an activation or temp at each write).
+
+    Its own bookkeeping runs inside `quiet()` (the rehearsal passes `Probes.paused`): listing a tensor's storages
+    flattens tensor subclasses, and torchao's fp8 weight wrapper reads `bool(scale)` in its `__tensor_flatten__`,
+    which the host-sync counter would otherwise file under the trainer's line (one "sync" per fp8 layer per step
+    in DeepSeek-V3's rehearsal; the trainer itself never flattens them in an eager step).
 
     Only the device's peak is kept up to date after each op: torch's tracker also walks every module it has
     seen after every op to update per-module peaks, which the rehearsal never reads and which was a sixth of a
@@ -97,12 +102,13 @@ def step_mem_tracker() -> Any:
             super()._pre_fw_hook(module, inputs)
 
         def _update_and_maybe_create_winfos(self, t: Any, reftype: Any, update_existing: bool = False) -> Any:
-            kept = [winfo for st in get_untyped_storages(t)
-                    if (winfo := self._WINFO.get(st, (None, None))[0]) is not None
-                    and winfo.reftype == _MemRefType.OTH]
-            if kept and reftype != _MemRefType.OTH:
-                return set(kept)  # a buffer written by a recv or an all-gather: still a buffer
-            return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+            with quiet():
+                kept = [winfo for st in get_untyped_storages(t)
+                        if (winfo := self._WINFO.get(st, (None, None))[0]) is not None
+                        and winfo.reftype == _MemRefType.OTH]
+                if kept and reftype != _MemRefType.OTH:
+                    return set(kept)  # a buffer written by a recv or an all-gather: still a buffer
+                return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
 
         def _update_peak_stats(self, peak_state: Any) -> None:
             for dev, snap in self._curr_mem_snap.items():

@@ -136,11 +136,11 @@ class Probes:
 
     @contextmanager
     def paused(self) -> Iterator[None]:
-        self.counting = False
+        was, self.counting = self.counting, False
         try:
             yield
         finally:
-            self.counting = True
+            self.counting = was
 
     @property
     def current(self) -> StepLog:
