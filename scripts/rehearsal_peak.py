@@ -15,15 +15,12 @@ from __future__ import annotations
 
 import argparse
 import collections
-from copy import deepcopy
 from pathlib import Path
 from typing import Any
 
 
 def peak_storages(spec_path: Path, *, sets: list[str], rank: int) -> tuple[dict[str, Any], collections.Counter]:
     """(rehearsal.json's record of `rank`, a Counter of (category, bytes) → storages live at the peak)."""
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY
-
     import leantrain.golive.rehearse as rehearse_module
     from leantrain.spec import load_spec
 
@@ -32,17 +29,17 @@ def peak_storages(spec_path: Path, *, sets: list[str], rank: int) -> tuple[dict[
 
     def tracker_listing_its_peak(**kwargs: Any) -> Any:
         tracker = make_tracker(**kwargs)
+        update_peak = type(tracker)._update_peak_stats
 
-        def update_peak(self: Any, peak_state: Any) -> None:
-            for device, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(device, 0) < snap[_TOTAL_KEY]:
-                    self._peak_mem[device] = snap[_TOTAL_KEY]
-                    self._peak_mem_snap[device] = deepcopy(snap)
-                    live.clear()
-                    for winfo, _ in list(self._WINFO.values()):
-                        live[(str(winfo.reftype).rsplit(".", 1)[-1], winfo.mem_consumed)] += 1
+        def update_peak_listing_storages(self: Any, peak_state: Any) -> None:
+            before = dict(self._peak_mem)
+            update_peak(self, peak_state)
+            if self._peak_mem != before:  # a new peak: what is live now
+                live.clear()
+                for winfo, _ in list(self._WINFO.values()):
+                    live[(str(winfo.reftype).rsplit(".", 1)[-1], winfo.mem_consumed)] += 1
 
-        type(tracker)._update_peak_stats = update_peak
+        type(tracker)._update_peak_stats = update_peak_listing_storages
         return tracker
 
     rehearse_module.step_mem_tracker = tracker_listing_its_peak
