@@ -6,6 +6,9 @@
 # plain bf16 run); and `--max-steps 0` of an 8B-shaped model (build on meta, initialise on the GPU, `model_ready`). Each run prints
 # tokens/s, MFU and peak memory with the ratio to the plan's prediction (plan.json in its run dir). Every command
 # has a timeout and prints as it goes.
+# The plan's ratios use the catalog entry of the GPU found (H200, H100-SXM, A100-80GB...; ACCEL=name overrides). A run
+# that fails is reported and the next one still runs (the script exits 1 at the end), and each run's checkpoint
+# (a 1B model's is ~12 GB) is deleted after the run, so that a 64 GiB disk holds the whole benchmark.
 # Usage: bash bench/gpu.sh  (after `make install TORCH=cuda`); OUT=dir to change where it writes, STEPS=N.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,6 +25,16 @@ if not torch.cuda.is_available():
     sys.exit("bench/gpu.sh needs a CUDA GPU (torch.cuda.is_available() is False)")
 print(f"gpu: {torch.cuda.get_device_name()} (capability {torch.cuda.get_device_capability()}), torch {torch.__version__}")
 PY
+if [ -z "${ACCEL:-}" ]; then  # the catalog's name for this GPU (leantrain/hardware.py), H100-SXM when unknown
+  ACCEL=$("$PY" -c "
+import torch
+name = torch.cuda.get_device_name()
+known = [('H200', 'H200'), ('H100 PCIe', 'H100-PCIe'), ('H100', 'H100-SXM'), ('H800', 'H800'), ('B200', 'B200'),
+         ('A100-SXM4-40GB', 'A100-40GB'), ('A100', 'A100-80GB'), ('L40S', 'L40S')]
+print(next((ours for theirs, ours in known if theirs in name), 'H100-SXM'))")
+fi
+echo "catalog accelerator: $ACCEL"
+FAILED=""
 
 echo "== prepare (byte tokenizer, bundled corpus)"
 timeout 120 "$LT" prepare "$SPEC" --out "$OUT/data"
@@ -30,8 +43,12 @@ run() {  # name, steps, timeout_s, extra arguments (--set ...); CMD=launch for `
   local name=$1 steps=$2 limit=$3; shift 3
   echo "== ${CMD:-train} $name ($steps steps)"
   rm -rf "$OUT/run-$name"
+  local rc=0
   timeout "$limit" "$LT" "${CMD:-train}" "$SPEC" --set "data.dir=$OUT/data" --set training.eval_every=0 \
-    --set training.log_every=5 "$@" --run-dir "$OUT/run-$name" --max-steps "$steps"
+    --set training.log_every=5 --set "hardware.accelerator=$ACCEL" "$@" --run-dir "$OUT/run-$name" \
+    --max-steps "$steps" || rc=$?
+  rm -rf "$OUT/run-$name/checkpoints"
+  if [ "$rc" != 0 ]; then echo "== $name FAILED (exit $rc)"; FAILED="$FAILED $name"; fi
 }
 run bf16 "$STEPS" 120 --set training.compile=false
 run bf16-compile "$STEPS" 180 --set training.compile=true
@@ -76,10 +93,10 @@ for name in ("bf16", "bf16-compile", "fp8-compile", "moe-small", "bf16-fsdp1"):
           f"{ratio(r['tokens_per_s'], plan.get('throughput', {}).get('tokens_per_s'))}")
     print(f"gpu_{key}_mfu: {100 * r['mfu']:.1f} % {ratio(r['mfu'], plan.get('throughput', {}).get('mfu'))}")
     print(f"gpu_{key}_peak_mem: {r['mem_gib']:.1f} GiB {ratio(r['mem_gib'] * 2**30, planned_mem)}")
-if "bf16-compile" in results:
+if "bf16-compile" in results and "bf16" in results:
     print(f"gpu_1b_compile_vs_eager: {results['bf16-compile']['tokens_per_s'] / results['bf16']['tokens_per_s']:.2f}x "
           "tokens/s (ratio vs bf16 eager baseline)")
-if "fp8-compile" in results:
+if "fp8-compile" in results and "bf16-compile" in results:
     print(f"gpu_1b_fp8_vs_bf16: {results['fp8-compile']['tokens_per_s'] / results['bf16-compile']['tokens_per_s']:.2f}x "
           "tokens/s (ratio vs bf16+compile baseline)")
 if "bf16-fsdp1" in results and "bf16" in results:
@@ -98,3 +115,4 @@ if events.is_file():
     print(f"gpu_8b_ready_host_rss_peak: {rank['host_rss_peak_bytes'] / 2**30:.1f} GiB "
           f"({rank['host_rss_peak_bytes'] / ready['param_bytes_total']:.2f}x the parameters)")
 PY
+if [ -n "$FAILED" ]; then echo "failed runs:$FAILED"; exit 1; fi
