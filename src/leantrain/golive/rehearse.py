@@ -158,6 +158,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
 
     from leantrain.ckpt.hook import TrainerCheckpointer
     from leantrain.ckpt.manager import CheckpointManager
+    from leantrain.golive.rehearse_cachekey import fast_cache_keys
     from leantrain.parallel.dryrun import fake_process_group
     from leantrain.train.trainer import Trainer
 
@@ -183,6 +184,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
             stack.enter_context(balanced_expert_splits(probes))
             stack.enter_context(rank_keyed_meshes())
             stack.enter_context(unseen_sharding_propagation())  # DTensor's global-shape meta is no memory
+            stack.enter_context(fast_cache_keys())  # the same fake-tensor cache keys, built faster
             startup_s = time.perf_counter()
             with files.watch():
                 stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
