@@ -178,3 +178,45 @@ def test_the_peak_listing_adds_up_to_the_rehearsals_categories() -> None:
     record, live = module.peak_storages(EXAMPLES / "tiny-cpu.yaml", sets=list(UNEVEN), rank=0)
     listed = sum(size * n for (category, size), n in live.items() if category == "ACT")
     assert listed == record["memory_bytes"]["activations"] > 0
+
+
+
+def test_a_one_rank_unsharded_job_is_rehearsed_and_its_state_counted() -> None:
+    """One GPU, no FSDP or TP (plain parameters, allocated by `to_empty`): the rehearsal runs and counts the fp32
+    parameters (with the buffers), their gradients and two AdamW moments per parameter."""
+    from leantrain.golive.rehearse import rehearse
+    from leantrain.model import Transformer, model_args_from_spec
+    from leantrain.spec import load_spec
+
+    spec = load_spec(EXAMPLES / "tiny-cpu.yaml", overrides=[
+        "parallelism.data_parallel=1", "hardware.gpus_per_node=1", "hardware.accelerator=H100-SXM",
+        "precision.compute=bf16", "precision.master_weights=fp32", "precision.optimizer_state=fp32"])
+    with torch.device("meta"):
+        model = Transformer(model_args_from_spec(spec.model, max_seq_len=spec.data.seq_len))
+    numel = sum(p.numel() for p in model.parameters())  # the tied embedding once
+    buffers = sum(b.numel() * b.element_size() for b in model.buffers())
+    memory = rehearse(spec, ranks=[0], isolated=False)["ranks"][0]["memory_bytes"]
+    assert (memory["params"], memory["grads"], memory["optimizer"]) == (4 * numel + buffers, 4 * numel, 8 * numel)
+
+
+def test_to_empty_of_fake_parameters_needs_the_converters_memo_dropped() -> None:
+    """torch refuses to swap a fake parameter its converter still watches; inside `unwatched_fake_params` the
+    same `to_empty` allocates every parameter and keeps the tied one tied."""
+    from torch import nn
+    from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+
+    from leantrain.golive.rehearse_swaps import unwatched_fake_params
+
+    def build() -> nn.Sequential:
+        with torch.device("meta"):
+            model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+        model[1].weight = model[0].weight
+        return model
+
+    with FakeTensorMode(allow_non_fake_inputs=True), pytest.raises(RuntimeError, match="Couldn't swap"):
+        build().to_empty(device="cpu")
+    with FakeTensorMode(allow_non_fake_inputs=True), unwatched_fake_params():
+        model = build().to_empty(device="cpu")
+        assert model(torch.tensor([1, 2])).shape == (2, 10)
+    assert isinstance(model[0].weight, FakeTensor) and model[0].weight.device.type == "cpu"
+    assert model[1].weight is model[0].weight

@@ -62,6 +62,7 @@ from leantrain.golive.rehearse_swaps import (
     host_reads,
     planned_save,
     rank_keyed_meshes,
+    unwatched_fake_params,
 )
 from leantrain.hardware import accelerator_memory_bytes
 from leantrain.spec.schema import JobSpec
@@ -185,6 +186,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
             stack.enter_context(rank_keyed_meshes())
             stack.enter_context(unseen_sharding_propagation())  # DTensor's global-shape meta is no memory
             stack.enter_context(fast_cache_keys())  # the same fake-tensor cache keys, built faster
+            stack.enter_context(unwatched_fake_params())  # `to_empty` of an unsharded model, as on a device
             startup_s = time.perf_counter()
             with files.watch():
                 stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))

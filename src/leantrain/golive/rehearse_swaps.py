@@ -120,6 +120,29 @@ def rank_keyed_meshes() -> Iterator[None]:
         yield
 
 
+@contextmanager
+def unwatched_fake_params() -> Iterator[None]:
+    """`torch.utils.swap_tensors` with the fake-tensor converter's memo entries of the two tensors dropped first.
+
+    `Module.to_empty` swaps each fake parameter for its allocated twin (torch does so for every FakeTensor), and
+    a swap refuses a tensor with a weak reference: the converter's memo holds one to each meta parameter it
+    made fake. On a device the same `to_empty` puts a new Parameter in place; a sharded model (FSDP2, TP) never
+    reaches this, as its parameters are DTensors. The memo serves only conversions of a real tensor that the
+    model no longer holds, so dropping its entries changes nothing else."""
+    swap = torch.utils.swap_tensors
+
+    def unwatched(t1: torch.Tensor, t2: torch.Tensor) -> None:
+        for tensor in (t1, t2):
+            if isinstance(tensor, FakeTensor):
+                memo = tensor.fake_mode.fake_tensor_converter.tensor_memo
+                for key in [key for key, value in memo.items() if value is tensor]:
+                    del memo[key]
+        swap(t1, t2)
+
+    with mock.patch.object(torch.utils, "swap_tensors", unwatched):
+        yield
+
+
 def planned_save(records: list[dict[str, Any]], probes: Probes) -> Any:
     """CheckpointManager.save replaced by DCP's save planning: this rank's write items and bytes, no files."""
 
