@@ -51,6 +51,24 @@ def test_fp8_gains_less_on_small_gemms() -> None:
     assert speedup(4096, 8192) < large
 
 
+
+def test_fp8_leaves_the_output_head_in_bf16() -> None:
+    """The trainer converts every Linear to float8 except the output head (train/precision.py), so the plan
+    prices the head's GEMM at bf16: a model that is mostly head gains almost nothing from fp8, one that is
+    mostly layers gains what its layers' GEMMs gain."""
+    def speedup(n_layers: int, vocab: int) -> float:
+        def inputs(compute: str):
+            return plan_inputs(spec_from_dict({
+                "model": {"n_layers": n_layers, "d_model": 4096, "n_heads": 32, "vocab_size": vocab},
+                "data": {"tokens_total": 1e10, "seq_len": 8192}, "precision": {"compute": compute},
+                "hardware": {"accelerator": "H100-SXM", "num_nodes": 1}, "budget": {"target_days": None,
+                                                                                     "num_gpus": 8}}))
+        return gemm_time_factor(inputs("bf16"), 8192, 1) / gemm_time_factor(inputs("fp8"), 8192, 1)
+
+    layers_only, head_heavy = speedup(32, 256), speedup(1, 2_000_000)
+    assert layers_only > 1.2
+    assert 1.0 < head_heavy < 1.03
+
 def test_power_limit_lowers_the_matmul_rate() -> None:
     capped = _inputs(4096, accelerator="H100-HBM2e")
     assert capped.power_factor == pytest.approx((500 / 700) ** POWER_EXPONENT)

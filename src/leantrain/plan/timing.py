@@ -231,13 +231,16 @@ def gemm_time_factor(inputs: PlanInputs, tokens: int, tp: int) -> float:
     fp8 F/(R·S) + κ·B/W + the scaling casts' traffic, so narrow GEMMs are slower per FLOP and gain less from fp8.
     MoE routed experts are left to `expert_weight_s`."""
     ridge = GEMM_RATE_SHARE * inputs.peak_flops * inputs.power_factor / inputs.memory_bandwidth_bytes_s
-    fp8 = inputs.fp8_speedup != 1.0
+    gemms = _layer_gemms(inputs.shape, tokens, tp)
     flops = cost = 0.0
-    for m, k, n, count in _layer_gemms(inputs.shape, tokens, tp):
+    for index, (m, k, n, count) in enumerate(gemms):
+        # under fp8 the output head (the last GEMM) stays bf16, as train/precision.py's filter (torchtitan's,
+        # and Transformer Engine's, which converts the transformer layers only) leaves it
+        fp8 = inputs.fp8_speedup != 1.0 and index < len(gemms) - 1
         f = 2.0 * m * k * n * count
         operands = (m * k + k * n + m * n) * count
         unhidden = GEMM_KAPPA * ridge * operands * inputs.act_bytes
-        cost += f / inputs.fp8_speedup + unhidden + (ridge * inputs.fp8_cast_bytes * operands if fp8 else 0.0)
+        cost += unhidden + (f / inputs.fp8_speedup + ridge * inputs.fp8_cast_bytes * operands if fp8 else f)
         flops += f
     return cost / flops
 
