@@ -9,6 +9,9 @@
 # The plan's ratios use the catalog entry of the GPU found (H200, H100-SXM, A100-80GB...; ACCEL=name overrides). A run
 # that fails is reported and the next one still runs (the script exits 1 at the end), and each run's checkpoint
 # (a 1B model's is ~12 GB) is deleted after the run, so that a 64 GiB disk holds the whole benchmark.
+# PARTS=wide adds three runs at Llama 3 8B's widths cut to 4 layers (d_model 4096, vocab 128256, seq 8192: the
+# GEMM sizes of an 8B job) in bf16 eager, bf16 + compile and fp8 + compile, for fp8's gain at that size and the
+# rehearsal's memory at a real vocabulary; PARTS=wide alone runs only those, PARTS="1b wide" both.
 # Usage: bash bench/gpu.sh  (after `make install TORCH=cuda`); OUT=dir to change where it writes, STEPS=N.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -17,6 +20,7 @@ PY=${PY:-.venv/bin/python}
 OUT=${OUT:-bench-out/gpu}
 SPEC=examples/gpu-1b-bench.yaml
 STEPS=${STEPS:-20}
+PARTS=${PARTS:-1b}
 mkdir -p "$OUT"
 
 "$PY" - <<'PY'
@@ -50,9 +54,12 @@ run() {  # name, steps, timeout_s, extra arguments (--set ...); CMD=launch for `
   rm -rf "$OUT/run-$name/checkpoints"
   if [ "$rc" != 0 ]; then echo "== $name FAILED (exit $rc)"; FAILED="$FAILED $name"; fi
 }
+part() { [[ " $PARTS " == *" $1 "* ]]; }
+fp8_here() { "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.get_device_capability() >= (8, 9) else 1)"; }
+if part 1b; then
 run bf16 "$STEPS" 120 --set training.compile=false
 run bf16-compile "$STEPS" 180 --set training.compile=true
-if "$PY" -c "import sys, torch; sys.exit(0 if torch.cuda.get_device_capability() >= (8, 9) else 1)"; then
+if fp8_here; then
   run fp8-compile "$STEPS" 180 --set precision.compute=fp8 --set training.compile=true
 fi
 run moe-small "$STEPS" 120 --set training.compile=false --set model.size_billion=null --set model.architecture=moe \
@@ -62,6 +69,18 @@ run moe-small "$STEPS" 120 --set training.compile=false --set model.size_billion
 CMD=launch run bf16-fsdp1 "$STEPS" 150 --nproc 1 --set training.compile=false \
   --set parallelism.fsdp_single_rank=true --set parallelism.zero_stage=3
 run 8b-ready 0 180 --set model.size_billion=8 --set model.vocab_size=128256
+fi
+if part wide; then
+  WIDE=(--set model.size_billion=null --set model.n_layers=4 --set model.d_model=4096 --set model.n_heads=32
+        --set model.n_kv_heads=8 --set model.ffn_hidden=14336 --set model.vocab_size=128256
+        --set model.tie_embeddings=false --set data.seq_len=8192 --set training.micro_batch=1)
+  WSTEPS=${WSTEPS:-10}
+  run wide-bf16 "$WSTEPS" 120 "${WIDE[@]}" --set training.compile=false
+  run wide-bf16-compile "$WSTEPS" 180 "${WIDE[@]}" --set training.compile=true
+  if fp8_here; then
+    run wide-fp8-compile "$WSTEPS" 180 "${WIDE[@]}" --set precision.compute=fp8 --set training.compile=true
+  fi
+fi
 
 "$PY" - "$OUT" <<'PY'
 import json, statistics, sys
@@ -76,7 +95,8 @@ def ratio(value: float, planned: float | None) -> str:
     return f"({value / planned:.2f}x vs plan)" if planned else "(no plan)"
 
 results = {}
-for name in ("bf16", "bf16-compile", "fp8-compile", "moe-small", "bf16-fsdp1"):
+for name in ("bf16", "bf16-compile", "fp8-compile", "moe-small", "bf16-fsdp1", "wide-bf16", "wide-bf16-compile",
+             "wide-fp8-compile"):
     run = out / f"run-{name}"
     path = run / "metrics.jsonl"
     if not path.is_file():
@@ -99,6 +119,14 @@ if "bf16-compile" in results and "bf16" in results:
 if "fp8-compile" in results and "bf16-compile" in results:
     print(f"gpu_1b_fp8_vs_bf16: {results['fp8-compile']['tokens_per_s'] / results['bf16-compile']['tokens_per_s']:.2f}x "
           "tokens/s (ratio vs bf16+compile baseline)")
+for prefix in ("", "wide-"):
+    eager, compiled, fp8 = (results.get(prefix + n) for n in ("bf16", "bf16-compile", "fp8-compile"))
+    if prefix and compiled and eager:
+        print(f"gpu_wide_compile_vs_eager: {compiled['tokens_per_s'] / eager['tokens_per_s']:.2f}x tokens/s "
+              "(ratio vs bf16 eager baseline)")
+    if prefix and fp8 and compiled:
+        print(f"gpu_wide_fp8_vs_bf16: {fp8['tokens_per_s'] / compiled['tokens_per_s']:.2f}x tokens/s "
+              "(ratio vs bf16+compile baseline)")
 if "bf16-fsdp1" in results and "bf16" in results:
     fsdp, plain = results["bf16-fsdp1"], results["bf16"]
     print(f"gpu_1b_fsdp1_vs_plain: {fsdp['tokens_per_s'] / plain['tokens_per_s']:.2f}x tokens/s "
