@@ -39,6 +39,9 @@ class Accelerator:
     tdp_w: float | None = None  # the datasheet's maximum board power: the sustained matmul rate at that limit
     default_power_w: float | None = None  # the power limit the part ships with when below its TDP
     attention_flops: float | None = None  # FlashAttention-2 FLOP/s measured on the part (the kernel SDPA runs)
+    # what torch.cuda.get_device_capability reports on the part (NVIDIA's compute capability; ROCm's gfx942 reads
+    # (9, 4)): the rehearsal picks the kernels the trainer would pick there (model/moe.py). None: the host CPU.
+    cuda_capability: tuple[int, int] | None = None
     notes: str = ""
     aliases: tuple[str, ...] = field(default_factory=tuple)
 
@@ -80,23 +83,23 @@ CATALOG: dict[str, Accelerator] = {
         _acc("A100-40GB", fp32=19.5, tf32=156, bf16=312, fp8=None, memory_bytes=40960 * MiB,
              tdp_w=400, attention_flops=179.5 * TFLOPS,
              memory_bandwidth_bytes_s=1555 * GB, intra_node_bandwidth_bytes_s=300 * GB,
-             inter_node_bandwidth_bytes_s=25 * GB),
+             inter_node_bandwidth_bytes_s=25 * GB, cuda_capability=(8, 0)),
         # Same datasheet, 80GB SXM: HBM2e at 2,039 GB/s.
         _acc("A100-80GB", fp32=19.5, tf32=156, bf16=312, fp8=None, memory_bytes=81920 * MiB,
              tdp_w=400, attention_flops=179.5 * TFLOPS,
              memory_bandwidth_bytes_s=2039 * GB, intra_node_bandwidth_bytes_s=300 * GB,
-             inter_node_bandwidth_bytes_s=25 * GB, aliases=("A100",)),
+             inter_node_bandwidth_bytes_s=25 * GB, aliases=("A100",), cuda_capability=(8, 0)),
         # NVIDIA H100 datasheet, SXM5: FP32 67, TF32 494.5, BF16 989.5, FP8 1,979 TFLOPS dense; 80GB HBM3
         # at 3.35 TB/s; NVLink4 900 GB/s bidirectional; ConnectX-7 400 Gb/s per GPU (DGX H100).
         _acc("H100-SXM", fp32=67, tf32=494.5, bf16=989.5, fp8=1979, memory_bytes=81559 * MiB,
              tdp_w=700, attention_flops=327.9 * TFLOPS,
              memory_bandwidth_bytes_s=3350 * GB, intra_node_bandwidth_bytes_s=450 * GB,
-             inter_node_bandwidth_bytes_s=50 * GB, aliases=("H100",)),
+             inter_node_bandwidth_bytes_s=50 * GB, aliases=("H100",), cuda_capability=(9, 0)),
         # Same datasheet, PCIe: FP32 51, TF32 378, BF16 756, FP8 1,513 TFLOPS dense; 2.0 TB/s;
         # PCIe Gen5 x16 64 GB/s per direction; 200 Gb/s NIC per GPU assumed.
         _acc("H100-PCIe", fp32=51, tf32=378, bf16=756, fp8=1513, memory_bytes=81559 * MiB,
              memory_bandwidth_bytes_s=2000 * GB, intra_node_bandwidth_bytes_s=64 * GB,
-             inter_node_bandwidth_bytes_s=25 * GB),
+             inter_node_bandwidth_bytes_s=25 * GB, cuda_capability=(9, 0)),
         # Meta's Grand Teton H100 (torchtitan benchmarks/llama3_h100_202412_torchtitan.md): SXM H100 with 96GB
         # HBM2e at 2.4 TB/s, 400 Gb/s RDMA per GPU, run at its default 500 W power limit ("tuning it up to 700W TDP
         # can potentially provide further speedups"). Same SMs as H100-SXM, so the same datasheet peaks; the power
@@ -105,31 +108,31 @@ CATALOG: dict[str, Accelerator] = {
         _acc("H100-HBM2e", fp32=67, tf32=494.5, bf16=989.5, fp8=1979, memory_bytes=96 * GB,
              tdp_w=700, attention_flops=327.9 * TFLOPS, default_power_w=500,
              memory_bandwidth_bytes_s=2400 * GB, intra_node_bandwidth_bytes_s=450 * GB,
-             inter_node_bandwidth_bytes_s=50 * GB, aliases=("H100-96GB",)),
+             inter_node_bandwidth_bytes_s=50 * GB, aliases=("H100-96GB",), cuda_capability=(9, 0)),
         # H800 SXM (China export part): H100-SXM compute and memory, NVLink cut to 400 GB/s bidirectional.
         _acc("H800", fp32=67, tf32=494.5, bf16=989.5, fp8=1979, memory_bytes=81559 * MiB,
              memory_bandwidth_bytes_s=3350 * GB, intra_node_bandwidth_bytes_s=200 * GB,
-             inter_node_bandwidth_bytes_s=50 * GB),
+             inter_node_bandwidth_bytes_s=50 * GB, cuda_capability=(9, 0)),
         # NVIDIA H200 datasheet: H100-SXM compute; 141GB HBM3e at 4.8 TB/s; NVLink 900 GB/s bidirectional.
         _acc("H200", fp32=67, tf32=494.5, bf16=989.5, fp8=1979, memory_bytes=143771 * MiB,
              tdp_w=700, attention_flops=329.3 * TFLOPS,
              memory_bandwidth_bytes_s=4800 * GB, intra_node_bandwidth_bytes_s=450 * GB,
-             inter_node_bandwidth_bytes_s=50 * GB),
+             inter_node_bandwidth_bytes_s=50 * GB, cuda_capability=(9, 0)),
         # NVIDIA HGX B200 spec (8 GPUs): BF16 36 PF and FP8 72 PF with sparsity -> 2.25 / 4.5 PF dense per
         # GPU; TF32 1.1 PF dense; FP32 75 TF; 180GB HBM3e at 8 TB/s; NVLink5 1.8 TB/s bidirectional.
         _acc("B200", fp32=75, tf32=1100, bf16=2250, fp8=4500, memory_bytes=183359 * MiB,
              tdp_w=1000, memory_bandwidth_bytes_s=8000 * GB, intra_node_bandwidth_bytes_s=900 * GB,
-             inter_node_bandwidth_bytes_s=50 * GB),
+             inter_node_bandwidth_bytes_s=50 * GB, cuda_capability=(10, 0)),
         # AMD Instinct MI300X datasheet: FP32 163.4, TF32 653.7, BF16 1,307.4, FP8 2,614.9 TFLOPS dense;
         # 192GB HBM3 at 5.3 TB/s; Infinity Fabric 896 GB/s aggregate peer bandwidth (bidirectional).
         _acc("MI300X", fp32=163.4, tf32=653.7, bf16=1307.4, fp8=2614.9, memory_bytes=192 * GiB,
              memory_bandwidth_bytes_s=5300 * GB, intra_node_bandwidth_bytes_s=448 * GB,
-             inter_node_bandwidth_bytes_s=50 * GB),
+             inter_node_bandwidth_bytes_s=50 * GB, cuda_capability=(9, 4)),
         # NVIDIA L40S datasheet: FP32 91.6, TF32 183, BF16 362, FP8 733 TFLOPS dense; 48GB GDDR6 at
         # 864 GB/s; PCIe Gen4 x16 32 GB/s per direction; 100 Gb/s Ethernet per GPU assumed.
         _acc("L40S", fp32=91.6, tf32=183, bf16=362, fp8=733, memory_bytes=46068 * MiB,
              memory_bandwidth_bytes_s=864 * GB, intra_node_bandwidth_bytes_s=32 * GB,
-             inter_node_bandwidth_bytes_s=12.5 * GB),
+             inter_node_bandwidth_bytes_s=12.5 * GB, cuda_capability=(8, 9)),
         # The host CPU: nominal numbers for planning only; the trainer measures the real peak at run time
         # (measure_cpu_peak_flops) because CPUs differ by orders of magnitude. bf16 has no fast path on
         # most CPUs (3-4x slower than fp32 on this project's test machine), so it is listed at fp32/4.
@@ -160,6 +163,12 @@ def get_accelerator(name: str) -> Accelerator:
     if canon is None:
         raise UserInputError(f"unknown accelerator {name!r}; known: {', '.join(accelerator_names())}")
     return CATALOG[canon]
+
+
+def target_capability(name: str) -> tuple[int, int] | None:
+    """The catalog's compute capability of accelerator `name`; None for the host CPU or a name not in it."""
+    canon = canonical_name(name)
+    return CATALOG[canon].cuda_capability if canon is not None else None
 
 
 def measure_cpu_peak_flops(*, size: int = 512, repeats: int = 5, dtype: str = "fp32") -> float:

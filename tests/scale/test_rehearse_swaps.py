@@ -220,3 +220,20 @@ def test_to_empty_of_fake_parameters_needs_the_converters_memo_dropped() -> None
         assert model(torch.tensor([1, 2])).shape == (2, 10)
     assert isinstance(model[0].weight, FakeTensor) and model[0].weight.device.type == "cpu"
     assert model[1].weight is model[0].weight
+
+
+@pytest.mark.parametrize(("accelerator", "compute", "padded"), [
+    ("A100-80GB", "bf16", True), ("H100-SXM", "bf16", False), ("H100-SXM", "fp32", True)])
+def test_moe_experts_run_the_kernel_the_accelerator_would(accelerator: str, compute: str, padded: bool) -> None:
+    """The grouped GEMM needs sm90+ and bf16 (model/moe.py): an A100 or an fp32 job runs the padded fallback, with
+    its host sync per MoE layer and micro-batch, where the rehearsal's CPU device would run the grouped GEMM
+    (and, in fp32, fail: its fake kernel takes bf16 only)."""
+    from leantrain.golive.rehearse import rehearse
+    from leantrain.spec import load_spec
+
+    spec = load_spec(EXAMPLES / "moe-small-cpu.yaml", overrides=[
+        f"hardware.accelerator={accelerator}", f"precision.compute={compute}"])
+    rank = rehearse(spec, ranks=[0], isolated=False)["ranks"][0]
+    moe_sites = [site for site in rank["host_sync_sites"] if site.startswith("leantrain/model/moe.py")]
+    assert bool(moe_sites) is padded, rank["host_sync_sites"]
+    assert (rank["host_syncs_per_step"] > 0) is padded

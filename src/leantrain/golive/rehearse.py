@@ -57,6 +57,7 @@ from leantrain.golive.rehearse_report import (
     write_json,
 )
 from leantrain.golive.rehearse_swaps import (
+    accelerator_kernels,
     balanced_expert_splits,
     forget_torch_caches,
     host_reads,
@@ -64,7 +65,7 @@ from leantrain.golive.rehearse_swaps import (
     rank_keyed_meshes,
     unwatched_fake_params,
 )
-from leantrain.hardware import accelerator_memory_bytes
+from leantrain.hardware import accelerator_memory_bytes, target_capability
 from leantrain.spec.schema import JobSpec
 from leantrain.spec.shapes import resolve_shape
 
@@ -187,6 +188,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
             stack.enter_context(unseen_sharding_propagation())  # DTensor's global-shape meta is no memory
             stack.enter_context(fast_cache_keys())  # the same fake-tensor cache keys, built faster
             stack.enter_context(unwatched_fake_params())  # `to_empty` of an unsharded model, as on a device
+            stack.enter_context(accelerator_kernels(target_capability(spec.hardware.accelerator)))
             startup_s = time.perf_counter()
             with files.watch():
                 stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))

@@ -121,6 +121,24 @@ def rank_keyed_meshes() -> Iterator[None]:
 
 
 @contextmanager
+def accelerator_kernels(capability: tuple[int, int] | None) -> Iterator[None]:
+    """`model.moe.grouped_mm_supported` answered for a GPU of `capability` (the catalog's, hardware.py): on an
+    A100 the trainer runs the padded fallback (its memory and its host sync), on Hopper the grouped GEMM, while
+    the rehearsal's CPU device would take the grouped GEMM for both. None (the `cpu` accelerator): the CPU's own
+    rule stays."""
+    if capability is None:
+        yield
+        return
+    from leantrain.model import moe
+
+    def on_the_accelerator(device: torch.device, dtype: torch.dtype) -> bool:
+        return hasattr(torch, "_grouped_mm") and moe.grouped_mm_on_gpu(capability, dtype)
+
+    with mock.patch.object(moe, "grouped_mm_supported", on_the_accelerator):
+        yield
+
+
+@contextmanager
 def unwatched_fake_params() -> Iterator[None]:
     """`torch.utils.swap_tensors` with the fake-tensor converter's memo entries of the two tensors dropped first.
 

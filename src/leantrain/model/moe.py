@@ -126,7 +126,13 @@ def grouped_mm_supported(device: torch.device, dtype: torch.dtype) -> bool:
         return False
     if device.type == "cpu":
         return dtype == torch.bfloat16 or not torch.compiler.is_compiling()
-    return device.type == "cuda" and dtype == torch.bfloat16 and _cuda_capability(device) >= (9, 0)
+    return device.type == "cuda" and grouped_mm_on_gpu(_cuda_capability(device), dtype)
+
+
+def grouped_mm_on_gpu(capability: tuple[int, int], dtype: torch.dtype) -> bool:
+    """A GPU of this compute capability (as torch reports it) runs `torch._grouped_mm` in `dtype`: sm90+, bf16.
+    `leantrain rehearse` asks this with the spec's accelerator (golive/rehearse_swaps.py `accelerator_kernels`)."""
+    return dtype == torch.bfloat16 and capability >= (9, 0)
 
 
 @functools.lru_cache(maxsize=16)
