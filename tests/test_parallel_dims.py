@@ -107,7 +107,18 @@ def test_mixed_precision_policy_follows_the_precision_section() -> None:
 
 
 def test_split_layers_is_balanced_and_ordered() -> None:
-    assert split_layers(7, 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    """Consecutive layers, the first and the last chunk shorter when the chunks do not divide them (they hold the
+    embedding and the loss), and per pipeline rank the counts the planner prices."""
+    from leantrain.plan.activations import stage_layers
+
+    assert split_layers(7, 3) == [[0, 1], [2, 3, 4], [5, 6]]
+    assert split_layers(8, 4) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    for n_layers, pp, v in ((61, 16, 1), (126, 16, 7), (126, 8, 1), (30, 4, 3), (17, 4, 2)):
+        chunks = split_layers(n_layers, pp * v)
+        assert [i for chunk in chunks for i in chunk] == list(range(n_layers))
+        per_rank = [sum(len(chunk) for chunk in chunks[rank::pp]) for rank in range(pp)]
+        assert per_rank == stage_layers(n_layers, pp, v)
+    assert [len(c) for c in split_layers(61, 16)] == [3, 3] + [4] * 13 + [3]  # DeepSeek-V3's 61 on PP16
     with pytest.raises(UserInputError):
         split_layers(2, 3)
 

@@ -22,14 +22,14 @@ from __future__ import annotations
 from typing import Any
 
 from leantrain.spec.schema import JobSpec
+from leantrain.spec.shapes import chunk_layers
 
 SHORT_DEPTHS = (1, 2)  # layers per pipeline chunk in the two short rehearsals
 
 
 def split_layers_count(n_layers: int, chunks: int) -> list[int]:
-    """Layers per pipeline chunk, earlier chunks taking the remainder (parallel.pipeline.split_layers' rule)."""
-    base, extra = divmod(n_layers, chunks)
-    return [base + (1 if i < extra else 0) for i in range(chunks)]
+    """Layers per pipeline chunk, as the trainer splits them (`leantrain.spec.shapes.chunk_layers`)."""
+    return chunk_layers(n_layers, chunks)
 
 
 def chunks_of(spec: JobSpec) -> int:

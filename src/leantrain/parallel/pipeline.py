@@ -32,6 +32,7 @@ from torch.distributed.pipelining.schedules import _PipelineSchedule
 
 from leantrain.errors import UserInputError
 from leantrain.model.transformer import Transformer
+from leantrain.spec.shapes import chunk_layers
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 
@@ -115,13 +116,12 @@ class StageGroup(nn.Module):
 
 
 def split_layers(num_layers: int, num_chunks: int) -> list[list[int]]:
-    """Consecutive layer indices per chunk, as equal as possible."""
+    """Consecutive layer indices per chunk, as equal as possible, the first and last chunks one layer shorter
+    when the chunks do not divide the layers (`leantrain.spec.shapes.chunk_layers`, which the planner prices)."""
     if num_chunks > num_layers:
         raise UserInputError(f"pipeline: {num_chunks} stages for {num_layers} layers; each stage needs a layer")
-    base, extra = divmod(num_layers, num_chunks)
     chunks, start = [], 0
-    for i in range(num_chunks):
-        size = base + (1 if i < extra else 0)
+    for size in chunk_layers(num_layers, num_chunks):
         chunks.append(list(range(start, start + size)))
         start += size
     return chunks

@@ -26,13 +26,12 @@ block's activations are rebuilt at a time during its backward).
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from functools import lru_cache
 
 from leantrain.plan.flops import Recompute
 from leantrain.plan.layout import Layout
-from leantrain.spec.shapes import ModelShape
+from leantrain.spec.shapes import ModelShape, stage_layer_counts
 
 LOGIT_SAVED_BYTES = 4.0  # per logit: the fp32 log-softmax cross-entropy keeps for backward (an activation)
 # Sequence parallelism's gathered matmul inputs (ActivationTerms.sp_gathered), measured by `leantrain
@@ -165,26 +164,14 @@ def layer_activation_bytes(terms: ActivationTerms, *, tokens: int, tp: int, sp: 
 
 
 @lru_cache(maxsize=1024)
-def _stage_layers(n_layers: int, pp: int) -> tuple[int, ...]:
-    return tuple(stage_layers_list(n_layers, pp))
+def _stage_layers(n_layers: int, pp: int, virtual_stages: int) -> tuple[int, ...]:
+    return tuple(stage_layer_counts(n_layers, pp, virtual_stages))
 
 
-def stage_layers(n_layers: int, pp: int) -> list[int]:
-    """Layers per pipeline stage (see `stage_layers_list`), cached."""
-    return list(_stage_layers(n_layers, pp))
-
-
-def stage_layers_list(n_layers: int, pp: int) -> list[int]:
-    """Layers per pipeline stage. When pp does not divide the layer count, the missing layers come off the
-    first and the last stage first (they also hold the embedding and the loss; Llama 3 report §3.3.2 took one
-    layer each off its first and last stage), then off their neighbours, alternating."""
-    base = math.ceil(n_layers / pp)
-    layers = [base] * pp
-    missing = base * pp - n_layers
-    order = [i for pair in zip(range(pp), reversed(range(pp)), strict=True) for i in pair]
-    for i in range(missing):
-        layers[order[i % len(order)]] -= 1
-    return layers
+def stage_layers(n_layers: int, pp: int, virtual_stages: int = 1) -> list[int]:
+    """Layers per pipeline stage, as the trainer splits them (`leantrain.spec.shapes.chunk_layers`: the missing
+    layers off the first and the last chunk first, Llama 3 report §3.3.2), cached."""
+    return list(_stage_layers(n_layers, pp, virtual_stages))
 
 
 def in_flight_microbatches(layout: Layout, num_microbatches: int, *, stage: int = 0) -> float:

@@ -315,7 +315,7 @@ def _candidate_stages(layers: list[int]) -> list[int]:
 
 def memory_per_gpu(inputs: PlanInputs, layout: Layout, *, num_microbatches: int) -> MemoryBreakdown:
     """Memory on the heaviest GPU for a layout (see the module docstring for every convention)."""
-    layers = stage_layers(inputs.shape.n_layers, layout.pp)
+    layers = stage_layers(inputs.shape.n_layers, layout.pp, layout.virtual_stages)
     best: MemoryBreakdown | None = None
     for stage in _candidate_stages(layers):
         mem = stage_memory(inputs, layout, stage=stage, num_microbatches=num_microbatches)
@@ -328,7 +328,7 @@ def memory_per_gpu(inputs: PlanInputs, layout: Layout, *, num_microbatches: int)
 def stage_memory(inputs: PlanInputs, layout: Layout, *, stage: int, num_microbatches: int) -> MemoryBreakdown:
     """Memory on a GPU of pipeline stage `stage` (its first chunk under interleaving)."""
     shape = inputs.shape
-    layers = stage_layers(shape.n_layers, layout.pp)
+    layers = stage_layers(shape.n_layers, layout.pp, layout.virtual_stages)
     first_layer = sum(layers[:stage])
     last = stage == layout.pp - 1
     sp = stage_params(shape, layout, layers=layers[stage], first=stage == 0, last=last, first_layer=first_layer)
@@ -354,7 +354,7 @@ def checkpointed_state_bytes(inputs: PlanInputs, layout: Layout) -> float:
     """The checkpointed state on the heaviest GPU: its shard of the trained weights at master precision and
     both Adam moments (LoRA/QLoRA: the adapters only; a frozen base is never saved), sharded as `_states`
     shards them, CPU-offloaded or not. What the fast tier (ckpt/memory_tier.py) writes per rank."""
-    layers = stage_layers(inputs.shape.n_layers, layout.pp)
+    layers = stage_layers(inputs.shape.n_layers, layout.pp, layout.virtual_stages)
     shard = layout.dp_shard if layout.zero >= 1 else 1
     per_param = max(inputs.master_bytes, inputs.weight_bytes) + 2 * inputs.moment_bytes
     best = 0.0

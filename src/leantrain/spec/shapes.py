@@ -163,6 +163,29 @@ class ModelShape:
         return self.non_embedding_params(active=True) + self.embedding_params()
 
 
+def chunk_layers(n_layers: int, chunks: int) -> list[int]:
+    """Layers per pipeline chunk (chunk i runs on pipeline rank i mod pp), the one split the trainer runs, the
+    rehearsal extends and the planner prices. When the chunks do not divide the layers, the missing layers come
+    off the first and the last chunk first (they also hold the embedding and the loss), then off their
+    neighbours, alternating: Llama 3 took one layer each off its first and last stage (the Llama 3 Herd of
+    Models report, arXiv 2407.21783, §3.3.2), and torchtitan's stage split counts the embedding and the output
+    as a layer each for the same reason."""
+    if chunks > n_layers:
+        raise ValueError(f"{chunks} pipeline chunks for {n_layers} layers")
+    base = math.ceil(n_layers / chunks)
+    layers = [base] * chunks
+    order = [i for pair in zip(range(chunks), reversed(range(chunks)), strict=True) for i in pair]
+    for i in range(base * chunks - n_layers):
+        layers[order[i]] -= 1
+    return layers
+
+
+def stage_layer_counts(n_layers: int, pp: int, virtual_stages: int = 1) -> list[int]:
+    """Layers per pipeline rank: the sum of its chunks (`chunk_layers` over pp × virtual_stages chunks)."""
+    chunks = chunk_layers(n_layers, pp * virtual_stages)
+    return [sum(chunks[stage::pp]) for stage in range(pp)]
+
+
 def llama_ffn_hidden(d_model: int) -> int:
     raw = int(FFN_MULTIPLIER * int(8 * d_model / 3))
     return FFN_MULTIPLE_OF * math.ceil(raw / FFN_MULTIPLE_OF)
