@@ -133,6 +133,20 @@ def test_rehearsal_json_has_every_field(tmp_path: Path) -> None:
     assert set(report["plan"]) >= {"params", "grads", "optimizer", "activations", "temp", "peak"}
 
 
+def test_the_plan_compared_is_priced_for_the_code_rehearsed(clean: dict[str, Any]) -> None:
+    """A spec that plans fused kernels (as the seed examples do, for their published runs) is rehearsed eager
+    (no compile under fake tensors), so the plan in rehearsal.json is the eager one, and says so."""
+    from leantrain.golive.rehearse_report import planned_memory
+    from leantrain.spec import load_spec
+
+    fused = _rehearse("plan.kernels=fused")
+    assert fused["plan_kernels"] == clean["plan_kernels"] == "eager"
+    assert fused["plan"] == clean["plan"]
+    spec = load_spec(EXAMPLES / "tiny-cpu.yaml", overrides=[*TINY, "plan.kernels=fused"])
+    as_specified = planned_memory(spec, world_size=8, num_microbatches=clean["num_microbatches"])
+    assert as_specified["activations"] < 0.9 * clean["plan"]["activations"]  # fused keeps fewer tensors
+
+
 @pytest.mark.parametrize(("args", "message"), [
     (["--set", "parallelism.tensor_parallel=2", "--set", "parallelism.data_parallel=4", "--world", "7"],
      "--world 7 is not divisible by parallelism.tensor_parallel"),

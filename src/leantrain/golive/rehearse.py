@@ -389,7 +389,9 @@ def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] |
                              "hardware.memory_gb")
     if data_dir is None and (Path(spec.data.dir) / "manifest.json").is_file():
         data_dir = Path(spec.data.dir)
-    run_spec = target.spec_run
+    # the plan compared prices the code rehearsed (eager kernels, unfused loss), not the spec's plan.kernels
+    run_spec = target.spec_run.model_copy(update={"plan": spec.plan.model_copy(update={"kernels": "eager",
+                                                                                       "fused_loss": False})})
     with tempfile.TemporaryDirectory(prefix="leantrain-rehearse-") as scratch:
         synthetic = data_dir is None
         data = synthetic_data_dir(target.spec, root=Path(scratch)) if data_dir is None else data_dir
@@ -444,6 +446,7 @@ def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] |
         "microbatches": {"extended_from": list(short_counts)} if short_counts else {"full": count},
         "ranks": rank_reports,
         "plan": plan,
+        "plan_kernels": "eager",  # what the rehearsal runs (no compile), whatever the spec's plan.kernels says
         "plan_vs_rehearsal": ratios,
         "fits": not over,
         "over_capacity": [{"rank": r, "peak_bytes": b, "category": largest_category(rank_reports, r)} for r, b in over],
