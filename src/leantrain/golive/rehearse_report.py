@@ -94,7 +94,9 @@ def startup_record(files: FileReads, log: StepLog, *, labels: dict[str, str], st
 def planned_memory(spec: JobSpec, *, world_size: int, num_microbatches: int,
                    stage: int | None = None) -> dict[str, float]:
     """The planner's per-GPU memory for this very layout (the heaviest stage, or `stage`), by rehearsal.json's
-    categories (`temp` is the planner's buffers: gathered weights, logits, framework reserve)."""
+    categories (`temp` is the planner's buffers: gathered weights, logits' gradient, buckets). The framework
+    reserve (CUDA context, NCCL, allocator slack) is left out of `temp` and `peak`, as bench/plan_vs_rehearsal.py
+    leaves it out: a fake-tensor rehearsal cannot hold it; it is `reserve`, and the plan's total is peak + reserve."""
     from leantrain.plan.inputs import plan_inputs
     from leantrain.plan.layout import layout_from_spec
     from leantrain.plan.memory import memory_per_gpu, stage_memory
@@ -104,8 +106,8 @@ def planned_memory(spec: JobSpec, *, world_size: int, num_microbatches: int,
     memory = (memory_per_gpu(inputs, layout, num_microbatches=num_microbatches) if stage is None
               else stage_memory(inputs, layout, stage=stage, num_microbatches=num_microbatches))
     return {"params": memory.params, "grads": memory.grads, "optimizer": memory.optimizer,
-            "activations": memory.activations, "temp": memory.buffers, "peak": memory.total,
-            "stage": memory.stage}
+            "activations": memory.activations, "temp": memory.temp, "peak": memory.total - memory.reserve,
+            "reserve": memory.reserve, "stage": memory.stage}
 
 
 def ratios_by_category(plan: dict[str, float], memory: dict[str, int]) -> dict[str, float | None]:
@@ -161,4 +163,5 @@ def render(report: dict[str, Any], *, console: Any) -> None:
     console.print(table)
     plan = report["plan"]
     ratios = ", ".join(f"{k} {v:.2f}" for k, v in report["plan_vs_rehearsal"].items() if v is not None)
-    console.print(f"plan per GPU: {plan['peak'] / gib:.2f} GiB; plan ÷ rehearsal (heaviest rank): {ratios}")
+    console.print(f"plan per GPU: {plan['peak'] / gib:.2f} GiB (+ {plan['reserve'] / gib:.2f} GiB reserve); "
+                  f"plan ÷ rehearsal (heaviest rank): {ratios}")
