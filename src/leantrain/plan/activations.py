@@ -174,6 +174,16 @@ def stage_layers(n_layers: int, pp: int, virtual_stages: int = 1) -> list[int]:
     return list(_stage_layers(n_layers, pp, virtual_stages))
 
 
+def fills_before_backward(layout: Layout, num_microbatches: int, *, stage: int = 0) -> bool:
+    """Interleaved 1F1B whose warm-up covers every chunk forward (see `in_flight_microbatches`): this stage runs
+    all m·v chunk forwards before its first backward, so its activation peak comes before any gradient."""
+    p, m, v = layout.pp, num_microbatches, layout.virtual_stages
+    if p == 1 or layout.schedule != "interleaved_1f1b" or v == 1:
+        return False
+    per_round = m // max(1, m // p)
+    return (v - 1) * per_round + 2 * (p - stage - 1) + 1 >= m * v
+
+
 def in_flight_microbatches(layout: Layout, num_microbatches: int, *, stage: int = 0) -> float:
     """Micro-batches (in units of the stage's whole layer set) whose activations a stage holds at its peak.
 

@@ -33,6 +33,7 @@ from leantrain.plan.activations import (
     LOGIT_SAVED_BYTES,
     SP_GATHERED_PLANNED,
     activation_terms,
+    fills_before_backward,
     head_activation_bytes,
     in_flight_microbatches,
     layer_activation_bytes,
@@ -336,6 +337,16 @@ def stage_memory(inputs: PlanInputs, layout: Layout, *, stage: int, num_microbat
     params += rope_table_bytes(inputs)
     activations, transient = _stage_activations(inputs, layout, layers=layers[stage], first_layer=first_layer,
                                                 stage=stage, last=last, num_microbatches=num_microbatches)
+    if PIPELINE_HOLDS_UNSHARDED and gather and fills_before_backward(layout, num_microbatches, stage=stage):
+        # Every chunk forward runs before the first backward (the 405B example: 16 micro-batches × 7 chunks
+        # inside the warm-up), and FSDP reshards each unit after its forward: the stage is gathered, and its
+        # unsharded gradients made, chunk by chunk in the backward, while each backward frees a micro-batch's
+        # activations of that chunk. So the peak is the warm-up's end or the first chunk backward, which adds
+        # one chunk's share of the held state and frees one micro-batch-chunk of activations (the sharded
+        # gradients, counted in `grads`, do not exist yet). `leantrain rehearse`: 405B stages, and PP2 × v2 with
+        # 2 micro-batches (bench/RESULTS.md, 2026-12-04).
+        chunk_activations = activations / (layout.virtual_stages * num_microbatches)
+        gather = max(0.0, (gather + grads) / layout.virtual_stages - chunk_activations - grads)
     if last and layout.zero >= 3 and gather:
         # The last stage peaks in the loss's backward: FSDP has resharded every unit after its forward (the
         # root too) except the last block, which parallel/fsdp.py keeps gathered for the backward that follows
