@@ -105,6 +105,71 @@ def test_in_flight_microbatches_are_torchs_schedule_order(schedule: str, p: int,
         assert fills_before_backward(layout, m, stage=rank) == (v > 1 and peak_chunks == m * v), rank
 
 
+
+
+def _interleaved_ops(p: int, v: int, m: int, rank: int) -> list:
+    """The actions torch's ScheduleInterleaved1F1B gives `rank` (its own warm-up and 1F1B order)."""
+    from torch.distributed.pipelining import schedules as ts
+
+    per_round = m // max(1, m // p)
+    warmup = ts._get_warmup_ops(rank, v, per_round, p, m, multiply_factor=2)
+    return ts._get_1f1b_rank_ops(
+        v, p, warmup, v * m - warmup, warmup, rank,
+        lambda step: ((step // per_round) % v) * p + rank,
+        lambda step: (v - 1 - ((step - warmup) // per_round) % v) * p + rank)
+
+@pytest.mark.parametrize(("p", "v", "m"), [(2, 2, 2), (2, 2, 4), (2, 2, 16), (4, 2, 16), (16, 7, 16), (4, 4, 8),
+                                           (4, 2, 6), (8, 2, 32), (2, 32, 2)])
+def test_backward_chunks_at_peak_are_torchs_schedule_order(p: int, v: int, m: int) -> None:
+    """At every rank, the most chunks whose backward has started at a moment the chunk forwards not yet
+    backwarded are at their peak, over the order torch's ScheduleInterleaved1F1B runs (the planner holds those
+    chunks' gathered weights and unsharded gradients at the peak, plan/memory.py)."""
+    from torch.distributed.pipelining import schedules as ts
+
+    from leantrain.plan.activations import backward_chunks_at_peak
+
+    layout = Layout(dp=1, tp=1, pp=p, schedule="interleaved_1f1b", virtual_stages=v)
+    for rank in range(p):
+        ops = _interleaved_ops(p, v, m, rank)
+        peak = _torch_peak_chunks("interleaved_1f1b", p, v, m, rank)
+        live, touched, at_peak = 0, set(), 0
+        for op in ops:
+            if op is None:
+                continue
+            if op.computation_type == ts._ComputationType.FORWARD:
+                live += 1
+            elif op.computation_type == ts._ComputationType.FULL_BACKWARD:
+                touched.add(op.stage_index)
+                if live == peak:  # the backward runs with every forward at its peak still live
+                    at_peak = max(at_peak, len(touched))
+                live -= 1
+        expected = backward_chunks_at_peak(layout, m, stage=rank)
+        if expected == 0:  # the first backward comes once every forward ran: at most its own chunk touched
+            assert at_peak <= 1, rank
+        else:
+            assert expected == at_peak, (rank, expected, at_peak)
+
+
+def test_fewer_micro_batches_than_stages_idle_the_pipeline() -> None:
+    """Interleaved 1F1B with m < p (torch's flex-pp schedule allows it): m micro-batches cross p·v chunk positions
+    one after another, so with 1 micro-batch on 2 stages half the time is idle whatever v, where (p − 1)/(v·m)
+    would give 1/v; at m = p both agree."""
+    import dataclasses
+
+    from leantrain.plan.inputs import plan_inputs
+    from leantrain.plan.timing import step_time
+    from leantrain.spec import spec_from_dict
+
+    inputs = plan_inputs(spec_from_dict({
+        "model": {"n_layers": 64, "d_model": 4096, "n_heads": 32, "vocab_size": 32000},
+        "data": {"tokens_total": 1e10, "seq_len": 4096}, "hardware": {"accelerator": "H100-SXM", "num_nodes": 1},
+        "budget": {"target_days": None, "num_gpus": 8}}))
+    base = Layout(dp=4, tp=1, pp=2, zero=1, schedule="interleaved_1f1b", virtual_stages=32)
+    one = step_time(inputs, base, sequences_per_step=4)  # m = 1
+    two = step_time(inputs, dataclasses.replace(base), sequences_per_step=8)  # m = 2 = p
+    assert one.bubble_s / one.compute_s == pytest.approx(1.0, rel=0.05)
+    assert two.bubble_s / two.compute_s == pytest.approx(1 / 64, rel=0.3)
+
 def _recv_buffer_worker(rank: int, port: int, m: int, out: str) -> None:
     """One rank of a 2-stage Schedule1F1B over gloo: the receive buffers its PipelineStage keeps after 2 steps."""
     import json

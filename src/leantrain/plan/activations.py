@@ -26,6 +26,7 @@ block's activations are rebuilt at a time during its backward).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -174,14 +175,24 @@ def stage_layers(n_layers: int, pp: int, virtual_stages: int = 1) -> list[int]:
     return list(_stage_layers(n_layers, pp, virtual_stages))
 
 
-def fills_before_backward(layout: Layout, num_microbatches: int, *, stage: int = 0) -> bool:
-    """Interleaved 1F1B whose warm-up covers every chunk forward (see `in_flight_microbatches`): this stage runs
-    all m·v chunk forwards before its first backward, so its activation peak comes before any gradient."""
+def backward_chunks_at_peak(layout: Layout, num_microbatches: int, *, stage: int = 0) -> int | None:
+    """Interleaved 1F1B (v > 1): how many of the stage's v chunks have started their backward while its
+    activations are at their peak. After the warm-up (see `in_flight_microbatches`) each steady step runs one
+    chunk forward and one backward, the backwards visiting the chunks in blocks of r (torch's
+    `_get_1f1b_rank_ops`: chunk v − 1 first), so ⌈steady steps / r⌉ chunks, at most v; then the cool-down only
+    frees. 0: every chunk forward runs before the first backward (at most one steady step). None: another
+    schedule, where the whole stage is touched at its peak."""
     p, m, v = layout.pp, num_microbatches, layout.virtual_stages
     if p == 1 or layout.schedule != "interleaved_1f1b" or v == 1:
-        return False
+        return None
     per_round = m // max(1, m // p)
-    return (v - 1) * per_round + 2 * (p - stage - 1) + 1 >= m * v
+    steady = m * v - min((v - 1) * per_round + 2 * (p - stage - 1), m * v)
+    return 0 if steady <= 1 else min(v, math.ceil(steady / per_round))
+
+
+def fills_before_backward(layout: Layout, num_microbatches: int, *, stage: int = 0) -> bool:
+    """Interleaved 1F1B whose warm-up covers every chunk forward: all m·v before the stage's first backward."""
+    return backward_chunks_at_peak(layout, num_microbatches, stage=stage) == 0
 
 
 def in_flight_microbatches(layout: Layout, num_microbatches: int, *, stage: int = 0) -> float:

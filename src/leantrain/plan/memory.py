@@ -33,7 +33,7 @@ from leantrain.plan.activations import (
     LOGIT_SAVED_BYTES,
     SP_GATHERED_PLANNED,
     activation_terms,
-    fills_before_backward,
+    backward_chunks_at_peak,
     head_activation_bytes,
     in_flight_microbatches,
     layer_activation_bytes,
@@ -337,16 +337,22 @@ def stage_memory(inputs: PlanInputs, layout: Layout, *, stage: int, num_microbat
     params += rope_table_bytes(inputs)
     activations, transient = _stage_activations(inputs, layout, layers=layers[stage], first_layer=first_layer,
                                                 stage=stage, last=last, num_microbatches=num_microbatches)
-    if PIPELINE_HOLDS_UNSHARDED and gather and fills_before_backward(layout, num_microbatches, stage=stage):
-        # Every chunk forward runs before the first backward (the 405B example: 16 micro-batches × 7 chunks
-        # inside the warm-up), and FSDP reshards each unit after its forward: the stage is gathered, and its
-        # unsharded gradients made, chunk by chunk in the backward, while each backward frees a micro-batch's
-        # activations of that chunk. So the peak is the warm-up's end or the first chunk backward, which adds
-        # one chunk's share of the held state and frees one micro-batch-chunk of activations (the sharded
-        # gradients, counted in `grads`, do not exist yet). `leantrain rehearse`: 405B stages, and PP2 × v2 with
-        # 2 micro-batches (bench/RESULTS.md, 2026-12-04).
-        chunk_activations = activations / (layout.virtual_stages * num_microbatches)
-        gather = max(0.0, (gather + grads) / layout.virtual_stages - chunk_activations - grads)
+    touched = backward_chunks_at_peak(layout, num_microbatches, stage=stage)
+    shard = layout.dp_shard if layout.zero >= 1 else 1
+    if PIPELINE_HOLDS_UNSHARDED and shard > 1 and touched is not None and touched < layout.virtual_stages:
+        # FSDP reshards each unit after its forward, and torch's pipelining gathers the stage and makes its
+        # unsharded gradients chunk by chunk, at each chunk's first backward (`_states`): at the activation peak
+        # only the chunks whose backward has started hold them (`backward_chunks_at_peak`; the sharded
+        # gradients, counted in `grads`, do not exist yet). When every chunk forward runs before the first
+        # backward (the 405B example's first stages: 16 micro-batches × 7 chunks in the warm-up), the peak is the
+        # warm-up's end or the first chunk backward, which also frees one micro-batch-chunk of activations.
+        # `leantrain rehearse`: PP2 × v2 with 2 micro-batches, the 405B example's stages (bench/RESULTS.md).
+        held = gather + grads
+        if touched == 0:
+            chunk_activations = activations / (layout.virtual_stages * num_microbatches)
+            gather = max(0.0, held / layout.virtual_stages - chunk_activations - grads)
+        else:
+            gather = max(0.0, held * touched / layout.virtual_stages - grads)
     if last and layout.zero >= 3 and gather:
         # The last stage peaks in the loss's backward: FSDP has resharded every unit after its forward (the
         # root too) except the last block, which parallel/fsdp.py keeps gathered for the backward that follows

@@ -287,6 +287,12 @@ def step_time(inputs: PlanInputs, layout: Layout, *, sequences_per_step: int) ->
     compute_s = m * compute_mb
     bubble_s = pipeline_bubble_fraction(pp=layout.pp, num_microbatches=1, virtual_stages=layout.virtual_stages,
                                         schedule=layout.schedule) * per_mb
+    if layout.schedule == "interleaved_1f1b" and layout.virtual_stages > 1 and m < layout.pp:
+        # Fewer micro-batches than stages (torch's flex-pp interleaving allows it): a round's m micro-batches
+        # cross all p·v chunk positions one after another, v·p + m − 1 chunk steps for v·m of work, so
+        # (v·(p − m) + m − 1) / v micro-batch times are idle; at m = p the (p − 1) / v above (m = 1: half idle).
+        v = layout.virtual_stages
+        bubble_s = (v * (layout.pp - m) + m - 1) / v * per_mb
 
     pp_s = 0.0
     if layout.pp > 1:

@@ -38,9 +38,10 @@ from collections.abc import Iterable
 # The searched and whole-run ranges move with the memory model (the planner searches layouts with it): refitted
 # when torch pipelining's unsharded stage, its receive buffers and SP's gathered inputs were planned (2026-12-03),
 # and the medians again when fp8 left the output head in bf16 (2026-12-04), and the searched and whole-run ranges
-# when a pipeline that fills before its first backward stopped adding the gradients to its peak (2026-12-04).
-STEP_RANGE = {"layout": (-0.0869, 0.0044, 0.2029), "searched": (-0.06, 0.0593, 0.5226)}
-WHOLE_RUN_RANGE = (-0.2787, 0.0202, 0.3446)
+# when an interleaved pipeline stopped adding the gradients of chunks not yet in their backward to its peak
+# and priced fewer micro-batches than stages as they run (2026-12-04).
+STEP_RANGE = {"layout": (-0.0869, 0.0044, 0.2029), "searched": (-0.0743, 0.0466, 0.5226)}
+WHOLE_RUN_RANGE = (-0.2787, 0.0202, 0.3107)
 
 
 def conformal_range(residuals: Iterable[float]) -> tuple[float, float, float]:
