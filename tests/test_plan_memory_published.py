@@ -56,7 +56,7 @@ def test_llama3_405b_published_layout_fits_80gb_as_meta_ran_it() -> None:
     kernels the example assumes fits an 80 GB H100 (81,559 MiB = 79.6 GiB, the 3 GB reserve inside the total),
     as Meta trained it: the interleaved warm-up runs all 112 chunk forwards before the first backward, so the
     peak holds every micro-batch's activations but not yet the stage gathered with its unsharded fp32 gradients,
-    which torch's pipelining keeps from the first backward to the last (plan/memory.py `fills_before_backward`;
+    which torch's pipelining keeps from the first backward to the last (plan/activations.py `backward_chunks_at_peak`;
     `leantrain rehearse` of the example, eager: plan ÷ rehearsal peak 0.98 on stages 0-2). Planned with the
     gradients at the peak it needed 92.2 GiB and was refused. This trainer's eager kernels hold ~163 GiB there
     (the rehearsal), so the example runs only with fused kernels (training.compile)."""

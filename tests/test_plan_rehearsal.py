@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from leantrain.plan.activations import fills_before_backward, in_flight_microbatches
+from leantrain.plan.activations import backward_chunks_at_peak, in_flight_microbatches
 from leantrain.plan.layout import Layout
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "plan_vs_rehearsal.py"
@@ -51,7 +51,7 @@ def test_plan_matches_the_rehearsal_per_category(name: str) -> None:
 def test_a_pipeline_that_fills_before_its_first_backward_peaks_without_the_gradients() -> None:
     """PP2 × v2 with 2 micro-batches: all 4 chunk forwards run before the first backward, so the peak holds
     every micro-batch's activations and (nearly) none of the stage's gathered weights and unsharded gradients
-    (plan/memory.py `fills_before_backward`); summing both, as a pipeline with a steady state needs, planned
+    (plan/activations.py `backward_chunks_at_peak` = 0); summing both, as a pipeline with a steady state needs, planned
     1.37× the rehearsed peak. Its temp is a few hundred MiB either way, so the peak is what is pinned."""
     bench = _bench()
     spec = bench.spec_for(*bench.GRID["fsdp2 pp2 interleaved m2"])
@@ -102,7 +102,7 @@ def test_in_flight_microbatches_are_torchs_schedule_order(schedule: str, p: int,
         peak_chunks = _torch_peak_chunks(schedule, p, v, m, rank)
         assert in_flight_microbatches(layout, m, stage=rank) == peak_chunks / v, rank
         # the planner's "every chunk forward before the first backward" (plan/memory.py): torch's order says so
-        assert fills_before_backward(layout, m, stage=rank) == (v > 1 and peak_chunks == m * v), rank
+        assert (backward_chunks_at_peak(layout, m, stage=rank) == 0) == (v > 1 and peak_chunks == m * v), rank
 
 
 
@@ -125,8 +125,6 @@ def test_backward_chunks_at_peak_are_torchs_schedule_order(p: int, v: int, m: in
     backwarded are at their peak, over the order torch's ScheduleInterleaved1F1B runs (the planner holds those
     chunks' gathered weights and unsharded gradients at the peak, plan/memory.py)."""
     from torch.distributed.pipelining import schedules as ts
-
-    from leantrain.plan.activations import backward_chunks_at_peak
 
     layout = Layout(dp=1, tp=1, pp=p, schedule="interleaved_1f1b", virtual_stages=v)
     for rank in range(p):

@@ -41,7 +41,6 @@ class _Layouts:
 
     def __init__(self) -> None:
         self.known: dict[tuple[Any, Any], tuple[tuple[object, ...], object]] = {}
-        self.lengths: dict[int, str] = {}
 
     def learn(self, mode: Any, tensor: Any, state: Any, shape: Any, stride: Any) -> list[object]:
         whole: list[object] = []

@@ -27,11 +27,6 @@ from leantrain.spec.shapes import chunk_layers
 SHORT_DEPTHS = (1, 2)  # layers per pipeline chunk in the two short rehearsals
 
 
-def split_layers_count(n_layers: int, chunks: int) -> list[int]:
-    """Layers per pipeline chunk, as the trainer splits them (`leantrain.spec.shapes.chunk_layers`)."""
-    return chunk_layers(n_layers, chunks)
-
-
 def chunks_of(spec: JobSpec) -> int:
     par = spec.parallelism
     return par.pipeline_parallel * par.virtual_stages
@@ -46,7 +41,7 @@ def why_not_extended(spec: JobSpec, *, n_layers: int) -> str | None:
         return "model.init_from: the checkpoint's files are read as they are"
     if spec.model.architecture == "moe" and moe is not None and (moe.first_dense_layers or 0) > 0:
         return "model.moe.first_dense_layers: the depth changes the mix of dense and MoE layers"
-    if max(split_layers_count(n_layers, chunks_of(spec))) <= sum(SHORT_DEPTHS):
+    if max(chunk_layers(n_layers, chunks_of(spec))) <= sum(SHORT_DEPTHS):
         return "at most three layers per pipeline chunk: rehearsed whole (as cheap as the two short runs)"
     return None
 
@@ -58,7 +53,7 @@ def with_layers(spec: JobSpec, n_layers: int) -> JobSpec:
 def rank_layers(spec: JobSpec, *, n_layers: int, stage: int) -> int:
     """Layers pipeline rank `stage` holds at full depth (its chunks stage, stage + pp, ...)."""
     pp = spec.parallelism.pipeline_parallel
-    counts = split_layers_count(n_layers, chunks_of(spec))
+    counts = chunk_layers(n_layers, chunks_of(spec))
     return sum(counts[stage::pp])
 
 

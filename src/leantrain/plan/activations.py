@@ -190,11 +190,6 @@ def backward_chunks_at_peak(layout: Layout, num_microbatches: int, *, stage: int
     return 0 if steady <= 1 else min(v, math.ceil(steady / per_round))
 
 
-def fills_before_backward(layout: Layout, num_microbatches: int, *, stage: int = 0) -> bool:
-    """Interleaved 1F1B whose warm-up covers every chunk forward: all m·v before the stage's first backward."""
-    return backward_chunks_at_peak(layout, num_microbatches, stage=stage) == 0
-
-
 def in_flight_microbatches(layout: Layout, num_microbatches: int, *, stage: int = 0) -> float:
     """Micro-batches (in units of the stage's whole layer set) whose activations a stage holds at its peak.
 

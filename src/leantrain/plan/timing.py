@@ -111,7 +111,13 @@ def pipeline_bubble_fraction(*, pp: int, num_microbatches: int, virtual_stages: 
         return 0.0
     if schedule == "dualpipe":
         return max(0.0, pp / 2 - 1) * 2 / 3 / num_microbatches
-    return (pp - 1) / (virtual_stages * num_microbatches)
+    m, v = num_microbatches, virtual_stages
+    if schedule == "interleaved_1f1b" and v > 1 and m < pp:
+        # Fewer micro-batches than stages (torch's flex-pp interleaving allows it): a round's m micro-batches
+        # cross all p·v chunk positions one after another, v·p + m − 1 chunk steps for v·m of work, so the idle
+        # share is (v·(p − m) + m − 1) / (v·m), the formula below at m = p (m = 1 on 2 stages: half idle).
+        return (v * (pp - m) + m - 1) / (v * m)
+    return (pp - 1) / (v * m)
 
 
 def _link(inputs: PlanInputs, group_span_gpus: int) -> float:
@@ -285,14 +291,8 @@ def step_time(inputs: PlanInputs, layout: Layout, *, sequences_per_step: int) ->
 
     per_mb = compute_mb + tp_mb + ep_mb
     compute_s = m * compute_mb
-    bubble_s = pipeline_bubble_fraction(pp=layout.pp, num_microbatches=1, virtual_stages=layout.virtual_stages,
-                                        schedule=layout.schedule) * per_mb
-    if layout.schedule == "interleaved_1f1b" and layout.virtual_stages > 1 and m < layout.pp:
-        # Fewer micro-batches than stages (torch's flex-pp interleaving allows it): a round's m micro-batches
-        # cross all p·v chunk positions one after another, v·p + m − 1 chunk steps for v·m of work, so
-        # (v·(p − m) + m − 1) / v micro-batch times are idle; at m = p the (p − 1) / v above (m = 1: half idle).
-        v = layout.virtual_stages
-        bubble_s = (v * (layout.pp - m) + m - 1) / v * per_mb
+    bubble_s = pipeline_bubble_fraction(pp=layout.pp, num_microbatches=m, virtual_stages=layout.virtual_stages,
+                                        schedule=layout.schedule) * m * per_mb
 
     pp_s = 0.0
     if layout.pp > 1:
