@@ -161,6 +161,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
     from leantrain.ckpt.hook import TrainerCheckpointer
     from leantrain.ckpt.manager import CheckpointManager
     from leantrain.golive.rehearse_cachekey import fast_cache_keys
+    from leantrain.golive.rehearse_dispatch import cache_hits, fast_cache_outputs, unwrapped_dispatch
     from leantrain.parallel.dryrun import fake_process_group
     from leantrain.train.trainer import Trainer
 
@@ -187,11 +188,14 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
             stack.enter_context(rank_keyed_meshes())
             stack.enter_context(unseen_sharding_propagation())  # DTensor's global-shape meta is no memory
             stack.enter_context(fast_cache_keys())  # the same fake-tensor cache keys, built faster
+            stack.enter_context(fast_cache_outputs())  # and the same cache-hit outputs
+            stack.enter_context(unwrapped_dispatch(FakeTensorMode, HostSyncCounter, *type(mem).__mro__))
             stack.enter_context(unwatched_fake_params())  # `to_empty` of an unsharded model, as on a device
             stack.enter_context(accelerator_kernels(target_capability(spec.hardware.accelerator)))
             startup_s = time.perf_counter()
             with files.watch():
-                stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+                fake_mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
+                sync_mode.from_cache = cache_hits(fake_mode)
                 stack.enter_context(sync_mode)
                 stack.enter_context(host_reads(sync_mode))
                 trainer = Trainer(run_spec, run_dir=root / "run", max_steps=STEPS,

@@ -27,7 +27,7 @@ import os
 import sys
 import sysconfig
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS as _fake_handlers
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -55,6 +56,7 @@ OP_NAMES = {
 # A tensor's metadata read through the dispatcher (C++ asking a Python tensor its device: the autograd engine, FSDP,
 # DTensor; 60 % of the ops a rehearsed step dispatches): never a sync, no collective, passed straight on.
 METADATA_OPS = {torch.ops.prim.device.default, torch.ops.prim.layout.default}
+_DEVICE_HANDLERS = {torch.ops.prim.device.default: _fake_handlers.get(torch.ops.prim.device.default)}
 VIEW_OPS = {aten.select.int, aten.slice.Tensor, aten.alias.default, aten.view.default, aten.unbind.int}
 PACKAGE_ROOT = Path(__file__).resolve().parents[1]  # src/leantrain
 SYNC_OPS = {
@@ -175,29 +177,40 @@ class HostSyncCounter(TorchDispatchMode):
         self.probes = probes
         self.collectives = collectives
         self._last_site: str | None = None
+        self._kinds: dict[Any, object] = {}  # op → what it is to this mode (`_op_kind`), learnt at its first call
+        # FakeTensorMode's cache read from here (`rehearse_dispatch.cache_hits`): an op's output, or MISS
+        self.from_cache: Callable[[Any, Any, dict[str, Any]], Any] | None = None
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kind = self._kinds.get(func)
+        if kind is None:
+            kind = self._kinds[func] = _op_kind(func)
+        if kind is _METADATA:
+            return metadata_answer(func, args, kwargs)
         kwargs = kwargs or {}
-        if func in METADATA_OPS:
-            return func(*args, **kwargs)
-        if any(t is DTensor for t in types):
+        if DTensor in types:
             return NotImplemented  # let DTensor lower to its local ops, which this mode then sees
-        if self.collectives is not None:
+        if kind is _COLLECTIVE and self.collectives is not None:
             self.collectives.see(func, args, kwargs)
-        tensors = [*_tensors(args), *_tensors(kwargs.values())]
-        if tensors and not any(isinstance(t, FakeTensor) for t in tensors):
+        if _host_only(args, kwargs):
             # Host data (the mesh's rank tables, torch.tensor(<Python numbers>), the sampler's batches): its
             # values are known, so the op runs for real and nothing it reads is a device sync.
             with unset_fake_temporarily():
                 return func(*args, **kwargs)
         name = SYNC_OPS.get(func)
-        if name is None and func not in VIEW_OPS:
+        if kind is not _VIEW and name is None:
             self._last_site = None
         if name is None and func is aten.index.Tensor and any(
                 i is not None and i.dtype == torch.bool for i in args[1]):
             name = "boolean-mask index"
-        if name is None or not self.probes.counting:
-            return func(*args, **kwargs) if name is None else _answer_or_run(func, args, kwargs)
+        if name is None:
+            if self.from_cache is not None:
+                out = self.from_cache(func, args, kwargs)
+                if out is not MISS:
+                    return out
+            return func(*args, **kwargs)
+        if not self.probes.counting:
+            return _answer_or_run(func, args, kwargs)
         from torch._subclasses.fake_tensor import DataDependentOutputException, DynamicOutputShapeException
 
         try:  # a value the host knows already (a tensor built from Python numbers) is no device sync
@@ -223,6 +236,55 @@ def _answer_or_run(func: Any, args: Any, kwargs: dict[str, Any]) -> Any:
         return func(*args, **kwargs)
     except (DataDependentOutputException, DynamicOutputShapeException):
         return _healthy_answer(func, args, kwargs)
+
+
+_METADATA, _COLLECTIVE, _VIEW, _OTHER = object(), object(), object(), object()
+MISS = object()  # `HostSyncCounter.from_cache`'s answer when the op is not a cache hit
+
+
+def _op_kind(func: Any) -> object:
+    if func in METADATA_OPS:
+        return _METADATA
+    if func.namespace in ("c10d", "_c10d_functional", "c10d_functional") and not func.__name__.startswith(
+            ("wait", "barrier", "monitored_barrier")):
+        return _COLLECTIVE
+    return _VIEW if func in VIEW_OPS else _OTHER
+
+
+def metadata_answer(func: Any, args: Any, kwargs: Any) -> Any:
+    """A tensor's device or layout: what FakeTensorMode answers for a fake tensor (its handler, called here
+    instead of passing the read through the modes below), else the op itself."""
+    handler = _DEVICE_HANDLERS.get(func)
+    if handler is not None and len(args) == 1 and type(args[0]) is FakeTensor:
+        return handler(args)
+    return func(*args, **(kwargs or {}))
+
+
+def _host_only(args: Any, kwargs: dict[str, Any]) -> bool:
+    """Whether the op's arguments hold at least one tensor and no fake tensor (nested lists and tuples too)."""
+    found = False
+    for group in (args, kwargs.values()):
+        seen = _scan(group)
+        if seen is None:
+            return False
+        found = found or seen
+    return found
+
+
+def _scan(args: Any) -> bool | None:
+    """None when `args` hold a fake tensor, else whether they hold a tensor."""
+    found = False
+    for arg in args:
+        if isinstance(arg, torch.Tensor):
+            if isinstance(arg, FakeTensor):
+                return None
+            found = True
+        elif isinstance(arg, (list, tuple)):
+            seen = _scan(arg)
+            if seen is None:
+                return None
+            found = found or seen
+    return found
 
 
 def _tensors(args: Any) -> Iterator[torch.Tensor]:
