@@ -5,6 +5,7 @@ its accelerator's memory. Also the command's exit codes and rehearsal.json's fie
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -202,14 +203,15 @@ def test_a_deep_model_extended_from_two_depths_equals_its_full_rehearsal() -> No
         assert abs(got["peak"] - want["peak"]) <= 0.02 * want["peak"], (got, want)
 
 
-@pytest.mark.parametrize(("pp", "counts", "total"), [(2, [3, 4], 16), (4, [5, 6], 32)])
-def test_a_step_of_many_micro_batches_extended_from_two_counts_equals_its_full_rehearsal(
-        pp: int, counts: list[int], total: int) -> None:
-    """`--depth auto` also rehearses a step of many micro-batches with two short counts (1F1B: M1 = pp + 1,
-    M2 = M1 + 1) and extends linearly: 16 micro-batches on PP2 × 1F1B give the same collectives, host
-    syncs and memory as the whole step (DeepSeek-V3's 120 is what this saves). The memory does grow with the
-    count (torch's stages allocate a receive buffer per micro-batch), linearly, and no longer by a whole output
-    per micro-batch on the last stage (the schedule kept every micro-batch's logits: 36 MB here, now 7.6)."""
+@pytest.mark.parametrize(("pp", "ranks", "total"), [(2, [0, 7], 16), (4, [0, 2, 7], 32)])
+def test_a_step_of_many_micro_batches_extended_from_one_short_step_equals_its_full_rehearsal(
+        pp: int, ranks: list[int], total: int) -> None:
+    """`--depth auto` also rehearses a 1F1B step of many micro-batches as a short step of pp + 2 that measures what
+    one more micro-batch adds (golive/rehearse_slope.py) and extends linearly: 16 micro-batches on PP2 and 32 on
+    PP4 give the same collectives, host syncs and memory as the whole step (DeepSeek-V3's 120 is what this
+    saves), on the first, a middle and the last stage. The memory does grow with the count (torch's stages
+    allocate a receive buffer per micro-batch), linearly, and no longer by a whole output per micro-batch on the
+    last stage (the schedule kept every micro-batch's logits: 36 MB here, now 7.6)."""
     from leantrain.golive.rehearse import rehearse
     from leantrain.spec import load_spec
 
@@ -217,9 +219,9 @@ def test_a_step_of_many_micro_batches_extended_from_two_counts_equals_its_full_r
         *TINY, f"model.n_layers={pp}", "model.tie_embeddings=false", f"parallelism.data_parallel={8 // pp}",
         f"parallelism.pipeline_parallel={pp}", "parallelism.pipeline_schedule=1f1b", "parallelism.zero_stage=1",
         "training.global_batch_tokens=32768"])
-    auto = rehearse(spec, ranks=[0, 7], isolated=False)
-    full = rehearse(spec, ranks=[0, 7], isolated=False, depth="full")
-    assert auto["microbatches"] == {"extended_from": counts} and full["microbatches"] == {"full": total}
+    auto = rehearse(spec, ranks=ranks, isolated=False)
+    full = rehearse(spec, ranks=ranks, isolated=False, depth="full")
+    assert auto["microbatches"]["extended_from"] == [pp + 2] and full["microbatches"] == {"full": total}
     # every micro-batch's logits kept would be ~2.25 MB each (36 MB for PP2's 16)
     assert full["ranks"][1]["memory_bytes"]["activations"] < 10e6 * total / 16, full["ranks"][1]["memory_bytes"]
     assert auto["num_microbatches"] == full["num_microbatches"] == total
@@ -227,7 +229,7 @@ def test_a_step_of_many_micro_batches_extended_from_two_counts_equals_its_full_r
         for key in ("collectives_per_step", "host_sync_counts", "host_syncs_per_step"):
             assert extended[key] == whole[key], (extended["rank"], key)
         got, want = extended["memory_bytes"], whole["memory_bytes"]
-        for category in ("params", "grads", "optimizer", "activations", "peak"):
+        for category in ("params", "grads", "optimizer", "activations", "temp", "peak"):
             assert abs(got[category] - want[category]) <= 0.01 * max(want[category], 1), (extended["rank"], category)
 
 
@@ -256,3 +258,60 @@ def test_the_pipeline_receive_buffers_are_counted_whole_as_temp() -> None:
         assert 0 <= batch < buffer, (few, many)
         assert many["temp"] - few["temp"] == 4 * buffer, (few, many)
         assert many["peak"] - few["peak"] == 4 * buffer + batch, (few, many)
+
+
+def _short_step(spec: Any, *, ranks: list[int], microbatches: int, slope: bool) -> list[dict[str, Any]]:
+    """Each rank's report of `spec` run whole with `microbatches` micro-batches, measuring what one more adds."""
+    from dataclasses import replace
+
+    from leantrain.golive import rehearse_depth
+    from leantrain.golive.rehearse import _rehearse_ranks, resolve_target, synthetic_data_dir
+
+    world = spec.parallelism.data_parallel * spec.parallelism.tensor_parallel * spec.parallelism.pipeline_parallel
+    target = resolve_target(rehearse_depth.with_microbatches(spec, microbatches, world_size=world),
+                            world_size=world, ranks=ranks)
+    with tempfile.TemporaryDirectory() as scratch:
+        data = synthetic_data_dir(target.spec, root=Path(scratch))
+        [reports] = _rehearse_ranks([replace(target, slope=slope)], ranks=ranks, data_dir=data,
+                                    scratch=Path(scratch), isolated=False)
+    assert [r["num_microbatches"] for r in reports] == [microbatches] * len(ranks)
+    return reports
+
+
+MOE_PP = ("parallelism.data_parallel=4", "parallelism.expert_parallel=2", "parallelism.pipeline_parallel=2",
+          "parallelism.pipeline_schedule=1f1b", "parallelism.zero_stage=3", "hardware.num_nodes=8",
+          "hardware.accelerator=H100-SXM", "precision.compute=bf16", "training.activation_checkpointing=full",
+          "model.n_layers=4", "training.global_batch_tokens=8192", "model.tie_embeddings=false")
+
+
+@pytest.mark.parametrize(("example", "sets", "ranks"), [
+    ("tiny-cpu.yaml", (*TINY, "model.n_layers=4", "model.tie_embeddings=false", "parallelism.data_parallel=2",
+                       "parallelism.pipeline_parallel=4", "parallelism.pipeline_schedule=1f1b"), [0, 2, 4, 7]),
+    ("moe-small-cpu.yaml", MOE_PP, [0, 7])], ids=["pp4-zero3", "pp2-moe-ep-full-recompute"])
+def test_what_one_more_micro_batch_adds_is_measured_in_the_step(example: str, sets: tuple[str, ...],
+                                                                 ranks: list[int]) -> None:
+    """The slope a short 1F1B step measures in itself (one steady period; the micro-batch loop, the whole batch,
+    the receive buffers) equals the difference of two whole rehearsals one micro-batch apart, rank by rank: memory
+    by category, every collective's calls and bytes, every host sync site. ZeRO-3 gathers and reduces around each
+    forward and backward and MoE adds all-to-alls and a host sync per micro-batch."""
+    from leantrain.spec import load_spec
+
+    spec = load_spec(EXAMPLES / example, overrides=list(sets))
+    pp = spec.parallelism.pipeline_parallel
+    measured = _short_step(spec, ranks=ranks, microbatches=pp + 2, slope=True)
+    more = _short_step(spec, ranks=ranks, microbatches=pp + 3, slope=False)
+    for short, long in zip(measured, more, strict=True):
+        slope = short["microbatch_slope"]
+        for category in ("activations", "temp", "peak"):
+            assert slope["memory_bytes"][category] == long["memory_bytes"][category] - short["memory_bytes"][
+                category], (short["rank"], category)
+        calls = {(c["op"], c["group"]): (c["count"], c["bytes"]) for c in short["collectives_per_step"]}
+        added = {key: (count - calls.get(key, (0, 0))[0], num_bytes - calls.get(key, (0, 0))[1])
+                 for key, (count, num_bytes) in ((
+                     (c["op"], c["group"]), (c["count"], c["bytes"])) for c in long["collectives_per_step"])}
+        assert {(c["op"], c["group"]): (c["count"], c["bytes"]) for c in slope["collectives_per_step"]} == {
+            key: value for key, value in added.items() if value != (0, 0)}, short["rank"]
+        for phase in ("step", "logging_step"):
+            syncs = {site: n - short["host_sync_counts"][phase].get(site, 0)
+                     for site, n in long["host_sync_counts"][phase].items()}
+            assert slope["host_sync_counts"][phase] == {s: n for s, n in syncs.items() if n}, (short["rank"], phase)

@@ -18,7 +18,7 @@ import os
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -53,9 +53,11 @@ from leantrain.golive.rehearse_report import (
     planned_memory,
     ratios_by_category,
     render,
+    slope_record,
     startup_record,
     write_json,
 )
+from leantrain.golive.rehearse_slope import MicroBatchSlope
 from leantrain.golive.rehearse_swaps import (
     accelerator_kernels,
     balanced_expert_splits,
@@ -80,6 +82,7 @@ class RehearsalTarget:
     world_size: int
     ranks: list[int]
     layout: str  # ParallelDims.describe() of the resolved layout
+    slope: bool = False  # measure what one more micro-batch adds to the steady step (golive/rehearse_slope.py)
 
 
 def resolve_target(spec: JobSpec, *, world_size: int | None, ranks: list[int] | None) -> RehearsalTarget:
@@ -170,6 +173,9 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
     files = FileReads()
     saves: list[dict[str, Any]] = []
     mem = step_mem_tracker(quiet=probes.paused)
+    slope = MicroBatchSlope(probes, mem, torch.device("cpu")) if target.slope else None
+    if slope is not None:
+        mem.on_peak = slope.saw_peak
     steps_done: list[int] = []
     resident: dict[str, int] = {}
     with warnings.catch_warnings():
@@ -212,7 +218,8 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
                 if number != 2:
                     return step_fn()
                 mem.track_external(*pipeline_receive_buffers(trainer.parallel.stages))  # made in step 1
-                with mem, fsdp_gathers_as_temp(mem):  # the steady step: optimizer states exist; its peak is the run's
+                with mem, fsdp_gathers_as_temp(mem), (  # the steady step: optimizer states exist; its peak is the run's
+                        slope.watch(trainer) if slope is not None else contextlib.nullcontext()):
                     result = step_fn()
                 resident.update(resident_bytes(trainer))
                 return result
@@ -259,6 +266,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
         "startup": startup_record(files, probes.phase("startup"), labels=labels, startup_s=startup_s),
         "checkpoint_save": saves[-1] if saves else None,
         "rehearsal_s": {"startup": round(startup_s, 3), "step": round(step_s, 3)},
+        **({"microbatch_slope": slope_record(slope, labels=labels)} if slope is not None else {}),
     }
 
 
@@ -416,9 +424,9 @@ def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] |
 
         count = rehearse_depth.microbatches(target.spec_run, world_size=target.world_size)
         short_counts = rehearse_depth.short_microbatches(target.spec_run, count=count) if depth == "auto" else None
-        counted = [target] if short_counts is None else [resolve_target(rehearse_depth.with_microbatches(
-            target.spec, m, world_size=target.world_size), world_size=target.world_size, ranks=chosen)
-            for m in short_counts]
+        counted = [target] if short_counts is None else [replace(resolve_target(rehearse_depth.with_microbatches(
+            target.spec, m, world_size=target.world_size), world_size=target.world_size, ranks=chosen),
+            slope=len(short_counts) == 1) for m in short_counts]
         runs = [depths(t) for t in counted]  # every rehearsal this answer needs, run together
         flat = _rehearse_ranks([t for group in runs for t in group], ranks=chosen, data_dir=data,
                                scratch=Path(scratch), isolated=isolated)
@@ -426,8 +434,12 @@ def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] |
         for t, group in zip(counted, runs, strict=True):
             per_count.append(at_depth(t, flat[:len(group)]))
             flat = flat[len(group):]
-        rank_reports = per_count[0] if short_counts is None else rehearse_depth.extend_microbatches(
-            *per_count, counts=short_counts, count=count)
+        if short_counts is None:
+            rank_reports = per_count[0]
+        elif len(short_counts) == 1:  # 1F1B: one short step that measured what one more micro-batch adds
+            rank_reports = rehearse_depth.extend_by_slope(per_count[0], count=count)
+        else:
+            rank_reports = rehearse_depth.extend_microbatches(*per_count, counts=short_counts, count=count)
     num_microbatches = rank_reports[0]["num_microbatches"]  # the trainer's own accumulation count
     plan = planned_memory(run_spec, world_size=target.world_size, num_microbatches=num_microbatches)
     for report in rank_reports:  # each rank against the plan of its own pipeline stage
@@ -447,7 +459,9 @@ def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] |
         "num_microbatches": num_microbatches,
         "depth": {"n_layers": n_layers, "extended_from_layers_per_chunk": list(rehearse_depth.SHORT_DEPTHS)}
         if full_reason is None else {"n_layers": n_layers, "full": full_reason},
-        "microbatches": {"extended_from": list(short_counts)} if short_counts else {"full": count},
+        "microbatches": {"full": count} if not short_counts else {"extended_from": list(short_counts)} | (
+            {"per_microbatch": "measured in the rehearsed step (ranks[].microbatch_slope)"}
+            if len(short_counts) == 1 else {}),
         "ranks": rank_reports,
         "plan": plan,
         "plan_kernels": "eager",  # what the rehearsal runs (no compile), whatever the spec's plan.kernels says

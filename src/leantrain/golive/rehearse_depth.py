@@ -107,6 +107,13 @@ def _extend(one: dict[str, Any], two: dict[str, Any], units: float) -> dict[str,
             k: _num(one["checkpoint_save"][k], two["checkpoint_save"][k], units, whole=True)
             for k in ("write_items", "bytes") if k in two["checkpoint_save"]}
     out["rehearsal_s"] = {k: round(one["rehearsal_s"].get(k, 0.0) + v, 3) for k, v in two["rehearsal_s"].items()}
+    if isinstance(one.get("microbatch_slope"), dict) and isinstance(two.get("microbatch_slope"), dict):
+        a, b = one["microbatch_slope"], two["microbatch_slope"]  # per micro-batch, itself a sum over layers
+        out["microbatch_slope"] = {
+            "memory_bytes": {k: _line(a["memory_bytes"][k], v, units) for k, v in b["memory_bytes"].items()},
+            "collectives_per_step": _collectives(a["collectives_per_step"], b["collectives_per_step"], units),
+            "host_sync_counts": {phase: _counts(a["host_sync_counts"].get(phase, {}), counts, units)
+                                 for phase, counts in b["host_sync_counts"].items()}}
     return out
 
 
@@ -140,10 +147,16 @@ def microbatches(spec: JobSpec, *, world_size: int) -> int:
     return max(1, spec.training.global_batch_tokens // _micro_step_tokens(spec, world_size=world_size))
 
 
-def short_microbatches(spec: JobSpec, *, count: int) -> tuple[int, int] | None:
-    """(M1, M2) to rehearse instead of `count` micro-batches, None when the short runs would not save time."""
+def short_microbatches(spec: JobSpec, *, count: int) -> tuple[int, ...] | None:
+    """The counts to rehearse instead of `count` micro-batches: (M,) for a 1F1B pipeline, whose step measures
+    what one more micro-batch adds (golive/rehearse_slope.py), (M1, M2) otherwise (other schedules, and plain
+    gradient accumulation without a pipeline); None when the short runs would not save time."""
     pp, vs = spec.parallelism.pipeline_parallel, spec.parallelism.virtual_stages
-    if spec.parallelism.pipeline_schedule == "1f1b":  # past the warm-up each micro-batch is one more F and B
+    one_f_one_b = spec.parallelism.pipeline_schedule == "1f1b"
+    if one_f_one_b and pp > 1:  # past the warm-up each micro-batch is one more F and B
+        short = pp + 2  # two steady periods on the first stage: the one measured is not its first backward
+        return (short,) if count > short else None
+    if one_f_one_b:
         first, second = pp + 1, pp + 2
     else:  # torch's interleaved schedule runs micro-batches in rounds of pp
         first = max(2, 2 * pp * vs)
@@ -168,3 +181,40 @@ def extend_microbatches(one: list[dict[str, Any]], two: list[dict[str, Any]], *,
         report["extended_from_microbatches"] = list(counts)
         out.append(report)
     return out
+
+
+def extend_by_slope(reports: list[dict[str, Any]], *, count: int) -> list[dict[str, Any]]:
+    """Every rank's report at `count` micro-batches from its short 1F1B rehearsal and what one more micro-batch
+    adds, measured in that rehearsal's step (`microbatch_slope`)."""
+    out = []
+    for report in reports:
+        short = report["num_microbatches"]
+        report_out = _extend(report, _plus_slope(report), count - short)
+        report_out["num_microbatches"] = count
+        report_out["extended_from_microbatches"] = [short]
+        out.append(report_out)
+    return out
+
+
+def _plus_slope(report: dict[str, Any]) -> dict[str, Any]:
+    """`report` with one more micro-batch: every extended number plus its slope (non-numbers as they are)."""
+    slope = report["microbatch_slope"]
+    memory = dict(report["memory_bytes"])
+    for k, v in slope["memory_bytes"].items():
+        memory[k] = memory.get(k, 0) + v
+    rows = {(c["op"], c["group"]): dict(c) for c in report["collectives_per_step"]}
+    for c in slope["collectives_per_step"]:
+        row = rows.setdefault((c["op"], c["group"]), {"op": c["op"], "group": c["group"], "count": 0, "bytes": 0})
+        row["count"] += c["count"]
+        row["bytes"] += c["bytes"]
+    counts = {phase: dict(sites) for phase, sites in report["host_sync_counts"].items()}
+    for phase, sites in slope["host_sync_counts"].items():
+        for site, n in sites.items():
+            counts.setdefault(phase, {})[site] = counts.get(phase, {}).get(site, 0) + n
+    return {**report, "memory_bytes": memory, "collectives_per_step": [rows[k] for k in sorted(rows)],
+            "host_sync_counts": counts,
+            "host_syncs_per_step": report["host_syncs_per_step"] + sum(
+                slope["host_sync_counts"].get("step", {}).values()),
+            "host_syncs_per_logging_step": report["host_syncs_per_logging_step"] + sum(
+                slope["host_sync_counts"].get("logging_step", {}).values()),
+            "rehearsal_s": {k: 0.0 for k in report["rehearsal_s"]}}

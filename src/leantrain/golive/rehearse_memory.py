@@ -60,13 +60,16 @@ def unseen_sharding_propagation() -> Iterator[None]:
         yield
 
 
-def pipeline_receive_buffers(stages: Iterable[Any]) -> list[Any]:
+def pipeline_receive_buffers(stages: Iterable[Any], *, chunk: int | None = None) -> list[Any]:
     """The receive buffers torch's PipelineStages of this rank keep (`args_recv_info` for the inputs of a
-    non-first chunk, `grad_recv_info` for the output gradients of a non-last one; root inputs have none)."""
+    non-first chunk, `grad_recv_info` for the output gradients of a non-last one; root inputs have none), of
+    every micro-batch or of micro-batch `chunk`."""
     buffers = []
     for stage in stages:
         for table in (getattr(stage, "args_recv_info", {}), getattr(stage, "grad_recv_info", {})):
-            for infos in table.values():
+            for index, infos in table.items():
+                if chunk is not None and index != chunk:
+                    continue
                 for info in infos:
                     if getattr(info, "buffer", None) is not None and not getattr(info, "is_root_arg", False):
                         buffers.append(info.buffer)
@@ -130,6 +133,8 @@ def step_mem_tracker(*, quiet: Callable[[], AbstractContextManager[Any]] = nullc
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(snap)  # bytes by reference type: a flat dict of ints
+                    if self.on_peak is not None:
+                        self.on_peak()
 
     wait_tensor = torch.ops._c10d_functional.wait_tensor.default
     fake_key = torch._C._TorchDispatchModeKey.FAKE
@@ -206,7 +211,9 @@ def step_mem_tracker(*, quiet: Callable[[], AbstractContextManager[Any]] = nullc
         def _post_bw_hook(self, module: Any, args: Any) -> None:
             return None
 
-    return LeanStepMemTracker() if lean else StepMemTracker()
+    tracker = LeanStepMemTracker() if lean else StepMemTracker()
+    tracker.on_peak = None  # called when the peak moves (`rehearse_slope.MicroBatchSlope.saw_peak`)
+    return tracker
 
 
 def _track_outputs(tracker: Any, reftype: Any, res: Any) -> bool:

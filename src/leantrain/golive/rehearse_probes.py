@@ -122,6 +122,15 @@ class StepLog:
                 entry[1] += num_bytes
         return total
 
+    def copy(self) -> StepLog:
+        return StepLog(syncs=Counter(self.syncs), collectives={k: list(v) for k, v in self.collectives.items()})
+
+    def minus(self, earlier: StepLog) -> StepLog:
+        """What was recorded since `earlier` (a copy of this log made before)."""
+        calls = {key: [count - earlier.collectives.get(key, [0, 0])[0], num_bytes - earlier.collectives.get(
+            key, [0, 0])[1]] for key, (count, num_bytes) in self.collectives.items()}
+        return StepLog(syncs=self.syncs - earlier.syncs, collectives={k: v for k, v in calls.items() if v[0]})
+
     def add_collective(self, op: str, group: str, num_bytes: int, *, control: bool = True) -> None:
         entry = self.collectives.setdefault((op, group, control), [0, 0])
         entry[0] += 1

@@ -78,6 +78,17 @@ def per_step(probes: Probes, *, labels: dict[str, str], control_window: int) -> 
     }
 
 
+def slope_record(slope: Any, *, labels: dict[str, str]) -> dict[str, Any]:
+    """rehearsal.json's `microbatch_slope` of a rank: what one more micro-batch adds to its step (the logging
+    step's extra host syncs are the step's: the logging call does not depend on the micro-batch count)."""
+    log = slope.log()
+    memory = slope.memory()
+    activations, total = memory["Activation"], memory["Total"]
+    return {"memory_bytes": {"activations": activations, "temp": total - activations, "peak": total},
+            "collectives_per_step": _collectives(log, labels=labels, control=False),
+            "host_sync_counts": {"step": dict(log.syncs), "logging_step": dict(log.syncs)}}
+
+
 def startup_record(files: FileReads, log: StepLog, *, labels: dict[str, str], startup_s: float) -> dict[str, Any]:
     opened = sorted(files.opened)
     return {
