@@ -9,7 +9,9 @@ probes, the memory tracker) before it. Two costs per op are not the fake tensors
   through `FakeTensor.__new__`, which validates its arguments and sets five memo descriptors (15 attribute
   writes through Python descriptors), then `__init__`; together a quarter of a rehearsed step. Here the same
   tensor is made from the same meta tensor by `Tensor._make_subclass` with the same flags, and its instance
-  attributes are copied from a tensor torch built for the same mode and device. It serves only what it can
+  attributes are copied from a tensor torch built for the same mode and device (the meta tensor is made with
+  Python dispatch off, as torch makes it inside `in_kernel_invocation_manager`, without that manager's mode
+  flags, which only the fake mode's own kernels read). It serves only what it can
   answer exactly: a strided output of a mode without a shape environment (static shapes), not conjugated or
   negated, no debug trace; anything else is torch's own code. Before it swaps, `fast_cache_outputs` builds
   sample outputs (a new tensor, a view, requires-grad, an integer dtype) both ways and compares everything a
@@ -55,6 +57,7 @@ def _fast_output() -> Any:
     make = torch.Tensor._make_subclass
     throw_on_mutable = torch._C._set_throw_on_mutable_data_ptr
     warn_on_mutable = torch._C._set_warn_deprecated_on_mutable_data_ptr
+    no_python_dispatch = torch._C._DisableTorchDispatch  # what torch's `in_kernel_invocation_manager` does for it
     templates: dict[tuple[int, torch.device], dict[str, Any]] = {}
     devices: dict[torch.device, torch.device] = {}
 
@@ -66,7 +69,7 @@ def _fast_output() -> Any:
             return _TORCH_OUTPUT(self, state, entry, key, func, args)
         view = isinstance(func, torch._ops.OpOverload) and func.is_view
         storage = args[entry.view_idx].untyped_storage() if view else None
-        with _fake.in_kernel_invocation_manager(self):
+        with no_python_dispatch():  # a plain meta tensor, which no mode or subclass may turn into a fake one
             empty = torch.empty_strided(metadata.shape, metadata.stride, dtype=metadata.dtype, layout=_STRIDED,
                                         device="meta", requires_grad=metadata.requires_grad)
             if storage is not None:
