@@ -1,6 +1,6 @@
 """A deep model rehearsed at two depths and extended to its own: what `leantrain rehearse` does by default
 when a pipeline chunk holds more than three layers (below that the two short runs cost as much as one whole);
-likewise a step of many micro-batches, rehearsed with two short counts and extended (end of this module).
+likewise a step of many micro-batches, rehearsed short and extended (end of this module).
 
 A fake tensor costs about as much host time as a small real op (the dispatch, not the data), so a rank of
 Llama 3.1 405B on 16,384 GPUs (8 of 126 layers per PP16 stage, 16 micro-batches, 3 steps) is minutes of
@@ -128,13 +128,15 @@ def extend_reports(spec: JobSpec, *, n_layers: int, one: list[dict[str, Any]],
 # Micro-batches. Once the pipeline is full, a step's collectives and host syncs are a fixed part plus a part per
 # micro-batch, and so is its memory: 1F1B keeps at most pp - stage micro-batches in flight, but torch's
 # PipelineStage allocates one receive buffer per micro-batch (activations forward, their gradients backward),
-# a micro-batch's activation each. So a step of many micro-batches (DeepSeek-V3: 120) is rehearsed with two
-# short counts M1 and M2 and extended linearly, like the depth. M1 is where the growth is linear already,
+# a micro-batch's activation each. So a step of many micro-batches (DeepSeek-V3: 120) is rehearsed short and
+# extended linearly, like the depth. A 1F1B pipeline step of pp + 2 measures in itself what one more micro-batch
+# adds (golive/rehearse_slope.py; `extend_by_slope`). Other schedules, and accumulation without a pipeline, are
+# rehearsed with two short counts M1 and M2 (`extend_microbatches`). M1 is where the growth is linear already,
 # measured stage by stage on tiny models: 1F1B from pp + 1 (PP4, first stage: +435 kB from 4 to 5, then +156 kB
 # per micro-batch from 5 to 24; the last stage linear from 4), interleaved from pp × virtual_stages (PP2 × v2:
 # +4.1 MB from 2 to 4, then +0.84 MB per two up to 12). Interleaved and the other schedules keep the wider
 # 2 × pp × virtual_stages (GPipe holds every micro-batch until its backward: linear from the start). M2 is
-# M1 + 1 for 1F1B (one more forward and backward per stage), M1 + pp for the schedules that run rounds of pp.
+# M1 + 1 without a pipeline, M1 + pp for the schedules that run rounds of pp.
 def _micro_step_tokens(spec: JobSpec, *, world_size: int) -> int:
     """Tokens of one micro-batch over all data-parallel ranks (the trainer's micro_batch × seq_len × dp)."""
     par = spec.parallelism
