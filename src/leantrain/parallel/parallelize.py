@@ -161,7 +161,7 @@ class ParallelModel:
             stages = [p for p in self.parts if isinstance(p, StageModule)]
             for stage in stages:
                 stage.aux_loss_sum = None
-            with autocast():
+            with autocast(), maybe_loss_parallel(self.loss_parallel):  # the last stage's loss, vocab-sharded
                 loss = run_schedule(self.schedule, inputs=inputs, targets=targets,
                                     is_first=self.is_first_stage, is_last=self.is_last_stage)
             assert self.mesh is not None
@@ -329,7 +329,7 @@ def parallelize(
         parts: list[nn.Module] = [module for _, module in stage_modules]
     else:
         stage_modules, parts = [], [model]
-    loss_parallel = par.loss_parallel and dims.tp > 1 and dims.pp == 1
+    loss_parallel = par.loss_parallel and dims.tp > 1
     # Tensor parallelism leaves norms (and tied embeddings) plain tensors. Without
     # data parallelism FSDP2 still wraps the parts, over a 1-rank mesh (no sharding, no resharding), so that
     # every parameter is a DTensor: foreach/fused optimizers cannot mix DTensors and plain tensors. One rank

@@ -29,6 +29,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 from torch.distributed.pipelining.schedules import _PipelineSchedule
+from torch.distributed.tensor import DTensor
 
 from leantrain.errors import UserInputError
 from leantrain.model.transformer import Transformer
@@ -227,6 +228,8 @@ def run_schedule(
         schedule.step(target=targets, losses=losses, return_outputs=False)
     else:
         schedule.step(return_outputs=False)
+    # under loss parallelism each micro-batch's loss is a replicated DTensor scalar: its local value is the loss
+    losses = [loss.full_tensor() if isinstance(loss, DTensor) else loss for loss in losses]
     return torch.stack(losses).mean().detach() if losses else None
 
 

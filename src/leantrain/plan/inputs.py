@@ -127,7 +127,7 @@ class PlanInputs:
     fused_loss: bool = False  # a fused cross-entropy: only the compute-dtype logits kept, gradient in place
     linear_input_bytes: float = 2.0  # bytes per cached Linear input (1 with fp8 storage, DeepSeek-V3 §3.3.3)
     grad_sync: str = "every_micro_batch"
-    loss_parallel: bool = True  # vocabulary-parallel loss under TP (the trainer's, without a pipeline)
+    loss_parallel: bool = True  # vocabulary-parallel loss under TP (the trainer's, with or without a pipeline)
     finetune: str = "none"  # none (pretraining) | full | lora | qlora
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = ()

@@ -269,9 +269,9 @@ def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first
         held += outputs * tokens * inputs.act_bytes * shape.d_model / (layout.tp if layout.sp else 1)
     if not last:
         return held, one_layer_full
-    # Vocabulary-parallel loss (`parallelism.loss_parallel`, TP without a pipeline in the trainer) keeps 1/tp of
-    # the logits per rank; otherwise every TP rank holds the whole vocabulary's.
-    vocab_tp = layout.tp if inputs.loss_parallel and layout.pp == 1 else 1
+    # Vocabulary-parallel loss (`parallelism.loss_parallel`, with or without a pipeline) keeps 1/tp of the logits
+    # per rank; otherwise every TP rank holds the whole vocabulary's.
+    vocab_tp = layout.tp if inputs.loss_parallel else 1
     sp_tp = layout.tp if layout.sp and SP_GATHERED_PLANNED else 1  # the final norm's share: with the term below
     logit_count = tokens * shape.vocab_size / vocab_tp
     if inputs.fused_loss:  # the final norm, the compute-dtype logits the kernel keeps, its fp32 per-token lse
@@ -357,7 +357,17 @@ def stage_memory(inputs: PlanInputs, layout: Layout, *, stage: int, num_microbat
         # The last stage peaks in the loss's backward: FSDP has resharded every unit after its forward (the
         # root too) except the last block, which parallel/fsdp.py keeps gathered for the backward that follows
         # at once (its compute-dtype copy; its gradient does not exist yet). Measured by `leantrain rehearse`.
-        gather = sp.last_block * inputs.weight_bytes
+        last_gather = sp.last_block * inputs.weight_bytes
+        if layout.pp > 1 and PIPELINE_HOLDS_UNSHARDED and shard > 1 and num_microbatches > 1 and inputs.trains_base:
+            # From the second micro-batch on, that loss backward runs while the unsharded gradients the pipeline
+            # keeps (`_states`) exist for the chunks whose backward has started: the whole stage under 1F1B, the
+            # model's last chunk under interleaving (`backward_chunks_at_peak`). With the logits split over the
+            # vocabulary (loss parallelism under a pipeline, since 2026-12-06) this, not the loss, sets the last
+            # stage's peak: `leantrain rehearse` of torchtitan's 405B layout (FSDP 8 × TP 8 × PP 8, 8 micro-batches
+            # of 4): last-stage temp 28.1 GiB rehearsed, 7.6 planned without these gradients (1F1B).
+            share = 1.0 if touched is None else max(touched, 1) / layout.virtual_stages
+            last_gather += max(0.0, (sp.dense + sp.experts) * inputs.grad_bytes * share - grads)
+        gather = last_gather
     buffers = inputs.framework_reserve_bytes + transient + gather + recv_buffer_bytes(inputs, layout, stage=stage,
                                                                                        num_microbatches=num_microbatches)
     if layout.zero == 0 and layout.dp > 1:

@@ -49,7 +49,7 @@ class ParallelismSpec(Section):
     )
     sequence_parallel: bool = Field(True, description="Shard norms/dropout along the sequence with TP.")
     loss_parallel: bool = Field(
-        True, description="With TP (and no PP): keep the logits split over the vocabulary and compute the loss "
+        True, description="With TP: keep the logits split over the vocabulary and compute the loss "
         "sharded (torchtitan's default; off, every TP rank holds the whole vocabulary's fp32 logits and their "
         "gradient).",
     )
