@@ -32,7 +32,7 @@ from leantrain.golive.rehearse_memory import (
     step_mem_tracker,
     unseen_sharding_propagation,
 )
-from leantrain.golive.rehearse_peers import DONE, Broadcasts, object_collectives
+from leantrain.golive.rehearse_peers import DONE, Broadcasts, die_with_parent, object_collectives
 from leantrain.golive.rehearse_probes import (
     CollectiveRecorder,
     FileReads,
@@ -298,19 +298,6 @@ def _rehearse_or_explain(target: RehearsalTarget, **kwargs: Any) -> dict[str, An
             f"{type(err).__name__}: {first}") from None
 
 
-def _die_with_parent() -> None:
-    """Worker initializer: the worker ends with the rehearsal that spawned it. Without it a SIGTERM to
-    `leantrain rehearse` (a scheduler, `kill`) left its workers running as orphans, each minutes of CPU into a
-    rank (seen 2026-12-03). Linux: prctl(PR_SET_PDEATHSIG, SIGTERM); elsewhere a no-op."""
-    import ctypes
-    import signal
-
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # 1: PR_SET_PDEATHSIG
-    if os.getppid() == 1:  # the parent died before the call above took effect
-        os._exit(1)
-
-
 def _rank_worker(target: RehearsalTarget, rank: int, data_dir: Path, scratch: Path,
                  broadcasts: Broadcasts) -> tuple[str, Any]:
     """One rank in a worker process: ("ok", report) or ("error", message); what rank 0 broadcasts reaches the
@@ -361,9 +348,9 @@ def _rehearse_ranks(targets: list[RehearsalTarget], *, ranks: list[int], data_di
     jobs = [(index, rank) for index in range(len(targets)) for rank in rest]
     workers = max(1, min(len(targets) + len(jobs), os.cpu_count() or 1))
     manager = SyncManager(ctx=context)
-    manager.start(initializer=_die_with_parent)  # its server process, too, ends with this one
+    manager.start(initializer=die_with_parent)  # its server process, too, ends with this one
     with manager, concurrent.futures.ProcessPoolExecutor(
-            max_workers=workers, mp_context=context, initializer=_die_with_parent) as pool:
+            max_workers=workers, mp_context=context, initializer=die_with_parent) as pool:
         channels = [manager.dict() for _ in targets]
         # Every target's rank 0 first (the pool starts work in the order it was given, so no rank waits on a
         # rank 0 that has not started), publishing what it broadcasts; the others start as workers free up.
@@ -434,12 +421,7 @@ def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] |
         for t, group in zip(counted, runs, strict=True):
             per_count.append(at_depth(t, flat[:len(group)]))
             flat = flat[len(group):]
-        if short_counts is None:
-            rank_reports = per_count[0]
-        elif len(short_counts) == 1:  # 1F1B: one short step that measured what one more micro-batch adds
-            rank_reports = rehearse_depth.extend_by_slope(per_count[0], count=count)
-        else:
-            rank_reports = rehearse_depth.extend_microbatches(*per_count, counts=short_counts, count=count)
+        rank_reports = rehearse_depth.extend_to_count(per_count, counts=short_counts, count=count)
     num_microbatches = rank_reports[0]["num_microbatches"]  # the trainer's own accumulation count
     plan = planned_memory(run_spec, world_size=target.world_size, num_microbatches=num_microbatches)
     for report in rank_reports:  # each rank against the plan of its own pipeline stage
@@ -457,11 +439,8 @@ def rehearse(spec: JobSpec, *, world_size: int | None = None, ranks: list[int] |
         "accelerator_memory_bytes": capacity,
         "data": "synthetic (the spec's data dir is not here)" if synthetic else str(data_dir),
         "num_microbatches": num_microbatches,
-        "depth": {"n_layers": n_layers, "extended_from_layers_per_chunk": list(rehearse_depth.SHORT_DEPTHS)}
-        if full_reason is None else {"n_layers": n_layers, "full": full_reason},
-        "microbatches": {"full": count} if not short_counts else {"extended_from": list(short_counts)} | (
-            {"per_microbatch": "measured in the rehearsed step (ranks[].microbatch_slope)"}
-            if len(short_counts) == 1 else {}),
+        "depth": rehearse_depth.depth_record(n_layers, full_reason=full_reason),
+        "microbatches": rehearse_depth.microbatches_record(short_counts, count=count),
         "ranks": rank_reports,
         "plan": plan,
         "plan_kernels": "eager",  # what the rehearsal runs (no compile), whatever the spec's plan.kernels says

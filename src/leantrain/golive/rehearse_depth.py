@@ -220,3 +220,32 @@ def _plus_slope(report: dict[str, Any]) -> dict[str, Any]:
             "host_syncs_per_logging_step": report["host_syncs_per_logging_step"] + sum(
                 slope["host_sync_counts"].get("logging_step", {}).values()),
             "rehearsal_s": {k: 0.0 for k in report["rehearsal_s"]}}
+
+
+def extend_to_count(per_count: list[list[dict[str, Any]]], *, counts: tuple[int, ...] | None,
+                    count: int) -> list[dict[str, Any]]:
+    """Every rank's report at `count` micro-batches from its short rehearsals (`short_microbatches`'s counts):
+    as rehearsed when there were none, from the one short 1F1B step and what it measured one more micro-batch
+    adds, or from two short counts."""
+    if counts is None:
+        return per_count[0]
+    if len(counts) == 1:
+        return extend_by_slope(per_count[0], count=count)
+    return extend_microbatches(*per_count, counts=counts, count=count)
+
+
+def depth_record(n_layers: int, *, full_reason: str | None) -> dict[str, Any]:
+    """rehearsal.json's `depth`."""
+    if full_reason is not None:
+        return {"n_layers": n_layers, "full": full_reason}
+    return {"n_layers": n_layers, "extended_from_layers_per_chunk": list(SHORT_DEPTHS)}
+
+
+def microbatches_record(counts: tuple[int, ...] | None, *, count: int) -> dict[str, Any]:
+    """rehearsal.json's `microbatches`."""
+    if not counts:
+        return {"full": count}
+    if len(counts) == 1:
+        return {"extended_from": list(counts), "per_microbatch": "measured in the rehearsed step "
+                "(ranks[].microbatch_slope)"}
+    return {"extended_from": list(counts)}

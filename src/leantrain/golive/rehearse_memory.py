@@ -30,10 +30,20 @@ probes) off the stack, as a real run does. Checked against real gloo runs in tes
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from functools import partial
 from typing import Any
 from unittest import mock
+
+import torch
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModMemStats, _UpdateType
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map_only
+
+from leantrain.golive.rehearse_probes import METADATA_OPS, metadata_answer
 
 
 @contextmanager
@@ -76,7 +86,7 @@ def pipeline_receive_buffers(stages: Iterable[Any], *, chunk: int | None = None)
     return buffers
 
 
-def step_mem_tracker(*, quiet: Callable[[], AbstractContextManager[Any]] = nullcontext, lean: bool = True) -> Any:
+class StepMemTracker(MemTracker):
     """torch's MemTracker, for a loop: a root module called again (the next micro-batch, the next pipeline
     chunk) starts its per-module stats afresh instead of raising; the per-device peak is kept across calls; and
     a storage filed as "Other" (the pipeline's receive buffers handed to `track_external`, FSDP's all-gather
@@ -90,130 +100,128 @@ def step_mem_tracker(*, quiet: Callable[[], AbstractContextManager[Any]] = nullc
 
     Only the device's peak is kept up to date after each op: torch's tracker also walks every module it has
     seen after every op to update per-module peaks, which the rehearsal never reads and which was a sixth of a
-    405B rank's rehearsal time (the walk grows with the modules, ~90 per op there).
+    405B rank's rehearsal time (the walk grows with the modules, ~90 per op there)."""
 
-    `lean` (the default) also drops the tracker's other per-op and per-module work that the rehearsal never
-    reads, with the same counts (tests/scale/test_rehearse_dispatch.py compares both on rehearsed jobs): a
-    device read is answered without passing it down (the peak is still read after it), an op's outputs are
-    walked directly instead of by a pytree map, the fake mode is read from its dispatch slot instead of by a
-    walk of the mode stack, adding and freeing a storage update the device's totals without rebuilding its
-    default entry, and the module hooks keep the per-module bookkeeping the categories depend on (parameters,
-    inputs and outputs tracked, the recomputation flag) but take no per-module snapshots (three copies of the
-    device's totals per module call)."""
-    import weakref
-    from functools import partial
+    def __init__(self, *, quiet: Callable[[], AbstractContextManager[Any]] = nullcontext) -> None:
+        super().__init__()
+        self.quiet = quiet
+        self.on_peak: Callable[[], None] | None = None  # called when the peak moves (`MicroBatchSlope.saw_peak`)
 
-    import torch
-    from torch.distributed._tools.common_utils import get_untyped_storages
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType, _ModMemStats, _UpdateType
-    from torch.distributed.tensor import DTensor
-    from torch.utils._pytree import tree_map_only
+    def _fresh_iteration(self, module: Any, name: str | None) -> None:
+        """A root module called again outside backward (the next micro-batch or chunk): its stats start anew."""
+        if module in self.memory_tracking and not self._mod_tracker.is_bw and (
+                set(self._mod_tracker.parents) - {name}) <= {"Global"}:
+            del self.memory_tracking[module]
 
-    from leantrain.golive.rehearse_probes import METADATA_OPS, metadata_answer
+    def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+        self._fresh_iteration(module, self._mod_tracker.get_known_fqn(module))
+        super()._pre_fw_hook(module, inputs)
 
-    class StepMemTracker(MemTracker):
-        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
-            name = self._mod_tracker.get_known_fqn(module)
-            if module in self.memory_tracking and not self._mod_tracker.is_bw and (
-                    set(self._mod_tracker.parents) - {name}) <= {"Global"}:
-                del self.memory_tracking[module]
-            super()._pre_fw_hook(module, inputs)
+    def _update_and_maybe_create_winfos(self, t: Any, reftype: Any, update_existing: bool = False) -> Any:
+        with self.quiet():
+            kept = [winfo for st in get_untyped_storages(t)
+                    if (winfo := self._WINFO.get(st, (None, None))[0]) is not None
+                    and winfo.reftype == _MemRefType.OTH]
+            if kept and reftype != _MemRefType.OTH:
+                return set(kept)  # a buffer written by a recv or an all-gather: still a buffer
+            return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
 
-        def _update_and_maybe_create_winfos(self, t: Any, reftype: Any, update_existing: bool = False) -> Any:
-            with quiet():
-                kept = [winfo for st in get_untyped_storages(t)
-                        if (winfo := self._WINFO.get(st, (None, None))[0]) is not None
-                        and winfo.reftype == _MemRefType.OTH]
-                if kept and reftype != _MemRefType.OTH:
-                    return set(kept)  # a buffer written by a recv or an all-gather: still a buffer
-                return super()._update_and_maybe_create_winfos(t, reftype, update_existing)
+    def _update_peak_stats(self, peak_state: Any) -> None:
+        for dev, snap in self._curr_mem_snap.items():
+            if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                self._peak_mem[dev] = snap[_TOTAL_KEY]
+                self._peak_mem_snap[dev] = dict(snap)  # bytes by reference type: a flat dict of ints
+                if self.on_peak is not None:
+                    self.on_peak()
 
-        def _update_peak_stats(self, peak_state: Any) -> None:
-            for dev, snap in self._curr_mem_snap.items():
-                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
-                    self._peak_mem[dev] = snap[_TOTAL_KEY]
-                    self._peak_mem_snap[dev] = dict(snap)  # bytes by reference type: a flat dict of ints
-                    if self.on_peak is not None:
-                        self.on_peak()
 
-    wait_tensor = torch.ops._c10d_functional.wait_tensor.default
-    fake_key = torch._C._TorchDispatchModeKey.FAKE
-    add, delete = _UpdateType.ADD, _UpdateType.DEL
+_WAIT_TENSOR = torch.ops._c10d_functional.wait_tensor.default
+_FAKE_KEY = torch._C._TorchDispatchModeKey.FAKE
 
-    class LeanStepMemTracker(StepMemTracker):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            if func in METADATA_OPS:  # a tensor's device or layout: no tensor made, nothing to track; the peak is
-                # still read after it, as torch's does after every op (a hook may have added a gradient since)
-                answer = metadata_answer(func, args, kwargs)
-                if torch._C._get_dispatch_mode(fake_key) is self._fake_mode_on_entry:
-                    self._update_peak_stats(None)
-                return answer
-            if DTensor in types:
-                return NotImplemented  # DTensor lowers to local ops first, which this mode then sees
-            fake_mode = torch._C._get_dispatch_mode(fake_key)  # active_fake_mode(): fake modes are infra modes
-            res = args[0] if func is wait_tensor and fake_mode else func(*args, **(kwargs or {}))
-            if fake_mode is self._fake_mode_on_entry:  # not DTensor's propagation in a fake mode of its own
-                if self._in_opt:
-                    reftype = _MemRefType.OPT
-                elif self._mod_tracker.is_bw and not self._in_ac:
-                    reftype = _MemRefType.TEMP
-                else:
-                    reftype = _MemRefType.ACT
-                if not _track_outputs(self, reftype, res):
-                    tree_map_only(torch.Tensor, partial(self._track, reftype), res)
+
+class LeanStepMemTracker(StepMemTracker):
+    """`StepMemTracker` without the work the rehearsal never reads (`step_mem_tracker`'s `lean`)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        if func in METADATA_OPS:  # a tensor's device or layout: no tensor made, nothing to track; the peak is
+            # still read after it, as torch's does after every op (a hook may have added a gradient since)
+            answer = metadata_answer(func, args, kwargs)
+            if torch._C._get_dispatch_mode(_FAKE_KEY) is self._fake_mode_on_entry:
                 self._update_peak_stats(None)
-            return res
-
-        def _update_snap(self, u_type: Any, winfo: Any, old_mem_consumed: Any = None, old_reftype: Any = None
-                         ) -> None:
-            snap = self._curr_mem_snap.get(winfo.device)
-            if snap is None or _TOTAL_KEY not in snap or u_type not in (add, delete):
-                return super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
-            change = winfo.mem_consumed if u_type is add else -winfo.mem_consumed
-            snap[winfo.reftype] += change
-            snap[_TOTAL_KEY] += change
-            if u_type is delete and snap[_TOTAL_KEY] == 0:
-                del self._curr_mem_snap[winfo.device]
-            return None
-
-        def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
-            tracker = self._mod_tracker
-            name = tracker.get_known_fqn(module)
-            if module in self.memory_tracking and not tracker.is_bw and (
-                    set(tracker.parents) - {name}) <= {"Global"}:
-                del self.memory_tracking[module]
-            if module not in self.memory_tracking:
-                stats = _ModMemStats(name)
-                stats.parameter_mem, stats.buffer_mem = self._track_module_params_and_buffers(
-                    module, install_grad_hooks=True)
-                stats.input_mem = self._track_inputs_or_outputs(inputs)
-                self.memory_tracking[module] = stats
-            elif tracker.is_bw:  # the module's forward again inside its backward: a recomputation
-                if self._ac_mod is None:
-                    self._ac_mod = weakref.ref(module)
-                    self._in_ac = True
+            return answer
+        if DTensor in types:
+            return NotImplemented  # DTensor lowers to local ops first, which this mode then sees
+        fake_mode = torch._C._get_dispatch_mode(_FAKE_KEY)  # active_fake_mode(): fake modes are infra modes
+        res = args[0] if func is _WAIT_TENSOR and fake_mode else func(*args, **(kwargs or {}))
+        if fake_mode is self._fake_mode_on_entry:  # not DTensor's propagation in a fake mode of its own
+            if self._in_opt:
+                reftype = _MemRefType.OPT
+            elif self._mod_tracker.is_bw and not self._in_ac:
+                reftype = _MemRefType.TEMP
             else:
-                stats = self.memory_tracking[module]
-                stats.mod_fqn = name
-                stats.input_mem = self._track_inputs_or_outputs(inputs)
+                reftype = _MemRefType.ACT
+            if not _track_outputs(self, reftype, res):
+                tree_map_only(torch.Tensor, partial(self._track, reftype), res)
+            self._update_peak_stats(None)
+        return res
 
-        def _post_fw_hook(self, module: Any, inputs: Any, outputs: Any) -> None:
-            if self._mod_tracker.is_bw:
-                if self._ac_mod is not None and self._ac_mod() is module:
-                    self._ac_mod = None
-                    self._in_ac = False
-            else:
-                self.memory_tracking[module].output_mem = self._track_inputs_or_outputs(outputs)
+    def _update_snap(self, u_type: Any, winfo: Any, old_mem_consumed: Any = None, old_reftype: Any = None) -> None:
+        snap = self._curr_mem_snap.get(winfo.device)
+        if snap is None or _TOTAL_KEY not in snap or u_type not in (_UpdateType.ADD, _UpdateType.DEL):
+            return super()._update_snap(u_type, winfo, old_mem_consumed, old_reftype)
+        change = winfo.mem_consumed if u_type is _UpdateType.ADD else -winfo.mem_consumed
+        snap[winfo.reftype] += change
+        snap[_TOTAL_KEY] += change
+        if u_type is _UpdateType.DEL and snap[_TOTAL_KEY] == 0:
+            del self._curr_mem_snap[winfo.device]
+        return None
 
-        def _pre_bw_hook(self, module: Any, args: Any) -> None:
-            return None  # torch's takes a snapshot for the module's peak in backward, which is never read
+    def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
+        tracker = self._mod_tracker
+        name = tracker.get_known_fqn(module)
+        self._fresh_iteration(module, name)
+        if module not in self.memory_tracking:
+            stats = _ModMemStats(name)
+            stats.parameter_mem, stats.buffer_mem = self._track_module_params_and_buffers(
+                module, install_grad_hooks=True)
+            stats.input_mem = self._track_inputs_or_outputs(inputs)
+            self.memory_tracking[module] = stats
+        elif tracker.is_bw:  # the module's forward again inside its backward: a recomputation
+            if self._ac_mod is None:
+                self._ac_mod = weakref.ref(module)
+                self._in_ac = True
+        else:
+            stats = self.memory_tracking[module]
+            stats.mod_fqn = name
+            stats.input_mem = self._track_inputs_or_outputs(inputs)
 
-        def _post_bw_hook(self, module: Any, args: Any) -> None:
-            return None
+    def _post_fw_hook(self, module: Any, inputs: Any, outputs: Any) -> None:
+        if self._mod_tracker.is_bw:
+            if self._ac_mod is not None and self._ac_mod() is module:
+                self._ac_mod = None
+                self._in_ac = False
+        else:
+            self.memory_tracking[module].output_mem = self._track_inputs_or_outputs(outputs)
 
-    tracker = LeanStepMemTracker() if lean else StepMemTracker()
-    tracker.on_peak = None  # called when the peak moves (`rehearse_slope.MicroBatchSlope.saw_peak`)
-    return tracker
+    def _pre_bw_hook(self, module: Any, args: Any) -> None:
+        return None  # torch's takes a snapshot for the module's peak in backward, which is never read
+
+    def _post_bw_hook(self, module: Any, args: Any) -> None:
+        return None
+
+
+def step_mem_tracker(*, quiet: Callable[[], AbstractContextManager[Any]] = nullcontext,
+                     lean: bool = True) -> StepMemTracker:
+    """The rehearsal's memory tracker (`StepMemTracker`). `lean` (the default) also drops the tracker's other
+    per-op and per-module work that the rehearsal never reads, with the same counts
+    (tests/scale/test_rehearse_dispatch.py compares both on rehearsed jobs): a device read is answered without
+    passing it down (the peak is still read after it), an op's outputs are walked directly instead of by a
+    pytree map, the fake mode is read from its dispatch slot instead of by a walk of the mode stack, adding and
+    freeing a storage update the device's totals without rebuilding its default entry, and the module hooks keep
+    the per-module bookkeeping the categories depend on (parameters, inputs and outputs tracked, the
+    recomputation flag) but take no per-module snapshots (three copies of the device's totals per module
+    call)."""
+    return LeanStepMemTracker(quiet=quiet) if lean else StepMemTracker(quiet=quiet)
 
 
 def _track_outputs(tracker: Any, reftype: Any, res: Any) -> bool:

@@ -251,11 +251,16 @@ _METADATA, _COLLECTIVE, _VIEW, _OTHER = object(), object(), object(), object()
 MISS = object()  # `HostSyncCounter.from_cache`'s answer when the op is not a cache hit
 
 
+def is_collective(func: Any) -> bool:
+    """A c10d or functional collective (or point-to-point op) that moves data; not a wait or a barrier."""
+    return func.namespace in ("c10d", "_c10d_functional", "c10d_functional") and not func.__name__.startswith(
+        ("wait", "barrier", "monitored_barrier"))
+
+
 def _op_kind(func: Any) -> object:
     if func in METADATA_OPS:
         return _METADATA
-    if func.namespace in ("c10d", "_c10d_functional", "c10d_functional") and not func.__name__.startswith(
-            ("wait", "barrier", "monitored_barrier")):
+    if is_collective(func):
         return _COLLECTIVE
     return _VIEW if func in VIEW_OPS else _OTHER
 
@@ -342,8 +347,7 @@ class CollectiveRecorder:
         self.group_names = group_names  # c10d group name → label (mesh axis, world, control)
 
     def see(self, func: Any, args: Any, kwargs: dict[str, Any]) -> None:
-        if func.namespace in ("c10d", "_c10d_functional", "c10d_functional") and not func.__name__.startswith(
-                ("wait", "barrier", "monitored_barrier")):
+        if is_collective(func):
             op = OP_NAMES.get(func._opname, func._opname.strip("_"))
             group = self._group_label([*args, *kwargs.values()])
             num_bytes = sum(t.numel() * t.element_size() for t in _input_tensors(func, args))
