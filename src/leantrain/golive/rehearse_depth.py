@@ -19,8 +19,10 @@ checkpoint's). Checked against full-depth rehearsals in tests/scale/test_scale_p
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
+from leantrain.golive.rehearse_report import merge_collectives
 from leantrain.spec.schema import JobSpec
 from leantrain.spec.shapes import chunk_layers
 
@@ -97,9 +99,7 @@ def _extend(one: dict[str, Any], two: dict[str, Any], units: float) -> dict[str,
     out = dict(two)
     out["memory_bytes"] = {k: _num(one["memory_bytes"][k], v, units, whole=True)
                            for k, v in two["memory_bytes"].items()}
-    out["collectives_per_step"] = _collectives(one["collectives_per_step"], two["collectives_per_step"], units)
-    out["host_sync_counts"] = {phase: _counts(one["host_sync_counts"].get(phase, {}), counts, units)
-                               for phase, counts in two["host_sync_counts"].items()}
+    out.update(_calls_and_syncs(one, two, units))
     for key in ("host_syncs_per_step", "host_syncs_per_logging_step"):
         out[key] = _num(one[key], two[key], units, whole=True)
     if isinstance(two.get("checkpoint_save"), dict) and isinstance(one.get("checkpoint_save"), dict):
@@ -111,10 +111,15 @@ def _extend(one: dict[str, Any], two: dict[str, Any], units: float) -> dict[str,
         a, b = one["microbatch_slope"], two["microbatch_slope"]  # per micro-batch, itself a sum over layers
         out["microbatch_slope"] = {
             "memory_bytes": {k: _line(a["memory_bytes"][k], v, units) for k, v in b["memory_bytes"].items()},
-            "collectives_per_step": _collectives(a["collectives_per_step"], b["collectives_per_step"], units),
-            "host_sync_counts": {phase: _counts(a["host_sync_counts"].get(phase, {}), counts, units)
-                                 for phase, counts in b["host_sync_counts"].items()}}
+            **_calls_and_syncs(a, b, units)}
     return out
+
+
+def _calls_and_syncs(one: dict[str, Any], two: dict[str, Any], units: float) -> dict[str, Any]:
+    """`collectives_per_step` and `host_sync_counts` of a report (or a slope) moved along the line by `units`."""
+    return {"collectives_per_step": _collectives(one["collectives_per_step"], two["collectives_per_step"], units),
+            "host_sync_counts": {phase: _counts(one["host_sync_counts"].get(phase, {}), counts, units)
+                                 for phase, counts in two["host_sync_counts"].items()}}
 
 
 def extend_reports(spec: JobSpec, *, n_layers: int, one: list[dict[str, Any]],
@@ -204,16 +209,11 @@ def _plus_slope(report: dict[str, Any]) -> dict[str, Any]:
     memory = dict(report["memory_bytes"])
     for k, v in slope["memory_bytes"].items():
         memory[k] = memory.get(k, 0) + v
-    rows = {(c["op"], c["group"]): dict(c) for c in report["collectives_per_step"]}
-    for c in slope["collectives_per_step"]:
-        row = rows.setdefault((c["op"], c["group"]), {"op": c["op"], "group": c["group"], "count": 0, "bytes": 0})
-        row["count"] += c["count"]
-        row["bytes"] += c["bytes"]
-    counts = {phase: dict(sites) for phase, sites in report["host_sync_counts"].items()}
-    for phase, sites in slope["host_sync_counts"].items():
-        for site, n in sites.items():
-            counts.setdefault(phase, {})[site] = counts.get(phase, {}).get(site, 0) + n
-    return {**report, "memory_bytes": memory, "collectives_per_step": [rows[k] for k in sorted(rows)],
+    mine, added = report["host_sync_counts"], slope["host_sync_counts"]
+    counts = {phase: dict(Counter(mine.get(phase, {})) + Counter(added.get(phase, {}))) for phase in {*mine, *added}}
+    return {**report, "memory_bytes": memory,
+            "collectives_per_step": merge_collectives([*report["collectives_per_step"],
+                                                       *slope["collectives_per_step"]]),
             "host_sync_counts": counts,
             "host_syncs_per_step": report["host_syncs_per_step"] + sum(
                 slope["host_sync_counts"].get("step", {}).values()),

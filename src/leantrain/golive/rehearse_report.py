@@ -42,10 +42,11 @@ def _collectives(log: StepLog, *, labels: dict[str, str], control: bool) -> list
         group = labels.get(raw_group, raw_group if raw_group in labels.values() else "control")
         if is_control == control:
             rows.append({"op": op, "group": group, "count": count, "bytes": num_bytes})
-    return _merge(rows)
+    return merge_collectives(rows)
 
 
-def _merge(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def merge_collectives(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rows of the same (op, group) as one, their calls and bytes added."""
     merged: dict[tuple[str, str], dict[str, Any]] = {}
     for row in rows:
         entry = merged.setdefault((row["op"], row["group"]), {"op": row["op"], "group": row["group"], "count": 0,
