@@ -46,6 +46,9 @@ GRID: dict[str, tuple[int, int, int, int, str, int, str, tuple[str, ...]]] = {
     # 2 micro-batches: every chunk forward runs before the first backward (the 405B example's regime)
     "fsdp2 pp2 interleaved m2": (2, 1, 2, 3, "interleaved_1f1b", 2, "selective",
                                  ("training.global_batch_tokens=32768",)),
+    # ZeRO-2 keeps each chunk gathered after its forward: the chunks not yet in their backward hold more
+    "fsdp2 pp2 interleaved m2 zero2": (2, 1, 2, 2, "interleaved_1f1b", 2, "selective",
+                                       ("training.global_batch_tokens=32768",)),
     "fsdp2 tp2 pp2": (2, 2, 2, 3, "1f1b", 1, "selective", ()),
     "moe fsdp8 ep4": (8, 1, 1, 3, "1f1b", 1, "selective", (*MOE, "parallelism.expert_parallel=4")),
 }

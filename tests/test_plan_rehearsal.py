@@ -1,6 +1,6 @@
 """The planner's memory held to `leantrain rehearse` (the trainer itself under a fake process group and fake
 tensors) on a small grid of layouts: a Llama-3-8B-wide model cut to 4 layers, rank 0 of each world.
-bench/plan_vs_rehearsal.py runs the whole grid (13 layouts, bench/RESULTS.md); these pin one layout per
+bench/plan_vs_rehearsal.py runs the whole grid (15 layouts, bench/RESULTS.md); these pin one layout per
 mechanism: ZeRO-2's gathered stage, TP with the vocabulary-parallel loss (TP2, and TP8 where the loss's
 backward and the sequence-parallel gathered inputs weigh most), a pipeline's first stage (the stage torch's
 pipelining keeps gathered with its unsharded gradients), an interleaved pipeline (its peak falls in a forward,
@@ -59,6 +59,25 @@ def test_a_pipeline_that_fills_before_its_first_backward_peaks_without_the_gradi
     for category in ("params", "grads", "optimizer", "activations", "peak"):
         assert abs(plan[category] / measured[category] - 1) <= TOLERANCE, (category, plan, measured)
     assert plan["temp"] < 0.5 * 2**30 and measured["temp"] < 0.5 * 2**30
+
+@pytest.mark.heavy
+@pytest.mark.slow
+def test_zero2_keeps_the_chunks_not_yet_in_their_backward_gathered() -> None:
+    """The same PP2 × v2 layout with 2 micro-batches at ZeRO-2: without resharding after forward the first chunk,
+    whose backward has not started at the peak, still holds its compute-dtype copy where ZeRO-3 has freed all but
+    its last block. Rehearsed, ZeRO-2's peak is ZeRO-3's plus exactly that chunk's bf16 embedding (1.05 GB); the
+    plan adds what ZeRO-3 reshards of such chunks (plan/memory.py `untouched_resharded_params`; it added nothing,
+    temp 0.33× the rehearsal's, until 2026-12-06)."""
+    bench = _bench()
+    (z3_measured, z3_plan), (z2_measured, z2_plan) = (
+        bench.compare(bench.spec_for(*bench.GRID[name]))
+        for name in ("fsdp2 pp2 interleaved m2", "fsdp2 pp2 interleaved m2 zero2"))
+    rehearsed = z2_measured["peak"] - z3_measured["peak"]
+    assert rehearsed > 0.9 * 2**30, rehearsed
+    assert z2_plan["peak"] - z3_plan["peak"] == pytest.approx(rehearsed, rel=TOLERANCE)
+    for category in ("params", "grads", "optimizer", "activations", "peak"):
+        assert abs(z2_plan[category] / z2_measured[category] - 1) <= TOLERANCE, (category, z2_plan, z2_measured)
+
 
 def _torch_peak_chunks(schedule: str, p: int, v: int, m: int, rank: int) -> int:
     """The most chunk forwards whose backward has not run yet, over the order torch's schedule gives `rank`."""

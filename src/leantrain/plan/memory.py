@@ -42,7 +42,7 @@ from leantrain.plan.activations import (
 from leantrain.plan.finetune import adapter_activation_bytes, adapter_params, frozen_weight_bytes, reference_copies
 from leantrain.plan.inputs import PlanInputs
 from leantrain.plan.layout import Layout
-from leantrain.spec.shapes import ModelShape
+from leantrain.spec.shapes import ModelShape, chunk_layers
 
 DDP_BUCKET_BYTES = 2 * 25 * 2**20  # two 25 MiB gradient buckets in flight (DDP's default bucket_cap_mb)
 # The loss's backward, per logit (a buffer; measured by `leantrain rehearse` and, for the vocabulary-parallel
@@ -290,6 +290,21 @@ def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first
     return held + head, max(logit_count * per_logit, one_layer_full)
 
 
+def untouched_resharded_params(shape: ModelShape, layout: Layout, *, stage: int, touched: int) -> float:
+    """Parameters (per TP rank) of rank `stage`'s interleaved chunks whose backward has not started at its peak
+    (all but the last max(touched, 1): the backwards start from chunk v − 1, `backward_chunks_at_peak`) that
+    ZeRO-3 reshards after their forward: each chunk's parameters less its last block, embedding included."""
+    p, v = layout.pp, layout.virtual_stages
+    chunks = chunk_layers(shape.n_layers, p * v)
+    total = 0.0
+    for local in range(v - max(touched, 1)):
+        index = local * p + stage
+        sp = stage_params(shape, layout, layers=chunks[index], first=index == 0, last=index == p * v - 1,
+                          first_layer=sum(chunks[:index]))
+        total += sp.dense + sp.experts - sp.last_block
+    return total
+
+
 def recv_buffer_bytes(inputs: PlanInputs, layout: Layout, *, stage: int, num_microbatches: int) -> float:
     """The per-micro-batch receive buffers torch's PipelineStage keeps on a rank (PIPELINE_RECV_BUFFERS): of its
     v chunks every one but the model's first receives an input and every one but the model's last an output
@@ -353,6 +368,12 @@ def stage_memory(inputs: PlanInputs, layout: Layout, *, stage: int, num_microbat
             gather = max(0.0, held / layout.virtual_stages - chunk_activations - grads)
         else:
             gather = max(0.0, held * touched / layout.virtual_stages - grads)
+        if layout.zero <= 2 and inputs.trains_base:
+            # ZeRO-1/2 do not reshard after forward (parallel/fsdp.py), so the chunks whose backward has not
+            # started still hold what ZeRO-3 frees after their forward: each chunk's compute-dtype copy but its
+            # last block (kept gathered at every level). `leantrain rehearse`, PP2 × v2 with 2 micro-batches:
+            # ZeRO-2's peak holds exactly the first chunk's embedding more than ZeRO-3's (bench/RESULTS.md).
+            gather += untouched_resharded_params(shape, layout, stage=stage, touched=touched) * inputs.weight_bytes
     if last and layout.zero >= 3 and gather:
         # The last stage peaks in the loss's backward: FSDP has resharded every unit after its forward (the
         # root too) except the last block, which parallel/fsdp.py keeps gathered for the backward that follows
