@@ -60,6 +60,7 @@ def test_a_pipeline_that_fills_before_its_first_backward_peaks_without_the_gradi
         assert abs(plan[category] / measured[category] - 1) <= TOLERANCE, (category, plan, measured)
     assert plan["temp"] < 0.5 * 2**30 and measured["temp"] < 0.5 * 2**30
 
+
 @pytest.mark.heavy
 @pytest.mark.slow
 def test_zero2_keeps_the_chunks_not_yet_in_their_backward_gathered() -> None:
