@@ -47,6 +47,26 @@ def test_the_clean_job_passes_every_pin(clean: dict[str, Any]) -> None:
     assert rank["checkpoint_save"]["write_items"] > 0 and rank["startup"]["files_opened"] > 0
 
 
+def test_an_auto_checkpoint_interval_follows_the_planned_step_time_not_this_cpu(monkeypatch) -> None:
+    """`checkpoint.interval_steps: auto` saves by seconds since the last save. The rehearsal's manager reads the
+    planner's step time per step (golive/rehearse_swaps.py `planned_clock`), so a CPU that rehearses an hour per
+    clock reading plans the same save as this one: the forced one at the last step (2), the tiny job's planned
+    interval being far longer than the control window's 100 planned steps. On its own clock every check step of
+    the window would save (the last at step 100)."""
+    import itertools
+
+    from leantrain.ckpt.manager import CheckpointManager
+
+    init, readings = CheckpointManager.__init__, itertools.count()
+
+    def slow_clock(self: Any, *args: Any, **kwargs: Any) -> None:
+        init(self, *args, **{**kwargs, "clock": lambda: 3600.0 * next(readings)})
+
+    monkeypatch.setattr(CheckpointManager, "__init__", slow_clock)
+    report = _rehearse("checkpoint.interval_steps=auto")
+    assert report["ranks"][0]["checkpoint_save"]["step"] == 2, report["ranks"][0]["checkpoint_save"]
+
+
 def test_fp8_weight_scales_are_a_data_plane_collective_not_a_control_call(clean: dict[str, Any]) -> None:
     """fp8 under FSDP all-reduces its weights' amaxes over the FSDP ranks after each optimizer step (torchao's
     precompute_float8_dynamic_scale_for_fsdp, called from train/precision.py): part of the step's math, like

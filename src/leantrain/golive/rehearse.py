@@ -63,6 +63,7 @@ from leantrain.golive.rehearse_swaps import (
     balanced_expert_splits,
     forget_torch_caches,
     host_reads,
+    planned_clock,
     planned_save,
     rank_keyed_meshes,
     unwatched_fake_params,
@@ -230,6 +231,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
             trainer._comm_measured = lambda: False  # type: ignore[method-assign]
             checkpoint_log = StepLog()  # the manager's calls are counted over the control window instead
             hook = trainer.checkpointer
+            planned_clock(trainer, spec)  # `interval_steps: auto` decides on the planned step time, not this CPU's
             save_fn = hook.maybe_save
 
             def watched_save(trainer_: Any, *, force: bool = False) -> None:

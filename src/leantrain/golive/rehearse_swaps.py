@@ -182,8 +182,28 @@ def planned_save(records: list[dict[str, Any]], probes: Probes) -> Any:
                 num_bytes += math.prod(item.tensor_data.chunk.sizes) * item.tensor_data.properties.dtype.itemsize
         records.append({"step": step, "write_items": len(plan.items), "bytes": num_bytes})
         manager.last_saved_step = step
+        manager._last_save_clock = manager.clock()  # as a real save does: the interval counts from here
 
     return save
+
+
+def planned_clock(trainer: Any, spec: Any) -> None:
+    """The checkpoint manager's clock as the real run's: the planner's step time (the spec's layout, its
+    accelerator) per step. With `checkpoint.interval_steps: auto` the manager saves by seconds since its last
+    save, and on this CPU's wall clock the rehearsal's planned save depended on how fast the CPU rehearsed
+    (Llama 3.1 405B's moved from step 100 to step 2 when the rehearsal got faster)."""
+    from leantrain.plan.inputs import plan_inputs, sequences_per_step
+    from leantrain.plan.layout import layout_from_spec
+    from leantrain.plan.timing import step_time
+
+    hook = getattr(trainer, "checkpointer", None)
+    if hook is None or hook.manager.auto is None:
+        return
+    inputs = plan_inputs(spec)
+    step_s = step_time(inputs, layout_from_spec(spec.parallelism, spec.training),
+                       sequences_per_step=sequences_per_step(inputs)).step_s
+    hook.manager.clock = lambda: float(trainer.step) * step_s
+    hook.manager._last_save_clock = hook.manager.clock()
 
 
 def forget_torch_caches() -> None:
