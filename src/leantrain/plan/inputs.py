@@ -172,7 +172,8 @@ class PlanInputs:
         return replace(self, memory_bytes=memory_bytes)
 
 
-def _default_efficiency(accelerator: str) -> float:
+def default_compute_efficiency(accelerator: str) -> float:
+    """The shipped compute efficiency of `accelerator` (fitted for A100 and Hopper, judged for the rest)."""
     for prefix, value in DEFAULT_COMPUTE_EFFICIENCY.items():
         if accelerator.startswith(prefix):
             return value
@@ -188,7 +189,7 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
     act_bytes = 2.0 if compute == "fp8" else DTYPE_BYTES[compute]
     weight_bytes = 2.0 if compute in ("bf16", "fp16", "fp8") else 4.0
     master_bytes = 4.0 if prec.master_weights == "fp32" and weight_bytes < 4 else 0.0
-    efficiency = knobs.compute_efficiency or _default_efficiency(acc.name)
+    efficiency = knobs.compute_efficiency or default_compute_efficiency(acc.name)
     fp8_speedup = 1.0
     if hw.peak_flops is not None:
         peak = hw.peak_flops

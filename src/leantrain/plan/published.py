@@ -28,7 +28,7 @@ from typing import Any
 
 import yaml
 
-from leantrain.plan.inputs import FP8_GEMM_SPEEDUP, PlanInputs, plan_inputs
+from leantrain.plan.inputs import FP8_GEMM_SPEEDUP, PlanInputs, default_compute_efficiency, plan_inputs
 from leantrain.plan.layout import Layout
 from leantrain.plan.timing import step_time
 from leantrain.spec import spec_from_dict
@@ -41,8 +41,13 @@ EAGER_PASSES_GRID = [float(i) for i in range(33)]  # the same for eager (unfused
 
 
 def family(accelerator: str) -> str:
-    """Accelerators that share one efficiency constant: A100s, and Hopper (H100/H800/H200)."""
-    return "A100" if accelerator.startswith("A100") else "H100"
+    """Accelerators that share one fitted efficiency constant: A100s, and Hopper (H100/H800/H200). Any other part
+    (B200, MI300X, L40S) is its own family, which no calibration run has: it is priced at the planner's shipped,
+    judged efficiency (`default_compute_efficiency`), as a user's plan is (until 2026-12-06 it was priced as
+    Hopper here, which the planner never does)."""
+    if accelerator.startswith("A100"):
+        return "A100"
+    return "H100" if accelerator.startswith("H") else accelerator
 
 
 @dataclass(frozen=True, eq=False)
@@ -167,8 +172,13 @@ def predicted_tokens_per_gpu_s(run: PublishedRun, *, efficiency: float | None = 
     return t.tokens_per_s / run.gpus
 
 
+def family_efficiency(fit: Fit, run: PublishedRun) -> float:
+    """The fitted efficiency of the run's family, else the shipped one of its accelerator."""
+    return fit.efficiency.get(run.family, default_compute_efficiency(run.accelerator))
+
+
 def predicted_with(run: PublishedRun, fit: Fit) -> float:
-    return predicted_tokens_per_gpu_s(run, efficiency=fit.efficiency[run.family],
+    return predicted_tokens_per_gpu_s(run, efficiency=family_efficiency(fit, run),
                                       elementwise_passes=fit.passes(run_inputs(run).fused_kernels),
                                       fp8_speedup=fit.fp8_speedup)
 
@@ -316,7 +326,7 @@ def searched_step_residuals(runs: tuple[PublishedRun, ...], fits: dict[str, Fit]
         inputs = run_inputs(run)
         fit = (fits or {}).get(run.name)
         if fit is not None:
-            inputs = replace(inputs, compute_efficiency=fit.efficiency[run.family],
+            inputs = replace(inputs, compute_efficiency=family_efficiency(fit, run),
                              elementwise_passes=fit.passes(inputs.fused_kernels),
                              fp8_speedup=fit.fp8_speedup if inputs.fp8_speedup != 1.0 and run.fp8_recipe == "te"
                              else inputs.fp8_speedup)
