@@ -287,7 +287,7 @@ def _short_step(spec: Any, *, ranks: list[int], microbatches: int, slope: bool) 
     from leantrain.golive import rehearse_depth
     from leantrain.golive.rehearse import _rehearse_ranks, resolve_target, synthetic_data_dir
 
-    world = spec.parallelism.data_parallel * spec.parallelism.tensor_parallel * spec.parallelism.pipeline_parallel
+    world = spec.parallelism.world_size
     target = resolve_target(rehearse_depth.with_microbatches(spec, microbatches, world_size=world),
                             world_size=world, ranks=ranks)
     with tempfile.TemporaryDirectory() as scratch:

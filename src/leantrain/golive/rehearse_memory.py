@@ -227,8 +227,6 @@ def step_mem_tracker(*, quiet: Callable[[], AbstractContextManager[Any]] = nullc
 def _track_outputs(tracker: Any, reftype: Any, res: Any) -> bool:
     """`tracker._track` on every tensor of an op's result when it is a tensor, None, or a (nested) tuple or list
     of them: True; False for other results (left to a pytree map)."""
-    import torch
-
     if isinstance(res, torch.Tensor):
         tracker._track(reftype, res)
         return True
