@@ -11,10 +11,10 @@
    alternate runs and the median |error| is printed for the others, both ways. Baseline: 6·N·D at a
    constant 40 % MFU.
 3. Held out: bench/published_heldout.yaml, runs no constant is fitted on (torchtitan's 500 W H100s, Trainy's
-   H200s, LLM Foundry rows left out of the calibration file; NVIDIA's MoE rows), predicted with the constants
-   fitted on all calibration runs (a part with no calibration run, B200, at its shipped efficiency); median
-   |error| of the dense rows overall, on Hopper rows, and the share inside the shipped P10–P90 range; the MoE
-   rows apart (no MoE throughput run is in the calibration file).
+   H200s, LLM Foundry rows left out of the calibration file), predicted with the constants fitted on all
+   calibration runs; median |error| overall, on Hopper rows, and the share inside the shipped P10–P90 range.
+   MoE: the calibration file's `moe_runs` fit no constant either (a part with no calibration run, B200, at its
+   shipped efficiency); their error, and their step range checked one release left out at a time.
 4. P10–P90 ranges (plan/uncertainty.py): next to each out-of-sample median, the share of held-out runs whose
    measured value falls inside the range built from the other half alone (target ~80 %), and the shipped
    ranges (ratios measured / predicted). For whole runs also the same check over 2,000 random half-splits
@@ -33,8 +33,10 @@ from pathlib import Path
 
 from leantrain.plan.published import (
     fit_constants,
+    load_moe_runs,
     load_runs,
     measured_tokens_per_gpu_s,
+    moe_range_coverage,
     predicted_with,
     run_inputs,
     split_half_errors,
@@ -81,25 +83,29 @@ def main() -> None:
     print(f"plan_step_out_of_sample_hopper_only: {statistics.median(hopper):.1%} median |error| ({len(hopper)} runs)")
     held, _ = load_runs(HELD_OUT)
     lo, _, hi = STEP_RANGE["layout"]
-    held_errors: dict[bool, list[float]] = {False: [], True: []}
-    held_hopper, inside = [], {False: 0, True: 0}
+    dense, held_hopper, inside = [], [], 0
     for run in held:
         ratio = predicted_with(run, fitted) / measured_tokens_per_gpu_s(run)
-        moe = run.model.get("architecture") == "moe"
-        held_errors[moe].append(abs(ratio - 1))
-        if run.family == "H100" and not moe:
+        dense.append(abs(ratio - 1))
+        if run.family == "H100":
             held_hopper.append(abs(ratio - 1))
-        inside[moe] += lo <= -math.log(ratio) <= hi  # measured / predicted step time
+        inside += lo <= -math.log(ratio) <= hi  # measured / predicted step time
         print(f"plan_heldout_{run.name}: {ratio:.3f} predicted/measured ({run.accelerator})")
-    dense = held_errors[False]
     print(f"plan_heldout_median: {statistics.median(dense):.1%} median |error| ({len(dense)} dense runs; Hopper "
-          f"{statistics.median(held_hopper):.1%} on {len(held_hopper)}); {inside[False] / len(dense):.0%} inside the "
+          f"{statistics.median(held_hopper):.1%} on {len(held_hopper)}); {inside / len(dense):.0%} inside the "
           f"shipped P10-P90 step range")
-    if held_errors[True]:
-        moe_errors = held_errors[True]
-        print(f"plan_heldout_moe_median: {statistics.median(moe_errors):.1%} median |error| ({len(moe_errors)} MoE "
-              f"runs, none in the calibration file); {inside[True] / len(moe_errors):.0%} inside the shipped "
-              f"P10-P90 step range")
+    moe_runs = load_moe_runs()
+    moe_errors = []
+    for run in moe_runs:
+        ratio = predicted_with(run, fitted) / measured_tokens_per_gpu_s(run)
+        moe_errors.append(abs(ratio - 1))
+        print(f"plan_moe_{run.name}: {ratio:.3f} predicted/measured ({run.accelerator})")
+    moe_cover = moe_range_coverage(moe_runs, fitted)
+    lo, mid, hi = STEP_RANGE["moe"]
+    print(f"plan_moe_median: {statistics.median(moe_errors):.1%} median |error| ({len(moe_runs)} MoE runs, no constant "
+          f"fitted on them); step range P10 {math.exp(lo):.3f}x, P50 {math.exp(mid):.3f}x, P90 {math.exp(hi):.3f}x; "
+          f"one release left out at a time: {moe_cover['runs']:.0%} of runs and {moe_cover['releases']:.0%} of "
+          f"{moe_cover['n_releases']} releases inside the others' range")
     cover = step_range_coverage(throughput)
     for key in ("b_with_range_from_a", "a_with_range_from_b"):
         lo, hi = cover[f"{key}_range"]

@@ -59,8 +59,10 @@ class Plan:
         the step-time range of a given or a searched layout; the whole run's, wider unless the fleet's own
         whole-run efficiency is in the spec."""
         given = self.layout_source == "spec"
-        step = step_offsets(layout_given=given)
-        whole = whole_run_offsets(layout_given=given, fleet_known=self.spec.plan.whole_run_efficiency is not None)
+        moe = self.inputs.shape.moe is not None
+        step = step_offsets(layout_given=given, moe=moe)
+        whole = whole_run_offsets(layout_given=given, fleet_known=self.spec.plan.whole_run_efficiency is not None,
+                                  moe=moe)
         t, price = self.chosen.time, self.spec.budget.price_per_gpu_hour
         hours = self.run.get("whole_run_gpu_hours", 0.0)
         return {"throughput": range_dict("step_s", step, t.step_s),
@@ -197,7 +199,8 @@ def what_if_rows(plan: Plan, gpu_counts: list[int]) -> list[dict[str, Any]]:
         found = search_layouts(plan.inputs, gpus, max_micro_batch=knobs.max_micro_batch, top_k=1, suggest=False)
         best = found.best
         days = plan.inputs.tokens_total / best.time.tokens_per_s / SECONDS_PER_DAY if best else None
-        band = range_dict("predicted_days", step_offsets(layout_given=False), days) if days else {
+        band = range_dict("predicted_days", step_offsets(layout_given=False, moe=plan.inputs.shape.moe is not None),
+                          days) if days else {
             "predicted_days_p10": None, "predicted_days_p90": None}
         rows.append({
             "gpus": gpus, "days": budget.days, "gpu_hours": budget.gpu_hours, "cost": budget.cost,

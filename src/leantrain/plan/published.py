@@ -1,7 +1,8 @@
 """Published runs (plan/published_runs.yaml) as planner inputs, predictions, and the calibration that fits the
 step-time constants on one half of them and reports the error on the other half.
 
-- `load_runs()` → throughput entries (`runs`) and whole-run entries (`whole_runs`), each a `PublishedRun`.
+- `load_runs()` → throughput entries (`runs`) and whole-run entries (`whole_runs`), each a `PublishedRun`;
+  `load_moe_runs()` → the mixture-of-experts throughput entries (`moe_runs`), which fit no constant.
 - `measured_tokens_per_gpu_s(run)` turns the source's figure (tokens/s, step time, Megatron TFLOP/s or MFU)
   into tokens per second per GPU.
 - `predicted_tokens_per_gpu_s(run, efficiency=..., elementwise_passes=...)` runs the step-time model on the
@@ -14,7 +15,8 @@ step-time constants on one half of them and reports the error on the other half.
   searched best when none is published, divided by the expected goodput and the whole-run efficiency);
   `whole_run_split_errors(runs)` fits the whole-run efficiency on half the whole runs, reports the other half;
   `whole_run_range_coverage(split)` and `whole_run_range_coverage_resampled(split)` check the P10-P90 range the
-  same way on the fixed halves and over random half-splits.
+  same way on the fixed halves and over random half-splits; `moe_step_residuals` and `moe_range_coverage` give
+  and check an MoE plan's step range.
 """
 
 from __future__ import annotations
@@ -105,6 +107,14 @@ def load_runs(path: Path = RUNS_FILE) -> tuple[tuple[PublishedRun, ...], tuple[P
     """(throughput runs, whole runs) from the data file."""
     data = yaml.safe_load(path.read_text(encoding="utf-8"))
     return tuple(_run(e) for e in data["runs"]), tuple(_run(e) for e in data["whole_runs"])
+
+
+@cache
+def load_moe_runs(path: Path = RUNS_FILE) -> tuple[PublishedRun, ...]:
+    """The mixture-of-experts throughput runs (`moe_runs`): predicted with the constants fitted on the dense
+    `runs`, never fitted on; their residuals are an MoE plan's step range."""
+    data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    return tuple(_run(e) for e in data.get("moe_runs") or ())
 
 
 _INPUTS: dict[str, PlanInputs] = {}
@@ -356,6 +366,34 @@ def step_range_coverage(runs: tuple[PublishedRun, ...]) -> dict[str, Any]:
         out[label] = sum(lo <= e <= hi for e in residuals) / len(residuals)
         out[f"{label}_range"] = (lo, hi)
     return out
+
+
+def moe_step_residuals(runs: list[PublishedRun], fit: Fit) -> list[float]:
+    """log(measured / predicted step time) of MoE runs under dense constants `fit` (no constant is fitted on an
+    MoE run, so every residual is out of sample)."""
+    return log_errors(runs, fit)
+
+
+def release(run: PublishedRun) -> str:
+    """The release an MoE run comes from: its name's first field (dgxc2504, mb2509, nemo2502, ...)."""
+    return run.name.split("-", 1)[0]
+
+
+def moe_range_coverage(runs: tuple[PublishedRun, ...], fit: Fit) -> dict[str, Any]:
+    """Held-out check of the MoE step range, one release left out at a time: the range from the other releases'
+    runs, the share of the left-out release's measured step times inside it. Grouped by release, not halves: the
+    runs of one release share a software stack and mostly one configuration (DGXC 25.04's six Grok-1 proxies), so
+    alternate halves would put near-copies on both sides (both halves then miss every run of the other)."""
+    from leantrain.plan.uncertainty import conformal_range
+
+    inside, groups, covered = 0, sorted({release(r) for r in runs}), 0
+    for group in groups:
+        calib = [r for r in runs if release(r) != group]
+        lo, _, hi = conformal_range(moe_step_residuals(calib, fit))
+        held = [lo <= e <= hi for e in moe_step_residuals([r for r in runs if release(r) == group], fit)]
+        inside += sum(held)
+        covered += all(held)
+    return {"runs": inside / len(runs), "releases": covered / len(groups), "n_releases": len(groups)}
 
 
 def whole_run_range_coverage(split: dict[str, Any]) -> dict[str, Any]:

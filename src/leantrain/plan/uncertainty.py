@@ -13,12 +13,15 @@ held-out check a half's whole-run range uses that half's residuals at the effici
 for a fit that is one multiplicative constant this is exactly the jackknife+ interval with signed residuals,
 0.1 per tail (Barber, Candès, Ramdas and Tibshirani 2021, "Predictive inference with the jackknife+", Ann.
 Statist. 49:486: the leave-one-out fit's shift cancels against the leave-one-out residual), whose guarantee is
-weaker (≥ 1 − 2·0.2 = 60 %) but whose coverage in practice is the nominal one. Four sets,
+weaker (≥ 1 − 2·0.2 = 60 %) but whose coverage in practice is the nominal one. Five sets,
 widest where the spec leaves the most to assumption:
 - step time, layout given: the step-time model on a published layout, constants fitted on the other half
   of the throughput runs (`STEP_RANGE["layout"]`);
 - step time, no layout given: the planner's own searched best against what the published layout measured
   (the planner's layout is not the one a team will run, and usually predicted faster: `STEP_RANGE["searched"]`);
+- step time of a mixture-of-experts model: the MoE throughput runs (`moe_runs`), each predicted with the constants
+  fitted on the dense runs (none is fitted on an MoE run), widened to the dense range (`STEP_RANGE["moe"]`; the
+  held-out check leaves one release out at a time, `moe_range_coverage`);
 - whole run, fleet unknown (no `plan.whole_run_efficiency`, no `--calibrate`): published whole-run GPU-hours
   against the planner's, the whole-run efficiency fitted on the other half of the whole runs (`WHOLE_RUN_RANGE`);
 - whole run, fleet known (its whole-run efficiency or calibrated runs in the spec): the step-time range.
@@ -41,7 +44,9 @@ from collections.abc import Iterable
 # when an interleaved pipeline stopped adding the gradients of chunks not yet in their backward to its peak
 # and priced fewer micro-batches than stages as they run (2026-12-04), and the whole-run range when 19 published
 # whole runs were added to the 21 (2026-12-06: P90 1.36x -> 1.62x).
-STEP_RANGE = {"layout": (-0.0869, 0.0044, 0.2029), "searched": (-0.0817, 0.0466, 0.5226)}
+# The MoE range (2026-12-06): 12 MoE runs of 7 releases, measured 0.78-2.0x the planned step time, median 1.2x.
+STEP_RANGE = {"layout": (-0.0869, 0.0044, 0.2029), "searched": (-0.0817, 0.0466, 0.5226),
+              "moe": (-0.2433, 0.1821, 0.6965)}
 WHOLE_RUN_RANGE = (-0.2787, 0.0118, 0.4793)
 
 
@@ -61,18 +66,24 @@ def scaled(value: float, offsets: tuple[float, float, float]) -> tuple[float, fl
     return tuple(value * math.exp(r) for r in offsets)  # type: ignore[return-value]
 
 
-def step_offsets(*, layout_given: bool) -> tuple[float, float, float]:
-    """The step-time range; without a layout never narrower than with one."""
+def step_offsets(*, layout_given: bool, moe: bool = False) -> tuple[float, float, float]:
+    """The step-time range; without a layout never narrower than with one; for a mixture-of-experts model the
+    MoE runs' range and median, never narrower than the dense one."""
     if layout_given:
-        return STEP_RANGE["layout"]
-    (lo, mid, hi), (given_lo, _, given_hi) = STEP_RANGE["searched"], STEP_RANGE["layout"]
-    return min(lo, given_lo), mid, max(hi, given_hi)
+        dense = STEP_RANGE["layout"]
+    else:
+        (lo, mid, hi), (given_lo, _, given_hi) = STEP_RANGE["searched"], STEP_RANGE["layout"]
+        dense = min(lo, given_lo), mid, max(hi, given_hi)
+    if not moe:
+        return dense
+    lo, mid, hi = STEP_RANGE["moe"]
+    return min(lo, dense[0]), mid, max(hi, dense[2])
 
 
-def whole_run_offsets(*, layout_given: bool, fleet_known: bool) -> tuple[float, float, float]:
+def whole_run_offsets(*, layout_given: bool, fleet_known: bool, moe: bool = False) -> tuple[float, float, float]:
     """The whole-run range: the step-time range when the fleet's own efficiency is given, else the published
     whole runs' (which mostly ran layouts the planner had to search for), never narrower than the step's."""
-    step = step_offsets(layout_given=layout_given)
+    step = step_offsets(layout_given=layout_given, moe=moe)
     if fleet_known:
         return step
     lo, mid, hi = WHOLE_RUN_RANGE
