@@ -66,7 +66,9 @@ LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "hi
     ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}),
     ("mistral", {}),
     ("qwen2", {}),
-], ids=["llama-rope3-tied", "llama-linear", "mistral", "qwen2-biases"])
+    ("mistral", {"head_dim": 32}),
+    ("llama", {"head_dim": 8}),
+], ids=["llama-rope3-tied", "llama-linear", "mistral", "qwen2-biases", "mistral-wide-heads", "llama-narrow-heads"])
 def test_hf_checkpoints_load_with_transformers_logits_and_export_back(
     tmp_path: Path, model_type: str, extra: dict
 ) -> None:
@@ -74,10 +76,14 @@ def test_hf_checkpoints_load_with_transformers_logits_and_export_back(
     from leantrain.spec.hf_config import read_hf_config
 
     hf_dir = save_tiny_hf(tmp_path / "hf", model_type=model_type, vocab_size=101, max_positions=128, **{
-        "tie_embeddings": extra.get("tie_embeddings", False), "rope_scaling": extra.get("rope_scaling")})
+        "tie_embeddings": extra.get("tie_embeddings", False), "rope_scaling": extra.get("rope_scaling"),
+        "head_dim": extra.get("head_dim")})
     theirs = transformers.AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     ours = import_hf(hf_dir, max_seq_len=96).eval()
     assert ours.args.shape.qkv_bias == (model_type == "qwen2")
+    if "head_dim" in extra:  # 4 heads of 32 (or 8) on a 64-wide model: q is 128 (32) wide, not 64
+        assert ours.args.shape.head_dim == extra["head_dim"] != 64 // 4
+        assert ours.layers["0"].attention.wq.weight.shape == (4 * extra["head_dim"], 64)
     tokens = torch.randint(0, 101, (2, 96), generator=torch.Generator().manual_seed(0))  # past the 32-token context
     with torch.no_grad():
         torch.testing.assert_close(ours(tokens), theirs(tokens).logits, rtol=0, atol=1e-5)
@@ -174,3 +180,17 @@ def test_a_stage_opens_only_the_files_of_its_layers_once_the_headers_are_checked
     reference = dict(whole.named_parameters())
     for name, param in stage.named_parameters():
         assert torch.equal(param, reference[name]), name
+
+
+def test_a_config_head_dim_is_read_and_a_bad_one_names_the_field(tmp_path: Path) -> None:
+    from leantrain.spec.hf_config import HFConfigError, read_hf_config
+
+    base = {"model_type": "mistral", "architectures": ["MistralForCausalLM"], "hidden_size": 5120,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "num_hidden_layers": 2, "intermediate_size": 64,
+            "vocab_size": 100, "head_dim": 128}  # Mistral NeMo's heads: 32 × 128 = 4096 on a 5120-wide model
+    (tmp_path / "config.json").write_text(json.dumps(base))
+    assert read_hf_config(tmp_path).head_dim == 128
+    for bad in (7, "128", None):
+        (tmp_path / "config.json").write_text(json.dumps({**base, "head_dim": bad, "hidden_size": 5000}))
+        with pytest.raises(HFConfigError, match="config.json: field 'head_dim'"):
+            read_hf_config(tmp_path)

@@ -134,20 +134,20 @@ def test_searched_layout_gets_the_wider_step_range() -> None:
 
 
 def test_moe_step_range_is_the_moe_runs_residuals_and_holds_release_by_release(runs) -> None:
-    """The MoE runs (`moe_runs`: DeepSeek-V3, Mixtral 8x7B and Grok-1 proxies on H100 and B200, 12 runs of 7
-    releases) are predicted with the constants fitted on the dense runs, none on them. Until 2026-12-06 an MoE
-    plan got the dense range (0.92-1.22x of the planned step time), which none of them fell in; their own range is
-    0.78-2.0x, median 1.2x. One release left out at a time, the others' range covers 10 of the 12 runs (83 %)
-    and 5 of the 7 releases: DGXC 25.05's DeepSeek-V3 (2.0x, the slowest) and Megatron-Bridge 26.04.01's
-    (0.78x, the fastest) fall outside the rest's."""
+    """The MoE runs (`moe_runs`: DeepSeek-V3, Qwen3-30B-A3B/235B-A22B, Mixtral 8x7B and Grok-1 proxies on H100 and
+    B200, 16 runs of 9 releases) are predicted with the constants fitted on the dense runs, none on them. Until
+    2026-12-06 an MoE plan got the dense range (0.92-1.22x of the planned step time), which none of them falls in;
+    their own range is 0.78-2.33x, median 1.23x. One release left out at a time, the others' range covers 14 of the
+    16 runs (88 %) and 7 of the 9 releases: Megatron-Bridge 26.02.01's Qwen3-30B (2.33x, the slowest) and
+    26.04.01's DeepSeek-V3 on B200 (0.78x, the fastest; its release's other runs are inside) fall outside."""
     from leantrain.plan.published import load_moe_runs, moe_range_coverage, moe_step_residuals
 
     moe, fit = load_moe_runs(), fit_constants(list(runs[0]))
-    assert len(moe) >= 12 and all(r.model["architecture"] == "moe" for r in moe)
+    assert len(moe) >= 16 and all(r.model["architecture"] == "moe" for r in moe)
     assert not {r.name for r in moe} & {r.name for r in runs[0]}
     assert conformal_range(moe_step_residuals(list(moe), fit)) == STEP_RANGE["moe"]
     coverage = moe_range_coverage(moe, fit)
-    assert coverage["n_releases"] >= 7
+    assert coverage["n_releases"] >= 9
     assert 0.75 <= coverage["runs"] <= 0.95, coverage
     assert coverage["releases"] >= 0.7, coverage
 
@@ -161,7 +161,7 @@ def test_an_moe_plan_gets_the_moe_step_range() -> None:
     plan = build_plan(load_spec(EXAMPLES / "deepseek-v3.yaml")).to_json()
     t = plan["throughput"]
     assert t["step_s_p50"] / t["step_s"] == pytest.approx(2.718281828 ** STEP_RANGE["moe"][1], rel=1e-6)
-    assert t["step_s_p90"] / t["step_s"] > 1.9 and t["step_s_p10"] / t["step_s"] < 0.8
+    assert t["step_s_p90"] / t["step_s"] > 2.2 and t["step_s_p10"] / t["step_s"] < 0.8
     assert dense["step_s_p90"] / dense["step_s"] < 1.3
     moe_searched = step_offsets(layout_given=False, moe=True)
     assert moe_searched[0] <= step_offsets(layout_given=False)[0] and moe_searched[2] >= STEP_RANGE["moe"][2]

@@ -43,7 +43,7 @@ def save_tiny_hf(
     out_dir: Path | str, *, model_type: str = "llama", vocab_size: int = 512, hidden_size: int = 64,
     num_layers: int = 2, num_heads: int = 4, num_kv_heads: int = 2, intermediate_size: int = 128,
     tie_embeddings: bool = False, rope_scaling: dict[str, Any] | None = None, seed: int = 0,
-    max_positions: int = 256, tokenizer: bool = True,
+    max_positions: int = 256, tokenizer: bool = True, head_dim: int | None = None,
 ) -> Path:
     """Save a randomly initialised transformers model (and a tokenizer) to `out_dir`; returns it."""
     import torch
@@ -55,6 +55,8 @@ def save_tiny_hf(
     extra: dict[str, Any] = {"sliding_window": None} if model_type == "mistral" else {}
     if rope_scaling is not None:
         extra["rope_scaling"] = rope_scaling
+    if head_dim is not None:  # a head width other than hidden_size / num_attention_heads (Mistral NeMo, Qwen3)
+        extra["head_dim"] = head_dim
     config = config_cls(
         vocab_size=vocab_size, hidden_size=hidden_size, intermediate_size=intermediate_size,
         num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_kv_heads,

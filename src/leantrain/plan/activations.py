@@ -128,7 +128,7 @@ def activation_terms(shape: ModelShape, *, seq_len: int, act_bytes: float, flash
     # torchtitan's op policy over wq, wk, wv, wo, w1, w3, w2 keeps the 1st, 3rd, 5th and 7th outputs (q, v,
     # w1, w2) plus the attention output and the block input; MoE layers keep their routed tensors as above.
     op_mlp = mlp if moe_layer and shape.moe is not None else e * (f + h)
-    op_saved = e * (h + shape.kv_dim) + op_mlp + e * h + e * h
+    op_saved = e * (shape.q_dim + shape.kv_dim) + op_mlp + e * shape.q_dim + e * h
     # the two norms' outputs (see ActivationTerms), kept whole-sequence by torch's DTensor SP
     sp_gathered = 2 * e * h if SP_GATHERED_PLANNED and not (fused or gpt_style) else 0.0
     return ActivationTerms(replicated=replicated + rope, sharded=qkv + out_proj_input + mlp, core=core,

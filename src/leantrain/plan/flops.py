@@ -68,7 +68,7 @@ def flops_per_token(shape: ModelShape, *, seq_len: int, causal_halving: bool = F
     if causal_halving:
         attention /= 2
     d = shape.d_model
-    op_recompute = 2.0 * shape.n_layers * (d * shape.kv_dim + d * d)
+    op_recompute = 2.0 * shape.n_layers * (d * shape.kv_dim + shape.q_dim * d)
     op_recompute += 2.0 * shape.num_dense_layers * d * shape.ffn_hidden
     return FlopsPerToken(matmul=6.0 * matmul_params(shape), attention=attention, op_recompute=op_recompute)
 

@@ -2,11 +2,12 @@
 
 Pure JSON, no torch: `spec/shapes.py` calls `read_hf_config` when `model.init_from` is set, so the planner, the
 spec checks and the trainer all see the checkpoint's shape. What our model cannot express (sliding-window
-attention, dynamic/LongRoPE scaling, MLP biases, a head_dim other than hidden_size / num_attention_heads) is refused
-with the file and the field named, never silently approximated. DeepSeek-V2/V3 bring multi-head latent
-attention (`mla`) and their mixture of experts (`moe`, with the routing transformers' modeling code applies:
-V2 softmax scores, greedy or group-limited by the group's best score, no renormalisation; V3 sigmoid scores
-with the `e_score_correction_bias` for selection, groups ranked by their two best scores, `norm_topk_prob`).
+attention, dynamic/LongRoPE scaling, MLP biases) is refused with the file and the field named, never silently
+approximated; a `head_dim` other than hidden_size / num_attention_heads (Mistral NeMo) is the shape's `head_dim`.
+DeepSeek-V2/V3 bring multi-head latent attention (`mla`) and their mixture of experts (`moe`, with the routing
+transformers' modeling code applies: V2 softmax scores, greedy or group-limited by the group's best score, no
+renormalisation; V3 sigmoid scores with the `e_score_correction_bias` for selection, groups ranked by their two
+best scores, `norm_topk_prob`).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ SHAPE_FIELDS = {
     "n_layers": "num_hidden_layers", "d_model": "hidden_size", "n_heads": "num_attention_heads",
     "n_kv_heads": "num_key_value_heads", "ffn_hidden": "intermediate_size", "vocab_size": "vocab_size",
     "tie_embeddings": "tie_word_embeddings", "rope_theta": "rope_theta", "norm_eps": "rms_norm_eps",
+    "head_dim": "head_dim",
 }
 
 
@@ -89,10 +91,11 @@ class HFModelConfig:
     mla: HFLatentAttention | None = None
     moe: HFExperts | None = None
     mtp_layers: int = 0  # DeepSeek-V3's multi-token-prediction layers after the last block (not loaded)
+    head_width: int = 0  # config.json's head_dim where it is not hidden_size / num_attention_heads; 0: that ratio
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.head_width or self.d_model // self.n_heads
 
     def value(self, field: str) -> Any:
         return getattr(self, field)
@@ -242,10 +245,10 @@ def read_hf_config(model_dir: Path | str) -> HFModelConfig:
     d_model, n_heads = _int_field(data, "hidden_size", path=path), _int_field(data, "num_attention_heads", path=path)
     if model_type in DEEPSEEK_TYPES:
         return _read_deepseek(data, path=path, model_type=model_type, d_model=d_model, n_heads=n_heads)
-    head_dim = data.get("head_dim") or d_model // n_heads
-    if d_model % n_heads or head_dim != d_model // n_heads:
-        raise HFConfigError(f"{path}: field 'head_dim' ({head_dim}) must equal hidden_size / num_attention_heads "
-                            f"({d_model} / {n_heads})")
+    head_dim = data.get("head_dim") or (d_model // n_heads if d_model % n_heads == 0 else None)
+    if not isinstance(head_dim, int) or head_dim <= 0 or head_dim % 2:
+        raise HFConfigError(f"{path}: field 'head_dim' ({data.get('head_dim')!r}) must be a positive even integer "
+                            f"(or absent, when num_attention_heads divides hidden_size: {d_model} / {n_heads})")
     n_kv_heads = _int_field(data, "num_key_value_heads", path=path, default=n_heads)
     if n_heads % n_kv_heads:
         raise HFConfigError(f"{path}: field 'num_key_value_heads' ({n_kv_heads}) must divide num_attention_heads "
@@ -264,6 +267,7 @@ def read_hf_config(model_dir: Path | str) -> HFModelConfig:
         max_position_embeddings=_int_field(data, "max_position_embeddings", path=path, default=4096),
         rope_scaling=scaling, sliding_window=_sliding_window(data, model_type),
         raw=tuple(sorted((k, json.dumps(v)) for k, v in data.items())),
+        head_width=head_dim if head_dim * n_heads != d_model else 0,
     )
 
 

@@ -105,6 +105,10 @@ class ModelSpec(Section):
     d_model: PositiveInt | None = Field(None, description="Hidden size.")
     n_heads: PositiveInt | None = Field(None, description="Attention (query) heads.")
     n_kv_heads: PositiveInt | None = Field(None, description="Key/value heads (grouped-query attention).")
+    head_dim: PositiveInt | None = Field(
+        None, description="Width of one attention head where it is not d_model / n_heads (Qwen3, Mistral NeMo, "
+        "Gemma): the query and output projections are then d_model × n_heads·head_dim; default d_model / n_heads."
+    )
     ffn_hidden: PositiveInt | None = Field(
         None, description="Hidden size of the dense MLP; default Llama's SwiGLU rule, 4 × d_model for gelu and "
         "squared_relu."
@@ -145,6 +149,11 @@ class ModelSpec(Section):
             raise ValueError(
                 f"give size_billion, an explicit shape or init_from; missing {', '.join(missing)}"
             )
+        if self.head_dim is not None and self.mla is not None:
+            raise ValueError("head_dim is for MHA/GQA; multi-head latent attention sets its widths in model.mla "
+                             "(qk_nope_head_dim, qk_rope_head_dim, v_head_dim)")
+        if self.head_dim is not None and self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even: RoPE rotates pairs of dimensions")
         if self.architecture == "moe" and self.moe is None:
             self.moe = MoESpec()
         if self.architecture == "dense" and self.moe is not None:
@@ -171,6 +180,7 @@ class ModelSpec(Section):
         self.__dict__["architecture"] = architecture
         for name in SHAPE_FIELDS:
             self.__dict__[name] = config.value(name)  # no re-validation, and not marked as set by the user
+        self.__dict__["head_dim"] = config.head_width or None  # only where it is not d_model / n_heads
         if config.mla is not None:
             m = config.mla
             self.__dict__["mla"] = MLASpec(q_lora_rank=m.q_lora_rank, kv_lora_rank=m.kv_lora_rank,

@@ -135,8 +135,9 @@ def _shape_problems(par: ParallelismSpec, shape: ModelShape) -> list[str]:
         problems.append(
             f"parallelism: pipeline_parallel × virtual_stages ({num_chunks}) exceeds model layers ({shape.n_layers})"
         )
-    if shape.d_model % shape.n_heads:
-        problems.append(f"model.d_model ({shape.d_model}) must be divisible by n_heads ({shape.n_heads})")
+    if shape.d_model % shape.n_heads and not shape.attn_head_dim and shape.mla is None:
+        problems.append(f"model.d_model ({shape.d_model}) must be divisible by n_heads ({shape.n_heads}), or give "
+                        "model.head_dim")
     if shape.n_heads % shape.n_kv_heads:
         problems.append(f"model.n_heads ({shape.n_heads}) must be divisible by n_kv_heads ({shape.n_kv_heads})")
     return problems

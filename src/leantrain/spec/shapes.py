@@ -72,10 +72,16 @@ class ModelShape:
     qkv_bias: bool = False  # biases on the q/k/v projections (Qwen2)
     mla: ResolvedMLA | None = None  # DeepSeek's multi-head latent attention (model/mla.py)
     mlp: str = "swiglu"  # dense MLP: swiglu (w1, w2, w3) | gelu | squared_relu (w1, w2)
+    attn_head_dim: int = 0  # width of one head where it is not d_model / n_heads (model.head_dim); 0: d / n
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.attn_head_dim or self.d_model // self.n_heads
+
+    @property
+    def q_dim(self) -> int:
+        """Width of the query projection's output and the output projection's input (MHA/GQA)."""
+        return self.n_heads * self.head_dim
 
     @property
     def rope_dim(self) -> int:
@@ -99,7 +105,7 @@ class ModelShape:
         """Widths of the per-token q, k and v tensors attention works on (all heads): d, kv, kv for MHA/GQA;
         heads × (nope + rope), heads × (nope + rope), heads × v_head_dim for MLA."""
         if self.mla is None:
-            return self.d_model, self.kv_dim, self.kv_dim
+            return self.q_dim, self.kv_dim, self.kv_dim
         qk, v = self.attention_core_widths
         return qk, qk, v
 
@@ -123,8 +129,8 @@ class ModelShape:
             kv = d * (m.kv_lora_rank + m.qk_rope_head_dim) + m.kv_lora_rank \
                 + m.kv_lora_rank * heads * (m.qk_nope_head_dim + m.v_head_dim)
             return q + kv + heads * m.v_head_dim * d
-        biases = d + 2 * self.kv_dim if self.qkv_bias else 0
-        return 2 * d * d + 2 * d * self.kv_dim + biases
+        biases = self.q_dim + 2 * self.kv_dim if self.qkv_bias else 0
+        return 2 * d * self.q_dim + 2 * d * self.kv_dim + biases
 
     @property
     def mlp_matrices(self) -> int:
@@ -223,6 +229,7 @@ def _shape_from(model: ModelSpec, *, n_layers: int, d_model: int, nominal: float
         nominal_params=0.0,
         mla=_resolve_mla(model.mla),
         mlp=model.mlp,
+        attn_head_dim=model.head_dim if model.head_dim and model.head_dim != d_model // n_heads else 0,
     )
     total = float(shape.total_params())
     return _with_nominal(shape, nominal if nominal is not None else total)
@@ -279,7 +286,7 @@ def _resolve_hf(init_from: str, explicit_json: str, architecture: str, _stamp: i
         ffn_hidden=config.ffn_hidden, vocab_size=config.vocab_size, tie_embeddings=config.tie_embeddings,
         moe=None if e is None else ResolvedMoE(e.num_experts, e.top_k, e.num_shared_experts, e.expert_hidden,
                                                e.first_dense_layers),
-        nominal_params=0.0, qkv_bias=config.qkv_bias,
+        nominal_params=0.0, qkv_bias=config.qkv_bias, attn_head_dim=config.head_width,
         mla=None if m is None else ResolvedMLA(m.q_lora_rank, m.kv_lora_rank, m.qk_nope_head_dim,
                                                m.qk_rope_head_dim, m.v_head_dim),
     )
