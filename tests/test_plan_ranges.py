@@ -162,6 +162,7 @@ def test_an_moe_plan_gets_the_moe_step_range() -> None:
     t = plan["throughput"]
     assert t["step_s_p50"] / t["step_s"] == pytest.approx(2.718281828 ** STEP_RANGE["moe"][1], rel=1e-6)
     assert t["step_s_p90"] / t["step_s"] > 2.2 and t["step_s_p10"] / t["step_s"] < 0.8
+    assert "MoE" in plan["time"]["range_basis"]
     assert dense["step_s_p90"] / dense["step_s"] < 1.3
     moe_searched = step_offsets(layout_given=False, moe=True)
     assert moe_searched[0] <= step_offsets(layout_given=False)[0] and moe_searched[2] >= STEP_RANGE["moe"][2]

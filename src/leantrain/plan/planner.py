@@ -70,7 +70,8 @@ class Plan:
                          **range_dict("gpu_hours", whole, hours),
                          "range_basis": ("fleet's whole-run efficiency" if self.spec.plan.whole_run_efficiency
                                          is not None else "published whole runs")
-                         + (", the spec's layout" if given else ", a searched layout")},
+                         + (", the spec's layout" if given else ", a searched layout")
+                         + (", published MoE runs' step range" if moe else "")},
                 "cost": {"whole_run": hours * price, **range_dict("total", whole, hours * price)}}
 
     def to_json(self) -> dict[str, Any]:
