@@ -368,6 +368,14 @@ def step_range_coverage(runs: tuple[PublishedRun, ...]) -> dict[str, Any]:
     return out
 
 
+def range_coverage(runs: list[PublishedRun], fit: Fit, offsets: tuple[float, float, float]) -> float:
+    """The share of `runs` whose measured step time lies in [P10, P90] of the step time predicted with `fit`:
+    log(measured / predicted step time) = log(predicted / measured tokens per second), the residual the ranges
+    are built from (plan/uncertainty.py)."""
+    lo, _, hi = offsets
+    return sum(lo <= e <= hi for e in log_errors(runs, fit)) / len(runs)
+
+
 def moe_step_residuals(runs: list[PublishedRun], fit: Fit) -> list[float]:
     """log(measured / predicted step time) of MoE runs under dense constants `fit` (no constant is fitted on an
     MoE run, so every residual is out of sample)."""
