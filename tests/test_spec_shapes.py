@@ -79,6 +79,9 @@ def test_head_dim_other_than_d_model_over_n_heads_is_counted_planned_and_checked
     with pytest.raises(UserInputError, match="give model.head_dim"):
         spec_from_dict(data)
     assert resolve_shape(spec_from_dict({**data, "model": {**data["model"], "head_dim": 8}}).model).q_dim == 64
+    # a head_dim equal to d_model // n_heads where n_heads does not divide d_model (66 / 8) is still a given width
+    uneven = {**data, "model": {**data["model"], "d_model": 66, "head_dim": 8}}
+    assert resolve_shape(spec_from_dict(uneven).model).attn_head_dim == 8
     for bad, words in (({"head_dim": 7}, "must be even"),
                        ({"head_dim": 8, "mla": {"kv_lora_rank": 8}}, "model.mla")):
         with pytest.raises(UserInputError, match=words):

@@ -229,7 +229,7 @@ def _shape_from(model: ModelSpec, *, n_layers: int, d_model: int, nominal: float
         nominal_params=0.0,
         mla=_resolve_mla(model.mla),
         mlp=model.mlp,
-        attn_head_dim=model.head_dim if model.head_dim and model.head_dim != d_model // n_heads else 0,
+        attn_head_dim=model.head_dim if model.head_dim and model.head_dim * n_heads != d_model else 0,
     )
     total = float(shape.total_params())
     return _with_nominal(shape, nominal if nominal is not None else total)
