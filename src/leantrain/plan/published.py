@@ -15,8 +15,8 @@ step-time constants on one half of them and reports the error on the other half.
   searched best when none is published, divided by the expected goodput and the whole-run efficiency);
   `whole_run_split_errors(runs)` fits the whole-run efficiency on half the whole runs, reports the other half;
   `whole_run_range_coverage(split)` and `whole_run_range_coverage_resampled(split)` check the P10-P90 range the
-  same way on the fixed halves and over random half-splits; `moe_step_residuals` and `moe_range_coverage` give
-  and check an MoE plan's step range.
+  same way on the fixed halves and over random half-splits; `moe_range_coverage` checks an MoE plan's step
+  range (the `log_errors` of the MoE runs).
 """
 
 from __future__ import annotations
@@ -194,6 +194,8 @@ def predicted_with(run: PublishedRun, fit: Fit) -> float:
 
 
 def log_errors(runs: list[PublishedRun], fit: Fit) -> list[float]:
+    """log(predicted / measured tokens per second) = log(measured / predicted step time): the residual every
+    P10-P90 range is built from and checked against (plan/uncertainty.py)."""
     return [math.log(predicted_with(r, fit) / measured_tokens_per_gpu_s(r)) for r in runs]
 
 
@@ -361,9 +363,8 @@ def step_range_coverage(runs: tuple[PublishedRun, ...]) -> dict[str, Any]:
     a, b = split_halves(runs)
     out: dict[str, Any] = {}
     for label, calib, held in (("b_with_range_from_a", a, b), ("a_with_range_from_b", b, a)):
-        lo, _, hi = conformal_range(step_residuals_out_of_sample(tuple(calib)))
-        residuals = log_errors(held, fit_constants(calib))
-        out[label] = sum(lo <= e <= hi for e in residuals) / len(residuals)
+        lo, mid, hi = conformal_range(step_residuals_out_of_sample(tuple(calib)))
+        out[label] = range_coverage(held, fit_constants(calib), (lo, mid, hi))
         out[f"{label}_range"] = (lo, hi)
     return out
 
@@ -374,12 +375,6 @@ def range_coverage(runs: list[PublishedRun], fit: Fit, offsets: tuple[float, flo
     are built from (plan/uncertainty.py)."""
     lo, _, hi = offsets
     return sum(lo <= e <= hi for e in log_errors(runs, fit)) / len(runs)
-
-
-def moe_step_residuals(runs: list[PublishedRun], fit: Fit) -> list[float]:
-    """log(measured / predicted step time) of MoE runs under dense constants `fit` (no constant is fitted on an
-    MoE run, so every residual is out of sample)."""
-    return log_errors(runs, fit)
 
 
 def release(run: PublishedRun) -> str:
@@ -394,13 +389,12 @@ def moe_range_coverage(runs: tuple[PublishedRun, ...], fit: Fit) -> dict[str, An
     alternate halves would put near-copies on both sides (both halves then miss every run of the other)."""
     from leantrain.plan.uncertainty import conformal_range
 
-    inside, groups, covered = 0, sorted({release(r) for r in runs}), 0
+    inside, groups, covered = 0.0, sorted({release(r) for r in runs}), 0
     for group in groups:
-        calib = [r for r in runs if release(r) != group]
-        lo, _, hi = conformal_range(moe_step_residuals(calib, fit))
-        held = [lo <= e <= hi for e in moe_step_residuals([r for r in runs if release(r) == group], fit)]
-        inside += sum(held)
-        covered += all(held)
+        held = [r for r in runs if release(r) == group]
+        share = range_coverage(held, fit, conformal_range(log_errors([r for r in runs if release(r) != group], fit)))
+        inside += share * len(held)
+        covered += share == 1.0
     return {"runs": inside / len(runs), "releases": covered / len(groups), "n_releases": len(groups)}
 
 
