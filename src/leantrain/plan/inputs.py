@@ -73,13 +73,25 @@ ELEMENTWISE_PASSES = 5.0
 # fp8 cast as its own kernel, reading and writing its tensors: their own pass count, fitted on the eager runs of
 # the same file (torchtitan's and LLM Foundry's) after the fused one.
 ELEMENTWISE_PASSES_EAGER = 17.0
+# Mixture-of-experts layers cost a fixed time per layer and micro-batch that no FLOP or byte term prices: the
+# dropless token dispatcher copies each expert's token count to the host and waits for it before it can size the
+# all-to-all, the permutation and the grouped GEMM (NVIDIA/Megatron-LM megatron/core/transformer/moe/
+# token_dispatcher.py @d98e8a64dd, `_maybe_dtoh_and_synchronize` at `cuda_sync_point`), and the router, permute,
+# unpermute and their fp8 casts are many small launch-bound kernels. Megatron-Bridge's MoE guide
+# (NVIDIA-NeMo/Megatron-Bridge docs/training/moe-optimization.md @067f987df) names "small expert GEMMs + host
+# overhead" as MoE's compute-efficiency wall, lists "decrease TP or increase MBS" against kernel-launch overhead,
+# and allows full CUDA graphs for drop-and-pad MoE only. Seconds per MoE layer per micro-batch (forward +
+# backward; a full recompute's forward adds half again), fitted on the MoE throughput runs of
+# plan/published_runs.yaml (`moe_runs`, bench/plan_accuracy.py; the error with one release left out is in
+# docs/plan.md); `plan.moe_layer_overhead_ms` overrides it (0 for a sync-free, CUDA-graphed stack).
+MOE_LAYER_OVERHEAD_S = 0.00325
 # Whole runs spend GPU time the step-time and failure models do not see: batch-size and sequence-length
 # ramps at the start (Llama 3 report §3.4.1), loss-spike rollbacks, stragglers and slow nodes, evaluation
 # and data stalls, power-capped fleets (Llama 2 §2.2.1: 350-400 W A100s). The planner's whole-run time
 # divides by this share (after the expected goodput). Fitted on the whole-run entries of
 # plan/published_runs.yaml (bench/plan_accuracy.py fits it on half of them and reports the error on the rest,
 # docs/plan.md); `plan.whole_run_efficiency` overrides it with a fleet's own figure.
-DEFAULT_WHOLE_RUN_EFFICIENCY = 0.75
+DEFAULT_WHOLE_RUN_EFFICIENCY = 0.78
 # Latency of one point-to-point send or all-to-all call (start-up, kernel launch): ~10-30 µs on NVLink/IB.
 COLLECTIVE_LATENCY_S = 20e-6
 # Ring collectives pay a latency per ring step, as NCCL's own tuning model prices them (NVIDIA/nccl
@@ -140,6 +152,7 @@ class PlanInputs:
     attention_flops_s: float = 0.0  # FlashAttention kernel's measured FLOP/s (hardware catalog); 0: the GEMM rate
     moe_node_limit: int | None = None  # nodes a token's experts may span (node-limited routing, plan/dispatch.py)
     elementwise_passes: float = ELEMENTWISE_PASSES  # memory-bound passes over a layer's activations (timing.py)
+    moe_layer_overhead_s: float = MOE_LAYER_OVERHEAD_S  # fixed time per MoE layer and micro-batch (timing.py)
 
     @cached_property
     def _hash(self) -> int:
@@ -249,6 +262,8 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
         moe_node_limit=knobs.moe_node_limit,
         elementwise_passes=(ELEMENTWISE_PASSES if fused else ELEMENTWISE_PASSES_EAGER)
         if knobs.elementwise_passes is None else knobs.elementwise_passes,
+        moe_layer_overhead_s=MOE_LAYER_OVERHEAD_S if knobs.moe_layer_overhead_ms is None
+        else knobs.moe_layer_overhead_ms / 1e3,
     ))
 
 

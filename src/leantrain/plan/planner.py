@@ -117,7 +117,7 @@ class Plan:
                            "comm_fraction": t.comm_fraction, **ranges["throughput"],
                            "breakdown_s": {"compute": t.compute_s, "bubble": t.bubble_s, "tp": t.tp_comm_s,
                                            "pp": t.pp_comm_s, "dp": t.dp_comm_s, "ep": t.ep_comm_s,
-                                           "optimizer": t.optimizer_s}},
+                                           "moe_overhead": t.moe_overhead_s, "optimizer": t.optimizer_s}},
             "storage": self.storage,
             "checkpoint": self.checkpoint,
             "fast_tier": self.fast_tier,

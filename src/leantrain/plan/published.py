@@ -2,7 +2,8 @@
 step-time constants on one half of them and reports the error on the other half.
 
 - `load_runs()` → throughput entries (`runs`) and whole-run entries (`whole_runs`), each a `PublishedRun`;
-  `load_moe_runs()` → the mixture-of-experts throughput entries (`moe_runs`), which fit no constant.
+  `load_moe_runs()` → the mixture-of-experts throughput entries (`moe_runs`), which fit one constant of their own
+  (`fit_moe_layer_overhead`: the MoE layers' fixed time per micro-batch) and none of the dense ones.
 - `measured_tokens_per_gpu_s(run)` turns the source's figure (tokens/s, step time, Megatron TFLOP/s or MFU)
   into tokens per second per GPU.
 - `predicted_tokens_per_gpu_s(run, efficiency=..., elementwise_passes=...)` runs the step-time model on the
@@ -15,8 +16,9 @@ step-time constants on one half of them and reports the error on the other half.
   searched best when none is published, divided by the expected goodput and the whole-run efficiency);
   `whole_run_split_errors(runs)` fits the whole-run efficiency on half the whole runs, reports the other half;
   `whole_run_range_coverage(split)` and `whole_run_range_coverage_resampled(split)` check the P10-P90 range the
-  same way on the fixed halves and over random half-splits; `moe_range_coverage` checks an MoE plan's step
-  range (the `log_errors` of the MoE runs).
+  same way on the fixed halves and over random half-splits; `moe_residuals_out_of_sample` (each release predicted
+  with the MoE-layer overhead fitted on the others) gives an MoE plan's step range and `moe_range_coverage` checks
+  it, one release left out of both at a time.
 """
 
 from __future__ import annotations
@@ -30,7 +32,13 @@ from typing import Any
 
 import yaml
 
-from leantrain.plan.inputs import FP8_GEMM_SPEEDUP, PlanInputs, default_compute_efficiency, plan_inputs
+from leantrain.plan.inputs import (
+    FP8_GEMM_SPEEDUP,
+    MOE_LAYER_OVERHEAD_S,
+    PlanInputs,
+    default_compute_efficiency,
+    plan_inputs,
+)
 from leantrain.plan.layout import Layout
 from leantrain.plan.timing import step_time
 from leantrain.spec import spec_from_dict
@@ -40,6 +48,8 @@ EFFICIENCY_GRID = [round(0.30 + 0.005 * i, 3) for i in range(101)]  # 0.30 ... 0
 FP8_GRID = [round(1.0 + 0.02 * i, 2) for i in range(51)]  # fp8 step speed-up over bf16, 1.00 ... 2.00
 PASSES_GRID = [float(i) for i in range(17)]  # memory-bound passes over a layer's activations, 0 ... 16
 EAGER_PASSES_GRID = [float(i) for i in range(33)]  # the same for eager (unfused) stacks, 0 ... 32
+MOE_OVERHEAD_GRID = [round(0.00025 * i, 5) for i in range(41)]  # seconds per MoE layer and micro-batch, 0 ... 10 ms
+MoETerms = list[tuple[str, float, float, float]]  # per MoE run: release, measured, bare and per-second step times
 
 
 def family(accelerator: str) -> str:
@@ -153,12 +163,15 @@ def measured_tokens_per_gpu_s(run: PublishedRun) -> float:
 @dataclass(frozen=True)
 class Fit:
     """The fitted step-time constants: compute efficiency per accelerator family, memory-bound passes (of fused
-    stacks, and of eager ones: None = the same), and the fp8 speed-up of the Transformer Engine runs."""
+    stacks, and of eager ones: None = the same), the fp8 speed-up of the Transformer Engine runs, and the MoE
+    layers' fixed time per micro-batch (fitted on the MoE runs alone, `fit_moe_layer_overhead`; the dense fit
+    leaves the shipped value, which no dense run uses)."""
 
     efficiency: dict[str, float]
     elementwise_passes: float
     fp8_speedup: float = FP8_GEMM_SPEEDUP
     eager_passes: float | None = None
+    moe_layer_overhead_s: float = MOE_LAYER_OVERHEAD_S
 
     def passes(self, fused: bool) -> float:
         return self.elementwise_passes if fused or self.eager_passes is None else self.eager_passes
@@ -170,12 +183,15 @@ class Fit:
 
 
 def predicted_tokens_per_gpu_s(run: PublishedRun, *, efficiency: float | None = None,
-                               elementwise_passes: float | None = None, fp8_speedup: float | None = None) -> float:
+                               elementwise_passes: float | None = None, fp8_speedup: float | None = None,
+                               moe_layer_overhead_s: float | None = None) -> float:
     inputs = run_inputs(run)
     if efficiency is not None:
         inputs = replace(inputs, compute_efficiency=efficiency)
     if elementwise_passes is not None:
         inputs = replace(inputs, elementwise_passes=elementwise_passes)
+    if moe_layer_overhead_s is not None:
+        inputs = replace(inputs, moe_layer_overhead_s=moe_layer_overhead_s)
     if fp8_speedup is not None and inputs.fp8_speedup != 1.0 and run.fp8_recipe == "te":
         inputs = replace(inputs, fp8_speedup=fp8_speedup)
     t = step_time(inputs, run.run_layout(), sequences_per_step=run.global_batch_seqs)
@@ -190,7 +206,7 @@ def family_efficiency(fit: Fit, run: PublishedRun) -> float:
 def predicted_with(run: PublishedRun, fit: Fit) -> float:
     return predicted_tokens_per_gpu_s(run, efficiency=family_efficiency(fit, run),
                                       elementwise_passes=fit.passes(run_inputs(run).fused_kernels),
-                                      fp8_speedup=fit.fp8_speedup)
+                                      fp8_speedup=fit.fp8_speedup, moe_layer_overhead_s=fit.moe_layer_overhead_s)
 
 
 def log_errors(runs: list[PublishedRun], fit: Fit) -> list[float]:
@@ -382,17 +398,56 @@ def release(run: PublishedRun) -> str:
     return run.name.split("-", 1)[0]
 
 
+def _moe_step_terms(runs: tuple[PublishedRun, ...] | list[PublishedRun], fit: Fit) -> MoETerms:
+    """Per MoE run: release, measured step time, step time predicted with `fit` and no MoE-layer overhead, and the
+    seconds a second of overhead adds (it enters linearly, timing.py), so fitting it is arithmetic."""
+    out = []
+    for run in runs:
+        tokens = run.global_batch_seqs * run.seq_len / run.gpus
+        bare = tokens / predicted_with(run, replace(fit, moe_layer_overhead_s=0.0))
+        per_second = tokens / predicted_with(run, replace(fit, moe_layer_overhead_s=1.0)) - bare
+        out.append((release(run), tokens / measured_tokens_per_gpu_s(run), bare, per_second))
+    return out
+
+
+def _moe_residuals(terms: MoETerms, overhead_s: float) -> list[float]:
+    """log(measured / predicted step time) at a given MoE-layer overhead: the ranges' residual (log_errors)."""
+    return [math.log(measured / (bare + overhead_s * per_second)) for _, measured, bare, per_second in terms]
+
+
+def _fit_overhead(terms: MoETerms) -> float:
+    return _grid_min(MOE_OVERHEAD_GRID, lambda x: statistics.median(abs(e) for e in _moe_residuals(terms, x)))
+
+
+def _leave_one_release_out(terms: MoETerms) -> list[float]:
+    """Each run's residual at the overhead fitted on the other releases' runs, in the order of `terms`."""
+    fitted = {group: _fit_overhead([t for t in terms if t[0] != group]) for group in {t[0] for t in terms}}
+    return [_moe_residuals([t], fitted[t[0]])[0] for t in terms]
+
+
+def fit_moe_layer_overhead(runs: tuple[PublishedRun, ...], fit: Fit) -> float:
+    """The MoE-layer overhead (s per MoE layer and micro-batch, plan/inputs.py MOE_LAYER_OVERHEAD_S) with the
+    smallest median |log error| over the MoE runs, the dense constants `fit` held."""
+    return _fit_overhead(_moe_step_terms(runs, fit))
+
+
+def moe_residuals_out_of_sample(runs: tuple[PublishedRun, ...], fit: Fit) -> list[float]:
+    """log(measured / predicted step time) of every MoE run (in order), the overhead fitted on the other releases'
+    runs (a release shares one stack and mostly one configuration: halves would hold near-copies on both sides)."""
+    return _leave_one_release_out(_moe_step_terms(runs, fit))
+
+
 def moe_range_coverage(runs: tuple[PublishedRun, ...], fit: Fit) -> dict[str, Any]:
-    """Held-out check of the MoE step range, one release left out at a time: the range from the other releases'
-    runs, the share of the left-out release's measured step times inside it. Grouped by release, not halves: the
-    runs of one release share a software stack and mostly one configuration (DGXC 25.04's six Grok-1 proxies), so
-    alternate halves would put near-copies on both sides (both halves then miss every run of the other)."""
+    """Held-out check of the MoE step range: one release left out at a time, the overhead and the range (from their
+    own leave-one-release-out residuals) from the other releases' runs; the share of its step times inside."""
     from leantrain.plan.uncertainty import conformal_range
 
-    inside, groups, covered = 0.0, sorted({release(r) for r in runs}), 0
+    terms = _moe_step_terms(runs, fit)
+    inside, groups, covered = 0.0, sorted({t[0] for t in terms}), 0
     for group in groups:
-        held = [r for r in runs if release(r) == group]
-        share = range_coverage(held, fit, conformal_range(log_errors([r for r in runs if release(r) != group], fit)))
+        calib, held = [t for t in terms if t[0] != group], [t for t in terms if t[0] == group]
+        lo, _, hi = conformal_range(_leave_one_release_out(calib))
+        share = sum(lo <= e <= hi for e in _moe_residuals(held, _fit_overhead(calib))) / len(held)
         inside += share * len(held)
         covered += share == 1.0
     return {"runs": inside / len(runs), "releases": covered / len(groups), "n_releases": len(groups)}

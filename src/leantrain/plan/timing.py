@@ -27,6 +27,9 @@ Model (constants documented in docs/plan.md and plan/inputs.py):
   share `ep_overlap` (default 0.8: DeepSeek-V3 §3.2.1 hides nearly all of it with DualPipe's paired
   forward/backward chunks) hides under the micro-batch's compute, never more than that compute, and the
   hidden part costs the SMs the communication kernels take from compute.
+- MoE layers: a fixed time per MoE layer and micro-batch (`moe_layer_overhead_s`, plan/inputs.py: the dispatcher's
+  host synchronisation and launch-bound routing kernels; a full recompute's forward adds half again), on the
+  critical path beside the micro-batch's compute (`moe_overhead_s`).
 - Pipeline bubble: (p−1)/v micro-batch times, i.e. a fraction (p−1)/(v·m) of the compute; DualPipe's
   (p/2−1)·2/3 (`pipeline_bubble_fraction`).
 - Optimizer: a memory-bound pass over the local shard (weights, gradients, master, moments; read + write).
@@ -65,6 +68,7 @@ class StepTime:
     dp_comm_s: float  # exposed
     ep_comm_s: float  # exposed
     optimizer_s: float
+    moe_overhead_s: float  # MoE layers' fixed per-micro-batch time (moe_overhead_s), outside the bubble
     step_s: float
     tokens_per_step: int
     tokens_per_s: float
@@ -217,6 +221,17 @@ def expert_weight_s(inputs: PlanInputs, layout: Layout) -> float:
     return max(0.0, traffic_s - flops_s)
 
 
+def moe_overhead_s(inputs: PlanInputs, layout: Layout) -> float:
+    """Fixed time of one micro-batch on the heaviest stage's MoE layers: `moe_layer_overhead_s` per layer for its
+    forward and backward, half again for the forward a full recompute repeats (as the all-to-alls, dispatch.py).
+    It does not shrink with tokens, so larger micro-batches and fewer, wider layers pay less of it per token."""
+    shape = inputs.shape
+    if shape.moe is None or inputs.moe_layer_overhead_s <= 0:
+        return 0.0
+    layers = min(math.ceil(shape.n_layers / layout.pp), shape.num_moe_layers)
+    return layers * inputs.moe_layer_overhead_s * (1.5 if layout.recompute == "full" else 1.0)
+
+
 def _layer_gemms(shape: ModelShape, tokens: int, tp: int) -> list[tuple[int, int, int, int]]:
     """(M, K, N, count) of the forward GEMMs one GPU runs per dense layer and for the output head, tp-split as
     Megatron splits them; the backward's two GEMMs per forward one move the same FLOPs and bytes."""
@@ -288,8 +303,9 @@ def step_time(inputs: PlanInputs, layout: Layout, *, sequences_per_step: int) ->
     if shape.moe is not None and layout.ep > 1:
         raw = all_to_all_s(inputs, layout, tokens=tokens_mb, moe_layers=min(layers, shape.num_moe_layers))
         ep_mb = exposed_all_to_all_s(raw, compute_s=compute_mb, overlap=inputs.ep_overlap)
+    moe_mb = moe_overhead_s(inputs, layout)
 
-    per_mb = compute_mb + tp_mb + ep_mb
+    per_mb = compute_mb + tp_mb + ep_mb + moe_mb
     compute_s = m * compute_mb
     bubble_s = pipeline_bubble_fraction(pp=layout.pp, num_microbatches=m, virtual_stages=layout.virtual_stages,
                                         schedule=layout.schedule) * m * per_mb
@@ -310,14 +326,14 @@ def step_time(inputs: PlanInputs, layout: Layout, *, sequences_per_step: int) ->
     shard = layout.dp_shard if layout.zero >= 1 else 1
     optimizer_s = 2 * touched * local / shard / inputs.memory_bandwidth_bytes_s
 
-    step_s = compute_s + m * (tp_mb + ep_mb) + bubble_s + pp_s + dp_s + optimizer_s
+    step_s = compute_s + m * (tp_mb + ep_mb + moe_mb) + bubble_s + pp_s + dp_s + optimizer_s
     tokens_per_step = layout.dp * m * tokens_mb
     tokens_per_s = tokens_per_step / step_s
     peak_all = layout.num_gpus * inputs.peak_flops
     return StepTime(
         compute_s=compute_s, bubble_s=bubble_s, tp_comm_s=m * tp_mb, pp_comm_s=pp_s, dp_comm_s=dp_s,
-        ep_comm_s=m * ep_mb, optimizer_s=optimizer_s, step_s=step_s, tokens_per_step=tokens_per_step,
-        tokens_per_s=tokens_per_s, mfu=inputs.flops.model * tokens_per_s / peak_all,
+        ep_comm_s=m * ep_mb, moe_overhead_s=m * moe_mb, optimizer_s=optimizer_s, step_s=step_s,
+        tokens_per_step=tokens_per_step, tokens_per_s=tokens_per_s, mfu=inputs.flops.model * tokens_per_s / peak_all,
         hfu=inputs.hardware_flops_per_token(layout.recompute) * tokens_per_s / peak_all,
     )
 

@@ -252,6 +252,11 @@ class PlanSpec(Section):
         "at most this many nodes, sent once per node over the inter-node link, forwarded inside it); null: a plain "
         "all-to-all of every top-k copy. Planning only: the router does not limit nodes."
     )
+    moe_layer_overhead_ms: float | None = Field(
+        None, ge=0, description="Fixed time per MoE layer and micro-batch (forward + backward), ms: the token "
+        "dispatcher's host synchronisation and the launch-bound routing kernels; default 3.25, fitted on published "
+        "Megatron/NeMo MoE runs (docs/plan.md); 0 for a sync-free, CUDA-graphed MoE stack."
+    )
     kernels: Literal["auto", "eager", "fused"] = Field(
         "auto", description="Kernel set the plan assumes (saved tensors and parameter-free ops): eager (our block as "
         "traced), fused (fused norm/activation/RoPE kernels, as torch.compile, Transformer Engine or LLM Foundry's "
