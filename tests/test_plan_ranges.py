@@ -142,7 +142,7 @@ def test_moe_step_range_is_the_moe_runs_residuals_and_holds_release_by_release(r
     own, the MoE layers' fixed time per micro-batch (3.25 ms fitted on all 16). Without it the planner was
     optimistic on 14 of the 16 (median error 23 %, up to 2.33x on Qwen3-30B-A3B's small experts); with it fitted on
     the other releases, each release's runs are predicted within a median 15 %, and the range built from those
-    residuals is 0.70-1.77x around 1.00x. One release left out of the overhead and the range at a time, the others'
+    residuals is 0.69-1.77x around 1.01x. One release left out of the overhead and the range at a time, the others'
     range covers 14 of the 16 runs (88 %) and 7 of the 9 releases."""
     from leantrain.plan.inputs import MOE_LAYER_OVERHEAD_S
     from leantrain.plan.published import (
@@ -174,9 +174,8 @@ def test_moe_step_range_is_the_moe_runs_residuals_and_holds_release_by_release(r
     without = statistics.median(abs(math.exp(e) - 1) for e in log_errors(list(moe), bare))
     assert out_of_sample < 0.17 < 0.2 < without, (out_of_sample, without)
     coverage = moe_range_coverage(moe, fit)
-    assert coverage["n_releases"] >= 9
-    assert 0.75 <= coverage["runs"] <= 0.95, coverage
-    assert coverage["releases"] >= 0.7, coverage
+    # pinned: a range that leaks the held-out release into its residuals covers 15 of 16 and 8 of 9
+    assert (coverage["runs"], coverage["releases"], coverage["n_releases"]) == (14 / 16, 7 / 9, 9), coverage
 
 
 def test_an_moe_plan_gets_the_moe_step_range() -> None:

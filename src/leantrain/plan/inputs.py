@@ -73,17 +73,19 @@ ELEMENTWISE_PASSES = 5.0
 # fp8 cast as its own kernel, reading and writing its tensors: their own pass count, fitted on the eager runs of
 # the same file (torchtitan's and LLM Foundry's) after the fused one.
 ELEMENTWISE_PASSES_EAGER = 17.0
-# Mixture-of-experts layers cost a fixed time per layer and micro-batch that no FLOP or byte term prices: the
-# dropless token dispatcher copies each expert's token count to the host and waits for it before it can size the
-# all-to-all, the permutation and the grouped GEMM (NVIDIA/Megatron-LM megatron/core/transformer/moe/
-# token_dispatcher.py @d98e8a64dd, `_maybe_dtoh_and_synchronize` at `cuda_sync_point`), and the router, permute,
-# unpermute and their fp8 casts are many small launch-bound kernels. Megatron-Bridge's MoE guide
-# (NVIDIA-NeMo/Megatron-Bridge docs/training/moe-optimization.md @067f987df) names "small expert GEMMs + host
-# overhead" as MoE's compute-efficiency wall, lists "decrease TP or increase MBS" against kernel-launch overhead,
-# and allows full CUDA graphs for drop-and-pad MoE only. Seconds per MoE layer per micro-batch (forward +
-# backward; a full recompute's forward adds half again), fitted on the MoE throughput runs of
-# plan/published_runs.yaml (`moe_runs`, bench/plan_accuracy.py; the error with one release left out is in
-# docs/plan.md); `plan.moe_layer_overhead_ms` overrides it (0 for a sync-free, CUDA-graphed stack).
+# Mixture-of-experts layers cost a fixed time per layer and micro-batch that no FLOP or byte term prices: a dropless
+# dispatcher waits on the host for each expert's token count before it can size the all-to-all and the grouped GEMM
+# (NVIDIA/Megatron-LM @d98e8a64dd megatron/core/transformer/moe/token_dispatcher.py: the all-to-all dispatcher's
+# `_maybe_dtoh_and_synchronize` at `cuda_sync_point`; fused_a2a.py, the DeepEP path: "the CPU will wait for GPU's
+# signal to arrive"), and the router, permutes and their fp8 casts are small launch-bound kernels. Megatron-Bridge's
+# MoE guide (NVIDIA-NeMo/Megatron-Bridge docs/training/moe-optimization.md @067f987df) names "small expert GEMMs +
+# host overhead" as MoE's compute-efficiency wall, lists "decrease TP or increase MBS" against kernel-launch
+# overhead, and allows full CUDA graphs for drop-and-pad MoE (dropless only with device-initiated grouped GEMMs
+# among other changes). Seconds per MoE layer per micro-batch (forward + backward), fitted on the MoE throughput
+# runs of plan/published_runs.yaml (`moe_runs`, all Megatron/NeMo with EP > 1; bench/plan_accuracy.py, the error
+# with one release left out in docs/plan.md). Being fitted, it also absorbs whatever else those MoE layers lost that
+# no term prices (load imbalance, small grouped GEMMs, the all-to-all's real cost). `plan.moe_layer_overhead_ms`
+# overrides it (0 for a sync-free, CUDA-graphed stack).
 MOE_LAYER_OVERHEAD_S = 0.00325
 # Whole runs spend GPU time the step-time and failure models do not see: batch-size and sequence-length
 # ramps at the start (Llama 3 report §3.4.1), loss-spike rollbacks, stragglers and slow nodes, evaluation

@@ -28,8 +28,8 @@ Model (constants documented in docs/plan.md and plan/inputs.py):
   forward/backward chunks) hides under the micro-batch's compute, never more than that compute, and the
   hidden part costs the SMs the communication kernels take from compute.
 - MoE layers: a fixed time per MoE layer and micro-batch (`moe_layer_overhead_s`, plan/inputs.py: the dispatcher's
-  host synchronisation and launch-bound routing kernels; a full recompute's forward adds half again), on the
-  critical path beside the micro-batch's compute (`moe_overhead_s`).
+  host synchronisation and launch-bound routing kernels, fitted on published MoE runs), on the critical path
+  beside the micro-batch's compute (`moe_overhead_s`).
 - Pipeline bubble: (p−1)/v micro-batch times, i.e. a fraction (p−1)/(v·m) of the compute; DualPipe's
   (p/2−1)·2/3 (`pipeline_bubble_fraction`).
 - Optimizer: a memory-bound pass over the local shard (weights, gradients, master, moments; read + write).
@@ -223,13 +223,14 @@ def expert_weight_s(inputs: PlanInputs, layout: Layout) -> float:
 
 def moe_overhead_s(inputs: PlanInputs, layout: Layout) -> float:
     """Fixed time of one micro-batch on the heaviest stage's MoE layers: `moe_layer_overhead_s` per layer for its
-    forward and backward, half again for the forward a full recompute repeats (as the all-to-alls, dispatch.py).
-    It does not shrink with tokens, so larger micro-batches and fewer, wider layers pay less of it per token."""
+    forward and backward. Not charged again for the forward a full recompute repeats: the one full-recompute run it
+    is fitted on (DGXC 25.08's DeepSeek-V3) shows the same gap per layer as the selective ones. It does not shrink
+    with tokens, so larger micro-batches and fewer, wider layers pay less of it per token."""
     shape = inputs.shape
     if shape.moe is None or inputs.moe_layer_overhead_s <= 0:
         return 0.0
     layers = min(math.ceil(shape.n_layers / layout.pp), shape.num_moe_layers)
-    return layers * inputs.moe_layer_overhead_s * (1.5 if layout.recompute == "full" else 1.0)
+    return layers * inputs.moe_layer_overhead_s
 
 
 def _layer_gemms(shape: ModelShape, tokens: int, tp: int) -> list[tuple[int, int, int, int]]:

@@ -48,9 +48,9 @@ from collections.abc import Iterable
 # was priced (2026-12-06: 0.76-1.62x -> 0.78-1.52x; the whole-run efficiency 0.75 -> 0.78).
 # The MoE range (2026-12-06): 16 MoE runs of 9 releases, measured 0.78-2.33x the planned step time, median 1.23x,
 # before the MoE layers' fixed time per micro-batch was priced (plan/inputs.py MOE_LAYER_OVERHEAD_S); with it, and
-# each release predicted with the overhead fitted on the others, 0.70-1.77x around 1.00x.
+# each release predicted with the overhead fitted on the others, 0.69-1.77x around 1.01x.
 STEP_RANGE = {"layout": (-0.0869, 0.0044, 0.2029), "searched": (-0.0817, 0.0466, 0.5226),
-              "moe": (-0.3523, 0.0003, 0.5691)}
+              "moe": (-0.3709, 0.0123, 0.5691)}
 WHOLE_RUN_RANGE = (-0.2449, 0.0078, 0.4186)
 
 
