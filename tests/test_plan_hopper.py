@@ -111,8 +111,8 @@ def test_held_out_runs_are_predicted_without_being_fitted_on() -> None:
 
 
 def test_held_out_runs_against_the_shipped_step_range() -> None:
-    """The step range (built from the calibration file's split-half residuals) on the 19 held-out dense runs: 42 %
-    (8) inside P10-P90, the other 11 all faster than P10 (the planner 0.80-0.92x their throughput: torchtitan's
+    """The step range (built from the calibration file's split-half residuals) on the 23 held-out dense runs: 48 %
+    (11) inside P10-P90, the other 12 all faster than P10 (the planner 0.80-0.92x their throughput: torchtitan's
     500 W H100 rows, LLM Foundry's A100 and two of its H100 rows), none slower than P90. Until 2026-12-06
     bench/plan_accuracy.py checked them with the residual's sign flipped (log(predicted / measured step time)) and
     printed 84 %; it now calls `range_coverage`, which uses the ranges' own residual, log(measured / predicted)."""
