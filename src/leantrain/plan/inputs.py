@@ -264,7 +264,8 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
         moe_node_limit=knobs.moe_node_limit,
         elementwise_passes=(ELEMENTWISE_PASSES if fused else ELEMENTWISE_PASSES_EAGER)
         if knobs.elementwise_passes is None else knobs.elementwise_passes,
-        moe_layer_overhead_s=MOE_LAYER_OVERHEAD_S if knobs.moe_layer_overhead_ms is None
+        # a CPU has no device waiting on the host: its op dispatch is in the measured CPU efficiency
+        moe_layer_overhead_s=(0.0 if acc.name == "cpu" else MOE_LAYER_OVERHEAD_S) if knobs.moe_layer_overhead_ms is None
         else knobs.moe_layer_overhead_ms / 1e3,
     ))
 

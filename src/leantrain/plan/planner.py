@@ -159,6 +159,21 @@ def _padding_notes(inputs: PlanInputs, chosen: Candidate) -> list[str]:
             f"model.ffn_hidden: {padded} (or a multiple of 128) to train this layout"]
 
 
+MOE_OVERHEAD_NOTE_SHARE = 0.2  # a note says how to shrink the MoE layers' fixed time above this share of the step
+
+
+def _moe_overhead_notes(inputs: PlanInputs, chosen: Candidate) -> list[str]:
+    """Where the MoE layers' fixed time per micro-batch (timing.moe_overhead_s) is a large share of the step, what
+    it is and what moves it."""
+    t = chosen.time
+    if t.moe_overhead_s <= MOE_OVERHEAD_NOTE_SHARE * t.step_s:
+        return []
+    return [f"MoE layers' fixed time is {t.moe_overhead_s / t.step_s:.0%} of the step "
+            f"({inputs.moe_layer_overhead_s * 1e3:g} ms per MoE layer and micro-batch, plan.moe_layer_overhead_ms, "
+            f"fitted on Megatron/NeMo runs): larger micro-batches pay it less often; a stack without the "
+            f"dispatcher's host sync (CUDA-graphed, drop-and-pad) would set it lower"]
+
+
 def build_plan(spec: JobSpec) -> Plan:
     """The whole plan for a spec."""
     inputs = plan_inputs(spec)
@@ -181,7 +196,7 @@ def build_plan(spec: JobSpec) -> Plan:
         chosen = search.best or search.smallest
         source = "search" if search.best is not None else "none fits (leanest shown)"
     assert chosen is not None
-    notes.extend(_padding_notes(inputs, chosen))
+    notes.extend([*_padding_notes(inputs, chosen), *_moe_overhead_notes(inputs, chosen)])
     ckpt = checkpoint_interval(spec, inputs, num_gpus=gpus, step_s=chosen.time.step_s)
     run = whole_run(spec, inputs, num_gpus=gpus, step_s=chosen.time.step_s, tokens_per_s=chosen.time.tokens_per_s,
                     num_microbatches=chosen.layout.num_microbatches(sequences_per_step(inputs)), checkpoint=ckpt)

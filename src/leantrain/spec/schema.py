@@ -254,8 +254,8 @@ class PlanSpec(Section):
     )
     moe_layer_overhead_ms: float | None = Field(
         None, ge=0, description="Fixed time per MoE layer and micro-batch (forward + backward), ms: the token "
-        "dispatcher's host synchronisation and the launch-bound routing kernels; default 3.25, fitted on published "
-        "Megatron/NeMo MoE runs (docs/plan.md); 0 for a sync-free, CUDA-graphed MoE stack."
+        "dispatcher's host synchronisation and the launch-bound routing kernels; default 3.25 (0 on a CPU), fitted on "
+        "published Megatron/NeMo MoE runs (docs/plan.md); 0 for a sync-free, CUDA-graphed MoE stack."
     )
     kernels: Literal["auto", "eager", "fused"] = Field(
         "auto", description="Kernel set the plan assumes (saved tensors and parameter-free ops): eager (our block as "
