@@ -121,4 +121,4 @@ def test_a_plan_says_when_moe_layers_fixed_time_is_a_large_share_of_the_step() -
     assert not any("MoE layers' fixed time" in n for n in quiet.notes)
     note = next(n for n in loud.notes if "MoE layers' fixed time" in n)
     share = loud.chosen.time.moe_overhead_s / loud.chosen.time.step_s
-    assert share > 0.2 and f"{share:.0%} of the step" in note and "30 ms" in note
+    assert share > 0.2 and f"{share:.0%} of the step" in note and "30 ms" in note and "the spec's" in note

@@ -23,7 +23,7 @@ from leantrain.plan.budget import (
     storage,
 )
 from leantrain.plan.goodput import whole_run
-from leantrain.plan.inputs import PlanInputs, plan_inputs, sequences_per_step
+from leantrain.plan.inputs import MOE_LAYER_OVERHEAD_S, PlanInputs, plan_inputs, sequences_per_step
 from leantrain.plan.layout import layout_from_spec
 from leantrain.plan.search import Candidate, SearchResult, evaluate, search_layouts
 from leantrain.plan.uncertainty import range_dict, step_offsets, whole_run_offsets
@@ -168,10 +168,12 @@ def _moe_overhead_notes(inputs: PlanInputs, chosen: Candidate) -> list[str]:
     t = chosen.time
     if t.moe_overhead_s <= MOE_OVERHEAD_NOTE_SHARE * t.step_s:
         return []
+    source = ("the default, fitted on Megatron/NeMo runs" if inputs.moe_layer_overhead_s == MOE_LAYER_OVERHEAD_S
+              else "the spec's")
     return [f"MoE layers' fixed time is {t.moe_overhead_s / t.step_s:.0%} of the step "
-            f"({inputs.moe_layer_overhead_s * 1e3:g} ms per MoE layer and micro-batch, plan.moe_layer_overhead_ms, "
-            f"fitted on Megatron/NeMo runs): larger micro-batches pay it less often; a stack without the "
-            f"dispatcher's host sync (CUDA-graphed, drop-and-pad) would set it lower"]
+            f"({inputs.moe_layer_overhead_s * 1e3:g} ms per MoE layer and micro-batch, plan.moe_layer_overhead_ms: "
+            f"{source}): larger micro-batches pay it less often; a stack without the dispatcher's host sync "
+            f"(CUDA-graphed, drop-and-pad) would set it lower"]
 
 
 def build_plan(spec: JobSpec) -> Plan:
