@@ -96,7 +96,7 @@ def test_held_out_runs_are_predicted_without_being_fitted_on() -> None:
     fit: predicted with the constants fitted on the calibration file, median |error| 8.6 % (Hopper 8.4 %) when
     measured; the pin leaves room (issue target: 10 %). The MoE rows held out here until 2026-12-06 (20.0 %, every
     one but a B200 layout predicted faster than measured) are the calibration file's `moe_runs` now, which set an
-    MoE plan's step range and fit no constant (tests/test_plan_ranges.py)."""
+    MoE plan's step range and fit only the MoE layers' fixed time per micro-batch (tests/test_plan_ranges.py)."""
     calibration, _ = load_runs()
     held, whole = load_runs(HELD_OUT)
     assert not whole and not {r.name for r in held} & {r.name for r in calibration}
