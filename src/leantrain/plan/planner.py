@@ -23,7 +23,7 @@ from leantrain.plan.budget import (
     storage,
 )
 from leantrain.plan.goodput import whole_run
-from leantrain.plan.inputs import MOE_LAYER_OVERHEAD_S, PlanInputs, plan_inputs, sequences_per_step
+from leantrain.plan.inputs import PlanInputs, plan_inputs, sequences_per_step
 from leantrain.plan.layout import layout_from_spec
 from leantrain.plan.search import Candidate, SearchResult, evaluate, search_layouts
 from leantrain.plan.uncertainty import range_dict, step_offsets, whole_run_offsets
@@ -162,14 +162,13 @@ def _padding_notes(inputs: PlanInputs, chosen: Candidate) -> list[str]:
 MOE_OVERHEAD_NOTE_SHARE = 0.2  # a note says how to shrink the MoE layers' fixed time above this share of the step
 
 
-def _moe_overhead_notes(inputs: PlanInputs, chosen: Candidate) -> list[str]:
+def _moe_overhead_notes(inputs: PlanInputs, chosen: Candidate, *, spec_value: bool) -> list[str]:
     """Where the MoE layers' fixed time per micro-batch (timing.moe_overhead_s) is a large share of the step, what
     it is and what moves it."""
     t = chosen.time
     if t.moe_overhead_s <= MOE_OVERHEAD_NOTE_SHARE * t.step_s:
         return []
-    source = ("the default, fitted on Megatron/NeMo runs" if inputs.moe_layer_overhead_s == MOE_LAYER_OVERHEAD_S
-              else "the spec's")
+    source = "the spec's" if spec_value else "the default, fitted on Megatron/NeMo runs"
     return [f"MoE layers' fixed time is {t.moe_overhead_s / t.step_s:.0%} of the step "
             f"({inputs.moe_layer_overhead_s * 1e3:g} ms per MoE layer and micro-batch, plan.moe_layer_overhead_ms: "
             f"{source}): larger micro-batches pay it less often; a stack without the dispatcher's host sync "
@@ -198,7 +197,8 @@ def build_plan(spec: JobSpec) -> Plan:
         chosen = search.best or search.smallest
         source = "search" if search.best is not None else "none fits (leanest shown)"
     assert chosen is not None
-    notes.extend([*_padding_notes(inputs, chosen), *_moe_overhead_notes(inputs, chosen)])
+    notes.extend([*_padding_notes(inputs, chosen),
+                  *_moe_overhead_notes(inputs, chosen, spec_value=knobs.moe_layer_overhead_ms is not None)])
     ckpt = checkpoint_interval(spec, inputs, num_gpus=gpus, step_s=chosen.time.step_s)
     run = whole_run(spec, inputs, num_gpus=gpus, step_s=chosen.time.step_s, tokens_per_s=chosen.time.tokens_per_s,
                     num_microbatches=chosen.layout.num_microbatches(sequences_per_step(inputs)), checkpoint=ckpt)

@@ -2,8 +2,7 @@
 step-time constants on one half of them and reports the error on the other half.
 
 - `load_runs()` → throughput entries (`runs`) and whole-run entries (`whole_runs`), each a `PublishedRun`;
-  `load_moe_runs()` → the mixture-of-experts throughput entries (`moe_runs`), which fit one constant of their own
-  (`fit_moe_layer_overhead`: the MoE layers' fixed time per micro-batch) and none of the dense ones.
+  `load_moe_runs()` → the MoE entries (`moe_runs`), which fit only `fit_moe_layer_overhead`.
 - `measured_tokens_per_gpu_s(run)` turns the source's figure (tokens/s, step time, Megatron TFLOP/s or MFU)
   into tokens per second per GPU.
 - `predicted_tokens_per_gpu_s(run, efficiency=..., elementwise_passes=...)` runs the step-time model on the
@@ -16,9 +15,8 @@ step-time constants on one half of them and reports the error on the other half.
   searched best when none is published, divided by the expected goodput and the whole-run efficiency);
   `whole_run_split_errors(runs)` fits the whole-run efficiency on half the whole runs, reports the other half;
   `whole_run_range_coverage(split)` and `whole_run_range_coverage_resampled(split)` check the P10-P90 range the
-  same way on the fixed halves and over random half-splits; `moe_residuals_out_of_sample` (each release predicted
-  with the MoE-layer overhead fitted on the others) gives an MoE plan's step range and `moe_range_coverage` checks
-  it, one release left out of both at a time.
+  same way on the fixed halves and over random half-splits; `moe_residuals_out_of_sample` gives an MoE plan's step
+  range and `moe_range_coverage` checks it, one release left out of both at a time.
 """
 
 from __future__ import annotations
@@ -113,18 +111,21 @@ def _run(entry: dict[str, Any]) -> PublishedRun:
 
 
 @cache
+def _data(path: Path) -> dict[str, Any]:
+    return yaml.safe_load(path.read_text(encoding="utf-8"))
+
+
+@cache
 def load_runs(path: Path = RUNS_FILE) -> tuple[tuple[PublishedRun, ...], tuple[PublishedRun, ...]]:
     """(throughput runs, whole runs) from the data file."""
-    data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    return tuple(_run(e) for e in data["runs"]), tuple(_run(e) for e in data["whole_runs"])
+    return tuple(_run(e) for e in _data(path)["runs"]), tuple(_run(e) for e in _data(path)["whole_runs"])
 
 
 @cache
 def load_moe_runs(path: Path = RUNS_FILE) -> tuple[PublishedRun, ...]:
-    """The mixture-of-experts throughput runs (`moe_runs`): predicted with the constants fitted on the dense
-    `runs`, never fitted on; their residuals are an MoE plan's step range."""
-    data = yaml.safe_load(path.read_text(encoding="utf-8"))
-    return tuple(_run(e) for e in data.get("moe_runs") or ())
+    """The mixture-of-experts throughput runs (`moe_runs`): the dense constants and their own MoE-layer overhead
+    (one release left out) predict them; those residuals are an MoE plan's step range."""
+    return tuple(_run(e) for e in _data(path).get("moe_runs") or ())
 
 
 _INPUTS: dict[str, PlanInputs] = {}
@@ -164,8 +165,7 @@ def measured_tokens_per_gpu_s(run: PublishedRun) -> float:
 class Fit:
     """The fitted step-time constants: compute efficiency per accelerator family, memory-bound passes (of fused
     stacks, and of eager ones: None = the same), the fp8 speed-up of the Transformer Engine runs, and the MoE
-    layers' fixed time per micro-batch (fitted on the MoE runs alone, `fit_moe_layer_overhead`; the dense fit
-    leaves the shipped value, which no dense run uses)."""
+    layers' fixed time per micro-batch (`fit_moe_layer_overhead`; no dense run uses it)."""
 
     efficiency: dict[str, float]
     elementwise_passes: float
