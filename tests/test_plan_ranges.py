@@ -78,26 +78,28 @@ def test_step_range_covers_held_out_runs(runs) -> None:
 
 
 def test_whole_run_range_covers_held_out_runs(whole_split) -> None:
-    """Measured on the fixed halves (name order, 20 and 20 of the 40 whole runs): 70 % (14 of 20) of B inside
-    the range from A alone, 100 % of A inside B's (with the first 21 runs, until 2026-12-06: 70 % and 64 %). B
-    draws the extreme runs (both Granite 3.0 MoE runs and Phi-3-small 0.51-0.56x, Falcon-RW-1B 1.77x at the
-    default efficiency), so its range is the wider (P90/P10 2.59x against A's 1.91x) and over-covers A.
-    With 20 runs per half one run is 5 points and which half holds the extremes decides a half's range; the
-    pin is what holds, the resampled check below is the calibration."""
+    """Measured on the fixed halves (name order within each accelerator family, 22 and 21 of the 43 whole runs):
+    86 % (18 of 21) of B inside the range from A alone and 86 % (19 of 22) of A inside B's, both inside the issue's
+    70-90 %. Until DeepSeek LLM 67B, Falcon-180B and OLMo 2 1B were added (2026-12-06) the same rule split the 40
+    runs so that B drew the extremes (Phi-3-small 0.51x, Falcon-RW-1B 1.77x): 70 % and 100 %; with the first 21
+    runs 70 % and 64 %. With ~20 runs per half one run is 5 points and which half holds the extremes decides a
+    half's range, so the resampled check below is the calibration; this pins what holds."""
     coverage = whole_run_range_coverage(whole_split)
-    assert coverage["b_with_range_from_a"] >= 0.6, coverage
-    assert coverage["a_with_range_from_b"] >= 0.6, coverage
+    assert 0.7 <= coverage["b_with_range_from_a"] <= 0.9, coverage
+    assert 0.7 <= coverage["a_with_range_from_b"] <= 0.9, coverage
 
 
 def test_whole_run_range_is_calibrated_over_random_splits(whole_split) -> None:
-    """Over 2,000 seeded random half-splits of the 40 whole runs the held-out coverage averages 81.2 % (target
-    ~80 %; the 2nd to the 19th of 20 exchangeable residuals cover 17/21 = 81 %), and 71 % of single halves land
-    in 70-90 % (48 % with the first 21 runs): one fixed split still cannot show 70-90 % on both halves reliably.
-    The method (conformal order statistics, = jackknife+ for a one-constant fit) is argued in plan/uncertainty.py."""
+    """Over 2,000 seeded random half-splits of the 43 whole runs the held-out coverage averages 82.3 % (target
+    ~80 %; the 2nd to the 20th of 21 exchangeable residuals cover 18/22 = 82 %, the 2nd to the 21st of 22 cover
+    19/23 = 83 %), 81.2 % with the first 40. 53 % of single halves
+    land in 70-90 % (71 % with 40 runs; with 21 or 22 held out, 19 of 21 is 90.5 % and 20 of 22 90.9 %, just
+    above: 69 % with them): one fixed split still cannot show 70-90 % on both halves reliably. The method
+    (conformal order statistics, = jackknife+ for a one-constant fit) is argued in plan/uncertainty.py."""
     many = whole_run_range_coverage_resampled(whole_split, n_splits=500)
     assert 0.75 <= many["mean"] <= 0.9, many
     assert many["p10"] < many["mean"] < many["p90"], many
-    # not by being wide: the halves' P90/P10 averages 2.19x over 2,000 splits (the shipped range 2.13x)
+    # not by being wide: the halves' P90/P10 averages 2.16x over 2,000 splits (the shipped range 2.03x)
     assert many["width"] < 2.5, many
 
 
