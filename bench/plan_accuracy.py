@@ -19,8 +19,8 @@
 4. P10–P90 ranges (plan/uncertainty.py): next to each out-of-sample median, the share of held-out runs whose
    measured value falls inside the range built from the other half alone (target ~80 %), and the shipped
    ranges (ratios measured / predicted). For whole runs also the same check over 2,000 random half-splits
-   (seeded): their mean coverage, the share of single splits inside 70-90 % (with ~10 whole runs per half
-   one run moves a half's coverage by 10 points) and the mean width P90/P10 (a range that covers by being wide
+   (seeded): their mean coverage, the share of single splits inside 70-90 % (with ~20 whole runs per half
+   one run moves a half's coverage by 5 points) and the mean width P90/P10 (a range that covers by being wide
    is no better).
 
 Prints `name: value unit (ratio vs baseline)` lines.

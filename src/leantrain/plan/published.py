@@ -474,7 +474,7 @@ def whole_run_range_coverage_resampled(split: dict[str, Any], *, n_splits: int =
                                        seed: int = 0) -> dict[str, float]:
     """The held-out check of `whole_run_range_coverage` over `n_splits` random half-splits of the whole runs
     (seeded, so the same every run): each half's efficiency and range from that half alone, the coverage of
-    the other half, both ways. With ~10 runs per half one run moves a half's coverage by 10 points, so one
+    the other half, both ways. With ~20 runs per half one run moves a half's coverage by 5 points, so one
     fixed split says little; the mean over many splits is the method's expected coverage, and `in_70_90` the
     share of single half-splits whose coverage lands in 70-90 %; `width` the geometric mean P90 / P10."""
     import random

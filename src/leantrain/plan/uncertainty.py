@@ -28,7 +28,7 @@ widest where the spec leaves the most to assumption:
 - whole run, fleet known (its whole-run efficiency or calibrated runs in the spec): the step-time range.
 The constants are what `bench/plan_accuracy.py` computes from the data file (a test recomputes them), and
 its held-out check (each half's range from that half alone) is the coverage docs/plan.md reports; for the whole
-runs (about ten a half) it also repeats that check over random half-splits (`whole_run_range_coverage_resampled`),
+runs (about twenty a half) it also repeats that check over random half-splits (`whole_run_range_coverage_resampled`),
 whose mean is the range's expected coverage.
 """
 
