@@ -78,9 +78,9 @@ def test_step_range_covers_held_out_runs(runs) -> None:
 
 
 def test_whole_run_range_covers_held_out_runs(whole_split) -> None:
-    """Measured on the fixed halves (alternate runs in name order, 22 and 21 of the 43 whole runs):
-    86 % (18 of 21) of B inside the range from A alone and 86 % (19 of 22) of A inside B's, both inside the issue's
-    70-90 %. Until DeepSeek LLM 67B, Falcon-180B and OLMo 2 1B were added (2026-12-06) the same alternation split the 40
+    """Measured on the fixed halves (alternate runs in name order, 22 and 21 of the 43 whole runs): 86 % (18 of
+    21) of B inside the range from A alone and 86 % (19 of 22) of A inside B's, both inside the issue's 70-90 %.
+    Until DeepSeek LLM 67B, Falcon-180B and OLMo 2 1B were added (2026-12-06) the same alternation split the 40
     runs so that B drew the extremes (Phi-3-small 0.54x, Falcon-RW-1B 1.70x): 70 % and 100 %; with the first 21
     runs 70 % and 64 %. With ~20 runs per half one run is 5 points and which half holds the extremes decides a
     half's range, so the resampled check below is the calibration; this pins what holds."""
@@ -92,10 +92,10 @@ def test_whole_run_range_covers_held_out_runs(whole_split) -> None:
 def test_whole_run_range_is_calibrated_over_random_splits(whole_split) -> None:
     """Over 2,000 seeded random half-splits of the 43 whole runs the held-out coverage averages 82.3 % (target
     ~80 %; the 2nd to the 20th of 21 exchangeable residuals cover 18/22 = 82 %, the 2nd to the 21st of 22 cover
-    19/23 = 83 %), 81.2 % with the first 40. 53 % of single halves
-    land in 70-90 % (71 % with 40 runs; with 21 or 22 held out, 19 of 21 is 90.5 % and 20 of 22 90.9 %, just
-    above: 69 % with them): one fixed split still cannot show 70-90 % on both halves reliably. The method
-    (conformal order statistics, = jackknife+ for a one-constant fit) is argued in plan/uncertainty.py."""
+    19/23 = 83 %), 81.2 % with the first 40. 53 % of single halves land in 70-90 % (71 % with 40 runs; with 21 or
+    22 held out, 19 of 21 is 90.5 % and 20 of 22 90.9 %, just above: 69 % with them): one fixed split still cannot
+    show 70-90 % on both halves reliably. The method (conformal order statistics, = jackknife+ for a one-constant
+    fit) is argued in plan/uncertainty.py."""
     many = whole_run_range_coverage_resampled(whole_split, n_splits=500)
     assert 0.75 <= many["mean"] <= 0.9, many
     assert many["p10"] < many["mean"] < many["p90"], many
