@@ -46,8 +46,8 @@ from collections.abc import Iterable
 # and priced fewer micro-batches than stages as they run (2026-12-04), and the whole-run range when 19 published
 # whole runs were added to the 21 (2026-12-06: P90 1.36x -> 1.62x), and when MoE layers' fixed time per micro-batch
 # was priced (2026-12-06: 0.76-1.62x -> 0.78-1.52x; the whole-run efficiency 0.75 -> 0.78), and when DeepSeek LLM
-# 67B, Falcon-180B, OLMo 2 1B and MiniCPM-2.4B were added to the 40 (2026-12-06: 0.76-1.56x around 1.00x;
-# efficiency 0.80).
+# 67B, Falcon-180B and OLMo 2 1B were added to the 40 (2026-12-06: 0.77-1.56x around 0.99x; efficiency 0.81) and
+# MiniCPM-2.4B to those 43 (0.76-1.56x around 1.00x; efficiency 0.80).
 # The MoE range (2026-12-06): 16 MoE runs of 9 releases, measured 0.78-2.33x the planned step time, median 1.23x,
 # before the MoE layers' fixed time per micro-batch was priced (plan/inputs.py MOE_LAYER_OVERHEAD_S); with it, and
 # each release predicted with the overhead fitted on the others, 0.69-1.77x around 1.01x.
