@@ -111,11 +111,14 @@ def test_held_out_runs_are_predicted_without_being_fitted_on() -> None:
 
 
 def test_held_out_runs_against_the_shipped_step_range() -> None:
-    """The step range (built from the calibration file's split-half residuals) on the 23 held-out dense runs: 48 %
-    (11) inside P10-P90, the other 12 all faster than P10 (the planner 0.80-0.92x their throughput: torchtitan's
-    500 W H100 rows, LLM Foundry's A100 and two of its H100 rows), none slower than P90. Until 2026-12-06
-    bench/plan_accuracy.py checked them with the residual's sign flipped (log(predicted / measured step time)) and
-    printed 84 %; it now calls `range_coverage`, which uses the ranges' own residual, log(measured / predicted)."""
+    """The step range (the calibration runs' residuals with their software stack left out of the constants) on the
+    23 held-out dense runs: 87 % (20) inside P10-P90, the other 3 faster than P10, none slower than P90. With the
+    range from split-half residuals (0.92-1.23x, which share stacks) 48 % (11) were inside and 12 faster than P10
+    (the planner 0.80-0.92x their throughput: torchtitan's 500 W H100 rows, LLM Foundry's A100 and two of its H100
+    rows); the method was changed to leave one stack out on 2026-12-06, after seeing that, so this is not a blind
+    test of it. Until 2026-12-06 bench/plan_accuracy.py checked them with the residual's sign flipped
+    (log(predicted / measured step time)); `range_coverage` uses the ranges' own residual, log(measured /
+    predicted)."""
     from leantrain.plan.published import range_coverage
     from leantrain.plan.uncertainty import STEP_RANGE
 
@@ -123,7 +126,7 @@ def test_held_out_runs_against_the_shipped_step_range() -> None:
     fit = fit_constants(list(load_runs()[0]))
     hi = STEP_RANGE["layout"][2]
     inside = range_coverage(list(held), fit, STEP_RANGE["layout"])
-    assert 0.3 <= inside <= 0.6, inside
+    assert 0.8 <= inside <= 0.95, inside
     assert range_coverage(list(held), fit, (-math.inf, 0.0, hi)) == 1.0  # none slower than P90
     # the residual's sign: a run the planner over-predicts (tokens/s) took longer than planned, above P50
     slow = [r for r in held if predicted_with(r, fit) > measured_tokens_per_gpu_s(r)]

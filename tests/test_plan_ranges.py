@@ -70,11 +70,15 @@ def test_searched_step_range_is_the_published_runs_residuals(runs) -> None:
 
 
 def test_step_range_covers_held_out_runs(runs) -> None:
-    """Measured: 86 % of half B inside the range built from half A alone, 100 % of A from B (target ~80 %; B's
-    inner split gives the wider range, so it over-covers)."""
+    """Each software stack left out of the constants and of the range in turn (the range from the other stacks'
+    own leave-one-stack-out residuals): 84 % of the 58 runs inside (target ~80 %). By stack: Megatron-LM 2021,
+    Meta's Llama 3 and torchtitan 100 %, NVIDIA's NeMo/Megatron 85 %, LLM Foundry 82 %, and MT-NLG 0 %: its
+    three DeepSpeed pipeline runs are 1.19-1.24x slower than the other stacks predict, above the P90. (Until
+    2026-12-06 the range came from split halves, which share stacks: 86 % / 100 % on the halves, but 48 % on the
+    runs outside the file, test_plan_hopper.py.)"""
     coverage = step_range_coverage(runs[0])
-    assert 0.7 <= coverage["b_with_range_from_a"] <= 0.95, coverage
-    assert 0.7 <= coverage["a_with_range_from_b"] <= 1.0, coverage
+    assert 0.75 <= coverage["all"] <= 0.9, coverage
+    assert coverage["MT-NLG"] == 0.0 and coverage["torchtitan"] == 1.0, coverage
 
 
 def test_whole_run_range_covers_held_out_runs(whole_split) -> None:
@@ -147,11 +151,10 @@ def test_moe_step_range_is_the_moe_runs_residuals_and_holds_release_by_release(r
     residuals is 0.69-1.77x around 1.01x. One release left out of the overhead and the range at a time, the others'
     range covers 14 of the 16 runs (88 %) and 7 of the 9 releases."""
     from leantrain.plan.inputs import MOE_LAYER_OVERHEAD_S
-    from leantrain.plan.published import (
+    from leantrain.plan.published import load_moe_runs, log_errors
+    from leantrain.plan.published_moe import (
         _moe_step_terms,
         fit_moe_layer_overhead,
-        load_moe_runs,
-        log_errors,
         moe_range_coverage,
         moe_residuals_out_of_sample,
     )

@@ -1,22 +1,17 @@
 """Published runs (plan/published_runs.yaml) as planner inputs, predictions, and the calibration that fits the
-step-time constants on one half of them and reports the error on the other half.
+step-time constants on some of them and reports the error on the others.
 
-- `load_runs()` → throughput entries (`runs`) and whole-run entries (`whole_runs`), each a `PublishedRun`;
-  `load_moe_runs()` → the MoE entries (`moe_runs`), which fit only `fit_moe_layer_overhead`.
-- `measured_tokens_per_gpu_s(run)` turns the source's figure (tokens/s, step time, Megatron TFLOP/s or MFU)
-  into tokens per second per GPU.
-- `predicted_tokens_per_gpu_s(run, efficiency=..., elementwise_passes=...)` runs the step-time model on the
-  run's layout.
-- `fit_constants(runs)` picks, per accelerator family, the compute efficiency, one memory-bound pass count
-  for all, and the fp8 step speed-up of the fp8 runs, that minimise the median |log(predicted / measured)|:
-  the only fitted step-time constants. `split_halves(runs)` alternates runs within each
-  family (sorted by name), so both halves cover every accelerator, style and size range.
-- `whole_run_gpu_hours(run)`: the planner's whole-run prediction in model mode (the published layout, or the
-  searched best when none is published, divided by the expected goodput and the whole-run efficiency);
-  `whole_run_split_errors(runs)` fits the whole-run efficiency on half the whole runs, reports the other half;
-  `whole_run_range_coverage(split)` and `whole_run_range_coverage_resampled(split)` check the P10-P90 range the
-  same way on the fixed halves and over random half-splits; `moe_residuals_out_of_sample` gives an MoE plan's step
-  range and `moe_range_coverage` checks it, one release left out of both at a time.
+- `load_runs()` → throughput (`runs`) and whole-run entries (`whole_runs`); `load_moe_runs()` → the MoE entries,
+  which fit only `fit_moe_layer_overhead`. `measured_tokens_per_gpu_s(run)` reads the source's figure (tokens/s,
+  step time, Megatron TFLOP/s or MFU); `predicted_tokens_per_gpu_s(run, ...)` runs the step-time model on its layout.
+- `fit_constants(runs)` picks, per accelerator family, the compute efficiency, one memory-bound pass count and
+  the fp8 step speed-up that minimise the median |log(predicted / measured)|: the only fitted step-time constants.
+  `split_halves(runs)` alternates runs within each family (by name) for the split-half error; the step range
+  leaves one software stack out at a time (`step_residuals_out_of_sample`, checked by `step_range_coverage`).
+- `whole_run_gpu_hours(run)`: the planner's whole-run prediction in model mode; `whole_run_split_errors(runs)`
+  fits the whole-run efficiency on half the whole runs and reports the other half; `whole_run_range_coverage` and
+  `whole_run_range_coverage_resampled` check its range on the fixed and on random halves;
+  plan/published_moe.py does the same for the MoE runs and range, one release left out.
 """
 
 from __future__ import annotations
@@ -46,8 +41,6 @@ EFFICIENCY_GRID = [round(0.30 + 0.005 * i, 3) for i in range(101)]  # 0.30 ... 0
 FP8_GRID = [round(1.0 + 0.02 * i, 2) for i in range(51)]  # fp8 step speed-up over bf16, 1.00 ... 2.00
 PASSES_GRID = [float(i) for i in range(17)]  # memory-bound passes over a layer's activations, 0 ... 16
 EAGER_PASSES_GRID = [float(i) for i in range(33)]  # the same for eager (unfused) stacks, 0 ... 32
-MOE_OVERHEAD_GRID = [round(0.00025 * i, 5) for i in range(41)]  # seconds per MoE layer and micro-batch, 0 ... 10 ms
-MoETerms = list[tuple[str, float, float, float]]  # per MoE run: release, measured, bare and per-second step times
 
 
 def family(accelerator: str) -> str:
@@ -185,13 +178,9 @@ class Fit:
 def predicted_tokens_per_gpu_s(run: PublishedRun, *, efficiency: float | None = None,
                                elementwise_passes: float | None = None, fp8_speedup: float | None = None,
                                moe_layer_overhead_s: float | None = None) -> float:
-    inputs = run_inputs(run)
-    if efficiency is not None:
-        inputs = replace(inputs, compute_efficiency=efficiency)
-    if elementwise_passes is not None:
-        inputs = replace(inputs, elementwise_passes=elementwise_passes)
-    if moe_layer_overhead_s is not None:
-        inputs = replace(inputs, moe_layer_overhead_s=moe_layer_overhead_s)
+    knobs = {"compute_efficiency": efficiency, "elementwise_passes": elementwise_passes,
+             "moe_layer_overhead_s": moe_layer_overhead_s}
+    inputs = replace(run_inputs(run), **{k: v for k, v in knobs.items() if v is not None})
     if fp8_speedup is not None and inputs.fp8_speedup != 1.0 and run.fp8_recipe == "te":
         inputs = replace(inputs, fp8_speedup=fp8_speedup)
     t = step_time(inputs, run.run_layout(), sequences_per_step=run.global_batch_seqs)
@@ -220,7 +209,7 @@ def median_abs_error(runs: list[PublishedRun], fit: Fit) -> float:
     return statistics.median(abs(math.exp(e) - 1) for e in log_errors(runs, fit))
 
 
-def _grid_min(grid: list[float], score: Any) -> float:
+def grid_min(grid: list[float], score: Any) -> float:
     """The grid point with the smallest score: a coarse pass, then a fine one around its best point (a
     quarter of the evaluations; on the published runs it picks what the full grid picks, for every fit)."""
     coarse = min(grid[::4], key=score)
@@ -242,11 +231,11 @@ def _fit_with_eager(runs: list[PublishedRun], eager: float | None) -> Fit:
         eff = {}
         for fam in sorted({r.family for r in runs}):
             members = [r for r in bf16 if r.family == fam] or [r for r in runs if r.family == fam]
-            eff[fam] = _grid_min(EFFICIENCY_GRID, lambda e, ms=members, f=fam, p=passes: _median_abs_log(
+            eff[fam] = grid_min(EFFICIENCY_GRID, lambda e, ms=members, f=fam, p=passes: _median_abs_log(
                 ms, Fit({f: e}, p, eager_passes=eager)))
         fit = Fit(eff, passes, eager_passes=eager)
         if fp8:
-            fit = Fit(eff, passes, _grid_min(FP8_GRID, lambda x, f=eff, p=passes: _median_abs_log(
+            fit = Fit(eff, passes, grid_min(FP8_GRID, lambda x, f=eff, p=passes: _median_abs_log(
                 fp8, Fit(f, p, x, eager))), eager)
         score = _median_abs_log(runs, fit)
         if best is None or score < best[0] - 1e-12:
@@ -335,12 +324,34 @@ def whole_run_split_errors(runs: tuple[PublishedRun, ...]) -> dict[str, Any]:
 # --- P10-P90 ranges (plan/uncertainty.py): the residuals the ranges come from, and their held-out coverage ---
 
 
-def step_residuals_out_of_sample(runs: tuple[PublishedRun, ...]) -> list[float]:
-    """log(measured / predicted step time) of every run, each predicted with the constants fitted on the other
-    half (split_halves): what the planner's step time misses on a run it was not fitted on."""
-    a, b = split_halves(runs)
-    fit_a, fit_b = fit_constants(a), fit_constants(b)
-    return [*log_errors(a, fit_b), *log_errors(b, fit_a)]
+STACKS = {"megatron": "Megatron-LM 2021", "mt": "MT-NLG", "torchtitan": "torchtitan", "foundry": "LLM Foundry",
+          "llama3": "Meta Llama 3"}
+
+
+def stack(run: PublishedRun) -> str:
+    """The software stack a throughput run was measured on, by its name's first field (the others: NVIDIA's
+    NeMo/Megatron reference stack, nemotron4, dgxc*, nemo*, mb*)."""
+    return STACKS.get(run.name.split("-", 1)[0], "NVIDIA NeMo/Megatron")
+
+
+_FITS: dict[frozenset[str], Fit] = {}
+
+
+def fit_without(runs: tuple[PublishedRun, ...] | list[PublishedRun], *stacks: str) -> Fit:
+    """`fit_constants` on the runs of the other stacks (cached by the runs fitted on)."""
+    kept = [r for r in runs if stack(r) not in stacks]
+    key = frozenset(r.name for r in kept)
+    if key not in _FITS:
+        _FITS[key] = fit_constants(kept)
+    return _FITS[key]
+
+
+def step_residuals_out_of_sample(runs: tuple[PublishedRun, ...] | list[PublishedRun]) -> list[float]:
+    """log(measured / predicted step time) of every run, each predicted with the constants fitted on the runs of
+    the other stacks (`stack`; leave one stack out): what the step time misses on a stack it was not fitted on,
+    as on a user's own stack."""
+    names = sorted({stack(r) for r in runs})
+    return [e for n in names for e in log_errors([r for r in runs if stack(r) == n], fit_without(runs, n))]
 
 
 def searched_step_residuals(runs: tuple[PublishedRun, ...], fits: dict[str, Fit] | None = None) -> list[float]:
@@ -370,18 +381,19 @@ def whole_run_residuals(ratios_at_1: dict[str, float], efficiency: float, names:
     return [-math.log(ratios_at_1[n] / efficiency) for n in names]
 
 
-def step_range_coverage(runs: tuple[PublishedRun, ...]) -> dict[str, Any]:
-    """Held-out check of the step-time range: for each half, its constants and its range come from it alone
-    (the range from the residuals of its own inner split-half, the way the shipped range comes from the outer
-    one), and the share of the other half's runs whose measured step time lies in [P10, P90] is reported."""
+def step_range_coverage(runs: tuple[PublishedRun, ...]) -> dict[str, float]:
+    """Held-out check of the step-time range, one stack left out of both the constants and the range: for each
+    stack, the share of its runs inside the range built from the other stacks' own leave-one-stack-out residuals,
+    each run predicted with the constants fitted on the other stacks; "all": the share of all runs."""
     from leantrain.plan.uncertainty import conformal_range
 
-    a, b = split_halves(runs)
-    out: dict[str, Any] = {}
-    for label, calib, held in (("b_with_range_from_a", a, b), ("a_with_range_from_b", b, a)):
-        lo, mid, hi = conformal_range(step_residuals_out_of_sample(tuple(calib)))
-        out[label] = range_coverage(held, fit_constants(calib), (lo, mid, hi))
-        out[f"{label}_range"] = (lo, hi)
+    out: dict[str, float] = {}
+    for name in sorted({stack(r) for r in runs}):
+        others = [r for r in runs if stack(r) != name]
+        offsets = conformal_range([e for n in sorted({stack(r) for r in others}) for e in log_errors(
+            [r for r in others if stack(r) == n], fit_without(runs, name, n))])
+        out[name] = range_coverage([r for r in runs if stack(r) == name], fit_without(runs, name), offsets)
+    out["all"] = sum(out[stack(r)] for r in runs) / len(runs)
     return out
 
 
@@ -391,66 +403,6 @@ def range_coverage(runs: list[PublishedRun], fit: Fit, offsets: tuple[float, flo
     are built from (plan/uncertainty.py)."""
     lo, _, hi = offsets
     return sum(lo <= e <= hi for e in log_errors(runs, fit)) / len(runs)
-
-
-def release(run: PublishedRun) -> str:
-    """The release an MoE run comes from: its name's first field (dgxc2504, mb2509, nemo2502, ...)."""
-    return run.name.split("-", 1)[0]
-
-
-def _moe_step_terms(runs: tuple[PublishedRun, ...] | list[PublishedRun], fit: Fit) -> MoETerms:
-    """Per MoE run: release, measured step time, step time predicted with `fit` and no MoE-layer overhead, and the
-    seconds a second of overhead adds (it enters linearly, timing.py), so fitting it is arithmetic."""
-    out = []
-    for run in runs:
-        tokens = run.global_batch_seqs * run.seq_len / run.gpus
-        bare = tokens / predicted_with(run, replace(fit, moe_layer_overhead_s=0.0))
-        per_second = tokens / predicted_with(run, replace(fit, moe_layer_overhead_s=1.0)) - bare
-        out.append((release(run), tokens / measured_tokens_per_gpu_s(run), bare, per_second))
-    return out
-
-
-def _moe_residuals(terms: MoETerms, overhead_s: float) -> list[float]:
-    """log(measured / predicted step time) at a given MoE-layer overhead: the ranges' residual (log_errors)."""
-    return [math.log(measured / (bare + overhead_s * per_second)) for _, measured, bare, per_second in terms]
-
-
-def _fit_overhead(terms: MoETerms) -> float:
-    return _grid_min(MOE_OVERHEAD_GRID, lambda x: statistics.median(abs(e) for e in _moe_residuals(terms, x)))
-
-
-def _leave_one_release_out(terms: MoETerms) -> list[float]:
-    """Each run's residual at the overhead fitted on the other releases' runs, in the order of `terms`."""
-    fitted = {group: _fit_overhead([t for t in terms if t[0] != group]) for group in {t[0] for t in terms}}
-    return [_moe_residuals([t], fitted[t[0]])[0] for t in terms]
-
-
-def fit_moe_layer_overhead(runs: tuple[PublishedRun, ...], fit: Fit) -> float:
-    """The MoE-layer overhead (s per MoE layer and micro-batch, plan/inputs.py MOE_LAYER_OVERHEAD_S) with the
-    smallest median |log error| over the MoE runs, the dense constants `fit` held."""
-    return _fit_overhead(_moe_step_terms(runs, fit))
-
-
-def moe_residuals_out_of_sample(runs: tuple[PublishedRun, ...], fit: Fit) -> list[float]:
-    """log(measured / predicted step time) of every MoE run (in order), the overhead fitted on the other releases'
-    runs (a release shares one stack and mostly one configuration: halves would hold near-copies on both sides)."""
-    return _leave_one_release_out(_moe_step_terms(runs, fit))
-
-
-def moe_range_coverage(runs: tuple[PublishedRun, ...], fit: Fit) -> dict[str, Any]:
-    """Held-out check of the MoE step range: one release left out at a time, the overhead and the range (from their
-    own leave-one-release-out residuals) from the other releases' runs; the share of its step times inside."""
-    from leantrain.plan.uncertainty import conformal_range
-
-    terms = _moe_step_terms(runs, fit)
-    inside, groups, covered = 0.0, sorted({t[0] for t in terms}), 0
-    for group in groups:
-        calib, held = [t for t in terms if t[0] != group], [t for t in terms if t[0] == group]
-        lo, _, hi = conformal_range(_leave_one_release_out(calib))
-        share = sum(lo <= e <= hi for e in _moe_residuals(held, _fit_overhead(calib))) / len(held)
-        inside += share * len(held)
-        covered += share == 1.0
-    return {"runs": inside / len(runs), "releases": covered / len(groups), "n_releases": len(groups)}
 
 
 def whole_run_range_coverage(split: dict[str, Any]) -> dict[str, Any]:
