@@ -2,8 +2,9 @@
 step-time constants on some of them and reports the error on the others.
 
 - `load_runs()` → throughput (`runs`) and whole-run entries (`whole_runs`); `load_moe_runs()` → the MoE entries,
-  which fit only `fit_moe_layer_overhead`. `measured_tokens_per_gpu_s(run)` reads the source's figure (tokens/s,
-  step time, Megatron TFLOP/s or MFU); `predicted_tokens_per_gpu_s(run, ...)` runs the step-time model on its layout.
+  which fit only the MoE-layer overhead (plan/published_moe.py). `measured_tokens_per_gpu_s(run)` reads the
+  source's figure (tokens/s, step time, Megatron TFLOP/s or MFU); `predicted_tokens_per_gpu_s(run, ...)` runs the
+  step-time model on its layout.
 - `fit_constants(runs)` picks, per accelerator family, the compute efficiency, one memory-bound pass count and
   the fp8 step speed-up that minimise the median |log(predicted / measured)|: the only fitted step-time constants.
   `split_halves(runs)` alternates runs within each family (by name) for the split-half error; the step range
@@ -158,7 +159,7 @@ def measured_tokens_per_gpu_s(run: PublishedRun) -> float:
 class Fit:
     """The fitted step-time constants: compute efficiency per accelerator family, memory-bound passes (of fused
     stacks, and of eager ones: None = the same), the fp8 speed-up of the Transformer Engine runs, and the MoE
-    layers' fixed time per micro-batch (`fit_moe_layer_overhead`; no dense run uses it)."""
+    layers' fixed time per micro-batch (plan/published_moe.py; no dense run uses it)."""
 
     efficiency: dict[str, float]
     elementwise_passes: float
@@ -324,23 +325,27 @@ def whole_run_split_errors(runs: tuple[PublishedRun, ...]) -> dict[str, Any]:
 # --- P10-P90 ranges (plan/uncertainty.py): the residuals the ranges come from, and their held-out coverage ---
 
 
+NVIDIA = "NVIDIA NeMo/Megatron"
 STACKS = {"megatron": "Megatron-LM 2021", "mt": "MT-NLG", "torchtitan": "torchtitan", "foundry": "LLM Foundry",
-          "llama3": "Meta Llama 3"}
+          "llama": "Meta Llama 3", "nemotron": NVIDIA, "dgxc": NVIDIA, "nemo": NVIDIA, "mb": NVIDIA}
 
 
 def stack(run: PublishedRun) -> str:
-    """The software stack a throughput run was measured on, by its name's first field (the others: NVIDIA's
-    NeMo/Megatron reference stack, nemotron4, dgxc*, nemo*, mb*)."""
-    return STACKS.get(run.name.split("-", 1)[0], "NVIDIA NeMo/Megatron")
+    """The software stack a throughput run was measured on, by its name's first field without its digits
+    (dgxc2504 -> dgxc, llama3 -> llama); a name no stack claims is refused."""
+    prefix = run.name.split("-", 1)[0].rstrip("0123456789")
+    if prefix not in STACKS:
+        raise ValueError(f"published run {run.name!r}: no software stack for its name prefix {prefix!r}")
+    return STACKS[prefix]
 
 
-_FITS: dict[frozenset[str], Fit] = {}
+_FITS: dict[frozenset[PublishedRun], Fit] = {}
 
 
 def fit_without(runs: tuple[PublishedRun, ...] | list[PublishedRun], *stacks: str) -> Fit:
     """`fit_constants` on the runs of the other stacks (cached by the runs fitted on)."""
     kept = [r for r in runs if stack(r) not in stacks]
-    key = frozenset(r.name for r in kept)
+    key = frozenset(kept)  # the run objects themselves (PublishedRun hashes by identity)
     if key not in _FITS:
         _FITS[key] = fit_constants(kept)
     return _FITS[key]

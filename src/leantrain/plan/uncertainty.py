@@ -7,7 +7,7 @@ al. 2018, "Distribution-free predictive inference for regression", JASA 113:1094
 ⌊0.1(n + 1)⌋-th and ⌈0.9(n + 1)⌉-th smallest, which keep ≥ 80 % coverage for an exchangeable new run where plain
 empirical quantiles of few residuals undercover) and r50 their median. Why this method and not the normal-theory
 prediction interval mean ± t_{0.90,n−1}·s·√(1 + 1/n): one method serves both ranges, and the step-time
-residuals are skewed and not normal (58 out-of-sample residuals: skewness 0.71, Shapiro–Wilk p = 0.011), so
+residuals are skewed and not normal (58 stack-out residuals: skewness 0.49, Shapiro–Wilk p = 0.005), so
 a symmetric t interval is mis-specified there; the order statistics need only exchangeable runs. In the
 held-out check a half's whole-run range uses that half's residuals at the efficiency fitted on the same half:
 for a fit that is one multiplicative constant this is exactly the jackknife+ interval with signed residuals,
