@@ -74,7 +74,6 @@ def test_every_throughput_run_has_a_software_stack(runs) -> None:
     """The step range leaves one stack out at a time; a run whose name no stack claims is refused, not filed under
     one silently."""
     from collections import Counter
-    from dataclasses import replace
 
     from leantrain.plan.published import stack
 
@@ -82,7 +81,7 @@ def test_every_throughput_run_has_a_software_stack(runs) -> None:
                                                   "Megatron-LM 2021": 10, "torchtitan": 6, "MT-NLG": 3,
                                                   "Meta Llama 3": 2}
     with pytest.raises(ValueError, match="no software stack"):
-        stack(replace(runs[0][0], name="trainy-h200-8b"))
+        stack(dataclasses.replace(runs[0][0], name="trainy-h200-8b"))
 
 
 def test_step_range_covers_held_out_runs(runs) -> None:

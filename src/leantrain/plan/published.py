@@ -394,9 +394,7 @@ def step_range_coverage(runs: tuple[PublishedRun, ...]) -> dict[str, float]:
 
     out: dict[str, float] = {}
     for name in sorted({stack(r) for r in runs}):
-        others = [r for r in runs if stack(r) != name]
-        offsets = conformal_range([e for n in sorted({stack(r) for r in others}) for e in log_errors(
-            [r for r in others if stack(r) == n], fit_without(runs, name, n))])
+        offsets = conformal_range(step_residuals_out_of_sample([r for r in runs if stack(r) != name]))
         out[name] = range_coverage([r for r in runs if stack(r) == name], fit_without(runs, name), offsets)
     out["all"] = sum(out[stack(r)] for r in runs) / len(runs)
     return out
