@@ -148,6 +148,59 @@ def test_plan_json_carries_every_range(tmp_path: Path) -> None:
     assert plot_what_if(rows, tmp_path / "what_if.png").stat().st_size > 0
 
 
+@pytest.mark.parametrize(("example", "source"), [("seed-10b.yaml", "search"), ("llama3-405b.yaml", "spec")])
+def test_what_if_row_of_the_plans_own_gpu_count_repeats_the_plan(example: str, source: str) -> None:
+    """A what-if row is the plan at that GPU count: the same layout choice (the spec's where it covers the count),
+    goodput, whole-run days, GPU-hours and cost and their P10/P50/P90; the rows around it carry ordered ranges of
+    their own. (Before 2026-12-06 a row searched a layout even where the spec gave one and carried only the
+    step-time model's days with the step range: the seed's 120-GPU row read 27 days, 22-46, beside the plan's whole
+    run of 36.5 days, 27.6-61.5, and its cost had no range.)"""
+    spec = load_spec(EXAMPLES / example)
+    plan = build_plan(spec)
+    data = plan.to_json()
+    own = plan.layout_gpus
+    rows = {row["gpus"]: row for row in what_if_rows(plan, [own // 2, own, own * 2])}
+    row = rows[own]
+    assert row["layout_source"] == data["layout"]["source"] == source
+    assert row["layout"] == plan.chosen.layout.describe()
+    assert row["expected_goodput"] == pytest.approx(data["time"]["expected_goodput"])
+    for p in ("p10", "p50", "p90"):
+        assert row[f"whole_run_days_{p}"] == pytest.approx(data["time"][f"days_{p}"])
+        assert row[f"whole_run_gpu_hours_{p}"] == pytest.approx(data["time"][f"gpu_hours_{p}"])
+        assert row[f"whole_run_cost_{p}"] == pytest.approx(data["cost"][f"total_{p}"])
+    assert row["whole_run_cost"] == pytest.approx(data["cost"]["whole_run"])
+    price = spec.budget.price_per_gpu_hour
+    for r in rows.values():
+        if not r["fits"]:
+            continue
+        for name in ("whole_run_days", "whole_run_gpu_hours", "whole_run_cost"):
+            assert 0 < r[f"{name}_p10"] <= r[f"{name}_p50"] <= r[f"{name}_p90"], (r["gpus"], name)
+        assert r["whole_run_cost_p90"] == pytest.approx(r["whole_run_gpu_hours_p90"] * price)
+        # the whole run includes goodput and the whole-run efficiency: never shorter than the step model alone
+        assert r["whole_run_days"] > r["predicted_days"]
+
+
+def test_what_if_table_keeps_every_figure_whole_in_80_columns() -> None:
+    """The what-if table's ranges are never cut to fit a terminal: each row's P10–P90 is printed whole at 80
+    columns, and the layouts are listed under the table."""
+    import io
+
+    from rich.console import Console
+
+    from leantrain.plan.render import render_what_if
+
+    plan = build_plan(load_spec(EXAMPLES / "llama3-405b.yaml"))
+    rows = what_if_rows(plan, [2048, 16384])
+    buf = io.StringIO()
+    render_what_if(rows, console=Console(file=buf, width=80, color_system=None), currency="USD")
+    text = buf.getvalue()
+    assert max(len(line) for line in text.splitlines()) <= 80
+    for row in rows:
+        assert f"{row['whole_run_days_p10']:.1f}–{row['whole_run_days_p90']:.1f}" in text
+        assert f"{row['gpus']} GPUs: {row['layout']} ({row['layout_source']})" in text
+    assert "…" not in text
+
+
 def test_searched_layout_gets_the_wider_step_range() -> None:
     from leantrain.plan.uncertainty import step_offsets, whole_run_offsets
 

@@ -65,7 +65,7 @@ def run(*, console: Console, spec: JobSpec, json_out: Path | None, top: int, wha
     if plan.what_if:
         render_what_if(plan.what_if, console=console, currency=spec.budget.currency)
         if plot is not None:
-            console.print(f"what-if plot: {plot_what_if(plan.what_if, plot)}")
+            console.print(f"what-if plot: {plot_what_if(plan.what_if, plot, currency=spec.budget.currency)}")
     if spec.plan.trace:
         from leantrain.plan.trace import compare, render_comparison
 

@@ -59,20 +59,10 @@ class Plan:
         the step-time range of a given or a searched layout; the whole run's, wider unless the fleet's own
         whole-run efficiency is in the spec."""
         given = self.layout_source == "spec"
-        moe = self.inputs.shape.moe is not None
-        step = step_offsets(layout_given=given, moe=moe)
-        whole = whole_run_offsets(layout_given=given, fleet_known=self.spec.plan.whole_run_efficiency is not None,
-                                  moe=moe)
-        t, price = self.chosen.time, self.spec.budget.price_per_gpu_hour
-        hours = self.run.get("whole_run_gpu_hours", 0.0)
-        return {"throughput": range_dict("step_s", step, t.step_s),
-                "time": {**range_dict("days", whole, self.run.get("whole_run_days", 0.0)),
-                         **range_dict("gpu_hours", whole, hours),
-                         "range_basis": ("fleet's whole-run efficiency" if self.spec.plan.whole_run_efficiency
-                                         is not None else "published whole runs")
-                         + (", the spec's layout" if given else ", a searched layout")
-                         + (", published MoE runs' step range" if moe else "")},
-                "cost": {"whole_run": hours * price, **range_dict("total", whole, hours * price)}}
+        step = step_offsets(layout_given=given, moe=self.inputs.shape.moe is not None)
+        whole = whole_run_ranges(self.spec, self.inputs, self.run, layout_given=given)
+        return {"throughput": range_dict("step_s", step, self.chosen.time.step_s),
+                "time": {**whole["time"], "range_basis": whole["basis"]}, "cost": whole["cost"]}
 
     def to_json(self) -> dict[str, Any]:
         inputs, budget, chosen = self.inputs, self.budget, self.chosen
@@ -175,13 +165,26 @@ def _moe_overhead_notes(inputs: PlanInputs, chosen: Candidate, *, spec_value: bo
             f"(CUDA-graphed, drop-and-pad) would set it lower"]
 
 
-def build_plan(spec: JobSpec) -> Plan:
-    """The whole plan for a spec."""
-    inputs = plan_inputs(spec)
-    budget = make_budget(spec, inputs)
-    gpus = layout_gpu_count(spec, budget)
-    knobs = spec.plan
-    search = search_layouts(inputs, gpus, max_micro_batch=knobs.max_micro_batch, top_k=knobs.top_k)
+def whole_run_ranges(spec: JobSpec, inputs: PlanInputs, run: dict[str, Any], *,
+                     layout_given: bool) -> dict[str, Any]:
+    """The whole run's days and GPU-hours and its cost with their P10/P50/P90 (plan/uncertainty.py), the same for
+    the plan and each what-if row: `time` and `cost` as plan.json names them, and the range's basis in words."""
+    moe = inputs.shape.moe is not None
+    fleet_known = spec.plan.whole_run_efficiency is not None
+    whole = whole_run_offsets(layout_given=layout_given, fleet_known=fleet_known, moe=moe)
+    hours, price = run.get("whole_run_gpu_hours", 0.0), spec.budget.price_per_gpu_hour
+    basis = (("fleet's whole-run efficiency" if fleet_known else "published whole runs")
+             + (", the spec's layout" if layout_given else ", a searched layout")
+             + (", published MoE runs' step range" if moe else ""))
+    return {"time": {**range_dict("days", whole, run.get("whole_run_days", 0.0)),
+                     **range_dict("gpu_hours", whole, hours)},
+            "cost": {"whole_run": hours * price, **range_dict("total", whole, hours * price)}, "basis": basis}
+
+
+def choose_layout(spec: JobSpec, inputs: PlanInputs, gpus: int,
+                  search: SearchResult) -> tuple[Candidate, str, list[str]]:
+    """The layout a plan on `gpus` GPUs runs: the spec's where it covers them and fits, else the searched best
+    (else the leanest, which does not fit); with its source and notes."""
     chosen, source, notes = None, "search", []
     par = spec.parallelism
     if par.layout == "spec" and par.world_size == gpus:
@@ -197,11 +200,29 @@ def build_plan(spec: JobSpec) -> Plan:
         chosen = search.best or search.smallest
         source = "search" if search.best is not None else "none fits (leanest shown)"
     assert chosen is not None
-    notes.extend([*_padding_notes(inputs, chosen),
-                  *_moe_overhead_notes(inputs, chosen, spec_value=knobs.moe_layer_overhead_ms is not None)])
+    return chosen, source, notes
+
+
+def whole_run_on(spec: JobSpec, inputs: PlanInputs, gpus: int,
+                 chosen: Candidate) -> tuple[dict[str, float], dict[str, Any]]:
+    """The checkpoint interval (with its goodput) and the whole run (plan/goodput.py) of a layout on `gpus` GPUs."""
     ckpt = checkpoint_interval(spec, inputs, num_gpus=gpus, step_s=chosen.time.step_s)
     run = whole_run(spec, inputs, num_gpus=gpus, step_s=chosen.time.step_s, tokens_per_s=chosen.time.tokens_per_s,
                     num_microbatches=chosen.layout.num_microbatches(sequences_per_step(inputs)), checkpoint=ckpt)
+    return ckpt, run
+
+
+def build_plan(spec: JobSpec) -> Plan:
+    """The whole plan for a spec."""
+    inputs = plan_inputs(spec)
+    budget = make_budget(spec, inputs)
+    gpus = layout_gpu_count(spec, budget)
+    knobs = spec.plan
+    search = search_layouts(inputs, gpus, max_micro_batch=knobs.max_micro_batch, top_k=knobs.top_k)
+    chosen, source, notes = choose_layout(spec, inputs, gpus, search)
+    notes.extend([*_padding_notes(inputs, chosen),
+                  *_moe_overhead_notes(inputs, chosen, spec_value=knobs.moe_layer_overhead_ms is not None)])
+    ckpt, run = whole_run_on(spec, inputs, gpus, chosen)
     tier = fast_tier(spec, inputs, chosen.layout)
     return Plan(spec=spec, inputs=inputs, budget=budget, layout_gpus=gpus, chosen=chosen, layout_source=source,
                 search=search, storage=storage(spec, inputs), checkpoint=ckpt, notes=notes, run=run,
@@ -209,25 +230,37 @@ def build_plan(spec: JobSpec) -> Plan:
 
 
 def what_if_rows(plan: Plan, gpu_counts: list[int]) -> list[dict[str, Any]]:
-    """Days, cost and fit for other GPU counts (budget at the assumed MFU, throughput from the model)."""
+    """Days, cost and fit for other GPU counts: the budget at the assumed MFU, and the whole run as the plan
+    predicts it (its layout chosen, its checkpoints, goodput and ranges worked out as `build_plan` does, so that
+    the row of the plan's own GPU count repeats the plan's figures). `predicted_days` is the step-time model
+    alone (no goodput, evaluation or whole-run efficiency), with the step-time range."""
     rows = []
-    knobs = plan.spec.plan
+    spec, inputs, knobs = plan.spec, plan.inputs, plan.spec.plan
     for gpus in gpu_counts:
-        budget = make_budget(plan.spec, plan.inputs, num_gpus=gpus)
-        found = search_layouts(plan.inputs, gpus, max_micro_batch=knobs.max_micro_batch, top_k=1, suggest=False)
-        best = found.best
-        days = plan.inputs.tokens_total / best.time.tokens_per_s / SECONDS_PER_DAY if best else None
-        band = range_dict("predicted_days", step_offsets(layout_given=False, moe=plan.inputs.shape.moe is not None),
-                          days) if days else {
-            "predicted_days_p10": None, "predicted_days_p90": None}
-        rows.append({
-            "gpus": gpus, "days": budget.days, "gpu_hours": budget.gpu_hours, "cost": budget.cost,
-            "fits": best is not None,
-            "layout": best.layout.describe() if best else None,
-            "predicted_days": days, "predicted_days_p10": band["predicted_days_p10"],
-            "predicted_days_p90": band["predicted_days_p90"],
-            "predicted_mfu": best.time.mfu if best else None,
-        })
+        budget = make_budget(spec, inputs, num_gpus=gpus)
+        found = search_layouts(inputs, gpus, max_micro_batch=knobs.max_micro_batch, top_k=1, suggest=False)
+        chosen, source, _ = choose_layout(spec, inputs, gpus, found)
+        row: dict[str, Any] = {"gpus": gpus, "days": budget.days, "gpu_hours": budget.gpu_hours,
+                               "cost": budget.cost, "fits": chosen.memory.fits, "layout": None,
+                               "layout_source": None, "predicted_days": None, "predicted_days_p10": None,
+                               "predicted_days_p90": None, "predicted_mfu": None}
+        if chosen.memory.fits:
+            given = source == "spec"
+            days = inputs.tokens_total / chosen.time.tokens_per_s / SECONDS_PER_DAY
+            band = range_dict("predicted_days", step_offsets(layout_given=given, moe=inputs.shape.moe is not None),
+                              days)
+            _, run = whole_run_on(spec, inputs, gpus, chosen)
+            whole = whole_run_ranges(spec, inputs, run, layout_given=given)
+            row.update({"layout": chosen.layout.describe(), "layout_source": source, "predicted_days": days,
+                        "predicted_days_p10": band["predicted_days_p10"],
+                        "predicted_days_p90": band["predicted_days_p90"], "predicted_mfu": chosen.time.mfu,
+                        "expected_goodput": run["expected_goodput"],
+                        "whole_run_days": run["whole_run_days"], "whole_run_gpu_hours": run["whole_run_gpu_hours"],
+                        **{f"whole_run_{k}": v for k, v in whole["time"].items()},
+                        "whole_run_cost": whole["cost"]["whole_run"],
+                        **{f"whole_run_cost_{k[len('total_'):]}": v for k, v in whole["cost"].items()
+                           if k.startswith("total_")}})
+        rows.append(row)
     plan.what_if = rows
     return rows
 

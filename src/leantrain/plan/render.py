@@ -142,43 +142,67 @@ def render_calibration(calibration: dict[str, Any], *, console: Console) -> None
     console.print(table)
 
 
+def _short(value: float) -> str:
+    """265,448 → "265K", 94,546,724 → "94.5M" (3 significant digits): a what-if cost."""
+    for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if abs(value) >= scale:
+            return f"{value / scale:.3g}{suffix}"
+    return f"{value:.3g}"
+
+
 def render_what_if(rows: list[dict[str, Any]], *, console: Console, currency: str) -> None:
-    table = Table(title="what if")
-    for col in ("GPUs", "days (assumed MFU)", "cost", "fits", "predicted days (P10–P90)", "predicted MFU",
-                "layout"):
-        table.add_column(col)
+    """The what-if table: the budget at the assumed MFU beside the whole run as the plan predicts it (P50 over
+    P10–P90), on the layout the plan would choose at each GPU count (listed below the table: with the layouts
+    in it the ranges would not fit 80 characters)."""
+    cells, layouts = [], []
     for row in rows:
-        table.add_row(str(row["gpus"]), f"{row['days']:.1f}", human_money(row["cost"], currency),
-                      "yes" if row["fits"] else "no",
-                      f"{row['predicted_days']:.1f} ({row['predicted_days_p10']:.1f}–{row['predicted_days_p90']:.1f})"
-                      if row["fits"] else "-",
-                      f"{row['predicted_mfu']:.1%}" if row["fits"] else "-", row["layout"] or "-")
+        if row["fits"]:
+            days = "{:.1f}\n{:.1f}–{:.1f}".format(*(row[f"whole_run_days_{p}"] for p in ("p50", "p10", "p90")))
+            cost = "{}\n{}–{}".format(*(_short(row[f"whole_run_cost_{p}"]) for p in ("p50", "p10", "p90")))
+            mfu = f"{row['predicted_mfu']:.1%}"
+            layouts.append(f"{row['gpus']} GPUs: {row['layout']} ({row['layout_source']})")
+        else:
+            days = cost = mfu = "does not fit"
+        cells.append((str(row["gpus"]), f"{row['days']:.1f}", _short(row["cost"]), days, cost, mfu))
+    table = Table(title="what if", caption=f"whole run: P50 over P10–P90; costs in {currency}; MFU: predicted")
+    headers = ("GPUs", "days at assumed MFU", "cost at assumed MFU", "whole run days", "whole run cost", "MFU")
+    for i, col in enumerate(headers):  # numbers are never cut: each column is as wide as its longest figure
+        table.add_column(col, min_width=max((len(line) for cell in cells for line in cell[i].split("\n")),
+                                            default=4))
+    for cell in cells:
+        table.add_row(*cell)
     console.print(table)
+    for line in layouts:
+        console.print(f"  {line}")
 
 
-def plot_what_if(rows: list[dict[str, Any]], path: Path) -> Path:
-    """Days and cost against GPU count, as a PNG (Agg backend: no display needed)."""
+def plot_what_if(rows: list[dict[str, Any]], path: Path, *, currency: str = "USD") -> Path:
+    """Days (top) and cost (bottom) against GPU count, as a PNG (Agg backend: no display needed): the budget at
+    the assumed MFU and the predicted whole run's P50 with its P10–P90 band."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import matplotlib.ticker
 
-    gpus = [row["gpus"] for row in rows]
-    fig, ax = plt.subplots(figsize=(6, 4))
-    ax.plot(gpus, [row["days"] for row in rows], marker="o", label="days (assumed MFU)")
+    fig, (days_ax, cost_ax) = plt.subplots(2, 1, figsize=(6, 6), sharex=True)
     fitting = [row for row in rows if row["fits"]]
-    if fitting:
-        ax.plot([row["gpus"] for row in fitting], [row["predicted_days"] for row in fitting], marker="s",
-                label="days (predicted)")
-        ax.fill_between([row["gpus"] for row in fitting], [row["predicted_days_p10"] for row in fitting],
-                        [row["predicted_days_p90"] for row in fitting], alpha=0.25, label="P10–P90 (predicted)")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("GPUs")
-    ax.set_ylabel("days")
-    cost_ax = ax.twinx()
-    cost_ax.plot(gpus, [row["cost"] for row in rows], color="grey", linestyle="--", label="cost")
-    cost_ax.set_ylabel("cost")
-    ax.legend(loc="upper right")
+    for ax, assumed, predicted, unit in ((days_ax, "days", "whole_run_days", "days"),
+                                         (cost_ax, "cost", "whole_run_cost", f"cost ({currency})")):
+        ax.plot([row["gpus"] for row in rows], [row[assumed] for row in rows], marker="o", linestyle="--",
+                label="assumed MFU")
+        if fitting:
+            gpus = [row["gpus"] for row in fitting]
+            ax.plot(gpus, [row[f"{predicted}_p50"] for row in fitting], marker="s", label="whole run, P50")
+            ax.fill_between(gpus, [row[f"{predicted}_p10"] for row in fitting],
+                            [row[f"{predicted}_p90"] for row in fitting], alpha=0.25, label="whole run, P10–P90")
+        ax.set_ylabel(unit)
+        ax.legend(loc="best", fontsize="small")
+    days_ax.set_yscale("log")  # days fall as 1/GPUs: a straight line where scaling is linear
+    cost_ax.set_xscale("log", base=2)
+    cost_ax.set_xticks([row["gpus"] for row in rows], [str(row["gpus"]) for row in rows])
+    cost_ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+    cost_ax.set_xlabel("GPUs")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
