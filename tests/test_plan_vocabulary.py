@@ -11,6 +11,7 @@ import pytest
 from leantrain.errors import SpecError
 from leantrain.plan.inputs import plan_inputs
 from leantrain.plan.layout import Layout
+from leantrain.plan.planner import build_plan
 from leantrain.plan.search import RECOMPUTE, search_layouts
 from leantrain.spec import load_spec
 from leantrain.spec.schema import TrainingSpec
@@ -36,18 +37,42 @@ def test_search_prices_only_recompute_modes_the_spec_can_write() -> None:
     assert set(RECOMPUTE) <= allowed
 
 
-@pytest.mark.parametrize(("example", "gpus"), [("llama3-8b-h100.yaml", 64), ("moe-small-cpu.yaml", 4),
-                                               ("llama3-405b.yaml", 512)])
-def test_every_search_result_passes_the_spec_rules(example: str, gpus: int) -> None:
-    spec = load_spec(EXAMPLES / example)
-    found = search_layouts(plan_inputs(spec), gpus, top_k=25, suggest=False)
-    assert found.ranked, example
-    for cand in found.ranked:
-        overrides = layout_overrides(cand.layout, gpus_per_node=spec.hardware.gpus_per_node)
+# Each example at GPU counts whose factors differ from its batch's and its shape's (120 = 8 × 15 against batches of
+# 2^k sequences), the seed at the count its own plan chooses (120: until 2026-12-06 it chose dp120 for a batch of
+# 1,024 sequences, which the trainer refuses), shapes whose KV heads or FFN do not divide every tp (the search
+# replicated the one and padded the other), and QLoRA (the search pipelined it).
+WALKS = [("llama3-8b-h100.yaml", 64, ()), ("moe-small-cpu.yaml", 4, ()), ("llama3-405b.yaml", 512, ()),
+         ("seed-10b.yaml", 120, ()), ("llama3-8b-h100.yaml", 120, ()), ("gpu-1b-bench.yaml", 120, ()),
+         ("deepseek-v3.yaml", 2048, ()), ("qlora-70b.yaml", 16, ()), ("qlora-70b.yaml", 8, ()),
+         ("llama3-8b-h100.yaml", 64, ("model.n_kv_heads=2",)), ("llama3-8b-h100.yaml", 64, ("model.ffn_hidden=14340",))]
+
+
+@pytest.mark.parametrize(("example", "gpus", "shape"), WALKS)
+def test_every_search_result_passes_the_spec_rules(example: str, gpus: int, shape: tuple[str, ...]) -> None:
+    spec = load_spec(EXAMPLES / example, overrides=list(shape))
+    found = search_layouts(plan_inputs(spec), gpus, top_k=1000, suggest=False)
+    assert found.ranked, (example, gpus, shape, found.rejected)
+    step = max(1, len(found.ranked) // 40)  # the best, then every step-th: each (tp, pp, dp, mb) family is met
+    for cand in found.ranked[::step]:
+        overrides = [*shape, *layout_overrides(cand.layout, gpus_per_node=spec.hardware.gpus_per_node)]
         try:
             load_spec(EXAMPLES / example, overrides=overrides)
         except SpecError as err:
-            pytest.fail(f"{example}: searched layout {cand.layout.describe()} is refused by the spec rules: {err}")
+            pytest.fail(f"{example} {shape}: searched {cand.layout.describe()} is refused by the spec rules: {err}")
+
+
+def test_a_batch_that_splits_over_few_replicas_gets_a_note_with_what_divides() -> None:
+    """The seed's 1,024-sequence batch on the 120 GPUs its plan chooses: only dp8 layouts divide it, so the plan says
+    which global batches (multiples of 120 × 4,096 tokens) or GPU count (128) would; the chosen layout passes check."""
+    plan = build_plan(load_spec(EXAMPLES / "seed-10b.yaml"))
+    assert plan.layout_gpus == 120 and plan.chosen.layout.dp == 8, plan.chosen.layout.describe()
+    note = next(n for n in plan.notes if "splits the global batch" in n)
+    assert "training.global_batch_tokens to 3932160 or 4423680" in note and "128 GPUs" in note
+    layout = plan.chosen.layout
+    load_spec(EXAMPLES / "seed-10b.yaml", overrides=layout_overrides(layout, gpus_per_node=8))
+    # with a batch that divides, the search is free again and the note is gone
+    free = build_plan(load_spec(EXAMPLES / "seed-10b.yaml", overrides=["training.global_batch_tokens=3932160"]))
+    assert free.chosen.layout.dp > 8 and not any("splits the global batch" in n for n in free.notes)
 
 
 def test_bare_memory_number_is_refused_with_both_readings() -> None:

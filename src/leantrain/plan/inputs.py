@@ -93,7 +93,7 @@ MOE_LAYER_OVERHEAD_S = 0.00325
 # divides by this share (after the expected goodput). Fitted on the whole-run entries of
 # plan/published_runs.yaml (bench/plan_accuracy.py fits it on half of them and reports the error on the rest,
 # docs/plan.md); `plan.whole_run_efficiency` overrides it with a fleet's own figure.
-DEFAULT_WHOLE_RUN_EFFICIENCY = 0.80
+DEFAULT_WHOLE_RUN_EFFICIENCY = 0.81
 # Latency of one point-to-point send or all-to-all call (start-up, kernel launch): ~10-30 µs on NVLink/IB.
 COLLECTIVE_LATENCY_S = 20e-6
 # Ring collectives pay a latency per ring step, as NCCL's own tuning model prices them (NVIDIA/nccl

@@ -25,8 +25,9 @@ from leantrain.plan.budget import (
 from leantrain.plan.goodput import whole_run
 from leantrain.plan.inputs import PlanInputs, plan_inputs, sequences_per_step
 from leantrain.plan.layout import layout_from_spec
-from leantrain.plan.search import Candidate, SearchResult, evaluate, search_layouts
+from leantrain.plan.search import BATCH_UNEVEN, Candidate, SearchResult, evaluate, search_layouts
 from leantrain.plan.uncertainty import range_dict, step_offsets, whole_run_offsets
+from leantrain.spec.rules import batch_fix_hint
 from leantrain.spec.schema import JobSpec
 
 
@@ -138,15 +139,21 @@ def layout_gpu_count(spec: JobSpec, budget: Budget) -> int:
     return budget.num_gpus if budget.num_gpus < node else math.ceil(budget.num_gpus / node) * node
 
 
-def _padding_notes(inputs: PlanInputs, chosen: Candidate) -> list[str]:
-    """A searched tp that does not divide the FFN was planned with the FFN padded (Megatron sizes FFNs to a
-    multiple of tp); the trainer needs the padded size in the spec."""
-    tp, ffn = chosen.layout.tp, inputs.shape.ffn_hidden
-    if ffn % tp == 0:
+def _batch_notes(spec: JobSpec, inputs: PlanInputs, chosen: Candidate, search: SearchResult, *,
+                 source: str) -> list[str]:
+    """Where the global batch does not split evenly over the searched layouts (the trainer gives every replica
+    whole micro-batches), a batch and a GPU count that would: the search only ranks layouts that divide it."""
+    if source != "search" or BATCH_UNEVEN not in search.rejected:
         return []
-    padded = -(-ffn // tp) * tp
-    return [f"tp{tp} splits an FFN of {ffn} only when padded: the plan counts it as {padded}; set "
-            f"model.ffn_hidden: {padded} (or a multiple of 128) to train this layout"]
+    gpus, seqs, node = search.num_gpus, sequences_per_step(inputs), inputs.gpus_per_node
+    hint = batch_fix_hint(global_batch_tokens=inputs.global_batch_tokens, micro_batch=1, seq_len=inputs.seq_len,
+                          data_parallel=gpus).split(", or training.micro_batch")[0]
+    counts = [c for c in range(node * math.ceil(gpus / node), 2 * gpus + 1, node) if c > gpus and seqs % c == 0]
+    other = f", or plan {counts[0]} GPUs, which divide it" if counts else ""
+    return [f"the best layout on {gpus} GPUs that splits the global batch ({seqs} sequences) evenly has "
+            f"{chosen.layout.dp} data-parallel replicas (the trainer gives every replica whole micro-batches; "
+            f"{search.rejected[BATCH_UNEVEN]} layout groups that do not divide it were refused): {hint} (a multiple "
+            f"of {gpus} × {inputs.seq_len}){other}"]
 
 
 MOE_OVERHEAD_NOTE_SHARE = 0.2  # a note says how to shrink the MoE layers' fixed time above this share of the step
@@ -220,7 +227,7 @@ def build_plan(spec: JobSpec) -> Plan:
     knobs = spec.plan
     search = search_layouts(inputs, gpus, max_micro_batch=knobs.max_micro_batch, top_k=knobs.top_k)
     chosen, source, notes = choose_layout(spec, inputs, gpus, search)
-    notes.extend([*_padding_notes(inputs, chosen),
+    notes.extend([*_batch_notes(spec, inputs, chosen, search, source=source),
                   *_moe_overhead_notes(inputs, chosen, spec_value=knobs.moe_layer_overhead_ms is not None)])
     ckpt, run = whole_run_on(spec, inputs, gpus, chosen)
     tier = fast_tier(spec, inputs, chosen.layout)

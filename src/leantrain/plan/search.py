@@ -2,13 +2,15 @@
 what does not fit (keeping the reason), rank the rest by predicted tokens/s, and say what would fit when
 nothing does.
 
-Candidates: tp divides the GPUs per node and the query heads (KV heads split or replicated, the FFN padded
-to a multiple of tp; Megatron's rule: TP stays on NVLink); pp divides GPUs / tp and is at most the layer
-count (uneven stages allowed); interleaving v ∈ {1, 2, 4, ...} and the most the layers allow (pp·v ≤ layers);
-ep divides dp and the expert count; micro-batch 1, 2, 4, ... up to `plan.max_micro_batch` and the sequences
-one replica gets; ZeRO-2 and -3 (the trainer's FSDP2 shards gradients at ZeRO-1 too: the same layout as
--2), HSDP (shards inside a node, replicas across nodes) for ZeRO-3 when dp spans nodes; recompute none →
-selective → full, stopping at the first that fits.
+Candidates: only layouts the trainer runs, by the spec's own rules (spec/rules.py `shape_problems`,
+`moe_problems`, `finetune_layout_problems`, `batch_divides`: what `leantrain check` says of the spec with that
+layout written in). tp divides the GPUs per node (Megatron's rule: TP stays on NVLink), the query and KV heads and
+the FFN; pp divides GPUs / tp and is at most the layer count (uneven stages allowed); interleaving v ∈ {1, 2, 4,
+...} and the most the layers allow (pp·v ≤ layers); ep divides dp and the expert count; dp × micro-batch divides
+the global batch's sequences, micro-batch 1, 2, 4, ... up to `plan.max_micro_batch`; LoRA/QLoRA without TP,
+QLoRA and DPO without a pipeline (DPO without TP); ZeRO-2 and -3 (the trainer's FSDP2 shards gradients at ZeRO-1
+too: the same layout as -2), HSDP (shards inside a node, replicas across nodes) for ZeRO-3 when dp spans nodes;
+recompute none → selective → full, stopping at the first that fits.
 """
 
 from __future__ import annotations
@@ -22,11 +24,15 @@ from leantrain.plan.inputs import PlanInputs, sequences_per_step
 from leantrain.plan.layout import Layout
 from leantrain.plan.memory import MemoryBreakdown, memory_per_gpu
 from leantrain.plan.timing import StepTime, step_time
+from leantrain.spec.rules import batch_divides, finetune_layout_problems, moe_problems, shape_problems
+from leantrain.spec.schema import ParallelismSpec
 
 RECOMPUTE: tuple[Recompute, ...] = ("none", "selective", "full")
 SMALLER_MB_FAILED = "does not fit: a smaller micro-batch of the same layout did not fit"
 ZERO2_FAILED = "does not fit: the same layout did not fit at ZeRO-2, which holds less"
 STATES_FAILED = "does not fit: params+grads+optimizer largest (other chunkings of the same layout)"
+BATCH_UNEVEN = ("the trainer refuses: dp does not divide the global batch's sequences (training.global_batch_tokens "
+                "must be a multiple of micro_batch × seq_len × data_parallel)")
 
 
 @dataclass(frozen=True)
@@ -87,13 +93,24 @@ def _powers_of_two(limit: int) -> list[int]:
     return [2**i for i in range(int(math.log2(max(1, limit))) + 1)]
 
 
-def _tp_degrees(inputs: PlanInputs, num_gpus: int) -> list[int]:
-    """tp stays inside a node and divides the query heads; KV heads are split or replicated (tp a multiple
-    of them); the FFN need not divide: it is padded up to a multiple of tp, as Megatron pads the vocabulary."""
-    shape = inputs.shape
+def _refused(rejected: dict[str, int] | None, problems: list[str]) -> bool:
+    """Count a layout group the trainer refuses under the spec rule's own words (its first problem)."""
+    if problems and rejected is not None:
+        key = f"the trainer refuses: {problems[0]}"
+        rejected[key] = rejected.get(key, 0) + 1
+    return bool(problems)
+
+
+def _tp_degrees(inputs: PlanInputs, num_gpus: int, rejected: dict[str, int] | None = None) -> list[int]:
+    """tp stays inside a node, and the trainer splits the heads, KV heads and FFN over it (`shape_problems`)."""
     return [t for t in _divisors(min(inputs.gpus_per_node, num_gpus))
-            if num_gpus % t == 0 and shape.n_heads % t == 0
-            and (shape.n_kv_heads % t == 0 or t % shape.n_kv_heads == 0)]
+            if num_gpus % t == 0 and not _refused(rejected, shape_problems(_par(tp=t), inputs.shape))]
+
+
+def _par(*, tp: int = 1, pp: int = 1, ep: int = 1) -> ParallelismSpec:
+    """The degrees the spec rules read, without validating the rest of the section (the search's hot path)."""
+    return ParallelismSpec.model_construct(tensor_parallel=tp, pipeline_parallel=pp, expert_parallel=ep,
+                                           virtual_stages=1)
 
 
 def _virtual_stages(n_layers: int, pp: int) -> list[int]:
@@ -116,8 +133,9 @@ def candidate_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int
     bytes and ZeRO-1 holds more."""
     shape = inputs.shape
     seqs = sequences_per_step(inputs)
+    dpo = inputs.dpo_reference != "none"
     groups: list[Layout] = []
-    for tp in _tp_degrees(inputs, num_gpus):
+    for tp in _tp_degrees(inputs, num_gpus, skipped):
         for pp in _divisors(num_gpus // tp):
             if pp > shape.n_layers:
                 break
@@ -127,11 +145,19 @@ def candidate_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int
                     key = f"dp larger than the {seqs} sequences of the global batch"
                     skipped[key] = skipped.get(key, 0) + 1
                 continue
-            per_replica = math.ceil(seqs / dp)
-            micro_batches = [b for b in _powers_of_two(max_micro_batch) if b <= per_replica] or [1]
+            if _refused(skipped, finetune_layout_problems(dpo=dpo, weights=inputs.finetune, tensor_parallel=tp,
+                                                          pipeline_parallel=pp)):
+                continue
+            micro_batches = [b for b in _powers_of_two(max_micro_batch)
+                             if batch_divides(global_batch_tokens=inputs.global_batch_tokens, micro_batch=b,
+                                              seq_len=inputs.seq_len, data_parallel=dp)]
+            if not micro_batches:
+                if skipped is not None:
+                    skipped[BATCH_UNEVEN] = skipped.get(BATCH_UNEVEN, 0) + 1
+                continue
             eps = [1]
             if shape.moe is not None:
-                eps = [e for e in _divisors(dp) if shape.moe.num_experts % e == 0]
+                eps = [e for e in _divisors(dp) if not _refused(skipped, moe_problems(_par(tp=tp, ep=e), shape))]
             for ep in eps:
                 for v in _virtual_stages(shape.n_layers, pp):
                     for mb in micro_batches:

@@ -20,8 +20,8 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
     shape = resolve_shape(spec.model)
     return [
         *_layout_problems(spec),
-        *_shape_problems(spec.parallelism, shape),
-        *_moe_problems(spec.parallelism, shape),
+        *shape_problems(spec.parallelism, shape),
+        *moe_problems(spec.parallelism, shape),
         *_batch_and_node_problems(spec),
         *_finetune_problems(spec),
         *_size_problems(spec, shape),
@@ -65,9 +65,6 @@ def _dpo_problems(spec: JobSpec) -> list[str]:
     dpo, problems = spec.finetune.method == "dpo", []
     if dpo and spec.task != "finetune":
         problems.append(f"finetune.method dpo needs task: finetune (task is {spec.task})")
-    if dpo and (spec.parallelism.tensor_parallel > 1 or spec.parallelism.pipeline_parallel > 1):
-        problems.append("finetune.method dpo runs with data parallelism / FSDP: set parallelism.tensor_parallel "
-                        "and pipeline_parallel to 1")
     for source in spec.data.sources:
         if dpo and source.format != "preference":
             problems.append(f"data.sources[{source.name}].format: {source.format}, but finetune.method dpo trains on "
@@ -87,17 +84,29 @@ def _finetune_problems(spec: JobSpec) -> list[str]:
             problems.append(f"data.seq_len ({spec.data.seq_len}) exceeds the sliding_window ({window}) of "
                             f"{spec.model.init_from}/config.json: this model attends over the full sequence, so "
                             f"train with seq_len ≤ {window}")
+    problems += finetune_layout_problems(dpo=spec.finetune.method == "dpo", weights=method,
+                                         tensor_parallel=par.tensor_parallel, pipeline_parallel=par.pipeline_parallel)
     if method == "full":
         return problems
     if spec.task != "finetune":
         problems.append(f"finetune.method {method} needs task: finetune (task is {spec.task})")
-    if par.tensor_parallel > 1:
-        problems.append(f"finetune.method {method} with parallelism.tensor_parallel > 1 is not supported (the TP "
-                        "plans shard the base weight, not the adapters): use data_parallel/FSDP or pipeline_parallel")
     if spec.precision.compute == "fp8":
         problems.append(f"finetune.method {method} with precision.compute fp8 is not supported (the fp8 swap would "
                         "replace the adapted Linear layers)")
-    if method == "qlora" and par.pipeline_parallel > 1:
+    return problems
+
+
+def finetune_layout_problems(*, dpo: bool, weights: str, tensor_parallel: int, pipeline_parallel: int) -> list[str]:
+    """The tp / pp degrees a fine-tuning method runs with (the layout search filters with it too): DPO with
+    data parallelism / FSDP only, LoRA/QLoRA without TP, QLoRA without a pipeline."""
+    problems = []
+    if dpo and (tensor_parallel > 1 or pipeline_parallel > 1):
+        problems.append("finetune.method dpo runs with data parallelism / FSDP: set parallelism.tensor_parallel "
+                        "and pipeline_parallel to 1")
+    if weights in ("lora", "qlora") and tensor_parallel > 1:
+        problems.append(f"finetune.method {weights} with parallelism.tensor_parallel > 1 is not supported (the TP "
+                        "plans shard the base weight, not the adapters): use data_parallel/FSDP or pipeline_parallel")
+    if weights == "qlora" and pipeline_parallel > 1:
         problems.append("finetune.method qlora runs without pipeline parallelism (parallelism.pipeline_parallel: 1)")
     return problems
 
@@ -121,7 +130,8 @@ def _layout_problems(spec: JobSpec) -> list[str]:
     return problems
 
 
-def _shape_problems(par: ParallelismSpec, shape: ModelShape) -> list[str]:
+def shape_problems(par: ParallelismSpec, shape: ModelShape) -> list[str]:
+    """What the model shape asks of the tp / pp / virtual-stage degrees (the layout search filters with it too)."""
     problems, tp = [], par.tensor_parallel
     if shape.n_heads % tp or shape.n_kv_heads % tp:
         problems.append(
@@ -143,7 +153,8 @@ def _shape_problems(par: ParallelismSpec, shape: ModelShape) -> list[str]:
     return problems
 
 
-def _moe_problems(par: ParallelismSpec, shape: ModelShape) -> list[str]:
+def moe_problems(par: ParallelismSpec, shape: ModelShape) -> list[str]:
+    """What a mixture-of-experts shape asks of tp and ep (the layout search filters with it too)."""
     if shape.moe is None:
         return ["parallelism.expert_parallel > 1 needs model.architecture: moe"] if par.expert_parallel > 1 else []
     moe, problems = shape.moe, []
@@ -167,6 +178,11 @@ def _moe_problems(par: ParallelismSpec, shape: ModelShape) -> list[str]:
     return problems
 
 
+def batch_divides(*, global_batch_tokens: int, micro_batch: int, seq_len: int, data_parallel: int) -> bool:
+    """Every data-parallel rank gets whole micro-batches of whole sequences (the layout search filters with it too)."""
+    return global_batch_tokens % (micro_batch * seq_len * data_parallel) == 0
+
+
 def batch_fix_hint(*, global_batch_tokens: int, micro_batch: int, seq_len: int, data_parallel: int) -> str:
     """Values that divide: the nearest global batch sizes, and micro_batch values that fit this global batch."""
     step = micro_batch * seq_len * data_parallel
@@ -181,11 +197,12 @@ def batch_fix_hint(*, global_batch_tokens: int, micro_batch: int, seq_len: int, 
 
 def _batch_and_node_problems(spec: JobSpec) -> list[str]:
     problems = []
-    tokens_per_micro_step = spec.training.micro_batch * spec.data.seq_len * spec.parallelism.data_parallel
-    if spec.training.global_batch_tokens % tokens_per_micro_step:
+    if not batch_divides(global_batch_tokens=spec.training.global_batch_tokens, micro_batch=spec.training.micro_batch,
+                         seq_len=spec.data.seq_len, data_parallel=spec.parallelism.data_parallel):
         hint = batch_fix_hint(global_batch_tokens=spec.training.global_batch_tokens,
                               micro_batch=spec.training.micro_batch, seq_len=spec.data.seq_len,
                               data_parallel=spec.parallelism.data_parallel)
+        tokens_per_micro_step = spec.training.micro_batch * spec.data.seq_len * spec.parallelism.data_parallel
         problems.append(
             f"training.global_batch_tokens ({spec.training.global_batch_tokens}) must be a multiple of "
             f"micro_batch × seq_len × data_parallel ({tokens_per_micro_step}): {hint}"
