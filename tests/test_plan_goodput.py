@@ -75,3 +75,37 @@ def test_low_goodput_warning_names_the_defaults_in_play() -> None:
     (warning,) = make_plan(spec)["warnings"]
     assert "Defaults in play" in warning and "fault.restart_s" in warning
     assert "write_bandwidth_gb_s_per_node" not in warning.split("Would raise it")[0]  # set, not a default
+
+
+def test_an_async_save_waits_for_the_previous_write_as_the_trainer_does() -> None:
+    """ckpt/manager.py joins the previous async write before it stages the next: with a 487 s write (405B at
+    10 GB/s) the auto interval is at least the write (the trainer's AutoInterval floor), and a fixed 3-step interval
+    (21 s) stalls every save for the rest of the write. Until 2026-12-06 both were priced at 97 % goodput with a
+    0.0 s stall."""
+    slow = ["checkpoint.write_bandwidth_gb_s=10"]
+    auto = make_plan(load_spec(EXAMPLES / "llama3-405b.yaml", overrides=slow))["checkpoint"]
+    assert auto["save_s"] == pytest.approx(487, rel=0.01)
+    assert auto["interval_s"] >= auto["save_s"] and auto["write_wait_s"] == 0
+    assert auto["blocking_s"] == auto["host_copy_s"] < 1
+    assert auto["durability_lag_s"] == pytest.approx(auto["save_s"])  # a failure mid-write falls back one more save
+    assert auto["expected_goodput"] < 0.95
+    plan = make_plan(load_spec(EXAMPLES / "llama3-405b.yaml", overrides=[*slow, "checkpoint.interval_steps=3"]))
+    fixed = plan["checkpoint"]
+    assert fixed["write_wait_s"] == pytest.approx(fixed["save_s"] - fixed["interval_s"])
+    assert fixed["blocking_s"] == pytest.approx(fixed["host_copy_s"] + fixed["write_wait_s"])
+    assert fixed["expected_goodput"] < 0.1
+    (warning,) = plan["warnings"]
+    assert "checkpoint.interval_steps: auto → 9" in warning  # the remedy, priced: about the auto plan's goodput
+    assert "fault.restart_s: 60" in warning
+
+
+def test_an_async_save_at_zero_0_copies_the_whole_replica_to_the_host() -> None:
+    """At ZeRO-0 every rank stages its whole replica (the plan's host memory counts it so): the save blocks for that
+    copy, not for the checkpoint divided by the GPUs."""
+    overrides = ["hardware.gpus_per_node=8", "budget.num_gpus=8", "parallelism.data_parallel=8",
+                 "parallelism.zero_stage=0", "training.micro_batch=1", "checkpoint.async_save=true",
+                 "checkpoint.interval_steps=auto"]
+    plan = make_plan(load_spec(EXAMPLES / "gpu-1b-bench.yaml", overrides=overrides))
+    staged = plan["host_memory"]["per_process"]["async_staging"]
+    assert plan["checkpoint"]["host_copy_s"] == pytest.approx(staged / 20e9)
+    assert plan["checkpoint"]["host_copy_s"] > 0.5  # ~12 GB of fp32 weights and moments, not 1/8 of them

@@ -42,9 +42,12 @@ def planned_auto_interval(spec: JobSpec, *, world_size: int) -> AutoInterval:
     """The planner's Young/Daly start (its blocking save time δ and job MTBF at this world size)."""
     from leantrain.plan.budget import checkpoint_interval
     from leantrain.plan.inputs import plan_inputs
+    from leantrain.plan.layout import layout_from_spec
 
-    # step_s only turns seconds into steps in the planner's answer; the manager works in seconds.
-    planned = checkpoint_interval(spec, plan_inputs(spec), num_gpus=max(world_size, 1), step_s=1.0)
+    # step_s only turns seconds into steps in the planner's answer; the manager works in seconds. The spec's layout
+    # (when it is the one running) sizes an async save's device-to-host copy, the whole replica at ZeRO-0.
+    layout = layout_from_spec(spec.parallelism, spec.training) if spec.parallelism.world_size == world_size else None
+    planned = checkpoint_interval(spec, plan_inputs(spec), num_gpus=max(world_size, 1), step_s=1.0, layout=layout)
     return AutoInterval(initial_save_s=float(planned["blocking_s"]), mtbf_s=float(planned["mtbf_s"]))
 
 

@@ -179,29 +179,46 @@ def write_bandwidth_gb_s(spec: JobSpec, *, num_gpus: int) -> float:
     return ck.write_bandwidth_gb_s_per_node * max(1, math.ceil(num_gpus / spec.hardware.gpus_per_node))
 
 
-def checkpoint_interval(spec: JobSpec, inputs: PlanInputs, *, num_gpus: int, step_s: float) -> dict[str, float]:
-    """Daly interval in seconds and steps, the save time, the job MTBF and the expected goodput."""
+def checkpoint_interval(spec: JobSpec, inputs: PlanInputs, *, num_gpus: int, step_s: float,
+                        layout: Layout | None = None) -> dict[str, float]:
+    """Daly interval in seconds and steps, the save time, the job MTBF and the expected goodput.
+
+    A synchronous save blocks for the whole write. An asynchronous one, as the trainer runs it (ckpt/manager.py),
+    blocks for the rank's device-to-host copy of its own state (`layout`'s heaviest rank: the whole replica at
+    ZeRO-0; without a layout the checkpoint over the GPUs), and a save waits for the previous write to finish: the
+    auto interval is never shorter than the write (ckpt/policy.py `AutoInterval`), and a fixed one shorter than the
+    write stalls every save for the difference. Its checkpoint is durable only once written, so a failure loses,
+    on average, the write time beyond the interval's lost work (priced with the restart)."""
     ckpt = checkpoint_bytes(inputs)
     save_s = ckpt / (write_bandwidth_gb_s(spec, num_gpus=num_gpus) * GB)
-    blocking_s = ckpt / num_gpus / HOST_COPY_BYTES_S if spec.checkpoint.async_save else save_s
+    async_save = spec.checkpoint.async_save
+    staged = checkpointed_state_bytes(inputs, layout) if layout is not None else ckpt / num_gpus
+    copy_s = staged / HOST_COPY_BYTES_S
     rate = spec.fault.failures_per_gpu_day or DEFAULT_FAILURES_PER_GPU_DAY
     mtbf_s = SECONDS_PER_DAY / (rate * num_gpus)
-    recommended_s = daly_interval_s(blocking_s=blocking_s, mtbf_s=mtbf_s)
-    if spec.checkpoint.interval_steps == "auto":
-        interval_steps = max(1, round(recommended_s / step_s))
-    else:
-        interval_steps = int(spec.checkpoint.interval_steps)
+    daly_s = daly_interval_s(blocking_s=copy_s if async_save else save_s, mtbf_s=mtbf_s)
+    recommended_s = max(daly_s, save_s) if async_save else daly_s
+    steps_for = max(1, round(recommended_s / step_s))
+    if async_save and steps_for * step_s < save_s:
+        steps_for = math.ceil(save_s / step_s)
+    interval_steps = steps_for if spec.checkpoint.interval_steps == "auto" else int(spec.checkpoint.interval_steps)
     interval_s = interval_steps * step_s
+    wait_s = max(0.0, save_s - interval_s) if async_save else 0.0
+    blocking_s = copy_s + wait_s if async_save else save_s
+    lag_s = min(save_s, interval_s) if async_save else 0.0
     goodput = expected_goodput(interval_s=interval_s, blocking_s=blocking_s, mtbf_s=mtbf_s,
-                               restart_s=spec.fault.restart_s)
+                               restart_s=spec.fault.restart_s + lag_s)
     return {
         "interval_steps": interval_steps,
         "interval_s": interval_s,
         "save_s": save_s,
         "blocking_s": blocking_s,
+        "host_copy_s": copy_s if async_save else 0.0,
+        "write_wait_s": wait_s,
+        "durability_lag_s": lag_s,
         "recommended_interval_s": recommended_s,
-        "young_interval_s": math.sqrt(2 * blocking_s * mtbf_s),
-        "recommended_interval_steps": max(1, round(recommended_s / step_s)),
+        "young_interval_s": math.sqrt(2 * (copy_s if async_save else save_s) * mtbf_s),
+        "recommended_interval_steps": steps_for,
         "mtbf_s": mtbf_s,
         "delta_over_mtbf": blocking_s / mtbf_s,
         "failures_per_gpu_day": rate,

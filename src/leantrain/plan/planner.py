@@ -213,9 +213,10 @@ def choose_layout(spec: JobSpec, inputs: PlanInputs, gpus: int,
 def whole_run_on(spec: JobSpec, inputs: PlanInputs, gpus: int,
                  chosen: Candidate) -> tuple[dict[str, float], dict[str, Any]]:
     """The checkpoint interval (with its goodput) and the whole run (plan/goodput.py) of a layout on `gpus` GPUs."""
-    ckpt = checkpoint_interval(spec, inputs, num_gpus=gpus, step_s=chosen.time.step_s)
+    ckpt = checkpoint_interval(spec, inputs, num_gpus=gpus, step_s=chosen.time.step_s, layout=chosen.layout)
     run = whole_run(spec, inputs, num_gpus=gpus, step_s=chosen.time.step_s, tokens_per_s=chosen.time.tokens_per_s,
-                    num_microbatches=chosen.layout.num_microbatches(sequences_per_step(inputs)), checkpoint=ckpt)
+                    num_microbatches=chosen.layout.num_microbatches(sequences_per_step(inputs)), checkpoint=ckpt,
+                    layout=chosen.layout)
     return ckpt, run
 
 

@@ -111,9 +111,10 @@ def _render_storage(data: dict[str, Any], *, console: Console) -> None:
     other.add_row("data", f"{_si(s['data_bytes'], 'B')} (tokenized {_si(s['tokenized_bytes'], 'B')} × "
                   f"{s['replicas']} + raw {_si(s['raw_bytes'], 'B')})")
     other.add_row("checkpoint", f"{_si(s['checkpoint_bytes'], 'B')} each, {_si(s['checkpoints_kept_bytes'], 'B')} kept")
+    wait = f", of which {k['write_wait_s']:.3g} s waiting for the previous write" if k.get("write_wait_s") else ""
     other.add_row("checkpoint interval", f"{k['interval_steps']} steps = {k['interval_s'] / 60:.1f} min "
-                  f"(Daly: {k['recommended_interval_s'] / 60:.1f} min); save {k['save_s']:.0f} s, "
-                  f"blocks {k['blocking_s']:.1f} s")
+                  f"(recommended: {k['recommended_interval_s'] / 60:.1f} min); save {k['save_s']:.3g} s, "
+                  f"blocks {k['blocking_s']:.3g} s{wait}")
     other.add_row("failures", f"MTBF {k['mtbf_s'] / 3600:.1f} h at {k['failures_per_gpu_day']:.2e}/GPU-day; "
                   f"expected goodput {k['expected_goodput']:.1%}")
     tier = data.get("fast_tier") or {}
