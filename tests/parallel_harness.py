@@ -40,7 +40,7 @@ SEED = 7
 
 def make_spec(
     *, moe: bool = False, tie: bool = False, n_layers: int = 2, compute: str = "fp32", aux_loss_coef: float = 0.01,
-    mla: bool = False, optimizer_state: str = "fp32", **parallelism: Any
+    mla: bool = False, optimizer_state: str = "fp32", recompute: str = "none", **parallelism: Any
 ) -> JobSpec:
     """A tiny fp32 job; `parallelism` sets spec.parallelism fields. `mla`: DeepSeek-style latent attention, and
     with `moe` DeepSeek-V3's routing (sigmoid scores, 2 expert groups of which a token uses 1, weights × 2.5).
@@ -64,7 +64,7 @@ def make_spec(
         "precision": {"compute": compute, "optimizer_state": optimizer_state},
         "data": {"tokens_total": 1e5, "seq_len": SEQ_LEN},
         "training": {"global_batch_tokens": GLOBAL_SEQUENCES * SEQ_LEN, "micro_batch": MICRO_BATCH,
-                     "device": "cpu", "seed": SEED},
+                     "device": "cpu", "seed": SEED, "activation_checkpointing": recompute},
         "hardware": {"accelerator": "cpu", "gpus_per_node": 8},
     })
 
@@ -82,7 +82,9 @@ def batches(step: int, *, vocab: int) -> list[tuple[torch.Tensor, torch.Tensor]]
 
 def full_model(spec: JobSpec) -> Transformer:
     args = model_args_from_spec(spec.model, max_seq_len=SEQ_LEN)
-    return build_model(args, device=torch.device("cpu"), seed=SEED)
+    model = build_model(args, device=torch.device("cpu"), seed=SEED)
+    model.set_recompute(spec.training.activation_checkpointing)
+    return model
 
 
 def make_optimizer(spec: JobSpec, params: Any) -> torch.optim.Optimizer:
@@ -126,6 +128,7 @@ def layout_run(spec: JobSpec, *, steps: int) -> dict[str, list[float]]:
     mesh = dims.build_mesh("cpu")
     with torch.device("meta"):
         model = Transformer(args)
+    model.set_recompute(spec.training.activation_checkpointing)  # as train/build.py, before parallelize
     num_micro = GLOBAL_SEQUENCES // MICRO_BATCH // dims.dp
     pm = parallelize(model, dims, spec, mesh=mesh, device=torch.device("cpu"), num_microbatches=num_micro)
     pm.initialize(seed=SEED)  # each rank fills its own shards: the same values as `full_model` (by name)

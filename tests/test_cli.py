@@ -99,6 +99,20 @@ def test_plot_without_what_if_is_an_error(capsys: pytest.CaptureFixture[str], tm
     assert "--what-if" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("args", [["plan", "{spec}", "--json", "{dir}"], ["plan", "{spec}", "--json", "{file}/x.json"],
+                                  ["plan", "{spec}", "--what-if", "gpus=8,plot={dir}"],
+                                  ["rehearse", "{spec}", "--json", "{dir}"], ["validate", "{dir}", "--json", "{dir}"]])
+def test_an_output_path_that_is_no_file_is_refused_before_any_work(
+        args: list[str], capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
+    """A directory, or a path under a file, given for an output file: exit 2 naming the flag, no traceback."""
+    (tmp_path / "afile").write_text("kept\n")
+    subs = {"spec": str(ROOT / "examples/tiny-cpu.yaml"), "dir": str(tmp_path), "file": str(tmp_path / "afile")}
+    assert main([a.format(**subs) for a in args]) == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert "error:" in err and ("is a directory" in err or "is a file, not a directory" in err), err
+    assert (tmp_path / "afile").read_text() == "kept\n"
+
+
 def test_human_units() -> None:
     from leantrain.render import human_count, human_days, human_money, plural
 

@@ -66,8 +66,8 @@ def test_same_seed_same_weights_and_tied_embeddings_shared() -> None:
     assert first.output is None and "output.weight" not in first.state_dict()
 
 
-@pytest.mark.parametrize("mode", ["selective", "full"])
-@pytest.mark.parametrize("architecture", ["dense", "moe"])
+@pytest.mark.parametrize(("mode", "architecture"), [("selective", "dense"), ("selective", "moe"), ("full", "dense"),
+                                                   ("full", "moe"), ("op", "dense")])
 def test_recompute_gives_the_same_gradients(mode: str, architecture: str) -> None:
     extra = {"architecture": "moe", "moe": {"num_experts": 4, "top_k": 2}} if architecture == "moe" else {}
     args = tiny_args(**extra)
@@ -85,3 +85,31 @@ def test_recompute_gives_the_same_gradients(mode: str, architecture: str) -> Non
     assert reference.keys() == recomputed.keys()
     for name in reference:
         torch.testing.assert_close(recomputed[name], reference[name], rtol=0, atol=0, msg=name)
+
+
+def test_op_recompute_keeps_every_second_matmul_and_the_attention_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op policy's decisions on one block: of the seven matmuls (wq, wk, wv, wo, w1, w3, w2) the 1st, 3rd, 5th
+    and 7th are kept, the attention kernel's outputs are kept, norms and the activation function are not (torch
+    replays these decisions in the recompute; the gradients equal no recompute's, above)."""
+    from torch.utils import checkpoint as ckpt
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    decisions: list[tuple[bool, str, bool]] = []
+    original = ckpt.create_selective_checkpoint_contexts
+
+    def recording(policy):  # type: ignore[no-untyped-def]
+        def wrapped(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
+            out = policy(ctx, op, *args, **kwargs)
+            decisions.append((bool(ctx.is_recompute), str(op), out == CheckpointPolicy.MUST_SAVE))
+            return out
+        return original(wrapped)
+
+    monkeypatch.setattr(ckpt, "create_selective_checkpoint_contexts", recording)
+    model = build_model(tiny_args(n_layers=1), device=torch.device("cpu"), seed=0)
+    model.set_recompute("op")
+    model(torch.randint(0, 97, (2, 16))).logsumexp(-1).mean().backward()
+    forward = [(op, keep) for r, op, keep in decisions if not r]
+    mms = [keep for op, keep in forward if op in ("aten.mm.default", "aten.addmm.default")]
+    assert mms == [True, False, True, False, True, False, True], mms
+    assert any("scaled_dot_product" in op and keep for op, keep in forward), forward
+    assert not any(keep for op, keep in forward if "rsqrt" in op or "silu" in op or op.startswith("aten.mul"))

@@ -64,12 +64,12 @@ def test_70b_on_64_gpus_fits_the_node_but_not_the_default_kubernetes_shm() -> No
 
 def test_a_small_node_is_named_with_what_would_help() -> None:
     spec = spec_70b()
-    spec.cluster.memory_gb_per_node = 256
+    spec.cluster.memory_gib_per_node = 256
     spec.cluster.k8s_shm_gb = 512
     tier = make_plan(spec)["fast_tier"]
     assert not tier["fits_tmpfs"] and tier["fits_k8s_shm"]
     (problem,) = tier["problems"]
-    assert "node with 256 GiB" in problem and "cluster.memory_gb_per_node" in problem
+    assert "node with 256 GiB" in problem and "cluster.memory_gib_per_node" in problem
     assert "checkpoint.memory_dir on a node-local disk" in problem
 
 
@@ -119,16 +119,17 @@ def test_host_memory_counts_each_process_besides_the_fast_tier() -> None:
 
 def test_a_node_whose_tmpfs_holds_the_tier_but_not_the_processes_is_named() -> None:
     """400 GiB: the tier's 196 GiB fits the default tmpfs (200 GiB), but with 8 ranks × ~27.5 GiB the node needs
-    ~416 GiB; the warning names cluster.memory_gb_per_node and the size that would do."""
+    ~416 GiB; the warning names cluster.memory_gib_per_node and the size that would do."""
     spec = spec_70b()
-    spec.cluster.memory_gb_per_node = 400
+    spec.cluster.memory_gib_per_node = 400
     spec.cluster.k8s_shm_gb = 512
     plan = make_plan(spec)
     assert plan["fast_tier"]["fits"] and plan["fast_tier"]["problems"] == []
     host = plan["host_memory"]
     assert host["fast_tier_bytes_per_node"] < 400 * GiB < host["bytes_per_node"] and not host["fits"]
     (problem,) = host["problems"]
-    assert "cluster.memory_gb_per_node: 400" in problem and "8 ranks" in problem and "fast tier" in problem
+    assert "host memory 400 GiB" in problem and "cluster.memory_gib_per_node to at least" in problem
+    assert "8 ranks" in problem and "fast tier" in problem
     assert f"at least {math.ceil(host['bytes_per_node'] / GiB)}" in problem and problem in plan["warnings"]
 
 

@@ -79,6 +79,11 @@ def test_power_limit_lowers_the_matmul_rate() -> None:
     assert step_time(capped, layout, sequences_per_step=64).step_s > full.step_s
     with pytest.raises(UserInputError, match="power_w"):
         _inputs(4096, accelerator="L40S", power_w=300)
+    # above the TDP no limit applies, and a spec that says so is refused, naming the TDP (it was planned as at TDP)
+    with pytest.raises(UserInputError, match=r"power_w \(900 W\) is above H100-SXM's 700 W TDP"):
+        _inputs(4096, power_w=900)
+    with pytest.raises(UserInputError, match="400 W TDP"):
+        _inputs(4096, accelerator="A100-80GB", power_w=500)
 
 
 def test_attention_runs_at_the_flash_kernels_rate() -> None:

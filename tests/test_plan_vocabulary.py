@@ -32,9 +32,19 @@ def layout_overrides(layout: Layout, *, gpus_per_node: int) -> list[str]:
             f"budget.num_gpus={gpus}", "fault.min_nodes=null", "fault.max_nodes=null"]
 
 
-def test_search_prices_only_recompute_modes_the_spec_can_write() -> None:
+def test_every_recompute_mode_the_planner_prices_is_written_in_the_spec_and_run_by_the_model() -> None:
+    """The planner's modes (the search's and `op`, torchtitan's op-level policy, which the torchtitan memory rows are
+    planned with) are the spec's and the model's: until 2026-12-06 `op` was priced but refused by the spec."""
+    from leantrain.model.transformer import Recompute as ModelRecompute
+    from leantrain.plan.flops import Recompute as PlanRecompute
+
     allowed = set(typing.get_args(TrainingSpec.model_fields["activation_checkpointing"].annotation))
     assert set(RECOMPUTE) <= allowed
+    assert set(typing.get_args(PlanRecompute)) == allowed == set(typing.get_args(ModelRecompute))
+    spec = load_spec(EXAMPLES / "llama3-8b-h100.yaml", overrides=["training.activation_checkpointing=op"])
+    assert build_plan(spec).chosen.layout.recompute == "op"
+    with pytest.raises(SpecError, match="op is for dense models"):
+        load_spec(EXAMPLES / "moe-small-cpu.yaml", overrides=["training.activation_checkpointing=op"])
 
 
 # Each example at GPU counts whose factors differ from its batch's and its shape's (120 = 8 × 15 against batches of
@@ -94,3 +104,22 @@ def test_memory_with_its_unit(override: str, gib: float) -> None:
 def test_both_memory_fields_are_refused() -> None:
     with pytest.raises(SpecError, match="memory_gb or memory_gib"):
         load_spec(EXAMPLES / "llama3-8b-h100.yaml", overrides=["hardware.memory_gb=96 GiB", "hardware.memory_gib=96"])
+
+
+def test_host_memory_per_node_needs_its_unit_too() -> None:
+    """`cluster.memory_gb_per_node: 512` was read as GiB (the job files request 512G / 512Gi) under a GB name: a bare
+    whole number is now refused with both readings, as `hardware.memory_gb` is; a unit or memory_gib_per_node says
+    which."""
+    with pytest.raises(SpecError) as err:
+        load_spec(EXAMPLES / "llama3-8b-h100.yaml", overrides=["cluster.memory_gb_per_node=512"])
+    text = str(err.value)
+    assert "cluster.memory_gb_per_node" in text and "476.8 GiB" in text and "549.8 GB" in text
+    assert "memory_gib_per_node: 512" in text
+    for override, gib in (("cluster.memory_gb_per_node=512 GiB", 512.0), ("cluster.memory_gib_per_node=512", 512.0),
+                          ("cluster.memory_gb_per_node=550 GB", 550e9 / 2**30)):
+        spec = load_spec(EXAMPLES / "llama3-8b-h100.yaml", overrides=[override])
+        assert spec.cluster.host_memory_gib == pytest.approx(gib)
+        assert build_plan(spec).host_memory["host_memory_bytes_per_node"] == pytest.approx(gib * 2**30)
+    with pytest.raises(SpecError, match="memory_gb_per_node or memory_gib_per_node"):
+        load_spec(EXAMPLES / "llama3-8b-h100.yaml",
+                  overrides=["cluster.memory_gb_per_node=512 GiB", "cluster.memory_gib_per_node=512"])

@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from leantrain.errors import LeantrainError, UserInputError
+from leantrain.errors import LeantrainError, UserInputError, check_output_file
 from leantrain.spec import JobSpec, load_spec
 
 app = typer.Typer(
@@ -86,6 +86,7 @@ def check(spec: SpecArg, set_: SetOpt = None, profile: ProfileOpt = None, rehear
     --rehearse)."""
     from leantrain.render import render_spec_summary
 
+    check_output_file(rehearsal_json, "--rehearsal-json")
     job = _spec(spec, set_, profile)
     render_spec_summary(job, console=console)
     if rehearse:
@@ -114,6 +115,8 @@ def plan(
     """
     if plot is not None and what_if is None:
         raise UserInputError("--plot draws the --what-if table: add --what-if gpus=64,128,256")
+    for path, option in ((json_out, "--json"), (plot, "--plot"), (rehearsal_json, "--rehearsal-json")):
+        check_output_file(path, option)
     job = _spec(spec, set_, profile)
     _stage("leantrain.plan.command", spec=job, json_out=json_out, top=top, what_if=what_if, plot=plot,
            calibrate=calibrate)
@@ -141,6 +144,7 @@ def rehearse(
     Reads SPEC (and data.dir when it is here); writes rehearsal.json: memory by category, collectives, control
     calls and host syncs per step, files read at startup, plan vs rehearsal. Exit 1 when a rank does not fit.
     """
+    check_output_file(json_out, "--json")
     job = _spec(spec, set_, profile)
     _stage("leantrain.golive.rehearse", spec=job, world=world, ranks=ranks, json_out=json_out, depth=depth)
 
@@ -250,6 +254,7 @@ def validate(
 
     Reads RUN_DIR (and --plan, --baseline); prints a table, writes --json.
     """
+    check_output_file(json_out, "--json")
     _stage("leantrain.golive.validate", run_dir=run_dir, plan_file=plan_file, baseline=baseline, json_out=json_out)
 
 

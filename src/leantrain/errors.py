@@ -13,6 +13,23 @@ class UserInputError(LeantrainError):
     """The user's input (spec, flag, file) is wrong; the message names it and says what is valid."""
 
 
+def check_output_file(path: object, option: str) -> None:
+    """Refuse, before any work, an output path that cannot be written as a file: a directory, or a path under a
+    file. (The parent directories are created when the file is written.)"""
+    from pathlib import Path
+
+    if path is None:
+        return
+    target = Path(str(path))
+    if target.is_dir():
+        raise UserInputError(f"{option} {target}: is a directory; give a file path, e.g. {target / 'out.json'}")
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise UserInputError(f"{option} {target}: {parent} is a file, not a directory")
+            break
+
+
 class SpecError(UserInputError):
     """A job spec failed to load or validate. `problems` holds one line per bad field."""
 

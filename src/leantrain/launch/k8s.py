@@ -91,7 +91,7 @@ def _secret_env(spec: JobSpec, env_refs: dict[str, str] | None = None) -> list[d
 
 
 def _resources(res: JobResources, spec: JobSpec) -> dict[str, Any]:
-    amounts = {"cpu": str(res.cpus_per_node), "memory": f"{res.memory_gb_per_node}Gi"}
+    amounts = {"cpu": str(res.cpus_per_node), "memory": f"{res.memory_gib_per_node}Gi"}
     if res.gpu_resource:
         amounts[res.gpu_resource] = str(res.gpus_per_node)
     if spec.cluster.k8s_rdma_resource:

@@ -38,7 +38,7 @@ class JobResources:
     max_nodes: int
     gpus_per_node: int
     cpus_per_node: int
-    memory_gb_per_node: int
+    memory_gib_per_node: int  # GiB: Slurm --mem=…G, Kubernetes …Gi
     gpu_resource: str | None  # Kubernetes extended resource name; None on CPU-only nodes
     source: str  # where num_nodes came from
 
@@ -106,7 +106,7 @@ def job_resources(spec: JobSpec, *, nnodes: str | None = None, nproc: int | None
         max_nodes=max_nodes,
         gpus_per_node=gpus_per_node,
         cpus_per_node=cluster.cpus_per_node or DEFAULT_CPUS_PER_GPU * gpus_per_node,
-        memory_gb_per_node=int(cluster.memory_gb_per_node or DEFAULT_MEMORY_GB_PER_GPU * gpus_per_node),
+        memory_gib_per_node=int(cluster.host_memory_gib or DEFAULT_MEMORY_GB_PER_GPU * gpus_per_node),
         gpu_resource=gpu_resource,
         source=source,
     )

@@ -46,7 +46,7 @@ def _sbatch_options(
         "nodes": f"{res.min_nodes}-{res.max_nodes}" if res.elastic else str(res.num_nodes),
         "ntasks-per-node": "1",
         "cpus-per-task": str(res.cpus_per_node),
-        "mem": f"{res.memory_gb_per_node}G",
+        "mem": f"{res.memory_gib_per_node}G",
         "exclusive": None,
         "time": cluster.time_limit,
         "requeue": None,

@@ -32,7 +32,7 @@ from leantrain.plan.memory import checkpointed_state_bytes
 from leantrain.spec.schema import JobSpec
 
 SECONDS_PER_DAY = 86400.0
-HOST_MEMORY_GB_PER_GPU = 64  # cluster.memory_gb_per_node's default per GPU (what the job files request)
+HOST_MEMORY_GB_PER_GPU = 64  # cluster.memory_gib_per_node's default per GPU, GiB (what the job files request)
 FAST_TIER_COPIES = 2  # the fast tier keeps a rank's own shard and the copy it holds for a peer (ckpt/memory_tier.py)
 TMPFS_SHARE_OF_MEMORY = 0.5  # Linux mounts /dev/shm at half the host's memory unless told otherwise
 TMPFS_ROOTS = ("/dev/shm", "/run/shm")
@@ -227,8 +227,9 @@ def checkpoint_interval(spec: JobSpec, inputs: PlanInputs, *, num_gpus: int, ste
 
 
 def node_host_bytes(spec: JobSpec, inputs: PlanInputs) -> float:
-    """A node's host memory: `cluster.memory_gb_per_node`, else what the job files request (64 GiB per GPU)."""
-    return (spec.cluster.memory_gb_per_node or HOST_MEMORY_GB_PER_GPU * inputs.gpus_per_node) * GiB
+    """A node's host memory: `cluster.memory_gib_per_node` (or `memory_gb_per_node` with its unit), else what the
+    job files request (64 GiB per GPU)."""
+    return (spec.cluster.host_memory_gib or HOST_MEMORY_GB_PER_GPU * inputs.gpus_per_node) * GiB
 
 
 def _tier_need(spec: JobSpec, *, shard_bytes: float, local_ranks: int) -> tuple[float, str]:
@@ -250,7 +251,7 @@ def k8s_shm_problem(spec: JobSpec, *, shard_bytes: float, local_ranks: int) -> s
 def fast_tier(spec: JobSpec, inputs: PlanInputs, layout: Layout) -> dict[str, object]:
     """The fast tier's memory per node (`checkpoint.memory_interval_steps`): FAST_TIER_COPIES × local ranks ×
     the heaviest rank's checkpointed state, against the node. On tmpfs (`checkpoint.memory_dir` under /dev/shm,
-    the default) that is host memory: at most the default tmpfs size (half of `cluster.memory_gb_per_node`,
+    the default) that is host memory: at most the default tmpfs size (half of `cluster.memory_gib_per_node`,
     default 64 GiB per GPU) and, on Kubernetes, the /dev/shm volume (`cluster.k8s_shm_gb`). A memory_dir on a
     node-local disk is for the preflight to check on the node. `problems` say what does not fit and what would."""
     ck = spec.checkpoint
@@ -269,7 +270,7 @@ def fast_tier(spec: JobSpec, inputs: PlanInputs, layout: Layout) -> dict[str, ob
     problems: list[str] = []
     if need > tmpfs:
         problems.append(f"{what}, more than the default tmpfs holds on a node with {host / GiB:.0f} GiB "
-                        f"(half of it): raise cluster.memory_gb_per_node (and /dev/shm's size), put "
+                        f"(half of it): raise cluster.memory_gib_per_node (and /dev/shm's size), put "
                         f"checkpoint.memory_dir on a node-local disk, or shard the state over more GPUs")
     if (shm := k8s_shm_problem(spec, shard_bytes=shard, local_ranks=local_ranks)) is not None:
         problems.append(shm)
@@ -306,7 +307,7 @@ def _state_bytes_per_param(inputs: PlanInputs) -> float:
 def host_memory(spec: JobSpec, inputs: PlanInputs, layout: Layout, tier: dict[str, object]) -> dict[str, object]:
     """A node's host memory against what it must hold: local ranks × `process_host_bytes` plus the fast tier's
     files when they are on tmpfs (host memory; on Kubernetes a memory-backed /dev/shm volume counts against the
-    pod's memory limit, which is `cluster.memory_gb_per_node`). `problems`: one line naming the field and the
+    pod's memory limit, which is `cluster.memory_gib_per_node`). `problems`: one line naming the field and the
     size that would do."""
     local_ranks = min(inputs.gpus_per_node, layout.num_gpus)
     per_process = process_host_bytes(spec, inputs, layout)
@@ -315,12 +316,12 @@ def host_memory(spec: JobSpec, inputs: PlanInputs, layout: Layout, tier: dict[st
     host = node_host_bytes(spec, inputs)
     problems = []
     if need > host:
-        field = (f"cluster.memory_gb_per_node: {spec.cluster.memory_gb_per_node}" if spec.cluster.memory_gb_per_node
-                 else f"cluster.memory_gb_per_node unset: {host / GiB:.0f} GiB, {HOST_MEMORY_GB_PER_GPU} per GPU")
+        field = (f"cluster host memory {host / GiB:.0f} GiB" if spec.cluster.host_memory_gib
+                 else f"cluster.memory_gib_per_node unset: {host / GiB:.0f} GiB, {HOST_MEMORY_GB_PER_GPU} per GPU")
         problems.append(f"a node needs {need / GiB:.1f} GiB of host memory ({local_ranks} ranks × "
                         f"{per_process['total'] / GiB:.1f} GiB per process"
                         + (f" + {files / GiB:.1f} GiB fast tier in {spec.checkpoint.memory_dir}" if files else "")
-                        + f"), more than it has ({field}): set cluster.memory_gb_per_node to at least "
+                        + f"), more than it has ({field}): set cluster.memory_gib_per_node to at least "
                         f"{math.ceil(need / GiB)}")
     return {"per_process": per_process, "local_ranks": local_ranks, "processes_bytes_per_node":
             local_ranks * per_process["total"], "fast_tier_bytes_per_node": files, "bytes_per_node": need,

@@ -9,7 +9,7 @@ from typing import Any
 
 from rich.console import Console
 
-from leantrain.errors import UserInputError
+from leantrain.errors import UserInputError, check_output_file
 from leantrain.plan.planner import build_plan, make_plan, what_if_rows
 from leantrain.plan.render import plot_what_if, render_calibration, render_plan, render_what_if
 from leantrain.spec import JobSpec, load_spec
@@ -30,6 +30,7 @@ def parse_what_if(text: str) -> tuple[list[int], Path | None]:
             counts.append(int(item))
         elif key == "plot":
             plot = Path(item)
+            check_output_file(plot, "--what-if plot=")
         else:
             raise UserInputError(f"--what-if: unknown key {key!r}; use gpus=64,128,256[,plot=FILE.png]")
     if not counts:

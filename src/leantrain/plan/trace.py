@@ -8,6 +8,7 @@ left out (they are counted as weights). The loss is cross-entropy on fp32 logits
 
 from __future__ import annotations
 
+import gc
 from dataclasses import dataclass
 
 from rich.console import Console
@@ -51,6 +52,29 @@ def planned_single_gpu(spec: JobSpec, *, micro_batch: int, recompute: str) -> di
     return {"params": mem.params, "grads": mem.grads, "optimizer": mem.optimizer, "activations": saved}
 
 
+def _created_storages_mode() -> type:
+    """A dispatch mode that records (weakly) every storage an op creates, with its size."""
+    import torch
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from torch.utils._pytree import tree_flatten
+
+    class Created(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.storages: dict[StorageWeakRef, int] = {}
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            for tensor in tree_flatten(out)[0]:
+                if isinstance(tensor, torch.Tensor):
+                    storage = tensor.untyped_storage()
+                    self.storages.setdefault(StorageWeakRef(storage), storage.nbytes())
+            return out
+
+    return Created
+
+
 def trace_single_gpu(spec: JobSpec, *, micro_batch: int, recompute: str) -> dict[str, float]:
     """Bytes seen when our model runs one micro-batch under FakeTensorMode (nothing is allocated)."""
     import torch
@@ -59,6 +83,8 @@ def trace_single_gpu(spec: JobSpec, *, micro_batch: int, recompute: str) -> dict
     from torch.multiprocessing.reductions import StorageWeakRef
 
     from leantrain.model.transformer import Transformer, model_args_from_spec, rope_tables
+
+    _Created = _created_storages_mode()
 
     if spec.model.architecture == "moe" and spec.precision.compute == "fp32":
         raise UserInputError("plan.trace of an MoE model needs precision.compute: bf16 (the grouped expert "
@@ -84,10 +110,19 @@ def trace_single_gpu(spec: JobSpec, *, micro_batch: int, recompute: str) -> dict
         model.set_recompute(recompute)  # type: ignore[arg-type]
         own = {StorageWeakRef(t.untyped_storage()) for t in [*model.parameters(), *model.buffers()]}
         tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long)
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        created = _Created()
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), created:
             logits = model(tokens)  # (batch, seq, vocab)
             loss = F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
-        activations = float(sum(n for ref, n in saved.items() if ref not in own))
+        if recompute == "op":
+            # Selective checkpointing keeps what its policy saves in the checkpoint's own store, which saved-tensor
+            # hooks never see: count instead every storage the forward made that is still alive after it, less
+            # the logits and the loss the caller holds (on none/selective/full this equals the hooks' count).
+            gc.collect()
+            held = own | {StorageWeakRef(t.untyped_storage()) for t in (logits, loss)}
+            activations = float(sum(n for ref, n in created.storages.items() if not ref.expired() and ref not in held))
+        else:
+            activations = float(sum(n for ref, n in saved.items() if ref not in own))
         loss.backward()
         params = list(model.parameters())
         optimizer = torch.optim.AdamW(params, lr=1e-3, foreach=True)  # fewer (fake) ops

@@ -6,7 +6,7 @@ import re
 
 from pydantic import Field, field_validator, model_validator
 
-from leantrain.hardware import accelerator_names, canonical_name
+from leantrain.hardware import CATALOG, accelerator_names, canonical_name
 from leantrain.spec.base import PositiveInt, Section
 
 
@@ -29,7 +29,8 @@ class HardwareSpec(Section):
     )
     power_w: float | None = Field(
         None, gt=0, description="Board power limit per GPU in W (nvidia-smi -pl); below the accelerator's TDP the "
-        "planner lowers the sustained matmul rate (docs/plan.md). Default: the catalog's (H100-HBM2e: 500 W)."
+        "planner lowers the sustained matmul rate (docs/plan.md); above it, refused. Default: the catalog's "
+        "(H100-HBM2e: 500 W)."
     )
     intra_node_bandwidth_gb_s: float | None = Field(
         None, gt=0, description="GPU-to-GPU bandwidth inside a node, GB/s per direction (catalog default)."
@@ -57,6 +58,15 @@ class HardwareSpec(Section):
             raise ValueError("give memory_gb or memory_gib, not both")
         return self
 
+    @model_validator(mode="after")
+    def _power_within_tdp(self) -> HardwareSpec:
+        tdp = CATALOG[self.accelerator].tdp_w
+        if self.power_w is not None and tdp is not None and self.power_w > tdp:
+            raise ValueError(f"power_w ({self.power_w:g} W) is above {self.accelerator}'s {tdp:g} W TDP, which no "
+                             "power limit can exceed: leave power_w unset to plan at the TDP, or give the limit "
+                             "nvidia-smi -q -d POWER shows")
+        return self
+
     @property
     def memory_bytes(self) -> float | None:
         """The memory override in bytes (None: the catalog's)."""
@@ -69,9 +79,10 @@ class HardwareSpec(Section):
         return None if self.num_nodes is None else self.num_nodes * self.gpus_per_node
 
 
-def parse_memory_gb(value: object) -> float | None:
-    """`hardware.memory_gb` → decimal GB: a number with a fractional part as GB, "N GB" / "N GiB" by its unit; a
-    bare whole number is refused, naming both readings (GPU memory is sold as "80GB" and is 80 GiB)."""
+def parse_memory_gb(value: object, *, gib_field: str = "memory_gib") -> float | None:
+    """`hardware.memory_gb` (or `cluster.memory_gb_per_node`) → decimal GB: a number with a fractional part as GB,
+    "N GB" / "N GiB" by its unit; a bare whole number is refused, naming both readings (GPU memory is sold as
+    "80GB" and is 80 GiB; Slurm's --mem=512G and Kubernetes' 512Gi are GiB) and the GiB field."""
     if value is None:
         return None
     if isinstance(value, str):
@@ -85,7 +96,7 @@ def parse_memory_gb(value: object) -> float | None:
         if number.is_integer() and number >= 1:
             raise ValueError(f"{value:g} is ambiguous: {number:g} GB = {number * 1e9 / 2**30:.1f} GiB, or "
                              f"{number:g} GiB = {number * 2**30 / 1e9:.1f} GB (the catalog's unit); write "
-                             f"\"{value:g} GB\" or \"{value:g} GiB\", or use memory_gib: {value:g}")
+                             f"\"{value:g} GB\" or \"{value:g} GiB\", or use {gib_field}: {value:g}")
     else:
         raise ValueError(f"{value!r}: a number of GB or a string with its unit, e.g. \"96 GiB\"")
     if gb <= 0:

@@ -26,7 +26,18 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
         *_finetune_problems(spec),
         *_size_problems(spec, shape),
         *_hang_problems(spec),
+        *_recompute_problems(spec, shape),
     ]
+
+
+def _recompute_problems(spec: JobSpec, shape: ModelShape) -> list[str]:
+    """`op` recompute keeps every second matmul of a dense Llama block (model/transformer.py): what it saves in an
+    MoE layer's grouped expert matmuls or MLA's projections is neither run that way nor planned."""
+    if spec.training.activation_checkpointing != "op" or (shape.moe is None and shape.mla is None):
+        return []
+    kind = "an MoE model" if shape.moe is not None else "multi-head latent attention (model.mla)"
+    return [f"training.activation_checkpointing: op is for dense models with standard attention, not {kind}: "
+            "use selective or full"]
 
 
 HANG_POLL_MAX_S = 2.0  # the hang watchdog's longest look interval (ckpt/watchdog.py POLL_MAX_S)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from leantrain.spec.base import MAX_STEPS, SECRET_REF_RE, Fraction, PositiveInt, SecretRef, Section
 from leantrain.spec.data_schema import (
@@ -23,7 +23,7 @@ from leantrain.spec.data_schema import (
     PIISpec,
     TokenizerSpec,
 )
-from leantrain.spec.hardware_schema import HardwareSpec
+from leantrain.spec.hardware_schema import HardwareSpec, parse_memory_gb
 from leantrain.spec.model_schema import FinetuneSpec, LoraSpec, ModelSpec, MoESpec, default_lora_targets
 from leantrain.spec.rules import cross_field_problems
 
@@ -109,8 +109,10 @@ class TrainingSpec(Section):
     grad_clip: float = Field(1.0, gt=0, description="Max global gradient norm.")
     seed: int = Field(1234, ge=0, description="Seed for weights, data order and dropout.")
     deterministic: bool = Field(False, description="Bitwise-reproducible runs (and resumes) where possible.")
-    activation_checkpointing: Literal["none", "selective", "full"] = Field(
-        "none", description="Recompute activations in backward to save memory."
+    activation_checkpointing: Literal["none", "selective", "op", "full"] = Field(
+        "none", description="Recompute activations in backward to save memory: selective redoes the attention "
+        "core; op keeps every second matmul output and the attention kernel's and redoes the rest of each block "
+        "(torchtitan's op-level policy; dense models); full keeps only each block's input."
     )
     compile: bool = Field(False, description="torch.compile each transformer block.")
     on_nonfinite: Literal["skip", "stop"] = Field("skip", description="Non-finite loss/grad: skip the step or stop.")
@@ -371,7 +373,13 @@ class ClusterSpec(Section):
     )
     rdzv_port: int = Field(29500, ge=1, le=65535, description="c10d rendezvous port on the first node.")
     cpus_per_node: PositiveInt | None = Field(None, description="CPU cores per node; default 8 per GPU.")
-    memory_gb_per_node: float | None = Field(None, gt=0, description="Host memory per node, GB; default 64 per GPU.")
+    memory_gb_per_node: float | None = Field(
+        None, description="Host memory per node with its unit, \"512 GiB\" or \"550 GB\" (a bare whole number is "
+        "ambiguous and refused with both readings); or use memory_gib_per_node. Default 64 GiB per GPU."
+    )
+    memory_gib_per_node: float | None = Field(
+        None, gt=0, description="Host memory per node in GiB (2^30 bytes: Slurm's --mem=…G, Kubernetes' …Gi)."
+    )
     slurm_partition: str | None = Field(None, description="Slurm partition (-p).")
     slurm_account: str | None = Field(None, description="Slurm account (-A).")
     slurm_qos: str | None = Field(None, description="Slurm quality of service.")
@@ -436,6 +444,24 @@ class ClusterSpec(Section):
     unhealthy_after_crashes: PositiveInt = Field(
         2, description="Crashes recorded for a host before it is excluded (node_health.json)."
     )
+
+    @field_validator("memory_gb_per_node", mode="before")
+    @classmethod
+    def _host_memory_with_unit(cls, value: object) -> float | None:
+        return parse_memory_gb(value, gib_field="memory_gib_per_node")
+
+    @model_validator(mode="after")
+    def _one_host_memory(self) -> ClusterSpec:
+        if self.memory_gb_per_node is not None and self.memory_gib_per_node is not None:
+            raise ValueError("give memory_gb_per_node or memory_gib_per_node, not both")
+        return self
+
+    @property
+    def host_memory_gib(self) -> float | None:
+        """Host memory per node in GiB, from whichever field gives it (None: the default, 64 GiB per GPU)."""
+        if self.memory_gib_per_node is not None:
+            return self.memory_gib_per_node
+        return None if self.memory_gb_per_node is None else self.memory_gb_per_node * 1e9 / 2**30
 
 
 
