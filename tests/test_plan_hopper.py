@@ -150,3 +150,22 @@ def test_a_part_without_calibration_runs_is_priced_at_its_shipped_efficiency() -
     b200 = next(r for r in load_moe_runs() if r.accelerator == "B200")
     assert family("B200") == "B200" and family("H800") == family("H200") == family("H100-SXM") == "H100"
     assert family_efficiency(fit, b200) == DEFAULT_COMPUTE_EFFICIENCY["B200"] != fit.efficiency["H100"]
+
+
+def test_plan_states_the_kernels_mlp_and_power_it_assumed() -> None:
+    """The kernel set moves activations and the memory-bound passes and the power limit the matmul rate, so a plan
+    says which it used and where each came from (an H100-HBM2e is planned at its catalog limit of 500 W)."""
+    from pathlib import Path
+
+    from leantrain.plan.planner import make_plan
+    from leantrain.spec import load_spec
+
+    example = Path(__file__).resolve().parents[1] / "examples" / "llama3-8b-h100.yaml"
+    a = make_plan(load_spec(example))["assumptions"]
+    assert (a["kernels"], a["kernels_from"], a["mlp"], a["power_w"], a["power_from"]) == (
+        "eager", "plan.kernels: auto, training.compile: false", "swiglu", 700, "the TDP")
+    capped = make_plan(load_spec(example, overrides=["hardware.accelerator=H100-HBM2e", "plan.kernels=fused",
+                                                     "model.mlp=gelu"]))["assumptions"]
+    assert (capped["kernels"], capped["kernels_from"], capped["mlp"]) == ("fused", "plan.kernels: fused", "gelu")
+    assert capped["power_w"] == 500 and capped["power_from"] == "the catalog's default limit"
+    assert capped["power_factor"] == pytest.approx((500 / 700) ** POWER_EXPONENT)

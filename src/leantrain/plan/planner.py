@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from leantrain.hardware import CATALOG
 from leantrain.plan.budget import (
     SECONDS_PER_DAY,
     Budget,
@@ -121,7 +122,23 @@ class Plan:
             "warnings": [*self.run.get("warnings", []), *self.fast_tier.get("problems", []),
                          *self.host_memory.get("problems", [])],
             "calibration": self.calibration,
+            "assumptions": self.assumptions(),
         }
+
+    def assumptions(self) -> dict[str, Any]:
+        """What the plan assumed where the spec left it open, with where each came from: the kernel set (it moves
+        activations and the memory-bound passes), the loss kernel, the MLP, the compute dtype and the power limit."""
+        spec, inputs = self.spec, self.inputs
+        knobs, acc = spec.plan, CATALOG[inputs.accelerator]
+        kernels = "fused" if inputs.fused_kernels else "eager"
+        kernels_from = (f"plan.kernels: auto, training.compile: {str(spec.training.compile).lower()}"
+                        if knobs.kernels == "auto" else f"plan.kernels: {knobs.kernels}")
+        power = spec.hardware.power_w if spec.hardware.power_w is not None else acc.default_power_w or acc.tdp_w
+        power_from = ("hardware.power_w" if spec.hardware.power_w is not None
+                      else "the catalog's default limit" if acc.default_power_w is not None else "the TDP")
+        return {"kernels": kernels, "kernels_from": kernels_from, "fused_loss": inputs.fused_loss,
+                "mlp": inputs.shape.mlp, "compute": spec.precision.compute, "power_w": power, "tdp_w": acc.tdp_w,
+                "power_from": power_from if power is not None else None, "power_factor": inputs.power_factor}
 
 
 def _candidate_json(c: Candidate) -> dict[str, Any]:

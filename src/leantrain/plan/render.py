@@ -56,6 +56,12 @@ def render_plan(plan: Plan, *, console: Console, top: int) -> None:
     budget.add_row("whole run", f"{human_days(t['whole_run_days'])}, {t['whole_run_gpu_hours']:,.3g} GPU-hours with "
                    f"{t['expected_goodput']:.1%} expected goodput, {t['eval_share']:.1%} evaluation and "
                    f"{t['whole_run_efficiency']:.0%} whole-run efficiency")
+    a = data["assumptions"]
+    power = (f"; {a['power_w']:g} W ({a['power_from']}: {a['power_factor']:.0%} of the matmul rate at the "
+             f"{a['tdp_w']:g} W TDP)" if a["power_w"] is not None and a["power_factor"] < 1
+             else f"; {a['power_w']:g} W ({a['power_from']})" if a["power_w"] is not None else "")
+    budget.add_row("assumed", f"{a['kernels']} kernels ({a['kernels_from']}), "
+                   f"{'fused' if a['fused_loss'] else 'unfused'} loss, {a['mlp']} MLP, {a['compute']}{power}")
     budget.add_row("whole run P10–P90", f"{human_days(t['days_p10'])} – {human_days(t['days_p90'])}, "
                    f"{t['gpu_hours_p10']:,.3g} – {t['gpu_hours_p90']:,.3g} GPU-hours (from {t['range_basis']}); "
                    f"step {data['throughput']['step_s_p10']:.3g} – {data['throughput']['step_s_p90']:.3g} s")
