@@ -282,3 +282,34 @@ def test_an_moe_plan_gets_the_moe_step_range() -> None:
     assert dense["step_s_p90"] / dense["step_s"] < 1.3
     moe_searched = step_offsets(layout_given=False, moe=True)
     assert moe_searched[0] <= step_offsets(layout_given=False)[0] and moe_searched[2] >= STEP_RANGE["moe"][2]
+
+
+def test_a_gpu_count_without_a_layout_the_trainer_runs_is_a_row_and_an_error_not_a_crash(tmp_path: Path) -> None:
+    """tiny-cpu's 8 sequences a step do not divide over 3 replicas and its 2 layers leave no pipeline of 3: no layout
+    on 3 GPUs is one the trainer runs. The what-if row says so (within 80 columns, and the plot skips it), and a
+    plan on 3 GPUs is refused naming why (it was an AssertionError)."""
+    import io
+
+    from rich.console import Console
+
+    from leantrain.errors import UserInputError
+    from leantrain.plan.render import render_what_if
+
+    spec = load_spec(EXAMPLES / "tiny-cpu.yaml")
+    plan = build_plan(spec)
+    rows = what_if_rows(plan, [2, 3])
+    assert rows[0]["fits"] and "whole_run_days_p50" in rows[0]
+    assert not rows[1]["fits"] and rows[1]["layout"] is None and "whole_run_days_p50" not in rows[1]
+    buf = io.StringIO()
+    render_what_if(rows, console=Console(file=buf, width=80, color_system=None), currency="USD")
+    text = buf.getvalue()
+    assert "no fit" in text and "…" not in text and max(len(line) for line in text.splitlines()) <= 80
+    assert plot_what_if(rows, tmp_path / "w.png").stat().st_size > 0
+    from leantrain.spec import spec_from_dict
+
+    three = spec_from_dict({"model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 256},
+                            "data": {"tokens_total": 1e6, "seq_len": 128}, "training": {"global_batch_tokens": 8 * 128},
+                            "hardware": {"accelerator": "cpu", "gpus_per_node": 4},
+                            "budget": {"target_days": None, "num_gpus": 3}})
+    with pytest.raises(UserInputError, match="no layout on 3 GPUs is one the trainer runs"):
+        build_plan(three)

@@ -43,8 +43,13 @@ def test_every_recompute_mode_the_planner_prices_is_written_in_the_spec_and_run_
     assert set(typing.get_args(PlanRecompute)) == allowed == set(typing.get_args(ModelRecompute))
     spec = load_spec(EXAMPLES / "llama3-8b-h100.yaml", overrides=["training.activation_checkpointing=op"])
     assert build_plan(spec).chosen.layout.recompute == "op"
-    with pytest.raises(SpecError, match="op is for dense models"):
+    with pytest.raises(SpecError, match="op is for dense SwiGLU models .* not an MoE model"):
         load_spec(EXAMPLES / "moe-small-cpu.yaml", overrides=["training.activation_checkpointing=op"])
+    for other, kind in (("model.mlp=gelu", "a gelu MLP"), ("model.mlp=squared_relu", "a squared_relu MLP")):
+        with pytest.raises(SpecError, match=f"not {kind}"):  # six matmuls a block: the policy keeps other tensors
+            load_spec(EXAMPLES / "llama3-8b-h100.yaml", overrides=["training.activation_checkpointing=op", other])
+    with pytest.raises(SpecError, match="not finetune.method qlora"):  # adapter matmuls shift the count
+        load_spec(EXAMPLES / "qlora-70b.yaml", overrides=["training.activation_checkpointing=op"])
 
 
 # Each example at GPU counts whose factors differ from its batch's and its shape's (120 = 8 × 15 against batches of
@@ -123,3 +128,18 @@ def test_host_memory_per_node_needs_its_unit_too() -> None:
     with pytest.raises(SpecError, match="memory_gb_per_node or memory_gib_per_node"):
         load_spec(EXAMPLES / "llama3-8b-h100.yaml",
                   overrides=["cluster.memory_gb_per_node=512 GiB", "cluster.memory_gib_per_node=512"])
+
+
+def test_preference_tuning_layouts_have_no_tp_or_pipeline_dpo_and_orpo_alike() -> None:
+    """finetune.method dpo (with its DPO or ORPO loss: ORPO keeps no reference model) runs with data parallelism /
+    FSDP only (spec/rules.py `finetune_layout_problems`), so the search offers nothing else; it keyed on the
+    reference model until 2026-12-06 and offered ORPO tp and pp layouts the trainer refuses."""
+    import dataclasses
+
+    from leantrain.plan.search import candidate_layouts
+
+    inputs = plan_inputs(load_spec(EXAMPLES / "llama3-8b-h100.yaml"))
+    for reference in ("copy", "none"):  # DPO's full copy, ORPO's none
+        orpo_or_dpo = dataclasses.replace(inputs, preference=True, finetune="full", dpo_reference=reference)
+        layouts = candidate_layouts(orpo_or_dpo, 64, max_micro_batch=8)
+        assert layouts and {(lay.tp, lay.pp) for lay in layouts} == {(1, 1)}, reference

@@ -62,8 +62,9 @@ def _causal_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Ten
 
 def _op_saved_ops() -> frozenset[object]:
     """The ops whose outputs op-level recompute keeps besides every second matmul: the attention kernels (their
-    outputs and log-sum-exp are what the backward needs, and redoing them is the dearest part of a block) and TP's
-    reduce-scatters (no collective repeated in the backward). What exists in this torch build."""
+    outputs and log-sum-exp are what the backward needs, and redoing them is the dearest part of a block) and
+    sequence parallelism's reduce-scatters, as torchtitan's list (SP's all-gathers and plain TP's all-reduces run
+    again in the recompute). What exists in this torch build."""
     aten, names = torch.ops.aten, ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
                                    "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
     ops = {getattr(aten, name).default for name in names if hasattr(aten, name)}

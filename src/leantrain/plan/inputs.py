@@ -148,6 +148,7 @@ class PlanInputs:
     lora_dropout: float = 0.0
     adapter_params: float = 0.0  # LoRA adapter parameters of the whole model (plan/finetune.py)
     dpo_reference: str = "none"  # finetune.method dpo: none | base (LoRA, adapters off) | copy (full DPO)
+    preference: bool = False  # finetune.method dpo (DPO or ORPO): data parallelism / FSDP only (spec/rules.py)
     fp8_speedup: float = 1.0  # large-GEMM rate over bf16 for fp8 GEMMs (peak_flops stays the bf16 peak)
     fp8_cast_bytes: float = FP8_CAST_BYTES  # HBM bytes per GEMM operand element that fp8 scaling adds
     power_factor: float = 1.0  # sustained matmul rate at the power limit over the rate at TDP
@@ -258,6 +259,7 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
         lora_dropout=ft.lora.dropout,
         dpo_reference=("copy" if ft.weights == "full" else "base") if spec.task == "finetune" and ft.method == "dpo"
         and ft.dpo.loss != "orpo" else "none",  # ORPO has no reference model
+        preference=spec.finetune.method == "dpo",
         fp8_speedup=fp8_speedup,
         power_factor=_power_factor(acc, hw.power_w),
         attention_flops_s=(acc.attention_flops or 0.0) if hw.peak_flops is None else 0.0,

@@ -13,6 +13,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from leantrain.errors import UserInputError
 from leantrain.hardware import CATALOG
 from leantrain.plan.budget import (
     SECONDS_PER_DAY,
@@ -223,7 +224,10 @@ def choose_layout(spec: JobSpec, inputs: PlanInputs, gpus: int,
     if chosen is None:
         chosen = search.best or search.smallest
         source = "search" if search.best is not None else "none fits (leanest shown)"
-    assert chosen is not None
+    if chosen is None:  # no layout the trainer accepts at all (`search.rejected` says why)
+        reasons = "; ".join(f"{n} × {why}" for why, n in search.rejected.items()) or "no candidate layout"
+        raise UserInputError(f"no layout on {gpus} GPUs is one the trainer runs ({reasons}): choose another GPU "
+                             "count, or a global batch that divides over it")
     return chosen, source, notes
 
 
@@ -264,12 +268,16 @@ def what_if_rows(plan: Plan, gpu_counts: list[int]) -> list[dict[str, Any]]:
     for gpus in gpu_counts:
         budget = make_budget(spec, inputs, num_gpus=gpus)
         found = search_layouts(inputs, gpus, max_micro_batch=knobs.max_micro_batch, top_k=1, suggest=False)
-        chosen, source, _ = choose_layout(spec, inputs, gpus, found)
+        chosen: Candidate | None
+        try:
+            chosen, source, _ = choose_layout(spec, inputs, gpus, found)
+        except UserInputError:  # no layout the trainer runs on this count: a row that says so
+            chosen, source = None, "none"
         row: dict[str, Any] = {"gpus": gpus, "days": budget.days, "gpu_hours": budget.gpu_hours,
-                               "cost": budget.cost, "fits": chosen.memory.fits, "layout": None,
-                               "layout_source": None, "predicted_days": None, "predicted_days_p10": None,
-                               "predicted_days_p90": None, "predicted_mfu": None}
-        if chosen.memory.fits:
+                               "cost": budget.cost, "fits": chosen is not None and chosen.memory.fits,
+                               "layout": None, "layout_source": None, "predicted_days": None,
+                               "predicted_days_p10": None, "predicted_days_p90": None, "predicted_mfu": None}
+        if chosen is not None and chosen.memory.fits:
             given = source == "spec"
             days = inputs.tokens_total / chosen.time.tokens_per_s / SECONDS_PER_DAY
             band = range_dict("predicted_days", step_offsets(layout_given=given, moe=inputs.shape.moe is not None),

@@ -150,11 +150,12 @@ def render_calibration(calibration: dict[str, Any], *, console: Console) -> None
 
 
 def _short(value: float) -> str:
-    """265,448 → "265K", 94,546,724 → "94.5M" (3 significant digits): a what-if cost."""
+    """265,448 → "265K", 94,546,724 → "94.5M", 999,700 → "1M" (3 significant digits): a what-if cost."""
+    rounded = float(f"{value:.3g}")  # round first, so that 999,700 is 1.00M, not 1e+03K
     for scale, suffix in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
-        if abs(value) >= scale:
-            return f"{value / scale:.3g}{suffix}"
-    return f"{value:.3g}"
+        if abs(rounded) >= scale:
+            return f"{rounded / scale:.3g}{suffix}"
+    return f"{rounded:.3g}"
 
 
 def render_what_if(rows: list[dict[str, Any]], *, console: Console, currency: str) -> None:
@@ -169,7 +170,7 @@ def render_what_if(rows: list[dict[str, Any]], *, console: Console, currency: st
             mfu = f"{row['predicted_mfu']:.1%}"
             layouts.append(f"{row['gpus']} GPUs: {row['layout']} ({row['layout_source']})")
         else:
-            days = cost = mfu = "does not fit"
+            days, cost, mfu = "no fit", "-", "-"
         cells.append((str(row["gpus"]), f"{row['days']:.1f}", _short(row["cost"]), days, cost, mfu))
     table = Table(title="what if", caption=f"whole run: P50 over P10–P90; costs in {currency}; MFU: predicted")
     headers = ("GPUs", "days at assumed MFU", "cost at assumed MFU", "whole run days", "whole run cost", "MFU")

@@ -133,7 +133,7 @@ def candidate_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int
     bytes and ZeRO-1 holds more."""
     shape = inputs.shape
     seqs = sequences_per_step(inputs)
-    dpo = inputs.dpo_reference != "none"
+    dpo = inputs.preference  # DPO and ORPO, as the spec rule reads finetune.method
     groups: list[Layout] = []
     for tp in _tp_degrees(inputs, num_gpus, skipped):
         for pp in _divisors(num_gpus // tp):

@@ -31,13 +31,18 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
 
 
 def _recompute_problems(spec: JobSpec, shape: ModelShape) -> list[str]:
-    """`op` recompute keeps every second matmul of a dense Llama block (model/transformer.py): what it saves in an
-    MoE layer's grouped expert matmuls or MLA's projections is neither run that way nor planned."""
-    if spec.training.activation_checkpointing != "op" or (shape.moe is None and shape.mla is None):
+    """`op` recompute keeps every second of a Llama block's seven matmuls (wq, wk, wv, wo, w1, w3, w2:
+    model/transformer.py), which is what the planner counts: other blocks (MoE's grouped expert matmuls, MLA's
+    projections, a two-matmul GeLU MLP, LoRA's adapter matmuls) would keep other tensors than planned."""
+    if spec.training.activation_checkpointing != "op":
         return []
-    kind = "an MoE model" if shape.moe is not None else "multi-head latent attention (model.mla)"
-    return [f"training.activation_checkpointing: op is for dense models with standard attention, not {kind}: "
-            "use selective or full"]
+    kind = ("an MoE model" if shape.moe is not None else "multi-head latent attention (model.mla)"
+            if shape.mla is not None else f"a {shape.mlp} MLP" if shape.mlp != "swiglu"
+            else f"finetune.method {spec.finetune.weights}" if spec.finetune.weights in ("lora", "qlora") else None)
+    if kind is None:
+        return []
+    return [f"training.activation_checkpointing: op is for dense SwiGLU models with standard attention and full "
+            f"weights (seven matmuls a block), not {kind}: use selective or full"]
 
 
 HANG_POLL_MAX_S = 2.0  # the hang watchdog's longest look interval (ckpt/watchdog.py POLL_MAX_S)

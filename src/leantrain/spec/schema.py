@@ -113,7 +113,7 @@ class TrainingSpec(Section):
     activation_checkpointing: Literal["none", "selective", "op", "full"] = Field(
         "none", description="Recompute activations in backward to save memory: selective redoes the attention "
         "core; op keeps every second matmul output and the attention kernel's and redoes the rest of each block "
-        "(torchtitan's op-level policy; dense models); full keeps only each block's input."
+        "(torchtitan's op-level policy; dense SwiGLU models, full weights); full keeps only each block's input."
     )
     compile: bool = Field(False, description="torch.compile each transformer block.")
     on_nonfinite: Literal["skip", "stop"] = Field("skip", description="Non-finite loss/grad: skip the step or stop.")
