@@ -77,9 +77,12 @@ class ClusterSpec(Section):
         False, description="Emit a PodMonitor (prometheus-operator) beside the job; scrape annotations always."
     )
     k8s_storage_class: str | None = Field(None, description="StorageClass of the emitted PVCs (cluster default).")
-    k8s_data_pvc_gb: PositiveInt = Field(1024, description="Size of the emitted data PVC (ReadOnlyMany), GB.")
+    k8s_data_pvc_gb: PositiveInt = Field(
+        1024, description="Size of the emitted data PVC in GiB (written as …Gi; ReadWriteMany: the data loader pod "
+        "writes it, the training pods mount it read-only)."
+    )
     k8s_checkpoint_pvc_gb: PositiveInt = Field(
-        4096, description="Size of the emitted run-dir PVC (ReadWriteMany: every pod writes), GB."
+        4096, description="Size of the emitted run-dir PVC in GiB (written as …Gi; ReadWriteMany: every pod writes)."
     )
     k8s_queue: str | None = Field(None, description="Scheduler queue (volcano) for the job's pod group.")
     k8s_priority_class: str | None = Field(None, description="PriorityClass of the pods.")
@@ -89,7 +92,10 @@ class ClusterSpec(Section):
     k8s_secret_name: str = Field("leantrain-secrets", description="Kubernetes Secret holding the secret env vars.")
     k8s_data_pvc: str = Field("leantrain-data", description="PersistentVolumeClaim with the prepared data.")
     k8s_checkpoint_pvc: str = Field("leantrain-checkpoints", description="PersistentVolumeClaim for run dirs.")
-    k8s_shm_gb: PositiveInt = Field(64, description="Size of the in-memory /dev/shm volume, GB.")
+    k8s_shm_gb: PositiveInt = Field(
+        64, description="Size of the in-memory /dev/shm volume in GiB (written as …Gi; the plan checks the fast tier "
+        "against it)."
+    )
     data_url: str | None = Field(
         None, description="Remote prepared data dir (fsspec URL, e.g. s3://bucket/data); staged to node-local "
         "disk and verified against the manifest before training."
