@@ -37,10 +37,11 @@ TWO_RANK: dict[str, dict[str, Any]] = {
     "mla_tp_moe": {"mla": True, "moe": True, "tensor_parallel": 2},
     "mla_fsdp_ep": {"mla": True, "moe": True, "data_parallel": 2, "expert_parallel": 2},
     "mla_pp": {"mla": True, "moe": True, "pipeline_parallel": 2, "pipeline_schedule": "1f1b"},
-    # op-level selective recompute (model/transformer.py) under FSDP2's hooks and under TP's DTensors with
-    # sequence parallelism (its reduce-scatters are kept)
+    # op-level selective recompute (model/transformer.py) under FSDP2's hooks, under TP's DTensors with sequence
+    # parallelism (its reduce-scatters are kept) and inside a pipeline stage's backward
     "fsdp_op": {"data_parallel": 2, "recompute": "op"},
     "tp_sp_op": {"tensor_parallel": 2, "sequence_parallel": True, "recompute": "op"},
+    "pp_op": {"pipeline_parallel": 2, "pipeline_schedule": "1f1b", "recompute": "op"},
 }
 # bf16 compute through FSDP's MixedPrecisionPolicy: masters stay fp32, the loss tracks fp32 to bf16 accuracy.
 BF16 = {"fsdp_bf16": {"data_parallel": 2, "compute": "bf16"}}
