@@ -3,7 +3,7 @@
 Each layout is a Llama-3-8B-wide model (d 4096, GQA 32/8, SwiGLU 14,336, vocabulary 128,256, 8K context) cut
 to a few layers, rehearsed as rank 0 of its real world size with the trainer itself under a fake process group
 and fake tensors (docs/rehearse.md), and planned by `plan.memory.stage_memory` for the same stage. The grid
-covers ZeRO 1-3, TP 1-8, PP 1-4 with 1F1B and interleaved 1F1B, recompute none/selective/full, and an MoE.
+covers ZeRO 1-3, TP 1-8, PP 1-4 with 1F1B and interleaved 1F1B, recompute none/selective/op/full, and an MoE.
 The rehearsal is the independent measurement: it counts the bytes the trainer's tensors hold, while the plan
 is arithmetic. Prints, per layout and category, `plan / rehearsal` and the median |error| per category.
 
@@ -37,6 +37,8 @@ GRID: dict[str, tuple[int, int, int, int, str, int, str, tuple[str, ...]]] = {
     "fsdp8 zero1 selective": (8, 1, 1, 1, "1f1b", 1, "selective", ()),
     "fsdp8 zero3 none": (8, 1, 1, 3, "1f1b", 1, "none", ()),
     "fsdp8 zero3 full": (8, 1, 1, 3, "1f1b", 1, "full", ()),
+    "fsdp8 zero3 op": (8, 1, 1, 3, "1f1b", 1, "op", ()),
+    "fsdp2 tp4 op": (2, 4, 1, 3, "1f1b", 1, "op", ()),
     "fsdp4 tp2": (4, 2, 1, 3, "1f1b", 1, "selective", ()),
     "fsdp2 tp4": (2, 4, 1, 3, "1f1b", 1, "selective", ()),
     "fsdp2 tp8": (2, 8, 1, 3, "1f1b", 1, "selective", ()),

@@ -155,7 +155,13 @@ def layer_activation_bytes(terms: ActivationTerms, *, tokens: int, tp: int, sp: 
         return tokens * act_bytes * d_model / (tp if sp else 1)
     if recompute == "op":  # the block input is boundary-sized, the kept matmul outputs are tp-sharded
         boundary = act_bytes * d_model
-        return tokens * (boundary / (tp if sp else 1) + (terms.op_saved - boundary + terms.core) / tp)
+        kept = boundary / (tp if sp else 1) + (terms.op_saved - boundary + terms.core) / tp
+        if tp > 1:
+            # but w2 is row-parallel: its kept output is the whole width's partial sum before the reduction, and
+            # with sequence parallelism the policy also keeps both reduce-scatters' outputs (after wo and w2).
+            # `leantrain rehearse` of the 8B-wide grid row at TP 4 (bench/plan_vs_rehearsal.py "fsdp2 tp4 op").
+            kept += boundary * (1 - 1 / tp) + (2 * boundary / tp if sp else 0.0)
+        return tokens * kept
     selective = recompute == "selective"
     sharded = terms.sharded - terms.selective_sharded if selective else terms.sharded + terms.core
     replicated = terms.replicated - (terms.selective_replicated if selective else 0.0)
