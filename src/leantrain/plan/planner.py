@@ -165,7 +165,7 @@ def _batch_notes(spec: JobSpec, inputs: PlanInputs, chosen: Candidate, search: S
         return []
     gpus, seqs, node = search.num_gpus, sequences_per_step(inputs), inputs.gpus_per_node
     hint = batch_fix_hint(global_batch_tokens=inputs.global_batch_tokens, micro_batch=1, seq_len=inputs.seq_len,
-                          data_parallel=gpus).split(", or training.micro_batch")[0]
+                          data_parallel=gpus, micro_batches=False)
     counts = [c for c in range(node * math.ceil(gpus / node), 2 * gpus + 1, node) if c > gpus and seqs % c == 0]
     other = f", or plan {counts[0]} GPUs, which divide it" if counts else ""
     return [f"the best layout on {gpus} GPUs that splits the global batch ({seqs} sequences) evenly has "

@@ -8,6 +8,7 @@ left out (they are counted as weights). The loss is cross-entropy on fp32 logits
 
 from __future__ import annotations
 
+import contextlib
 import gc
 from dataclasses import dataclass
 
@@ -110,7 +111,8 @@ def trace_single_gpu(spec: JobSpec, *, micro_batch: int, recompute: str) -> dict
         model.set_recompute(recompute)  # type: ignore[arg-type]
         own = {StorageWeakRef(t.untyped_storage()) for t in [*model.parameters(), *model.buffers()]}
         tokens = torch.zeros(micro_batch, seq_len, dtype=torch.long)
-        created = _Created()
+        # only `op` needs every created storage recorded (below); the other modes' saves all pass the hooks
+        created = _Created() if recompute == "op" else contextlib.nullcontext()
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), created:
             logits = model(tokens)  # (batch, seq, vocab)
             loss = F.cross_entropy(logits.float().flatten(0, 1), tokens.flatten())
@@ -120,7 +122,8 @@ def trace_single_gpu(spec: JobSpec, *, micro_batch: int, recompute: str) -> dict
             # the logits and the loss the caller holds (on none/selective/full this equals the hooks' count).
             gc.collect()
             held = own | {StorageWeakRef(t.untyped_storage()) for t in (logits, loss)}
-            activations = float(sum(n for ref, n in created.storages.items() if not ref.expired() and ref not in held))
+            storages = created.storages  # type: ignore[union-attr]
+            activations = float(sum(n for ref, n in storages.items() if not ref.expired() and ref not in held))
         else:
             activations = float(sum(n for ref, n in saved.items() if ref not in own))
         loss.backward()

@@ -199,14 +199,16 @@ def batch_divides(*, global_batch_tokens: int, micro_batch: int, seq_len: int, d
     return global_batch_tokens % (micro_batch * seq_len * data_parallel) == 0
 
 
-def batch_fix_hint(*, global_batch_tokens: int, micro_batch: int, seq_len: int, data_parallel: int) -> str:
-    """Values that divide: the nearest global batch sizes, and micro_batch values that fit this global batch."""
+def batch_fix_hint(*, global_batch_tokens: int, micro_batch: int, seq_len: int, data_parallel: int,
+                   micro_batches: bool = True) -> str:
+    """Values that divide: the nearest global batch sizes, and (`micro_batches`) micro_batch values that fit this
+    global batch."""
     step = micro_batch * seq_len * data_parallel
     lower, upper = (global_batch_tokens // step) * step, (global_batch_tokens // step + 1) * step
     sizes = " or ".join(str(v) for v in (lower, upper) if v > 0)
     micro = [m for m in range(1, 65) if global_batch_tokens % (m * seq_len * data_parallel) == 0]
     hint = f"set training.global_batch_tokens to {sizes}"
-    if micro:
+    if micro and micro_batches:
         hint += f", or training.micro_batch to {', '.join(map(str, micro[:6]))}"
     return hint
 
