@@ -39,6 +39,8 @@ GRID: dict[str, tuple[int, int, int, int, str, int, str, tuple[str, ...]]] = {
     "fsdp8 zero3 full": (8, 1, 1, 3, "1f1b", 1, "full", ()),
     "fsdp8 zero3 op": (8, 1, 1, 3, "1f1b", 1, "op", ()),
     "fsdp2 tp4 op": (2, 4, 1, 3, "1f1b", 1, "op", ()),
+    # fp8 (torchao's float8 Linear layers): the op policy sees their matmuls as aten.mm, the kept outputs are bf16
+    "fsdp8 zero3 op fp8": (8, 1, 1, 3, "1f1b", 1, "op", ("precision.compute=fp8",)),
     "fsdp4 tp2": (4, 2, 1, 3, "1f1b", 1, "selective", ()),
     "fsdp2 tp4": (2, 4, 1, 3, "1f1b", 1, "selective", ()),
     "fsdp2 tp8": (2, 8, 1, 3, "1f1b", 1, "selective", ()),

@@ -113,3 +113,45 @@ def test_op_recompute_keeps_every_second_matmul_and_the_attention_kernel(monkeyp
     assert mms == [True, False, True, False, True, False, True], mms
     assert any("scaled_dot_product" in op and keep for op, keep in forward), forward
     assert not any(keep for op, keep in forward if "rsqrt" in op or "silu" in op or op.startswith("aten.mul"))
+
+
+def test_op_recompute_under_fp8_keeps_the_same_matmuls_and_gradients(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With fp8 compute (torchao's float8 Linear layers, `train/precision.py`) the op policy still sees a block's
+    seven matmuls as `aten.mm` (the float8 tensor subclass dispatches to `_scaled_mm` below the policy), keeps the
+    1st, 3rd, 5th and 7th (bf16 outputs, the bytes the plan counts: `leantrain rehearse` of the 8B-wide FSDP 8 row
+    with fp8, activations 1.00 of the plan), and the gradients equal fp8 without recompute bit for bit."""
+    from torch.utils import checkpoint as ckpt
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    from leantrain.train.precision import PrecisionPolicy, apply_precision
+
+    decisions: list[tuple[bool, str, bool]] = []
+    original = ckpt.create_selective_checkpoint_contexts
+
+    def recording(policy):  # type: ignore[no-untyped-def]
+        def wrapped(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
+            out = policy(ctx, op, *args, **kwargs)
+            decisions.append((bool(ctx.is_recompute), str(op), out == CheckpointPolicy.MUST_SAVE))
+            return out
+        return original(wrapped)
+
+    monkeypatch.setattr(ckpt, "create_selective_checkpoint_contexts", recording)
+    args = tiny_args(n_layers=1, d_model=64, n_heads=4, n_kv_heads=4, ffn_hidden=128)  # fp8 GEMMs: dims % 16
+    policy = PrecisionPolicy(compute="fp8", param_dtype=torch.float32, device_type="cpu")
+    tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def grads(recompute: str) -> dict[str, torch.Tensor]:
+        model = apply_precision(build_model(args, device=torch.device("cpu"), seed=0), policy)
+        assert any(type(m).__name__ == "Float8Linear" for m in model.modules())
+        model.set_recompute(recompute)  # type: ignore[arg-type]
+        with policy.autocast():
+            model(tokens).float().logsumexp(-1).mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    reference = grads("none")
+    decisions.clear()
+    recomputed = grads("op")
+    mms = [keep for r, op, keep in decisions if not r and op == "aten.mm.default"]
+    assert mms == [True, False, True, False, True, False, True], mms
+    for name in reference:
+        torch.testing.assert_close(recomputed[name], reference[name], rtol=0, atol=0, msg=name)

@@ -4,15 +4,18 @@ mode it prices can be written in `training.activation_checkpointing`, and memory
 from __future__ import annotations
 
 import typing
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
 from leantrain.errors import SpecError
-from leantrain.plan.inputs import plan_inputs
+from leantrain.plan.inputs import plan_inputs, sequences_per_step
 from leantrain.plan.layout import Layout
+from leantrain.plan.memory import memory_per_gpu
 from leantrain.plan.planner import build_plan
-from leantrain.plan.search import RECOMPUTE, search_layouts
+from leantrain.plan.search import recompute_ladder, search_layouts
+from leantrain.plan.timing import step_time
 from leantrain.spec import load_spec
 from leantrain.spec.schema import TrainingSpec
 
@@ -39,7 +42,8 @@ def test_every_recompute_mode_the_planner_prices_is_written_in_the_spec_and_run_
     from leantrain.plan.flops import Recompute as PlanRecompute
 
     allowed = set(typing.get_args(TrainingSpec.model_fields["activation_checkpointing"].annotation))
-    assert set(RECOMPUTE) <= allowed
+    dense = plan_inputs(load_spec(EXAMPLES / "llama3-8b-h100.yaml"))
+    assert {mode for tier in recompute_ladder(dense) for mode in tier} == allowed
     assert set(typing.get_args(PlanRecompute)) == allowed == set(typing.get_args(ModelRecompute))
     spec = load_spec(EXAMPLES / "llama3-8b-h100.yaml", overrides=["training.activation_checkpointing=op"])
     assert build_plan(spec).chosen.layout.recompute == "op"
@@ -74,6 +78,37 @@ def test_every_search_result_passes_the_spec_rules(example: str, gpus: int, shap
             load_spec(EXAMPLES / example, overrides=overrides)
         except SpecError as err:
             pytest.fail(f"{example} {shape}: searched {cand.layout.describe()} is refused by the spec rules: {err}")
+
+
+@pytest.mark.parametrize(("example", "overrides", "op"), [
+    ("llama3-8b-h100.yaml", (), True), ("moe-small-cpu.yaml", (), False), ("deepseek-v3.yaml", (), False),
+    ("llama3-8b-h100.yaml", ("model.mlp=gelu",), False), ("qlora-70b.yaml", (), False)])
+def test_the_search_tries_op_recompute_only_where_the_trainer_runs_it(example: str, overrides: tuple[str, ...],
+                                                                      op: bool) -> None:
+    """`op` is in the search's ladder for dense SwiGLU blocks with full weights and nowhere else (spec/rules.py
+    `op_recompute_problem`, the rule `check` applies), beside selective, between none and full."""
+    inputs = plan_inputs(load_spec(EXAMPLES / example, overrides=list(overrides)))
+    assert recompute_ladder(inputs) == (("none",), ("selective", "op") if op else ("selective",), ("full",))
+
+
+def test_the_search_ranks_op_where_it_is_the_fastest_policy_that_fits() -> None:
+    """Llama 3 8B at 8K on 8 H100s: where no recompute does not fit, op keeps fewer tensors than selective (eager
+    blocks with flash attention: selective drops only the log-sum-exp) and the search ranks op layouts; before op
+    was in the ladder those fell to full recompute. Each op layout is one where none did not fit and it was the
+    faster of selective and op that fit; the best passes the spec rules."""
+    spec = load_spec(EXAMPLES / "llama3-8b-h100.yaml")
+    inputs = plan_inputs(spec)
+    found = search_layouts(inputs, 8, top_k=1000, suggest=False)
+    ops = [c for c in found.ranked if c.layout.recompute == "op"]
+    assert ops, sorted({c.layout.recompute for c in found.ranked})
+    for cand in ops:
+        m = cand.layout.num_microbatches(sequences_per_step(inputs))
+        assert not memory_per_gpu(inputs, replace(cand.layout, recompute="none"), num_microbatches=m).fits
+        selective = replace(cand.layout, recompute="selective")
+        if memory_per_gpu(inputs, selective, num_microbatches=m).fits:
+            seqs = sequences_per_step(inputs)
+            assert step_time(inputs, selective, sequences_per_step=seqs).tokens_per_s <= cand.time.tokens_per_s
+    load_spec(EXAMPLES / "llama3-8b-h100.yaml", overrides=layout_overrides(ops[0].layout, gpus_per_node=8))
 
 
 def test_a_batch_that_splits_over_few_replicas_gets_a_note_with_what_divides() -> None:

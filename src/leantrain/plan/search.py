@@ -10,7 +10,8 @@ the FFN; pp divides GPUs / tp and is at most the layer count (uneven stages allo
 the global batch's sequences, micro-batch 1, 2, 4, ... up to `plan.max_micro_batch`; LoRA/QLoRA without TP,
 QLoRA and DPO without a pipeline (DPO without TP); ZeRO-2 and -3 (the trainer's FSDP2 shards gradients at ZeRO-1
 too: the same layout as -2), HSDP (shards inside a node, replicas across nodes) for ZeRO-3 when dp spans nodes;
-recompute none → selective → full, stopping at the first that fits.
+recompute none, then selective and op (torchtitan's op-level policy, where the trainer runs it: dense SwiGLU
+blocks with full weights; the faster of the two that fit), then full, stopping at the first tier that fits.
 """
 
 from __future__ import annotations
@@ -24,10 +25,15 @@ from leantrain.plan.inputs import PlanInputs, sequences_per_step
 from leantrain.plan.layout import Layout
 from leantrain.plan.memory import MemoryBreakdown, memory_per_gpu
 from leantrain.plan.timing import StepTime, step_time
-from leantrain.spec.rules import batch_divides, finetune_layout_problems, moe_problems, shape_problems
+from leantrain.spec.rules import (
+    batch_divides,
+    finetune_layout_problems,
+    moe_problems,
+    op_recompute_problem,
+    shape_problems,
+)
 from leantrain.spec.schema import ParallelismSpec
 
-RECOMPUTE: tuple[Recompute, ...] = ("none", "selective", "full")
 SMALLER_MB_FAILED = "does not fit: a smaller micro-batch of the same layout did not fit"
 ZERO2_FAILED = "does not fit: the same layout did not fit at ZeRO-2, which holds less"
 STATES_FAILED = "does not fit: params+grads+optimizer largest (other chunkings of the same layout)"
@@ -174,6 +180,17 @@ def candidate_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int
     return groups
 
 
+def recompute_ladder(inputs: PlanInputs) -> tuple[tuple[Recompute, ...], ...]:
+    """The recompute policies the search tries, in tiers of cost: none; then selective and op (where the trainer
+    runs it: spec/rules.py `op_recompute_problem`), whose costs cross over with the sequence length and the
+    attention kernel's speed (selective repeats the attention core, op the wk, wo and w3 matmuls), so both are
+    tried and the faster that fits is kept; full last."""
+    middle: tuple[Recompute, ...] = ("selective",)
+    if op_recompute_problem(inputs.shape, weights=inputs.finetune) is None:
+        middle = ("selective", "op")
+    return ("none",), middle, ("full",)
+
+
 def evaluate(inputs: PlanInputs, layout: Layout) -> Candidate:
     """Memory and step time of one layout."""
     seqs = sequences_per_step(inputs)
@@ -193,8 +210,8 @@ def search_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int = 
                    suggest: bool = True) -> SearchResult:
     """Rank fitting layouts for `num_gpus` by predicted tokens/s (ties: more headroom).
 
-    Recomputing more never runs faster, so the first policy that fits (none → selective → full) is a layout's
-    only candidate worth ranking; and once a layout does not fit even with full recompute, the same layout
+    Recomputing more never runs faster, so the first tier of `recompute_ladder` (none, selective or op, full)
+    that fits holds a layout's only candidate worth ranking (of selective and op the faster that fits); and once a layout does not fit even with full recompute, the same layout
     with a larger micro-batch (which holds at least as many activations: mb × in-flight never shrinks when
     mb doubles) is not evaluated."""
     fitting: list[Candidate] = []
@@ -206,6 +223,7 @@ def search_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int = 
     too_big: set[tuple] = set()  # layouts (without micro-batch) that did not fit at a smaller micro-batch
     states_too_big: set[tuple] = set()  # weights + grads + optimizer alone exceed memory, whatever v and mb
     zero2_failed: set[tuple] = set()  # ZeRO-2 layouts that did not fit with full recompute
+    ladder = recompute_ladder(inputs)
     for base in groups:
         states_key = (base.dp, base.tp, base.pp, base.ep, base.dp_replicate, base.zero)
         key = (*states_key, base.virtual_stages)
@@ -221,18 +239,23 @@ def search_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int = 
             rejected[STATES_FAILED] = rejected.get(STATES_FAILED, 0) + 1
             continue
         m = base.num_microbatches(seqs)
-        for recompute in RECOMPUTE:  # heavier policies only while it does not fit
-            layout = base if recompute == "none" else replace(base, recompute=recompute)
-            mem = memory_per_gpu(inputs, layout, num_microbatches=m)
-            evaluated += 1
-            if leanest is None or mem.total < leanest[1].total:
-                leanest = (layout, mem)
-            if mem.fits:  # step time only for layouts that fit
-                fitting.append(Candidate(layout=layout, memory=mem,
-                                         time=step_time(inputs, layout, sequences_per_step=seqs)))
+        for tier in ladder:  # dearer policies only while nothing cheaper fits
+            fits = []
+            for recompute in tier:
+                layout = base if recompute == "none" else replace(base, recompute=recompute)
+                mem = memory_per_gpu(inputs, layout, num_microbatches=m)
+                evaluated += 1
+                if leanest is None or mem.total < leanest[1].total:
+                    leanest = (layout, mem)
+                if mem.fits:  # step time only for layouts that fit
+                    fits.append(Candidate(layout=layout, memory=mem,
+                                          time=step_time(inputs, layout, sequences_per_step=seqs)))
+                else:
+                    reason = _reject_reason(mem)
+                    rejected[reason] = rejected.get(reason, 0) + 1
+            if fits:
+                fitting.append(max(fits, key=lambda c: (c.time.tokens_per_s, c.memory.headroom)))
                 break
-            reason = _reject_reason(mem)
-            rejected[reason] = rejected.get(reason, 0) + 1
         else:  # (with grad_sync: last_micro_batch a larger micro-batch can drop the unsharded gradients)
             if inputs.grad_sync == "every_micro_batch":
                 too_big.add(key)

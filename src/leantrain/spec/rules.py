@@ -31,18 +31,24 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
 
 
 def _recompute_problems(spec: JobSpec, shape: ModelShape) -> list[str]:
-    """`op` recompute keeps every second of a Llama block's seven matmuls (wq, wk, wv, wo, w1, w3, w2:
-    model/transformer.py), which is what the planner counts: other blocks (MoE's grouped expert matmuls, MLA's
-    projections, a two-matmul GeLU MLP, LoRA's adapter matmuls) would keep other tensors than planned."""
     if spec.training.activation_checkpointing != "op":
         return []
+    problem = op_recompute_problem(shape, weights=spec.finetune.weights)
+    return [] if problem is None else [problem]
+
+
+def op_recompute_problem(shape: ModelShape, *, weights: str) -> str | None:
+    """Why `op` recompute cannot run this model, or None (the layout search asks it too). The policy keeps every
+    second of a Llama block's seven matmuls (wq, wk, wv, wo, w1, w3, w2: model/transformer.py), which is what the
+    planner counts: other blocks (MoE's grouped expert matmuls, MLA's projections, a two-matmul GeLU MLP, LoRA's
+    adapter matmuls) would keep other tensors than planned. `weights`: finetune.weights (none when pretraining)."""
     kind = ("an MoE model" if shape.moe is not None else "multi-head latent attention (model.mla)"
             if shape.mla is not None else f"a {shape.mlp} MLP" if shape.mlp != "swiglu"
-            else f"finetune.method {spec.finetune.weights}" if spec.finetune.weights in ("lora", "qlora") else None)
+            else f"finetune.method {weights}" if weights in ("lora", "qlora") else None)
     if kind is None:
-        return []
-    return [f"training.activation_checkpointing: op is for dense SwiGLU models with standard attention and full "
-            f"weights (seven matmuls a block), not {kind}: use selective or full"]
+        return None
+    return (f"training.activation_checkpointing: op is for dense SwiGLU models with standard attention and full "
+            f"weights (seven matmuls a block), not {kind}: use selective or full")
 
 
 HANG_POLL_MAX_S = 2.0  # the hang watchdog's longest look interval (ckpt/watchdog.py POLL_MAX_S)
