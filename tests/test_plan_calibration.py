@@ -113,7 +113,7 @@ def test_whole_run_gpu_hours_out_of_sample(whole_split) -> None:
     parallelism's gathered inputs): layouts other frameworks ran are dearer here, the searched ones slower, and the
     whole runs' ratios spread (the fit on all 44 is 0.81, 0.80 until the search kept only layouts the spec rules
     accept; 0.78 on the first 40 and on the first 21). Over 2,000 random half-splits of the 44 the held-out median
-    error averages 17.4 % (P90 21.1 %; 17.8 % before the search tried op recompute; 18.3 % before the spec-rule
+    error averages 17.4 % (P90 21.4 %; 17.8 % before the search tried op recompute; 18.3 % before the spec-rule
     filter and on the first 40; 19.4 % before MoE layers'
     fixed time per micro-batch was priced; on the first 21 runs 12.7 %, P90 17.3 %: the 19 runs added on 2026-12-06
     include recent small models whose published hours imply 15-25 % MFU); without the whole-run efficiency (1.0) the

@@ -157,3 +157,23 @@ def test_ring_costs() -> None:
     assert ring_time_s(num_bytes=1e9, ranks=8, bandwidth_bytes_s=1e11, kind="all_gather", calls=3) == pytest.approx(
         ag + 2 * (RING_BASE_LATENCY_S + 7 * RING_STEP_LATENCY_S["intra"]))
     assert ring_time_s(num_bytes=1e9, ranks=1, bandwidth_bytes_s=1e11, kind="all_reduce") == 0.0
+
+
+def test_recompute_reruns_the_tp_collectives_it_does_not_keep() -> None:
+    """Per layer and micro-batch TP moves 4 all-reduces' bytes (2 forward, 2 backward); full recompute repeats the
+    forward's 2; op keeps the reduce-scatters' outputs, so with sequence parallelism it repeats only the 2 all-gathers
+    (1 all-reduce's bytes) and without it both all-reduces (until 2026-12-06 op was priced with no repeat)."""
+    from dataclasses import replace
+
+    inputs = replace(_inputs(), tp_overlap=0.0)
+
+    def tp_comm(recompute: str, sp: bool) -> float:
+        layout = Layout(dp=2, tp=4, pp=1, zero=3, recompute=recompute, sequence_parallel=sp)  # type: ignore[arg-type]
+        return step_time(inputs, layout, sequences_per_step=8).tp_comm_s
+
+    for sp in (True, False):
+        none = tp_comm("none", sp)
+        assert tp_comm("selective", sp) == pytest.approx(none)
+        assert tp_comm("full", sp) == pytest.approx(none * 6 / 4)
+    assert tp_comm("op", True) == pytest.approx(tp_comm("none", True) * 5 / 4)
+    assert tp_comm("op", False) == pytest.approx(tp_comm("full", False))

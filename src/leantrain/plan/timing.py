@@ -14,7 +14,9 @@ Model (constants documented in docs/plan.md and plan/inputs.py):
   nodes gets the per-GPU inter-node share times the group's members per node (one NCCL ring per NIC,
   `ring_bandwidth`); pipeline sends between nodes get one GPU's share.
 - TP (Megatron): 2 all-reduces (or 2 all-gathers + 2 reduce-scatters with sequence parallelism, the
-  same bytes) of s·b·h in the forward and 2 in the backward per layer; full recompute repeats the forward's.
+  same bytes) of s·b·h in the forward and 2 in the backward per layer; full recompute repeats the forward's, op
+  recompute (torchtitan's policy, which keeps the reduce-scatters' outputs) the two all-gathers with sequence
+  parallelism (one all-reduce's bytes) and both all-reduces without it (their outputs are not kept).
 - PP: one activation send forward and one gradient send backward of s·b·h (÷tp with sequence parallelism)
   per micro-batch and chunk, on the critical path.
 - DP: ZeRO-0 all-reduces gradients once per step; ZeRO-1 reduce-scatters them once and all-gathers the
@@ -283,6 +285,16 @@ def matmul_s(inputs: PlanInputs, layout: Layout, tokens: int) -> float:
     return (gemm * gemm_time_factor(inputs, tokens, layout.tp) / rate + attention / attention_rate) / split
 
 
+def tp_recompute_calls(layout: Layout) -> int:
+    """All-reduce-sized TP collectives per layer and micro-batch that the recompute runs again: full recompute the
+    forward's two; op (model/transformer.py `_op_policy_context`) keeps the reduce-scatters' outputs, so with
+    sequence parallelism only the two all-gathers of the norm outputs (one all-reduce's bytes) and without it both
+    all-reduces."""
+    if layout.recompute == "full" or (layout.recompute == "op" and not layout.sp):
+        return 2
+    return 1 if layout.recompute == "op" else 0
+
+
 def step_time(inputs: PlanInputs, layout: Layout, *, sequences_per_step: int) -> StepTime:
     """Predicted step time for a layout (see the module docstring)."""
     shape = inputs.shape
@@ -294,7 +306,7 @@ def step_time(inputs: PlanInputs, layout: Layout, *, sequences_per_step: int) ->
 
     layers = math.ceil(shape.n_layers / layout.pp)
     activation_bytes = tokens_mb * shape.d_model * inputs.act_bytes
-    tp_calls = 4 + (2 if layout.recompute == "full" else 0)
+    tp_calls = 4 + tp_recompute_calls(layout)
     tp_mb = layers * tp_calls * ring_time_s(num_bytes=activation_bytes, ranks=layout.tp,
                                             bandwidth_bytes_s=ring_bandwidth(inputs, ranks=layout.tp, stride=1),
                                             kind="all_reduce", across_nodes=layout.tp > inputs.gpus_per_node)
