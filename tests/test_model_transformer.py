@@ -155,3 +155,24 @@ def test_op_recompute_under_fp8_keeps_the_same_matmuls_and_gradients(monkeypatch
     assert mms == [True, False, True, False, True, False, True], mms
     for name in reference:
         torch.testing.assert_close(recomputed[name], reference[name], rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.slow
+def test_op_recompute_composes_with_compiled_blocks() -> None:
+    """`training.compile` (per-block torch.compile, the fused kernels a plan may assume) with `op`, which the layout
+    search proposes for dense SwiGLU models: the policy's call-order matmul count runs under compile, and the
+    gradients equal eager without recompute to compile's rounding."""
+    args = tiny_args(n_layers=2)
+    tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
+
+    def grads(recompute: str, compiled: bool) -> dict[str, torch.Tensor]:
+        model = build_model(args, device=torch.device("cpu"), seed=0)
+        model.set_recompute(recompute)  # type: ignore[arg-type]
+        if compiled:
+            model.compile_blocks()
+        model(tokens).logsumexp(-1).mean().backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    reference, compiled = grads("none", False), grads("op", True)
+    for name in reference:
+        torch.testing.assert_close(compiled[name], reference[name], rtol=1e-5, atol=1e-6, msg=name)
