@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from leantrain.plan.activations import activation_terms, in_flight_microbatches, layer_activation_bytes
 from leantrain.plan.flops import flops_per_token
@@ -60,7 +61,10 @@ def test_flops_count_gqa_swiglu_and_moe_active() -> None:
     assert f.matmul == 6 * (2 * per_layer + 1000 * 256)
     assert f.attention == 12 * 2 * 256 * 128
     assert flops_per_token(dense, seq_len=128, causal_halving=True).attention == f.attention / 2
-    assert f.hardware("full") == pytest.approx(f.model * 4 / 3)
+    # full recompute: the blocks' forward again, not the output projection (1000 × 256); with early stop not the
+    # down projections either (2 layers × 512 × 256)
+    assert f.hardware("full") == pytest.approx(f.model * 4 / 3 - 2 * 1000 * 256)
+    assert f.hardware("full", early_stop=True) == pytest.approx(f.model * 4 / 3 - 2 * 1000 * 256 - 2 * 2 * 512 * 256)
     moe = resolve_shape(ModelSpec(architecture="moe", n_layers=2, d_model=256, n_heads=4, n_kv_heads=2,
                                   ffn_hidden=512, vocab_size=1000,
                                   moe={"num_experts": 8, "top_k": 2, "num_shared_experts": 1, "expert_hidden": 128}))
@@ -159,21 +163,86 @@ def test_ring_costs() -> None:
     assert ring_time_s(num_bytes=1e9, ranks=1, bandwidth_bytes_s=1e11, kind="all_reduce") == 0.0
 
 
+@pytest.mark.parametrize("compute", ["bf16", "fp8"])
+def test_recompute_flops_are_the_matmuls_the_trainer_runs(compute: str) -> None:
+    """The plan's hardware FLOPs per token under none / op / full against torch's FLOP counter on the trainer's
+    model (forward + backward, recompute included; the counter sees the matmuls, not the CPU attention kernel, so
+    the plan's attention part is taken off). Full recompute repeats the blocks' forward but not the output
+    projection's, and torch's early stop ends it before a dense block's down projection in bf16, which a float8
+    Linear (torchao saves after its GEMM) runs again. Until 2026-12-06 full was priced as model × 4/3: 7.6 %
+    (bf16) above what this model runs."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from leantrain.model import build_model, model_args_from_spec
+    from leantrain.plan.inputs import plan_inputs
+    from leantrain.train.precision import PrecisionPolicy, apply_precision
+
+    model_fields = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128,
+                    "vocab_size": 96, "tie_embeddings": False}
+    spec = spec_from_dict({"model": model_fields, "data": {"tokens_total": 1e6, "seq_len": 32},
+                           "training": {"global_batch_tokens": 64}, "precision": {"compute": compute}})
+    inputs = plan_inputs(spec)
+    assert inputs.recompute_skips_down is (compute == "bf16")
+    policy = PrecisionPolicy(compute=compute, param_dtype=torch.float32, device_type="cpu")
+    tokens = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(0))
+    for recompute in ("none", "op", "full"):
+        model = apply_precision(build_model(model_args_from_spec(spec.model, max_seq_len=32),
+                                            device=torch.device("cpu"), seed=0), policy)
+        model.set_recompute(recompute)  # type: ignore[arg-type]
+        with FlopCounterMode(display=False) as counter:
+            with policy.autocast():
+                loss = model(tokens).float().logsumexp(-1).mean()
+            loss.backward()
+        planned = (inputs.hardware_flops_per_token(recompute) - inputs.flops.hardware_attention(recompute))  # type: ignore[arg-type]
+        assert counter.get_total_flops() / tokens.numel() == pytest.approx(planned, rel=1e-9), recompute
+
+
 def test_recompute_reruns_the_tp_collectives_it_does_not_keep() -> None:
-    """Per layer and micro-batch TP moves 4 all-reduces' bytes (2 forward, 2 backward); full recompute repeats the
-    forward's 2; op keeps the reduce-scatters' outputs, so with sequence parallelism it repeats only the 2 all-gathers
-    (1 all-reduce's bytes) and without it both all-reduces (until 2026-12-06 op was priced with no repeat)."""
+    """Per layer and micro-batch TP moves 4 all-reduces' bytes (2 forward, 2 backward). A recompute repeats those of
+    the forward it redoes, up to torch's early stop, which comes before the collective after the down projection:
+    full 1.5 all-reduces' bytes with sequence parallelism (two all-gathers and the reduce-scatter after wo) and 1
+    without (the all-reduce after wo); op keeps the reduce-scatters' outputs, so 1 with SP (the all-gathers) and 1
+    without. A reentrant recompute (`plan.recompute_early_stop: false`) repeats full's 2."""
     from dataclasses import replace
 
     inputs = replace(_inputs(), tp_overlap=0.0)
 
-    def tp_comm(recompute: str, sp: bool) -> float:
+    def tp_comm(recompute: str, sp: bool, **changes: object) -> float:
         layout = Layout(dp=2, tp=4, pp=1, zero=3, recompute=recompute, sequence_parallel=sp)  # type: ignore[arg-type]
-        return step_time(inputs, layout, sequences_per_step=8).tp_comm_s
+        return step_time(replace(inputs, **changes), layout, sequences_per_step=8).tp_comm_s
 
     for sp in (True, False):
         none = tp_comm("none", sp)
         assert tp_comm("selective", sp) == pytest.approx(none)
-        assert tp_comm("full", sp) == pytest.approx(none * 6 / 4)
-    assert tp_comm("op", True) == pytest.approx(tp_comm("none", True) * 5 / 4)
-    assert tp_comm("op", False) == pytest.approx(tp_comm("full", False))
+        assert tp_comm("op", sp) == pytest.approx(none * 5 / 4)
+        assert tp_comm("full", sp, recompute_early_stop=False) == pytest.approx(none * 6 / 4)
+    assert tp_comm("full", True) == pytest.approx(tp_comm("none", True) * 5.5 / 4)
+    assert tp_comm("full", False) == pytest.approx(tp_comm("none", False) * 5 / 4)
+
+
+def test_tp_recompute_calls_are_what_the_rehearsal_counts() -> None:
+    """`leantrain rehearse` (the trainer under a fake process group) at TP 2, 2 layers, 8 micro-batches: the TP
+    collectives each recompute mode adds per layer and micro-batch, in all-reduces' bytes (an all-gather or a
+    reduce-scatter moves half an all-reduce's), are `timing.tp_recompute_calls`."""
+    from pathlib import Path
+
+    from leantrain.golive.rehearse import rehearse
+    from leantrain.plan.timing import tp_recompute_calls
+    from leantrain.spec import load_spec
+
+    weight = {"all_reduce": 1.0, "all_gather": 0.5, "reduce_scatter": 0.5}
+    example = Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml"
+    for sp in (True, False):
+        counted = {}
+        for recompute in ("none", "op", "full"):
+            spec = load_spec(example, overrides=[
+                "parallelism.tensor_parallel=2", "parallelism.data_parallel=1",
+                f"parallelism.sequence_parallel={str(sp).lower()}", f"training.activation_checkpointing={recompute}",
+                "model.n_layers=2", "training.micro_batch=1", "hardware.num_nodes=1", "hardware.gpus_per_node=2"])
+            rank = rehearse(spec, ranks=[0], isolated=False, depth="full")["ranks"][0]
+            counted[recompute] = sum(weight[c["op"]] * c["count"] for c in rank["collectives_per_step"]
+                                     if c["group"] == "tp")
+            per = 2 * rank["num_microbatches"]  # layers × micro-batches
+        for recompute in ("op", "full"):
+            layout = Layout(dp=1, tp=2, pp=1, zero=3, recompute=recompute, sequence_parallel=sp)  # type: ignore[arg-type]
+            assert (counted[recompute] - counted["none"]) / per == tp_recompute_calls(layout), (sp, recompute, counted)

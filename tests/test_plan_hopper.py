@@ -117,13 +117,15 @@ def test_held_out_runs_are_predicted_without_being_fitted_on() -> None:
 
 def test_held_out_runs_against_the_shipped_step_range() -> None:
     """The step range (the calibration runs' residuals with their software stack left out of the constants) on the
-    23 held-out dense runs: 87 % (20) inside P10-P90, the other 3 (torchtitan's 500 W 70B 2D and 405B fp8 rows,
-    0.80-0.81x) faster than P10, none slower than P90; two more sit within 0.5 % of P10. With the range from
+    23 held-out dense runs: 96 % (22) inside P10-P90 (0.81-1.24x), the other (torchtitan's 500 W 405B 1F1B fp8
+    row, 0.81x) faster than P10, none slower than P90. Until full recompute stopped repeating the output projection
+    and, under torch's early stop, the down projection (2026-12-06), 87 % (20) inside a 0.82-1.21x range, torchtitan's
+    500 W 70B 2D and 405B fp8 rows (full AC, 0.80-0.81x) faster than P10. With the range from
     split-half residuals (0.92-1.23x; halves share stacks) 48 % (11) were inside and 12 faster than P10 (the
     planner 0.80-0.92x their throughput: six of torchtitan's nine December 2024 500 W H100 rows, its June 2025 70B
     TP8 fp8 row, LLM Foundry's two A100 rows and three of its H100 rows); with 11 sources left out one at a time
     (2026-12-06 morning) 26 %. The stack grouping was chosen after those were seen, so this is not a blind test of
-    it; the in-file check with each stack left out of both (test_plan_ranges.py, 84 %) is. Until 2026-12-06
+    it; the in-file check with each stack left out of both (test_plan_ranges.py, 78 %) is. Until 2026-12-06
     bench/plan_accuracy.py checked them with the residual's sign flipped (log(predicted / measured step time));
     `range_coverage` uses the ranges' own residual, log(measured / predicted)."""
     from leantrain.plan.published import range_coverage
@@ -133,7 +135,7 @@ def test_held_out_runs_against_the_shipped_step_range() -> None:
     fit = fit_constants(list(load_runs()[0]))
     hi = STEP_RANGE["layout"][2]
     inside = range_coverage(list(held), fit, STEP_RANGE["layout"])
-    assert 0.8 <= inside <= 0.95, inside
+    assert 0.8 <= inside < 1.0, inside  # not every run: the range is not so wide that nothing falls outside
     assert range_coverage(list(held), fit, (-math.inf, 0.0, hi)) == 1.0  # none slower than P90
     # the residual's sign: a run the planner over-predicts (tokens/s) took longer than planned, above P50
     slow = [r for r in held if predicted_with(r, fit) > measured_tokens_per_gpu_s(r)]

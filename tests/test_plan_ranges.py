@@ -86,14 +86,17 @@ def test_every_throughput_run_has_a_software_stack(runs) -> None:
 
 def test_step_range_covers_held_out_runs(runs) -> None:
     """Each software stack left out of the constants and of the range in turn (the range from the other stacks'
-    own leave-one-stack-out residuals): 84 % of the 58 runs inside (target ~80 %). By stack: Megatron-LM 2021,
-    Meta's Llama 3 and torchtitan 100 %, NVIDIA's NeMo/Megatron 85 %, LLM Foundry 82 %, and MT-NLG 0 %: its
-    three DeepSpeed pipeline runs are 1.19-1.24x slower than the other stacks' constants predict, above the P90.
+    own leave-one-stack-out residuals): 78 % of the 58 runs inside (target ~80 %). By stack: Megatron-LM 2021,
+    Meta's Llama 3 and torchtitan 100 %, LLM Foundry 73 %, MT-NLG 67 % and NVIDIA's NeMo/Megatron 65 %. Until full
+    recompute stopped repeating the output projection and, under torch's early stop, the down projection (2026-12-06:
+    torchtitan's full-AC rows 0.85x -> 0.90x, which widened the others' ranges on the slow side and narrowed them on
+    the fast) it was 84 %: NeMo 85 %, LLM Foundry 82 %, MT-NLG 0 % (its DeepSpeed pipeline runs are 1.19-1.24x
+    slower than the other stacks' constants predict).
     (Until 2026-12-06 the range came from split halves, which share stacks: 86 % / 100 % on the halves, but 48 % on
     the runs outside the file, test_plan_hopper.py.) Only six stacks: the guarantee is over stacks, not runs."""
     coverage = step_range_coverage(runs[0])
     assert 0.75 <= coverage["all"] <= 0.9, coverage
-    assert coverage["MT-NLG"] == 0.0 and coverage["torchtitan"] == 1.0, coverage
+    assert coverage["torchtitan"] == 1.0 and coverage["MT-NLG"] < 1.0, coverage
 
 
 def test_whole_run_range_covers_held_out_runs(whole_split) -> None:

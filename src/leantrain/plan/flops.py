@@ -33,16 +33,23 @@ class FlopsPerToken:
     matmul: float
     attention: float
     op_recompute: float = 0.0  # forward FLOPs torchtitan's selective-op policy repeats (wk, wo, w3 per layer)
+    head_forward: float = 0.0  # the output projection's forward, outside every block's checkpoint
+    down_forward: float = 0.0  # the dense blocks' last matmul (the MLP's down projection), forward
 
     @property
     def model(self) -> float:
         """Model FLOPs per token (what MFU counts)."""
         return self.matmul + self.attention
 
-    def hardware(self, recompute: Recompute) -> float:
-        """FLOPs the hardware executes per token, including recomputation."""
+    def hardware(self, recompute: Recompute, *, early_stop: bool = False) -> float:
+        """FLOPs the hardware executes per token, including recomputation. Full recompute repeats the blocks'
+        forward, not the output projection's (no stack checkpoints it; Megatron's count, Narayanan et al. 2021
+        eq. 3, gives its V term three passes). `early_stop`: torch's non-reentrant checkpoint ends the recompute
+        once the tensors the backward needs are rebuilt, which is before a dense block's last matmul runs (its
+        input is saved as the matmul starts; its output feeds only the residual add, which saves nothing)."""
         if recompute == "full":
-            return self.model * 4 / 3
+            repeat = self.model / 3 - self.head_forward - (self.down_forward if early_stop else 0.0)
+            return self.model + repeat
         if recompute == "selective":
             return self.model + self.attention / 3
         if recompute == "op":
@@ -70,7 +77,9 @@ def flops_per_token(shape: ModelShape, *, seq_len: int, causal_halving: bool = F
     d = shape.d_model
     op_recompute = 2.0 * shape.n_layers * (d * shape.kv_dim + shape.q_dim * d)
     op_recompute += 2.0 * shape.num_dense_layers * d * shape.ffn_hidden
-    return FlopsPerToken(matmul=6.0 * matmul_params(shape), attention=attention, op_recompute=op_recompute)
+    return FlopsPerToken(matmul=6.0 * matmul_params(shape), attention=attention, op_recompute=op_recompute,
+                         head_forward=2.0 * shape.vocab_size * d,
+                         down_forward=2.0 * shape.num_dense_layers * d * shape.ffn_hidden)
 
 
 def seed_total_flops(*, nominal_params: float, tokens: float) -> float:

@@ -156,6 +156,7 @@ class PlanInputs:
     moe_node_limit: int | None = None  # nodes a token's experts may span (node-limited routing, plan/dispatch.py)
     elementwise_passes: float = ELEMENTWISE_PASSES  # memory-bound passes over a layer's activations (timing.py)
     moe_layer_overhead_s: float = MOE_LAYER_OVERHEAD_S  # fixed time per MoE layer and micro-batch (timing.py)
+    recompute_early_stop: bool = True  # torch's non-reentrant checkpoint (plan.recompute_early_stop)
 
     @cached_property
     def _hash(self) -> int:
@@ -174,10 +175,17 @@ class PlanInputs:
         """Whether every base weight has gradients and optimizer states (not LoRA/QLoRA)."""
         return self.finetune in ("none", "full")
 
+    @property
+    def recompute_skips_down(self) -> bool:
+        """Whether full recompute stops before a dense block's down projection (`FlopsPerToken.hardware`): with
+        torch's early stop and a plain bf16/fp32 matmul, which saves its input before it runs. A float8 Linear
+        (torchao's autograd function saves after its GEMM) and LoRA/QLoRA's base-then-adapter pair run it again."""
+        return self.recompute_early_stop and self.compute_dtype != "fp8" and self.trains_base
+
     def hardware_flops_per_token(self, recompute: Recompute) -> float:
         """FLOPs executed per token. LoRA/QLoRA skip the frozen base's weight-gradient matmuls (a third of
         its 6·N) and add the adapters' own 6 FLOPs per adapter parameter."""
-        flops = self.flops.hardware(recompute)
+        flops = self.flops.hardware(recompute, early_stop=self.recompute_skips_down)
         if not self.trains_base:
             flops += -self.flops.matmul / 3 + 6.0 * self.adapter_params
         if self.dpo_reference != "none":  # DPO: the reference model's forward (2 of the 6 FLOPs per parameter)
@@ -269,6 +277,7 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
         # a CPU has no device waiting on the host: its op dispatch is in the measured CPU efficiency
         moe_layer_overhead_s=(0.0 if acc.name == "cpu" else MOE_LAYER_OVERHEAD_S) if knobs.moe_layer_overhead_ms is None
         else knobs.moe_layer_overhead_ms / 1e3,
+        recompute_early_stop=knobs.recompute_early_stop,
     ))
 
 

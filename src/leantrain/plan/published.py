@@ -54,6 +54,13 @@ def family(accelerator: str) -> str:
     return "H100" if accelerator.startswith("H") else accelerator
 
 
+# Name prefixes of the runs measured on torchtitan (and Trainy's torchtitan runs, bench/published_heldout.yaml), whose
+# recompute is torch's non-reentrant checkpoint with early stop (torchtitan's activation_checkpoint.py wraps blocks
+# with ptd_checkpoint_wrapper, CheckpointImpl.NO_REENTRANT); every other run's stack (Megatron-LM, NeMo, DeepSpeed,
+# LLM Foundry's 2023 runs, in-house stacks) is priced with the whole forward redone.
+EARLY_STOP_STACKS = ("torchtitan", "tt", "ttatp", "trainy")
+
+
 @dataclass(frozen=True, eq=False)
 class PublishedRun:
     name: str
@@ -78,7 +85,8 @@ class PublishedRun:
         return family(self.accelerator)
 
     def spec_dict(self) -> dict[str, Any]:
-        plan: dict[str, Any] = {"kernels": self.kernels, **dict(self.plan)}
+        early_stop = self.name.split("-", 1)[0].rstrip("0123456789") in EARLY_STOP_STACKS
+        plan: dict[str, Any] = {"kernels": self.kernels, "recompute_early_stop": early_stop, **dict(self.plan)}
         return {"model": self.model, "data": {"tokens_total": self.tokens or 1e12, "seq_len": self.seq_len},
                 "training": {"global_batch_tokens": self.global_batch_seqs * self.seq_len},
                 "precision": {"compute": self.compute},

@@ -211,9 +211,9 @@ def search_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int = 
     """Rank fitting layouts for `num_gpus` by predicted tokens/s (ties: more headroom).
 
     Recomputing more never runs faster, so the first tier of `recompute_ladder` (none, selective or op, full)
-    that fits holds a layout's only candidate worth ranking (of selective and op the faster that fits); and once a layout does not fit even with full recompute, the same layout
-    with a larger micro-batch (which holds at least as many activations: mb × in-flight never shrinks when
-    mb doubles) is not evaluated."""
+    that fits holds a layout's only candidate worth ranking (of selective and op the faster that fits); and once
+    a layout does not fit even with full recompute, the same layout with a larger micro-batch (which holds at
+    least as many activations: mb × in-flight never shrinks when mb doubles) is not evaluated."""
     fitting: list[Candidate] = []
     rejected: dict[str, int] = {}
     leanest: tuple[Layout, MemoryBreakdown] | None = None

@@ -14,9 +14,8 @@ Model (constants documented in docs/plan.md and plan/inputs.py):
   nodes gets the per-GPU inter-node share times the group's members per node (one NCCL ring per NIC,
   `ring_bandwidth`); pipeline sends between nodes get one GPU's share.
 - TP (Megatron): 2 all-reduces (or 2 all-gathers + 2 reduce-scatters with sequence parallelism, the
-  same bytes) of s·b·h in the forward and 2 in the backward per layer; full recompute repeats the forward's, op
-  recompute (torchtitan's policy, which keeps the reduce-scatters' outputs) the two all-gathers with sequence
-  parallelism (one all-reduce's bytes) and both all-reduces without it (their outputs are not kept).
+  same bytes) of s·b·h in the forward and 2 in the backward per layer; a recompute repeats those of the forward it
+  redoes (`tp_recompute_calls`: torch's early stop ends it before the collective after the down projection).
 - PP: one activation send forward and one gradient send backward of s·b·h (÷tp with sequence parallelism)
   per micro-batch and chunk, on the critical path.
 - DP: ZeRO-0 all-reduces gradients once per step; ZeRO-1 reduce-scatters them once and all-gathers the
@@ -285,14 +284,17 @@ def matmul_s(inputs: PlanInputs, layout: Layout, tokens: int) -> float:
     return (gemm * gemm_time_factor(inputs, tokens, layout.tp) / rate + attention / attention_rate) / split
 
 
-def tp_recompute_calls(layout: Layout) -> int:
-    """All-reduce-sized TP collectives per layer and micro-batch that the recompute runs again: full recompute the
-    forward's two; op (model/transformer.py `_op_policy_context`) keeps the reduce-scatters' outputs, so with
-    sequence parallelism only the two all-gathers of the norm outputs (one all-reduce's bytes) and without it both
-    all-reduces."""
-    if layout.recompute == "full" or (layout.recompute == "op" and not layout.sp):
-        return 2
-    return 1 if layout.recompute == "op" else 0
+def tp_recompute_calls(layout: Layout, *, early_stop: bool = True) -> float:
+    """All-reduce-sized TP collectives per layer and micro-batch that the recompute runs again. torch's early stop
+    (`PlanInputs.recompute_early_stop`) ends the recompute before the collective that follows the down projection
+    (it runs in w2's forward hook). Full recompute: with sequence parallelism the two all-gathers and the reduce-
+    scatter after wo (1.5 all-reduces' bytes), without it the all-reduce after wo; a reentrant one redoes the
+    forward's two. op (model/transformer.py `_op_policy_context`, which keeps the reduce-scatters' outputs): the two
+    all-gathers with sequence parallelism (one all-reduce's bytes), the all-reduce after wo without it. Counted by
+    `leantrain rehearse --depth full` at TP 2 (tests/test_plan_formulas.py)."""
+    if layout.recompute == "full":
+        return (1.5 if layout.sp else 1.0) if early_stop else 2.0
+    return 1.0 if layout.recompute == "op" else 0.0
 
 
 def step_time(inputs: PlanInputs, layout: Layout, *, sequences_per_step: int) -> StepTime:
@@ -306,7 +308,7 @@ def step_time(inputs: PlanInputs, layout: Layout, *, sequences_per_step: int) ->
 
     layers = math.ceil(shape.n_layers / layout.pp)
     activation_bytes = tokens_mb * shape.d_model * inputs.act_bytes
-    tp_calls = 4 + tp_recompute_calls(layout)
+    tp_calls = 4 + tp_recompute_calls(layout, early_stop=inputs.recompute_early_stop)
     tp_mb = layers * tp_calls * ring_time_s(num_bytes=activation_bytes, ranks=layout.tp,
                                             bandwidth_bytes_s=ring_bandwidth(inputs, ranks=layout.tp, stride=1),
                                             kind="all_reduce", across_nodes=layout.tp > inputs.gpus_per_node)

@@ -33,18 +33,20 @@ def cross_field_problems(spec: JobSpec) -> list[str]:
 def _recompute_problems(spec: JobSpec, shape: ModelShape) -> list[str]:
     if spec.training.activation_checkpointing != "op":
         return []
-    problem = op_recompute_problem(shape, weights=spec.finetune.weights)
+    field = "finetune.dpo.weights" if spec.finetune.method == "dpo" else "finetune.method"
+    problem = op_recompute_problem(shape, weights=spec.finetune.weights, weights_field=field)
     return [] if problem is None else [problem]
 
 
-def op_recompute_problem(shape: ModelShape, *, weights: str) -> str | None:
+def op_recompute_problem(shape: ModelShape, *, weights: str, weights_field: str = "finetune.method") -> str | None:
     """Why `op` recompute cannot run this model, or None (the layout search asks it too). The policy keeps every
     second of a Llama block's seven matmuls (wq, wk, wv, wo, w1, w3, w2: model/transformer.py), which is what the
     planner counts: other blocks (MoE's grouped expert matmuls, MLA's projections, a two-matmul GeLU MLP, LoRA's
-    adapter matmuls) would keep other tensors than planned. `weights`: finetune.weights (none when pretraining)."""
+    adapter matmuls) would keep other tensors than planned. `weights`: finetune.weights (none when pretraining), set
+    by `weights_field` (finetune.dpo.weights under DPO)."""
     kind = ("an MoE model" if shape.moe is not None else "multi-head latent attention (model.mla)"
             if shape.mla is not None else f"a {shape.mlp} MLP" if shape.mlp != "swiglu"
-            else f"finetune.method {weights}" if weights in ("lora", "qlora") else None)
+            else f"{weights_field} {weights}" if weights in ("lora", "qlora") else None)
     if kind is None:
         return None
     return (f"training.activation_checkpointing: op is for dense SwiGLU models with standard attention and full "

@@ -255,6 +255,12 @@ class PlanSpec(Section):
         "at most this many nodes, sent once per node over the inter-node link, forwarded inside it); null: a plain "
         "all-to-all of every top-k copy. Planning only: the router does not limit nodes."
     )
+    recompute_early_stop: bool = Field(
+        True, description="How recompute runs: true (this trainer, torchtitan) is torch's non-reentrant checkpoint, "
+        "which stops once the tensors the backward needs are rebuilt, so full recompute does not redo a dense block's "
+        "down projection (bf16/fp32) nor the TP collective after it; false prices a reentrant implementation that "
+        "redoes the whole block forward (Megatron-LM, DeepSpeed)."
+    )
     moe_layer_overhead_ms: float | None = Field(
         None, ge=0, description="Fixed time per MoE layer and micro-batch (forward + backward), ms: the token "
         "dispatcher's host synchronisation and the launch-bound routing kernels; default 3.25 (0 on a CPU), fitted on "
