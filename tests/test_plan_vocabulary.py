@@ -56,7 +56,8 @@ def test_every_recompute_mode_the_planner_prices_is_written_in_the_spec_and_run_
         load_spec(EXAMPLES / "qlora-70b.yaml", overrides=["training.activation_checkpointing=op"])
     with pytest.raises(SpecError, match="not finetune.dpo.weights lora"):  # DPO's weights are set there
         load_spec(EXAMPLES / "llama3-8b-h100.yaml", overrides=[
-            "task=finetune", "finetune.method=dpo", "finetune.dpo.weights=lora", "training.activation_checkpointing=op"])
+            "task=finetune", "finetune.method=dpo", "finetune.dpo.weights=lora",
+            "training.activation_checkpointing=op"])
 
 
 # Each example at GPU counts whose factors differ from its batch's and its shape's (120 = 8 × 15 against batches of
