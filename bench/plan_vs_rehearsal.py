@@ -41,6 +41,10 @@ GRID: dict[str, tuple[int, int, int, int, str, int, str, tuple[str, ...]]] = {
     "fsdp2 tp4 op": (2, 4, 1, 3, "1f1b", 1, "op", ()),
     # fp8 (torchao's float8 Linear layers): the op policy sees their matmuls as aten.mm, the kept outputs are bf16
     "fsdp8 zero3 op fp8": (8, 1, 1, 3, "1f1b", 1, "op", ("precision.compute=fp8",)),
+    # short sequences: the root unit's gradient reduce-scatter (the tables, in bf16 and fp32), not the loss, is the peak
+    "fsdp8 zero3 seq2k": (8, 1, 1, 3, "1f1b", 1, "none", ("data.seq_len=2048",)),
+    "fsdp8 zero3 seq2k full": (8, 1, 1, 3, "1f1b", 1, "full", ("data.seq_len=2048",)),
+    "fsdp4 tp2 seq2k full": (4, 2, 1, 3, "1f1b", 1, "full", ("data.seq_len=2048",)),
     "fsdp4 tp2": (4, 2, 1, 3, "1f1b", 1, "selective", ()),
     "fsdp2 tp4": (2, 4, 1, 3, "1f1b", 1, "selective", ()),
     "fsdp2 tp8": (2, 8, 1, 3, "1f1b", 1, "selective", ()),

@@ -35,7 +35,7 @@ def _bench():
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["fsdp8 zero2 selective", "fsdp4 tp2", "fsdp2 tp8", "fsdp4 pp2 1f1b",
                                   "fsdp2 pp2 interleaved", "fsdp2 tp2 pp2", "fsdp8 zero3 op", "fsdp2 tp4 op",
-                                  "fsdp8 zero3 op fp8"])
+                                  "fsdp8 zero3 op fp8", "fsdp8 zero3 seq2k", "fsdp4 tp2 seq2k full"])
 def test_plan_matches_the_rehearsal_per_category(name: str) -> None:
     bench = _bench()
     dp, tp, pp, zero, schedule, virtual, recompute, extra = bench.GRID[name]

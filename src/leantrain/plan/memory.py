@@ -115,6 +115,7 @@ class StageParams:
     experts: float  # routed-expert parameters (per tp and ep rank)
     largest_unit: float  # the largest FSDP unit (a block or an embedding table)
     last_block: float = 0.0  # the stage's last block (FSDP keeps it gathered from its forward to its backward)
+    root_unit: float = 0.0  # the root unit: the stage's embedding/output tables and final norm (parallel/fsdp.py)
 
 
 def stage_params(shape: ModelShape, layout: Layout, *, layers: int, first: bool, last: bool,
@@ -147,7 +148,7 @@ def _stage_params(shape: ModelShape, tp: int, ep: int, pipelined: bool, layers: 
     dense += tables * table + (shape.d_model if last else 0)
     last_block = (non_routed + routed) if moe_layers and shape.moe is not None else dense_layer if layers else 0.0
     return StageParams(dense=dense, experts=experts, largest_unit=max(largest_unit, table if tables else 0.0),
-                       last_block=last_block)
+                       last_block=last_block, root_unit=tables * table + (shape.d_model if last else 0))
 
 
 def _states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, num_microbatches: int
@@ -290,6 +291,27 @@ def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first
     return held + head, max(logit_count * per_logit, one_layer_full)
 
 
+def _root_reduce_moment(inputs: PlanInputs, layout: Layout, sp: StageParams, *, last: bool,
+                        num_microbatches: int) -> tuple[float, float] | None:
+    """(activations, temporaries) when the root unit's gradients are reduce-scattered, the backward's last act
+    (without a pipeline; None where it does not apply): FSDP2 has resharded the root's weights and holds its unsharded
+    gradients in the compute dtype and their copy in the reduce dtype, the reduce-scatter's input (with one
+    micro-batch 0.49 GiB less is live there on the 8B-wide row than with several: counted as with several, the
+    larger). With a large vocabulary
+    and short sequences this, not the loss's backward, is the step's peak: `leantrain rehearse` of the 8B-wide
+    grid row at sequence 2,048 (bench/plan_vs_rehearsal.py "fsdp8 zero3 seq2k"). The step still references the
+    compute-dtype logits then (`KEEPS_COMPUTE_LOGITS`)."""
+    shard = layout.dp_shard if layout.zero >= 1 else 1
+    if layout.pp > 1 or shard <= 1 or not inputs.trains_base or sp.root_unit <= 0:
+        return None
+    temp = sp.root_unit * (inputs.weight_bytes + inputs.grad_bytes)
+    logits = 0.0
+    if last and KEEPS_COMPUTE_LOGITS and not inputs.fused_loss:
+        vocab_tp = layout.tp if inputs.loss_parallel else 1
+        logits = layout.micro_batch * inputs.seq_len * inputs.shape.vocab_size / vocab_tp * inputs.act_bytes
+    return logits, temp
+
+
 def untouched_resharded_params(shape: ModelShape, layout: Layout, *, stage: int, touched: int) -> float:
     """Parameters (per TP rank) of rank `stage`'s interleaved chunks whose backward has not started at its peak
     (all but the last max(touched, 1): the backwards start from chunk v − 1, `backward_chunks_at_peak`) that
@@ -389,6 +411,9 @@ def stage_memory(inputs: PlanInputs, layout: Layout, *, stage: int, num_microbat
             share = 1.0 if touched is None else max(touched, 1) / layout.virtual_stages
             last_gather += max(0.0, (sp.dense + sp.experts) * inputs.grad_bytes * share - grads)
         gather = last_gather
+    root = _root_reduce_moment(inputs, layout, sp, last=last, num_microbatches=num_microbatches)
+    if root is not None and sum(root) > activations + transient + gather:
+        activations, transient, gather = root[0], root[1], 0.0
     buffers = inputs.framework_reserve_bytes + transient + gather + recv_buffer_bytes(inputs, layout, stage=stage,
                                                                                        num_microbatches=num_microbatches)
     if layout.zero == 0 and layout.dp > 1:
