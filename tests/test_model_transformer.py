@@ -87,10 +87,8 @@ def test_recompute_gives_the_same_gradients(mode: str, architecture: str) -> Non
         torch.testing.assert_close(recomputed[name], reference[name], rtol=0, atol=0, msg=name)
 
 
-def test_op_recompute_keeps_every_second_matmul_and_the_attention_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The op policy's decisions on one block: of the seven matmuls (wq, wk, wv, wo, w1, w3, w2) the 1st, 3rd, 5th
-    and 7th are kept, the attention kernel's outputs are kept, norms and the activation function are not (torch
-    replays these decisions in the recompute; the gradients equal no recompute's, above)."""
+def _record_op_policy(monkeypatch: pytest.MonkeyPatch) -> list[tuple[bool, str, bool]]:
+    """Record the op policy's decisions as (in the recompute, op, kept) while the test runs."""
     from torch.utils import checkpoint as ckpt
     from torch.utils.checkpoint import CheckpointPolicy
 
@@ -105,6 +103,14 @@ def test_op_recompute_keeps_every_second_matmul_and_the_attention_kernel(monkeyp
         return original(wrapped)
 
     monkeypatch.setattr(ckpt, "create_selective_checkpoint_contexts", recording)
+    return decisions
+
+
+def test_op_recompute_keeps_every_second_matmul_and_the_attention_kernel(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The op policy's decisions on one block: of the seven matmuls (wq, wk, wv, wo, w1, w3, w2) the 1st, 3rd, 5th
+    and 7th are kept, the attention kernel's outputs are kept, norms and the activation function are not (torch
+    replays these decisions in the recompute; the gradients equal no recompute's, above)."""
+    decisions = _record_op_policy(monkeypatch)
     model = build_model(tiny_args(n_layers=1), device=torch.device("cpu"), seed=0)
     model.set_recompute("op")
     model(torch.randint(0, 97, (2, 16))).logsumexp(-1).mean().backward()
@@ -120,22 +126,9 @@ def test_op_recompute_under_fp8_keeps_the_same_matmuls_and_gradients(monkeypatch
     seven matmuls as `aten.mm` (the float8 tensor subclass dispatches to `_scaled_mm` below the policy), keeps the
     1st, 3rd, 5th and 7th (bf16 outputs, the bytes the plan counts: `leantrain rehearse` of the 8B-wide FSDP 8 row
     with fp8, activations 1.00 of the plan), and the gradients equal fp8 without recompute bit for bit."""
-    from torch.utils import checkpoint as ckpt
-    from torch.utils.checkpoint import CheckpointPolicy
-
     from leantrain.train.precision import PrecisionPolicy, apply_precision
 
-    decisions: list[tuple[bool, str, bool]] = []
-    original = ckpt.create_selective_checkpoint_contexts
-
-    def recording(policy):  # type: ignore[no-untyped-def]
-        def wrapped(ctx, op, *args, **kwargs):  # type: ignore[no-untyped-def]
-            out = policy(ctx, op, *args, **kwargs)
-            decisions.append((bool(ctx.is_recompute), str(op), out == CheckpointPolicy.MUST_SAVE))
-            return out
-        return original(wrapped)
-
-    monkeypatch.setattr(ckpt, "create_selective_checkpoint_contexts", recording)
+    decisions = _record_op_policy(monkeypatch)
     args = tiny_args(n_layers=1, d_model=64, n_heads=4, n_kv_heads=4, ffn_hidden=128)  # fp8 GEMMs: dims % 16
     policy = PrecisionPolicy(compute="fp8", param_dtype=torch.float32, device_type="cpu")
     tokens = torch.randint(0, 97, (2, 16), generator=torch.Generator().manual_seed(0))
