@@ -304,6 +304,11 @@ def _root_reduce_moment(inputs: PlanInputs, layout: Layout, sp: StageParams, *, 
     if layout.pp > 1 or shard <= 1 or not inputs.trains_base or sp.root_unit <= 0:
         return None
     temp = sp.root_unit * (inputs.weight_bytes + inputs.grad_bytes)
+    if inputs.shape.tie_embeddings:
+        # The shared table: one more gradient in the compute dtype (the head's and the lookup's), and the first
+        # block's reduce-scatter input still live (fp32). Rehearsed on two widths (d 256 and 4,096, 2 layers,
+        # FSDP 8): the table × (2 + 2 + 4) B + a block × 4 B to 1 % (tests/test_rehearse_memory.py).
+        temp += (sp.root_unit - inputs.shape.d_model) * inputs.weight_bytes + sp.last_block * inputs.grad_bytes
     logits = 0.0
     if last and KEEPS_COMPUTE_LOGITS and not inputs.fused_loss:
         vocab_tp = layout.tp if inputs.loss_parallel else 1
