@@ -291,19 +291,23 @@ def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first
     return held + head, max(logit_count * per_logit, one_layer_full)
 
 
-def _root_reduce_moment(inputs: PlanInputs, layout: Layout, sp: StageParams, *, last: bool
-                        ) -> tuple[float, float] | None:
+def _root_reduce_moment(inputs: PlanInputs, layout: Layout, sp: StageParams, *, last: bool,
+                        num_microbatches: int) -> tuple[float, float] | None:
     """(activations, temporaries) when the root unit's gradients are reduce-scattered, the backward's last act
     (without a pipeline; None where it does not apply): FSDP2 has resharded the root's weights and holds its
     unsharded gradients in the compute dtype beside their copy in the reduce dtype, the reduce-scatter's input, while
     the step still references the compute-dtype logits (`KEEPS_COMPUTE_LOGITS`). With a large vocabulary and short
     sequences this, not the loss's backward, is the step's peak: `leantrain rehearse` of the 8B-wide grid rows at
-    sequence 2,048 (bench/plan_vs_rehearsal.py "fsdp8 zero3 seq2k"). With a single micro-batch 0.49 GiB less is
-    live there on those rows than with several; this counts the larger."""
+    sequence 2,048 (bench/plan_vs_rehearsal.py "fsdp8 zero3 seq2k"). The reduce-scatter's output is the root's
+    sharded gradient, counted in `grads`, when nothing was accumulated before it (one micro-batch, or gradients
+    synced at the last only); after an earlier micro-batch's it is a second tensor until it is added (rehearsed:
+    0.49 GiB more on those rows with several micro-batches than with one)."""
     shard = layout.dp_shard if layout.zero >= 1 else 1
     if layout.pp > 1 or shard <= 1 or not inputs.trains_base or sp.root_unit <= 0:
         return None
     temp = sp.root_unit * (inputs.weight_bytes + inputs.grad_bytes)
+    accumulated = num_microbatches > 1 and inputs.grad_sync == "every_micro_batch"
+    temp -= 0.0 if accumulated else sp.root_unit / shard * inputs.grad_bytes  # the output is the gradient itself
     if inputs.shape.tie_embeddings:
         # The shared table: one more gradient in the compute dtype (the head's and the lookup's), and the first
         # block's reduce-scatter input still live (fp32). Rehearsed on two widths (d 256 and 4,096, 2 layers,
@@ -415,7 +419,7 @@ def stage_memory(inputs: PlanInputs, layout: Layout, *, stage: int, num_microbat
             share = 1.0 if touched is None else max(touched, 1) / layout.virtual_stages
             last_gather += max(0.0, (sp.dense + sp.experts) * inputs.grad_bytes * share - grads)
         gather = last_gather
-    root = _root_reduce_moment(inputs, layout, sp, last=last)
+    root = _root_reduce_moment(inputs, layout, sp, last=last, num_microbatches=num_microbatches)
     if root is not None and sum(root) > activations + transient + gather:
         activations, transient, gather = root[0], root[1], 0.0
     buffers = inputs.framework_reserve_bytes + transient + gather + recv_buffer_bytes(inputs, layout, stage=stage,
