@@ -270,11 +270,8 @@ def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first
         held += outputs * tokens * inputs.act_bytes * shape.d_model / (layout.tp if layout.sp else 1)
     if not last:
         return held, one_layer_full
-    # Vocabulary-parallel loss (`parallelism.loss_parallel`, with or without a pipeline) keeps 1/tp of the logits
-    # per rank; otherwise every TP rank holds the whole vocabulary's.
-    vocab_tp = layout.tp if inputs.loss_parallel else 1
+    logit_count, vocab_tp = _rank_logits(inputs, layout)
     sp_tp = layout.tp if layout.sp and SP_GATHERED_PLANNED else 1  # the final norm's share: with the term below
-    logit_count = tokens * shape.vocab_size / vocab_tp
     if inputs.fused_loss:  # the final norm, the compute-dtype logits the kernel keeps, its fp32 per-token lse
         head = head_activation_bytes(shape, tokens=tokens, act_bytes=inputs.act_bytes, tp=vocab_tp,
                                      fused=inputs.fused_kernels, sp_tp=sp_tp) - logit_count * LOGIT_SAVED_BYTES
@@ -291,7 +288,15 @@ def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first
     return held + head, max(logit_count * per_logit, one_layer_full)
 
 
-def _root_reduce_moment(inputs: PlanInputs, layout: Layout, sp: StageParams, *, last: bool,
+def _rank_logits(inputs: PlanInputs, layout: Layout) -> tuple[float, int]:
+    """(logits of one micro-batch on a rank, the tp degree that splits the vocabulary): the vocabulary-parallel loss
+    (`parallelism.loss_parallel`, with or without a pipeline) keeps 1/tp of them per rank; otherwise every TP rank
+    holds the whole vocabulary's."""
+    vocab_tp = layout.tp if inputs.loss_parallel else 1
+    return layout.micro_batch * inputs.seq_len * inputs.shape.vocab_size / vocab_tp, vocab_tp
+
+
+def _root_reduce_moment(inputs: PlanInputs, layout: Layout, sp: StageParams, *, last: bool, shard: int,
                         num_microbatches: int) -> tuple[float, float] | None:
     """(activations, temporaries) when the root unit's gradients are reduce-scattered, the backward's last act
     (without a pipeline; None where it does not apply): FSDP2 has resharded the root's weights and holds its
@@ -301,8 +306,7 @@ def _root_reduce_moment(inputs: PlanInputs, layout: Layout, sp: StageParams, *, 
     sequence 2,048 (bench/plan_vs_rehearsal.py "fsdp8 zero3 seq2k"). The reduce-scatter's output is the root's
     sharded gradient, counted in `grads`, when nothing was accumulated before it (one micro-batch, or gradients
     synced at the last only); after an earlier micro-batch's it is a second tensor until it is added (rehearsed:
-    0.49 GiB more on those rows with several micro-batches than with one)."""
-    shard = layout.dp_shard if layout.zero >= 1 else 1
+    0.49 GiB more on those rows with several micro-batches than with one). `shard`: the FSDP shard group's size."""
     if layout.pp > 1 or shard <= 1 or not inputs.trains_base or sp.root_unit <= 0:
         return None
     temp = sp.root_unit * (inputs.weight_bytes + inputs.grad_bytes)
@@ -315,8 +319,7 @@ def _root_reduce_moment(inputs: PlanInputs, layout: Layout, sp: StageParams, *, 
         temp += (sp.root_unit - inputs.shape.d_model) * inputs.weight_bytes + sp.last_block * inputs.grad_bytes
     logits = 0.0
     if last and KEEPS_COMPUTE_LOGITS and not inputs.fused_loss:
-        vocab_tp = layout.tp if inputs.loss_parallel else 1
-        logits = layout.micro_batch * inputs.seq_len * inputs.shape.vocab_size / vocab_tp * inputs.act_bytes
+        logits = _rank_logits(inputs, layout)[0] * inputs.act_bytes
     return logits, temp
 
 
@@ -419,7 +422,7 @@ def stage_memory(inputs: PlanInputs, layout: Layout, *, stage: int, num_microbat
             share = 1.0 if touched is None else max(touched, 1) / layout.virtual_stages
             last_gather += max(0.0, (sp.dense + sp.experts) * inputs.grad_bytes * share - grads)
         gather = last_gather
-    root = _root_reduce_moment(inputs, layout, sp, last=last, num_microbatches=num_microbatches)
+    root = _root_reduce_moment(inputs, layout, sp, last=last, shard=shard, num_microbatches=num_microbatches)
     if root is not None and sum(root) > activations + transient + gather:
         activations, transient, gather = root[0], root[1], 0.0
     buffers = inputs.framework_reserve_bytes + transient + gather + recv_buffer_bytes(inputs, layout, stage=stage,

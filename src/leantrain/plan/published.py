@@ -61,6 +61,11 @@ def family(accelerator: str) -> str:
 EARLY_STOP_STACKS = ("torchtitan", "tt", "ttatp", "trainy")
 
 
+def name_prefix(name: str) -> str:
+    """A run name's first field without its digits (dgxc2504 -> dgxc, llama3 -> llama): its software stack's key."""
+    return name.split("-", 1)[0].rstrip("0123456789")
+
+
 @dataclass(frozen=True, eq=False)
 class PublishedRun:
     name: str
@@ -85,7 +90,7 @@ class PublishedRun:
         return family(self.accelerator)
 
     def spec_dict(self) -> dict[str, Any]:
-        early_stop = self.name.split("-", 1)[0].rstrip("0123456789") in EARLY_STOP_STACKS
+        early_stop = name_prefix(self.name) in EARLY_STOP_STACKS
         plan: dict[str, Any] = {"kernels": self.kernels, "recompute_early_stop": early_stop, **dict(self.plan)}
         return {"model": self.model, "data": {"tokens_total": self.tokens or 1e12, "seq_len": self.seq_len},
                 "training": {"global_batch_tokens": self.global_batch_seqs * self.seq_len},
@@ -339,9 +344,9 @@ STACKS = {"megatron": "Megatron-LM 2021", "mt": "MT-NLG", "torchtitan": "torchti
 
 
 def stack(run: PublishedRun) -> str:
-    """The software stack a throughput run was measured on, by its name's first field without its digits
-    (dgxc2504 -> dgxc, llama3 -> llama); a name no stack claims is refused."""
-    prefix = run.name.split("-", 1)[0].rstrip("0123456789")
+    """The software stack a throughput run was measured on, by `name_prefix`; a name no stack claims is
+    refused."""
+    prefix = name_prefix(run.name)
     if prefix not in STACKS:
         raise ValueError(f"published run {run.name!r}: no software stack for its name prefix {prefix!r}")
     return STACKS[prefix]
