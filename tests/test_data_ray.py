@@ -107,7 +107,10 @@ def test_two_node_cluster_with_token_auth_and_a_node_killed_mid_prepare(tmp_path
                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("ray")
     monkeypatch.setenv("LEANTRAIN_PII_SALT", "salt")
-    spec = _write_corpus(tmp_path / "raw", files=8)
+    # 400 documents a file: a clean task takes ~0.2 s here, so the kill below lands while tasks are still
+    # running even on a machine several times faster (60 documents took ~30 ms, and CI once saw all ten
+    # tasks finish between two polls)
+    spec = _write_corpus(tmp_path / "raw", files=8, docs_per_file=400)
     from leantrain.data.pipeline import prepare_data
 
     prepare_data(spec.model_copy(update={"workers": 1}), data_dir=tmp_path / "local")
@@ -136,14 +139,14 @@ def test_two_node_cluster_with_token_auth_and_a_node_killed_mid_prepare(tmp_path
                              env=env, capture_output=True, text=True, timeout=600)
         assert run.returncode == 0, run.stderr[-3000:]
         assert _contents(tmp_path / "ray") == _contents(tmp_path / "local")
-        # the worker node dies once the first clean tasks are done: its tasks run again on the head node
+        # the worker node dies once the first clean task is done: its tasks run again on the head node
         killed = subprocess.Popen([sys.executable, "-c", _PREPARE, str(tmp_path / "spec.json"),
                                    str(tmp_path / "killed")], env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True)
         tasks = tmp_path / "killed" / "_work" / "tasks"
         deadline = time.time() + 300
-        while time.time() < deadline and killed.poll() is None and len(list(tasks.glob("*/clean.json"))) < 2:
-            time.sleep(0.2)
+        while time.time() < deadline and killed.poll() is None and not any(tasks.glob("*/clean.json")):
+            time.sleep(0.01)
         done_before = len(list(tasks.glob("*/clean.json")))
         worker.kill(signal.SIGKILL)
         _, err = killed.communicate(timeout=600)
