@@ -135,3 +135,36 @@ def test_planned_adapter_count_is_the_built_models_trainable_count(
     apply_lora(built, targets=list(spec.finetune.lora.targets), rank=4, alpha=8.0, dropout=0.0)
     trainable = sum(p.numel() for p in built.parameters() if p.requires_grad)
     assert adapter_params(plan_inputs(spec)) == trainable > 0
+
+
+
+def _dpo_full_spec():
+    return spec_from_dict({
+        "task": "finetune", "model": LLAMA3_70B, "finetune": {"method": "dpo", "dpo": {"weights": "full"}},
+        "data": {"tokens_total": 1e8, "seq_len": 2048},
+        "training": {"global_batch_tokens": 64 * 2048, "micro_batch": 1, "activation_checkpointing": "full"},
+        "precision": {"compute": "bf16"}, "hardware": {"accelerator": "H100-SXM", "gpus_per_node": 8, "num_nodes": 8},
+        "parallelism": {"data_parallel": 64, "zero_stage": 3}, "budget": {"target_days": None, "num_gpus": 64}})
+
+
+@pytest.mark.parametrize("example", ["qlora-70b.yaml", "dpo-full", "llama3-8b-h100.yaml"])
+def test_plan_json_hardware_flops_are_the_ones_the_hfu_is_priced_on(example: str) -> None:
+    """plan.json's `compute.hardware_flops_per_token` is what the step time and HFU count: for LoRA/QLoRA without
+    the frozen base's weight gradients and with the adapters', for DPO with the reference model's forward."""
+    from pathlib import Path
+
+    from leantrain.plan.planner import build_plan
+    from leantrain.spec import load_spec
+
+    spec = (_dpo_full_spec() if example == "dpo-full" else
+            load_spec(Path(__file__).resolve().parents[1] / "examples" / example))
+    plan = build_plan(spec)
+    data = plan.to_json()
+    inputs, layout = plan.inputs, plan.chosen.layout
+    hardware = data["compute"]["hardware_flops_per_token"]
+    assert hardware == pytest.approx(inputs.hardware_flops_per_token(layout.recompute))
+    assert (hardware != pytest.approx(inputs.flops.hardware(layout.recompute, early_stop=inputs.recompute_skips_down))
+            ) == (example != "llama3-8b-h100.yaml")  # the model alone for pre-training only
+    throughput = data["throughput"]
+    peak_all = inputs.peak_flops * layout.num_gpus
+    assert throughput["hfu"] == pytest.approx(hardware * throughput["tokens_per_s"] / peak_all)
