@@ -36,6 +36,12 @@ class Layout:
         return max(1, self.dp // self.dp_replicate)
 
     @property
+    def state_shard(self) -> int:
+        """Ranks a parameter's master copy, gradient and optimizer states are split over: the shard group at
+        every ZeRO level ≥ 1 (the trainer's FSDP2 shards all three alike), 1 at ZeRO-0 (replicated)."""
+        return self.dp_shard if self.zero >= 1 else 1
+
+    @property
     def sp(self) -> bool:
         """Sequence parallelism only means something with tp > 1."""
         return self.sequence_parallel and self.tp > 1

@@ -158,7 +158,7 @@ def _states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, num_microbat
     its gradient and both Adam moments are sharded over the data-parallel shard group (experts over theirs);
     ZeRO-0 replicates them. The compute-dtype copy exists only while gathered (`gathered`, a temporary): per
     unit at ZeRO-3 (resharded after forward), the whole stage at ZeRO-1/2 (kept from forward to backward)."""
-    shard = layout.dp_shard if layout.zero >= 1 else 1
+    shard = layout.state_shard
     expert_shard = max(1, shard // layout.ep)
 
     def sharded(applies: bool) -> float:
@@ -386,7 +386,7 @@ def stage_memory(inputs: PlanInputs, layout: Layout, *, stage: int, num_microbat
     activations, transient = _stage_activations(inputs, layout, layers=layers[stage], first_layer=first_layer,
                                                 stage=stage, last=last, num_microbatches=num_microbatches)
     touched = backward_chunks_at_peak(layout, num_microbatches, stage=stage)
-    shard = layout.dp_shard if layout.zero >= 1 else 1
+    shard = layout.state_shard
     if PIPELINE_HOLDS_UNSHARDED and shard > 1 and touched is not None and touched < layout.virtual_stages:
         # FSDP reshards each unit after its forward, and torch's pipelining gathers the stage and makes its
         # unsharded gradients chunk by chunk, at each chunk's first backward (`_states`): at the activation peak
@@ -439,7 +439,7 @@ def checkpointed_state_bytes(inputs: PlanInputs, layout: Layout) -> float:
     both Adam moments (LoRA/QLoRA: the adapters only; a frozen base is never saved), sharded as `_states`
     shards them, CPU-offloaded or not. What the fast tier (ckpt/memory_tier.py) writes per rank."""
     layers = stage_layers(inputs.shape.n_layers, layout.pp, layout.virtual_stages)
-    shard = layout.dp_shard if layout.zero >= 1 else 1
+    shard = layout.state_shard
     per_param = max(inputs.master_bytes, inputs.weight_bytes) + 2 * inputs.moment_bytes
     best = 0.0
     for stage in _candidate_stages(layers):

@@ -338,7 +338,7 @@ def step_time(inputs: PlanInputs, layout: Layout, *, sequences_per_step: int) ->
     dp_s = dp_raw - hidden
 
     touched = inputs.weight_bytes + inputs.grad_bytes + inputs.master_bytes + 2 * inputs.moment_bytes
-    shard = layout.dp_shard if layout.zero >= 1 else 1
+    shard = layout.state_shard
     optimizer_s = 2 * touched * local / shard / inputs.memory_bandwidth_bytes_s
 
     step_s = compute_s + m * (tp_mb + ep_mb + moe_mb) + bubble_s + pp_s + dp_s + optimizer_s
