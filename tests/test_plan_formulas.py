@@ -163,35 +163,65 @@ def test_ring_costs() -> None:
     assert ring_time_s(num_bytes=1e9, ranks=1, bandwidth_bytes_s=1e11, kind="all_reduce") == 0.0
 
 
-@pytest.mark.parametrize("compute", ["bf16", "fp8"])
-def test_recompute_flops_are_the_matmuls_the_trainer_runs(compute: str) -> None:
+def _count_grouped_mm() -> None:
+    """Teach torch's FLOP counter `aten._grouped_mm` (the MoE experts' GEMMs, model/moe.py), which it does not
+    count: 2·m·k·n for rows (m, k) against stacked (experts, k, n) weights, and for the weight gradient's
+    (k, rows) against (rows, n)."""
+    from torch.utils.flop_counter import register_flop_formula
+
+    op = torch.ops.aten._grouped_mm
+    from torch.utils.flop_counter import flop_registry
+    if op in flop_registry or op.default in flop_registry:
+        return
+
+    @register_flop_formula(op)
+    def grouped_mm_flops(a_shape, b_shape, *args, out_shape=None, **kwargs) -> int:  # type: ignore[no-untyped-def]
+        n = b_shape[2] if len(b_shape) == 3 else b_shape[1]
+        return 2 * a_shape[0] * a_shape[1] * n
+
+
+MOE = {"architecture": "moe", "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 32, "num_shared_experts": 0}}
+
+
+@pytest.mark.parametrize("compute,model", [
+    ("bf16", "dense"), ("fp8", "dense"), ("bf16", "moe"), ("bf16", "moe-shared"), ("bf16", "moe-shared-dense1"),
+])
+def test_recompute_flops_are_the_matmuls_the_trainer_runs(compute: str, model: str) -> None:
     """The plan's hardware FLOPs per token under none / op / full against torch's FLOP counter on the trainer's
     model (forward + backward, recompute included; the counter sees the matmuls, not the CPU attention kernel, so
     the plan's attention part is taken off). Full recompute repeats the blocks' forward but not the output
-    projection's, and torch's early stop ends it before a dense block's down projection in bf16, which a float8
-    Linear (torchao saves after its GEMM) runs again. Until 2026-12-06 full was priced as model × 4/3: 7.6 %
-    (bf16) above what this model runs."""
+    projection's, and torch's early stop ends it before a block's last matmul in bf16: a dense block's down
+    projection, an MoE block's shared experts' (the routed experts' runs again: their weighted combine saves
+    its output), which a float8 Linear (torchao saves after its GEMM) runs again. Until 2026-12-06 full was
+    priced as model × 4/3: 7.6 % (bf16) above what the dense model runs; and until that evening with every
+    MoE block's shared down projection repeated (1.5 % above what the shared-expert model runs)."""
     from torch.utils.flop_counter import FlopCounterMode
 
     from leantrain.model import build_model, model_args_from_spec
     from leantrain.plan.inputs import plan_inputs
     from leantrain.train.precision import PrecisionPolicy, apply_precision
 
+    _count_grouped_mm()
     model_fields = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 128,
                     "vocab_size": 96, "tie_embeddings": False}
+    if model.startswith("moe"):
+        moe = {**MOE["moe"], "num_shared_experts": 1 if "shared" in model else 0,
+               "first_dense_layers": 1 if "dense1" in model else 0}
+        model_fields = {**model_fields, "architecture": "moe", "moe": moe}
     spec = spec_from_dict({"model": model_fields, "data": {"tokens_total": 1e6, "seq_len": 32},
                            "training": {"global_batch_tokens": 64}, "precision": {"compute": compute}})
     inputs = plan_inputs(spec)
     assert inputs.recompute_skips_down is (compute == "bf16")
     policy = PrecisionPolicy(compute=compute, param_dtype=torch.float32, device_type="cpu")
     tokens = torch.randint(0, 96, (2, 32), generator=torch.Generator().manual_seed(0))
-    for recompute in ("none", "op", "full"):
-        model = apply_precision(build_model(model_args_from_spec(spec.model, max_seq_len=32),
+    modes = ("none", "op", "full") if model == "dense" else ("none", "full")  # op: dense SwiGLU only
+    for recompute in modes:
+        built = apply_precision(build_model(model_args_from_spec(spec.model, max_seq_len=32),
                                             device=torch.device("cpu"), seed=0), policy)
-        model.set_recompute(recompute)  # type: ignore[arg-type]
+        built.set_recompute(recompute)  # type: ignore[arg-type]
         with FlopCounterMode(display=False) as counter:
             with policy.autocast():
-                loss = model(tokens).float().logsumexp(-1).mean()
+                loss = built(tokens).float().logsumexp(-1).mean()
             loss.backward()
         planned = (inputs.hardware_flops_per_token(recompute) - inputs.flops.hardware_attention(recompute))  # type: ignore[arg-type]
         assert counter.get_total_flops() / tokens.numel() == pytest.approx(planned, rel=1e-9), recompute

@@ -34,7 +34,7 @@ class FlopsPerToken:
     attention: float
     op_recompute: float = 0.0  # forward FLOPs torchtitan's selective-op policy repeats (wk, wo, w3 per layer)
     head_forward: float = 0.0  # the output projection's forward, outside every block's checkpoint
-    down_forward: float = 0.0  # the dense blocks' last matmul (the MLP's down projection), forward
+    down_forward: float = 0.0  # the blocks' last matmul, forward: dense down projections, MoE shared experts'
 
     @property
     def model(self) -> float:
@@ -45,8 +45,9 @@ class FlopsPerToken:
         """FLOPs the hardware executes per token, including recomputation. Full recompute repeats the blocks'
         forward, not the output projection's (no stack checkpoints it; Megatron's count, Narayanan et al. 2021
         eq. 3, gives its V term three passes). `early_stop`: torch's non-reentrant checkpoint ends the recompute
-        once the tensors the backward needs are rebuilt, which is before a dense block's last matmul runs (its
-        input is saved as the matmul starts; its output feeds only the residual add, which saves nothing)."""
+        once the tensors the backward needs are rebuilt, which is before a block's last matmul runs (its input
+        is saved as the matmul starts; its output feeds only an add, which saves nothing): a dense block's down
+        projection, an MoE block's shared experts' (`down_forward`)."""
         if recompute == "full":
             repeat = self.model / 3 - self.head_forward - (self.down_forward if early_stop else 0.0)
             return self.model + repeat
@@ -77,9 +78,14 @@ def flops_per_token(shape: ModelShape, *, seq_len: int, causal_halving: bool = F
     d = shape.d_model
     op_recompute = 2.0 * shape.n_layers * (d * shape.kv_dim + shape.q_dim * d)
     op_recompute += 2.0 * shape.num_dense_layers * d * shape.ffn_hidden
+    # the block's last matmul, which an early-stopping recompute skips: a dense block's down projection, and in an
+    # MoE block the shared experts' (model/moe.py adds them after the routed experts, whose weighted combine
+    # saves their output, so the routed down projection does run again)
+    down = shape.num_dense_layers * d * shape.ffn_hidden
+    if shape.moe is not None:
+        down += shape.num_moe_layers * d * shape.moe.num_shared_experts * shape.moe.expert_hidden
     return FlopsPerToken(matmul=6.0 * matmul_params(shape), attention=attention, op_recompute=op_recompute,
-                         head_forward=2.0 * shape.vocab_size * d,
-                         down_forward=2.0 * shape.num_dense_layers * d * shape.ffn_hidden)
+                         head_forward=2.0 * shape.vocab_size * d, down_forward=2.0 * down)
 
 
 def seed_total_flops(*, nominal_params: float, tokens: float) -> float:

@@ -257,8 +257,9 @@ class PlanSpec(Section):
     )
     recompute_early_stop: bool = Field(
         True, description="How recompute runs: true (this trainer, torchtitan) is torch's non-reentrant checkpoint, "
-        "which stops once the tensors the backward needs are rebuilt, so full recompute does not redo a dense block's "
-        "down projection (bf16/fp32) nor the TP collective after it; false prices a reentrant implementation that "
+        "which stops once the tensors the backward needs are rebuilt, so full recompute does not redo a block's last "
+        "matmul (bf16/fp32: a dense block's down projection, an MoE block's shared experts') nor the TP collective "
+        "after it; false prices a reentrant implementation that "
         "redoes the whole block forward (Megatron-LM, DeepSpeed)."
     )
     moe_layer_overhead_ms: float | None = Field(
