@@ -252,3 +252,50 @@ def test_moe_experts_run_the_kernel_the_accelerator_would(accelerator: str, comp
     moe_sites = [site for site in rank["host_sync_sites"] if site.startswith("leantrain/model/moe.py")]
     assert bool(moe_sites) is padded, rank["host_sync_sites"]
     assert (rank["host_syncs_per_step"] > 0) is padded
+
+
+def _moe_saved_tensors() -> tuple[list[tuple[Any, ...]], tuple[Any, ...]]:
+    """(shape, dtype) of every tensor an fp32 MoE block (shared expert included) saves for its backward, and
+    (shape, dtype) of the input's gradient."""
+    from leantrain.model.moe import MoE
+    from leantrain.model.transformer import model_args_from_spec
+    from leantrain.spec import spec_from_dict
+
+    spec = spec_from_dict({
+        "model": {"architecture": "moe", "n_layers": 1, "d_model": 32, "n_heads": 4, "n_kv_heads": 2,
+                  "ffn_hidden": 64, "vocab_size": 64,
+                  "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 16, "num_shared_experts": 1}},
+        "data": {"tokens_total": 1e6, "seq_len": 16}, "training": {"global_batch_tokens": 32}})
+    block = MoE(model_args_from_spec(spec.model, max_seq_len=16))
+    x = torch.randn(2, 16, 32, requires_grad=True)
+    saved: list[tuple[Any, ...]] = []
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved.append((tuple(t.shape), t.dtype))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = block(x)
+    out.sum().backward()
+    assert x.grad is not None
+    return sorted(saved, key=str), (tuple(x.grad.shape), x.grad.dtype)
+
+
+def test_the_cpus_fp32_grouped_gemm_runs_under_fake_tensors_holding_what_the_real_one_holds() -> None:
+    """The `cpu` accelerator keeps the CPU's kernel rule: fp32 experts run `torch._grouped_mm`, which torch's fake
+    shape rule refuses (bf16 only). `accelerator_kernels(None)` runs it as a stand-in that saves what the real op
+    saves, so the bundled fp32 MoE example can be rehearsed (until 2026-12-06 it stopped at moe.py's `_grouped`)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from leantrain.golive.rehearse import rehearse
+    from leantrain.golive.rehearse_swaps import accelerator_kernels
+    from leantrain.spec import load_spec
+
+    real = _moe_saved_tensors()
+    with FakeTensorMode(), pytest.raises(RuntimeError, match="BF16"):
+        _moe_saved_tensors()
+    with FakeTensorMode(), accelerator_kernels(None):
+        assert _moe_saved_tensors() == real
+    report = rehearse(load_spec(EXAMPLES / "moe-small-cpu.yaml"), ranks=[0], isolated=False)
+    for category, ratio in report["plan_vs_rehearsal"].items():  # the plan, counted independently, agrees
+        assert 0.9 <= ratio <= 1.1, (category, report["plan_vs_rehearsal"])

@@ -125,17 +125,43 @@ def accelerator_kernels(capability: tuple[int, int] | None) -> Iterator[None]:
     """`model.moe.grouped_mm_supported` answered for a GPU of `capability` (the catalog's, hardware.py): on an
     A100 the trainer runs the padded fallback (its memory and its host sync), on Hopper the grouped GEMM, while
     the rehearsal's CPU device would take the grouped GEMM for both. None (the `cpu` accelerator): the CPU's own
-    rule stays."""
-    if capability is None:
-        yield
-        return
+    rule stays, and its fp32 grouped GEMM, which torch's shape rule for the op refuses (bf16 only, the CUDA
+    kernel's rule), runs as `_Fp32GroupedGemm`."""
     from leantrain.model import moe
+
+    if capability is None:
+        grouped = moe._grouped
+
+        def cpu_grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+            if isinstance(x, FakeTensor) and x.dtype == torch.float32:
+                return moe._ContiguousGrad.apply(_Fp32GroupedGemm.apply(x, weight, offsets))
+            return grouped(x, weight, offsets)
+
+        with mock.patch.object(moe, "_grouped", cpu_grouped):
+            yield
+        return
 
     def on_the_accelerator(device: torch.device, dtype: torch.dtype) -> bool:
         return hasattr(torch, "_grouped_mm") and moe.grouped_mm_on_gpu(capability, dtype)
 
     with mock.patch.object(moe, "grouped_mm_supported", on_the_accelerator):
         yield
+
+
+class _Fp32GroupedGemm(torch.autograd.Function):
+    """The CPU's fp32 `torch._grouped_mm` (rows (m, k) by their expert's (k, n) weight) as it holds memory: an
+    (m, n) output, the rows, the stacked weights and the group ends saved for the backward (what the op's own
+    autograd saves: tests/scale/test_rehearse_swaps.py), which makes one gradient of the rows and the weights."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight, offsets)
+        return x.new_empty((x.shape[0], weight.shape[-1]))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight, _ = ctx.saved_tensors
+        return torch.empty_like(x), torch.empty_like(weight), None
 
 
 @contextmanager
