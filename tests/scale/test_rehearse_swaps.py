@@ -299,3 +299,20 @@ def test_the_cpus_fp32_grouped_gemm_runs_under_fake_tensors_holding_what_the_rea
     report = rehearse(load_spec(EXAMPLES / "moe-small-cpu.yaml"), ranks=[0], isolated=False)
     for category, ratio in report["plan_vs_rehearsal"].items():  # the plan, counted independently, agrees
         assert 0.9 <= ratio <= 1.1, (category, report["plan_vs_rehearsal"])
+
+
+def test_eight_bit_optimizer_states_are_rehearsed_at_their_own_size() -> None:
+    """`precision.optimizer_state: 8bit` (torchao's AdamW8bit, the seed example's setting): its update, compiled
+    by torchao at every step, runs eagerly under the rehearsal (fake tensors cannot be compiled: the rehearsal
+    of examples/seed-10b.yaml stopped at optim.py's `step_if_finite`), and its states are counted by their uint8
+    codes and block scales, not by the fp32 size they present (plan ÷ rehearsal was 0.25)."""
+    pytest.importorskip("torchao.optim")
+    from leantrain.golive.rehearse import rehearse
+    from leantrain.spec import load_spec
+
+    overrides = ["model.d_model=256", "model.ffn_hidden=512", "hardware.num_nodes=1"]
+    eight, full = (rehearse(load_spec(EXAMPLES / "tiny-cpu.yaml", overrides=[
+        *overrides, f"precision.optimizer_state={state}"]), ranks=[0], isolated=False) for state in ("8bit", "fp32"))
+    assert 0.9 <= eight["plan_vs_rehearsal"]["optimizer"] <= 1.1, eight["plan_vs_rehearsal"]
+    states = {name: r["ranks"][0]["memory_bytes"]["optimizer"] for name, r in (("8bit", eight), ("fp32", full))}
+    assert 0.25 <= states["8bit"] / states["fp32"] <= 0.3, states  # 1 byte + scales per moment against 4

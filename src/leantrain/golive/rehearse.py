@@ -61,6 +61,7 @@ from leantrain.golive.rehearse_slope import MicroBatchSlope
 from leantrain.golive.rehearse_swaps import (
     accelerator_kernels,
     balanced_expert_splits,
+    eager_optimizer_updates,
     forget_torch_caches,
     host_reads,
     planned_clock,
@@ -199,6 +200,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
             stack.enter_context(unwrapped_dispatch(FakeTensorMode, HostSyncCounter, *type(mem).__mro__))
             stack.enter_context(unwatched_fake_params())  # `to_empty` of an unsharded model, as on a device
             stack.enter_context(accelerator_kernels(target_capability(spec.hardware.accelerator)))
+            stack.enter_context(eager_optimizer_updates())
             startup_s = time.perf_counter()
             with files.watch():
                 fake_mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))

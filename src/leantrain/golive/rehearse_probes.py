@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch._subclasses.fake_tensor import _DISPATCH_META_HANDLERS as _fake_handlers
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 from torch.distributed.tensor import DTensor
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 
 aten = torch.ops.aten
 # c10d and functional-collective op names → one name per collective in rehearsal.json
@@ -473,6 +473,9 @@ def resident_bytes(trainer: Any) -> dict[str, int]:
     """This rank's parameters (and buffers), gradients and optimizer states after a step, from the tensors."""
     def local_bytes(tensor: Any) -> int:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if is_traceable_wrapper_subclass(local):  # torchao's 8-bit optimizer states: uint8 codes + block scales,
+            names, _ = local.__tensor_flatten__()  # which present themselves as the parameter's fp32
+            return sum(local_bytes(getattr(local, name)) for name in names)
         return local.numel() * local.element_size()
 
     params = grads = 0

@@ -148,6 +148,27 @@ def accelerator_kernels(capability: tuple[int, int] | None) -> Iterator[None]:
         yield
 
 
+@contextmanager
+def eager_optimizer_updates() -> Iterator[None]:
+    """torchao's optimizers (`precision.optimizer_state: 8bit`) compile their per-parameter update at each step
+    (`torch.compile(single_param_adam)`), which fake tensors cannot go through; the rehearsal runs that update
+    eagerly, as it runs the model (`training.compile` off). What the update holds is the states it creates
+    (the 8-bit moments and their block scales) and the same in-place arithmetic."""
+    try:
+        from torchao.optim import adam
+    except ImportError:  # no torchao: the spec's 8-bit states were refused before the rehearsal got here
+        yield
+        return
+    step = adam._AdamBase.step
+
+    def eager_step(self: Any, closure: Any = None) -> Any:
+        with mock.patch.object(torch, "compile", lambda fn, **_: fn):
+            return step(self, closure)
+
+    with mock.patch.object(adam._AdamBase, "step", eager_step):
+        yield
+
+
 class _Fp32GroupedGemm(torch.autograd.Function):
     """The CPU's fp32 `torch._grouped_mm` (rows (m, k) by their expert's (k, n) weight) as it holds memory: an
     (m, n) output, the rows, the stacked weights and the group ends saved for the backward (what the op's own
