@@ -276,3 +276,64 @@ def test_tp_recompute_calls_are_what_the_rehearsal_counts() -> None:
         for recompute in ("op", "full"):
             layout = Layout(dp=1, tp=2, pp=1, zero=3, recompute=recompute, sequence_parallel=sp)  # type: ignore[arg-type]
             assert (counted[recompute] - counted["none"]) / per == tp_recompute_calls(layout), (sp, recompute, counted)
+
+
+def _saved_bytes_per_token(model_fields: dict, *, layers: int, seq_len: int) -> float:
+    """Bytes autograd saves in one forward of the trainer's model as it runs on one rank without FSDP2: fp32
+    parameters under bf16 autocast (train/precision.py), once per storage."""
+    from leantrain.model import build_model, model_args_from_spec
+    from leantrain.train.precision import PrecisionPolicy, apply_precision
+
+    spec = spec_from_dict({"model": {**model_fields, "n_layers": layers}, "data": {"tokens_total": 1e6,
+                           "seq_len": seq_len}, "training": {"global_batch_tokens": seq_len},
+                           "precision": {"compute": "bf16"}})
+    policy = PrecisionPolicy(compute="bf16", param_dtype=torch.float32, device_type="cpu")
+    model = apply_precision(build_model(model_args_from_spec(spec.model, max_seq_len=seq_len),
+                                        device=torch.device("cpu"), seed=0), policy)
+    saved: dict[int, int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), policy.autocast():
+        model(torch.randint(0, model_fields["vocab_size"], (1, seq_len)))
+    return float(sum(saved.values()))
+
+
+@pytest.mark.parametrize("model", ["swiglu", "gelu", "moe", "moe-shared-top3"])
+def test_autocast_saves_a_cast_per_linear_that_the_plan_counts(model: str) -> None:
+    """One rank without FSDP2 runs bf16 under torch.autocast over fp32 weights: each Linear casts the norm's fp32
+    output itself and keeps its own copy (wq, wk, wv; w1 and w3; an MoE layer's router, shared w1/w3 and top-k
+    routed copies), where under FSDP2 one bf16 output is shared. Per layer and token, from two depths and two
+    sequence lengths (weights and per-position tables cancel), the plan's eager count with `autocast` equals
+    what the model saves; without it the plan was 10 d-model-widths of bf16 short on a SwiGLU block (20 %)."""
+    from leantrain.plan.activations import activation_terms, layer_activation_bytes
+
+    fields = {"d_model": 256, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 512, "vocab_size": 256,
+              "tie_embeddings": False}
+    if model == "gelu":
+        fields |= {"mlp": "gelu", "ffn_hidden": 1024}
+    elif model.startswith("moe"):
+        shared, top_k = (1, 3) if "shared" in model else (0, 2)
+        fields |= {"architecture": "moe", "moe": {"num_experts": 4, "top_k": top_k, "expert_hidden": 128,
+                                                  "num_shared_experts": shared, "first_dense_layers": 0}}
+    short, long = 128, 256
+    per_layer = ((_saved_bytes_per_token(fields, layers=2, seq_len=long)
+                  - _saved_bytes_per_token(fields, layers=1, seq_len=long))
+                 - (_saved_bytes_per_token(fields, layers=2, seq_len=short)
+                    - _saved_bytes_per_token(fields, layers=1, seq_len=short))) / (long - short)
+    spec = spec_from_dict({"model": {**fields, "n_layers": 2}, "data": {"tokens_total": 1e6, "seq_len": long},
+                           "training": {"global_batch_tokens": long}, "precision": {"compute": "bf16"}})
+    inputs = plan_inputs(spec)
+    assert inputs.autocast_casts(Layout(dp=1, tp=1, pp=1, zero=0))
+    assert not inputs.autocast_casts(Layout(dp=2, tp=1, pp=1, zero=0))  # FSDP2 gathers bf16 weights
+    assert not inputs.autocast_casts(Layout(dp=1, tp=2, pp=1, zero=0))
+    planned = {}
+    for autocast in (False, True):
+        terms = activation_terms(inputs.shape, seq_len=long, act_bytes=inputs.act_bytes, flash=True,
+                                 moe_layer=model.startswith("moe"), autocast=autocast)
+        planned[autocast] = layer_activation_bytes(terms, tokens=1, tp=1, sp=False, recompute="none",
+                                                   act_bytes=inputs.act_bytes, d_model=256)
+    assert planned[True] == pytest.approx(per_layer, rel=0.005)  # MoE: 20 of 13,400 bytes a token apart
+    assert planned[False] < 0.9 * per_layer

@@ -87,9 +87,11 @@ def _moe_mlp_bytes(shape: ModelShape, *, e: float, lin: float, fused: bool) -> f
 
 
 def activation_terms(shape: ModelShape, *, seq_len: int, act_bytes: float, flash: bool, moe_layer: bool,
-                     gpt_style: bool = False, fused: bool = False, linear_bytes: float | None = None
-                     ) -> ActivationTerms:
-    """Per-token saved bytes of one transformer block (see the module docstring for each kernel set)."""
+                     gpt_style: bool = False, fused: bool = False, linear_bytes: float | None = None,
+                     autocast: bool = False) -> ActivationTerms:
+    """Per-token saved bytes of one transformer block (see the module docstring for each kernel set).
+    `autocast` (`PlanInputs.autocast_casts`): the eager block runs under torch.autocast over fp32 weights, and
+    each Linear reading a norm's fp32 output saves its own bf16 cast of it (`autocast_cast_bytes`)."""
     e, h, a, f = act_bytes, shape.d_model, shape.n_heads, shape.ffn_hidden
     lin = e if linear_bytes is None else linear_bytes
     if gpt_style:
@@ -131,9 +133,26 @@ def activation_terms(shape: ModelShape, *, seq_len: int, act_bytes: float, flash
     op_saved = e * (shape.q_dim + shape.kv_dim) + op_mlp + e * shape.q_dim + e * h
     # the two norms' outputs (see ActivationTerms), kept whole-sequence by torch's DTensor SP
     sp_gathered = 2 * e * h if SP_GATHERED_PLANNED and not (fused or gpt_style) else 0.0
+    if autocast and not (fused or gpt_style):
+        replicated += autocast_cast_bytes(shape, act_bytes=e, moe_layer=moe_layer)
     return ActivationTerms(replicated=replicated + rope, sharded=qkv + out_proj_input + mlp, core=core,
                            op_saved=op_saved, selective_replicated=sel_replicated, selective_sharded=sel_sharded,
                            sp_gathered=sp_gathered)
+
+
+def autocast_cast_bytes(shape: ModelShape, *, act_bytes: float, moe_layer: bool) -> float:
+    """Per-token bytes of the compute-dtype input copies one eager block saves under torch.autocast over fp32
+    weights: autocast casts each Linear's fp32 input itself, so the Linears that read one norm's output keep a
+    copy each (wq, wk, wv; SwiGLU's w1 and w3, GeLU's w1; an MoE layer's router, its shared experts' w1 and w3 and
+    the top-k copies its routed experts read), where under FSDP2's bf16 gathering they share one bf16 output.
+    Counted on the trainer's model with saved-tensor hooks (tests/test_plan_formulas.py). Latent attention
+    (`model.mla`): its two down-projections' copies; the latents' own casts are not counted."""
+    attention = 3 if shape.mla is None else 2
+    if moe_layer and shape.moe is not None:
+        mlp = 1 + shape.moe.top_k + (2 if shape.moe.num_shared_experts else 0)
+    else:
+        mlp = shape.mlp_matrices - 1
+    return act_bytes * shape.d_model * (attention + mlp)
 
 
 def head_activation_bytes(shape: ModelShape, *, tokens: int, act_bytes: float, tp: int,

@@ -15,6 +15,7 @@ from leantrain.errors import UserInputError
 from leantrain.hardware import GB, Accelerator, get_accelerator, host_cpu_peak_flops
 from leantrain.plan.adapters import lora_param_count
 from leantrain.plan.flops import FlopsPerToken, Recompute, flops_per_token
+from leantrain.plan.layout import Layout
 from leantrain.spec.schema import JobSpec
 from leantrain.spec.shapes import ModelShape, resolve_shape
 
@@ -157,6 +158,7 @@ class PlanInputs:
     elementwise_passes: float = ELEMENTWISE_PASSES  # memory-bound passes over a layer's activations (timing.py)
     moe_layer_overhead_s: float = MOE_LAYER_OVERHEAD_S  # fixed time per MoE layer and micro-batch (timing.py)
     recompute_early_stop: bool = True  # torch's non-reentrant checkpoint (plan.recompute_early_stop)
+    fsdp_single_rank: bool = False  # parallelism.fsdp_single_rank: one rank wrapped in FSDP2 all the same
 
     @cached_property
     def _hash(self) -> int:
@@ -181,6 +183,15 @@ class PlanInputs:
         torch's early stop and a plain bf16/fp32 matmul, which saves its input before it runs. A float8 Linear
         (torchao's autograd function saves after its GEMM) and LoRA/QLoRA's base-then-adapter pair run it again."""
         return self.recompute_early_stop and self.compute_dtype != "fp8" and self.trains_base
+
+    def autocast_casts(self, layout: Layout) -> bool:
+        """Whether the forward runs under `torch.autocast` over fp32 parameters, where every Linear casts its
+        fp32 input to bf16 itself and saves that copy: bf16 compute with fp32 master weights and no FSDP2 (one
+        data-parallel rank, no TP, not `fsdp_single_rank`; train/precision.py). Under FSDP2 the parameters are
+        gathered in bf16 and the blocks run in bf16, so the Linears reading one norm share its bf16 output.
+        Counted for the eager kernels of a trained base (compile and adapters not measured)."""
+        return (self.compute_dtype == "bf16" and self.master_bytes > 0 and layout.dp == 1 and layout.tp == 1
+                and not self.fsdp_single_rank and not self.fused_kernels and self.trains_base)
 
     def hardware_flops_per_token(self, recompute: Recompute) -> float:
         """FLOPs executed per token. LoRA/QLoRA skip the frozen base's weight-gradient matmuls (a third of
@@ -278,6 +289,7 @@ def plan_inputs(spec: JobSpec, *, optimizer_state: Literal["fp32", "bf16", "8bit
         moe_layer_overhead_s=(0.0 if acc.name == "cpu" else MOE_LAYER_OVERHEAD_S) if knobs.moe_layer_overhead_ms is None
         else knobs.moe_layer_overhead_ms / 1e3,
         recompute_early_stop=knobs.recompute_early_stop,
+        fsdp_single_rank=spec.parallelism.fsdp_single_rank,
     ))
 
 

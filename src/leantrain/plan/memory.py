@@ -219,7 +219,7 @@ def _adapter_states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, shar
 
 @lru_cache(maxsize=8192)
 def _per_microbatch(inputs: PlanInputs, *, layers: int, first_layer: int, tp: int, sp: bool, recompute: str,
-                    micro_batch: int) -> tuple[float, float]:
+                    micro_batch: int, autocast: bool = False) -> tuple[float, float]:
     """(bytes the stage's layers keep per micro-batch, one layer rebuilt under full recompute); cached, as
     the search asks for the same stage shape many times."""
     shape = inputs.shape
@@ -233,7 +233,7 @@ def _per_microbatch(inputs: PlanInputs, *, layers: int, first_layer: int, tp: in
             continue
         terms = activation_terms(shape, seq_len=inputs.seq_len, act_bytes=inputs.act_bytes,
                                  flash=inputs.flash_attention, moe_layer=is_moe, fused=inputs.fused_kernels,
-                                 linear_bytes=inputs.linear_input_bytes)
+                                 linear_bytes=inputs.linear_input_bytes, autocast=autocast)
         kw = {"tokens": tokens, "tp": tp, "sp": sp, "act_bytes": inputs.act_bytes, "d_model": shape.d_model}
         per_microbatch += count * layer_activation_bytes(terms, recompute=recompute, **kw)  # type: ignore[arg-type]
         if recompute == "full":  # backward rebuilds one layer's full activations at a time
@@ -254,9 +254,10 @@ def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first
     the backward allocates: `leantrain rehearse` counts them as temp, not as activations)."""
     shape = inputs.shape
     tokens = layout.micro_batch * inputs.seq_len
+    autocast = inputs.autocast_casts(layout)
     per_microbatch, one_layer_full = _per_microbatch(
         inputs, layers=layers, first_layer=first_layer, tp=layout.tp, sp=layout.sp, recompute=layout.recompute,
-        micro_batch=layout.micro_batch)
+        micro_batch=layout.micro_batch, autocast=autocast)
     in_flight = in_flight_microbatches(layout, num_microbatches, stage=stage)
     held = per_microbatch * in_flight
     if layout.pp > 1 and not inputs.fused_kernels:
@@ -272,6 +273,8 @@ def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first
         return held, one_layer_full
     logit_count, vocab_tp = _rank_logits(inputs, layout)
     sp_tp = layout.tp if layout.sp and SP_GATHERED_PLANNED else 1  # the final norm's share: with the term below
+    if autocast:  # the output projection's own cast of the final norm's fp32 output
+        held += tokens * inputs.act_bytes * shape.d_model
     if inputs.fused_loss:  # the final norm, the compute-dtype logits the kernel keeps, its fp32 per-token lse
         head = head_activation_bytes(shape, tokens=tokens, act_bytes=inputs.act_bytes, tp=vocab_tp,
                                      fused=inputs.fused_kernels, sp_tp=sp_tp) - logit_count * LOGIT_SAVED_BYTES
