@@ -306,10 +306,13 @@ def test_eight_bit_optimizer_states_are_rehearsed_at_their_own_size() -> None:
     by torchao at every step, runs eagerly under the rehearsal (fake tensors cannot be compiled: the rehearsal
     of examples/seed-10b.yaml stopped at optim.py's `step_if_finite`), and its states are counted by their uint8
     codes and block scales, not by the fp32 size they present (plan ÷ rehearsal was 0.25)."""
-    pytest.importorskip("torchao.optim")
+    optim = pytest.importorskip("torchao.optim")
     from leantrain.golive.rehearse import rehearse
     from leantrain.spec import load_spec
 
+    # torch wraps AdamW8bit.step in its profiling hook at the first construction: whatever ran before in this
+    # process, the rehearsal's eager update must hold (a patched `step` did not, in a test worker)
+    optim.AdamW8bit([torch.nn.Parameter(torch.zeros(64, 64))])
     overrides = ["model.d_model=256", "model.ffn_hidden=512", "hardware.num_nodes=1"]
     eight, full = (rehearse(load_spec(EXAMPLES / "tiny-cpu.yaml", overrides=[
         *overrides, f"precision.optimizer_state={state}"]), ranks=[0], isolated=False) for state in ("8bit", "fp32"))

@@ -220,10 +220,8 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
                 probes.new_phase(f"step{number}")
                 if number != 2:
                     return step_fn()
-                mem.track_external(*pipeline_receive_buffers(trainer.parallel.stages))  # made in step 1
-                # and so were the optimizer states (lazily, in step 1's update): tracked from the step's start, so
-                # that its forward and backward peak counts them (else a small one lost to the update's moment)
-                mem.track_external(trainer.optimizer)
+                # made in step 1, as the optimizer states (else met at the update, after the forward/backward peak)
+                mem.track_external(*pipeline_receive_buffers(trainer.parallel.stages), trainer.optimizer)
                 with mem, fsdp_gathers_as_temp(mem), (  # the steady step: optimizer states exist; its peak is the run's
                         slope.watch(trainer) if slope is not None else contextlib.nullcontext()):
                     result = step_fn()

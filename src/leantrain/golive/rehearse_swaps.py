@@ -151,22 +151,32 @@ def accelerator_kernels(capability: tuple[int, int] | None) -> Iterator[None]:
 @contextmanager
 def eager_optimizer_updates() -> Iterator[None]:
     """torchao's optimizers (`precision.optimizer_state: 8bit`) compile their per-parameter update at each step
-    (`torch.compile(single_param_adam)`), which fake tensors cannot go through; the rehearsal runs that update
-    eagerly, as it runs the model (`training.compile` off). What the update holds is the states it creates
-    (the 8-bit moments and their block scales) and the same in-place arithmetic."""
+    (`torch.compile(single_param_adam)` in torchao/optim/adam.py), which fake tensors cannot go through; the
+    rehearsal runs that update eagerly, as it runs the model (`training.compile` off). What the update holds is
+    the states it creates (the 8-bit moments and their block scales) and the same in-place arithmetic. The
+    module's `torch` is what is swapped, not the optimizer's `step`: torch's Optimizer wraps a subclass's step in
+    its profiling hook at the first construction, so a step patched later is not the one called."""
     try:
         from torchao.optim import adam
     except ImportError:  # no torchao: the spec's 8-bit states were refused before the rehearsal got here
         yield
         return
-    step = adam._AdamBase.step
-
-    def eager_step(self: Any, closure: Any = None) -> Any:
-        with mock.patch.object(torch, "compile", lambda fn, **_: fn):
-            return step(self, closure)
-
-    with mock.patch.object(adam._AdamBase, "step", eager_step):
+    with mock.patch.object(adam, "torch", _EagerCompile(adam.torch)):
         yield
+
+
+class _EagerCompile:
+    """A module's view of `torch` whose `compile` returns the function itself."""
+
+    def __init__(self, module: Any) -> None:
+        self._module = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+    @staticmethod
+    def compile(fn: Any = None, **_: Any) -> Any:
+        return fn
 
 
 class _Fp32GroupedGemm(torch.autograd.Function):
