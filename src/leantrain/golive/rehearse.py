@@ -23,8 +23,6 @@ from pathlib import Path
 from typing import Any
 from unittest import mock
 
-import numpy as np
-
 from leantrain.errors import LeantrainError, UserInputError
 from leantrain.golive.rehearse_memory import (
     fsdp_gathers_as_temp,
@@ -66,7 +64,9 @@ from leantrain.golive.rehearse_swaps import (
     host_reads,
     planned_clock,
     planned_save,
+    planned_weight_reads,
     rank_keyed_meshes,
+    synthetic_data_dir,
     unwatched_fake_params,
 )
 from leantrain.hardware import accelerator_memory_bytes, target_capability
@@ -132,22 +132,6 @@ def rehearsal_spec(spec: JobSpec, *, data_dir: Path, run_dir: Path) -> JobSpec:
                                    "checkpoint": checkpoint})
 
 
-def synthetic_data_dir(spec: JobSpec, *, root: Path) -> Path:
-    """A small token data dir with the spec's vocabulary and sources, when the spec's own is not here."""
-    from leantrain.data.layout import write_token_data_dir
-
-    rng = np.random.default_rng(spec.training.seed)
-    vocab = spec.model.vocab_size or 32000
-    names = [s.name for s in spec.data.sources] or ["synthetic"]
-    docs = {name: [rng.integers(1, vocab, int(rng.integers(64, 4096))).tolist() for _ in range(16)]
-            for name in names}
-    weights = {name: 1.0 / len(names) for name in names}
-    path = root / "data"
-    write_token_data_dir(path, docs, vocab_size=vocab, eos_id=0, weights=weights, valid_docs_by_source=None,
-                         shard_size_tokens=1 << 20)
-    return path
-
-
 def _rank_environment(rank: int, world_size: int, gpus_per_node: int) -> contextlib.AbstractContextManager[None]:
     """What torchrun would set for this rank (the trainer's runtime reads it)."""
     from leantrain.golive.drill import environment
@@ -201,6 +185,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
             stack.enter_context(unwatched_fake_params())  # `to_empty` of an unsharded model, as on a device
             stack.enter_context(accelerator_kernels(target_capability(spec.hardware.accelerator)))
             stack.enter_context(eager_optimizer_updates())
+            stack.enter_context(planned_weight_reads())
             startup_s = time.perf_counter()
             with files.watch():
                 fake_mode = stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))

@@ -86,6 +86,16 @@ def pipeline_receive_buffers(stages: Iterable[Any], *, chunk: int | None = None)
     return buffers
 
 
+class _NoHook:
+    """A hook handle with nothing to remove."""
+
+    def remove(self) -> None:
+        return None
+
+
+_NO_HOOK = _NoHook()
+
+
 class StepMemTracker(MemTracker):
     """torch's MemTracker, for a loop: a root module called again (the next micro-batch, the next pipeline
     chunk) starts its per-module stats afresh instead of raising; the per-device peak is kept across calls; and
@@ -116,6 +126,14 @@ class StepMemTracker(MemTracker):
     def _pre_fw_hook(self, module: Any, inputs: Any) -> None:
         self._fresh_iteration(module, self._mod_tracker.get_known_fqn(module))
         super()._pre_fw_hook(module, inputs)
+
+    def _track_module_params_and_buffers(self, module: Any, install_grad_hooks: bool = True) -> tuple[int, int]:
+        """torch's, without gradient hooks on frozen parameters (a LoRA/QLoRA base, DPO's frozen reference),
+        which have no gradient and refuse a hook: they are marked hooked with handles that remove nothing."""
+        for param in module.parameters():
+            if not param.requires_grad and self._param_to_grad_hook_handles.get(param, None) is None:
+                self._param_to_grad_hook_handles[param] = (_NO_HOOK, _NO_HOOK)
+        return super()._track_module_params_and_buffers(module, install_grad_hooks)
 
     def _update_and_maybe_create_winfos(self, t: Any, reftype: Any, update_existing: bool = False) -> Any:
         with self.quiet():

@@ -5,6 +5,10 @@ rank in one process would see the first one's state (the watching is `rehearse_p
   real host tensors.
 - `balanced_expert_splits`: expert parallelism's all-to-all split sizes as a balanced router gives them.
 - `planned_save`: a checkpoint save planned by DCP's planner (write items, bytes) instead of written.
+- `planned_weight_reads`: `model.init_from`'s safetensors read as headers, each slice a fake tensor.
+- `synthetic_data_dir`: token data when the spec's data dir is not here.
+- `accelerator_kernels`, `eager_optimizer_updates`: the GPU's kernel choices, and torchao's compiled
+  optimizer update run eagerly.
 - `rank_keyed_meshes`, `forget_torch_caches`: device meshes that are equal only within one rank, and torch's
   per-mesh caches dropped between ranks, so a later rank rehearsed in the same process never gets an earlier
   rank's mesh.
@@ -15,13 +19,38 @@ from __future__ import annotations
 import math
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import numpy as np
 import torch
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
+from leantrain.errors import UserInputError
 from leantrain.golive.rehearse_probes import HostSyncCounter, Probes, call_site
+from leantrain.spec.schema import JobSpec
+
+
+def synthetic_data_dir(spec: JobSpec, *, root: Path) -> Path:
+    """A small token data dir with the spec's vocabulary and sources, when the spec's own is not here. Preference
+    pairs (`finetune.method: dpo`) have a layout of their own (chosen and rejected windows, response masks) that
+    only `leantrain prepare` writes: such a spec is rehearsed on its prepared data dir."""
+    from leantrain.data.layout import write_token_data_dir
+
+    if spec.task == "finetune" and spec.finetune.method == "dpo":
+        raise UserInputError(f"data.dir {spec.data.dir}: not here, and a finetune.method dpo job is rehearsed on "
+                             "its prepared preference pairs; run `leantrain prepare` on the spec first")
+    rng = np.random.default_rng(spec.training.seed)
+    vocab = spec.model.vocab_size or 32000
+    names = [s.name for s in spec.data.sources] or ["synthetic"]
+    docs = {name: [rng.integers(1, vocab, int(rng.integers(64, 4096))).tolist() for _ in range(16)]
+            for name in names}
+    weights = {name: 1.0 / len(names) for name in names}
+    path = root / "data"
+    write_token_data_dir(path, docs, vocab_size=vocab, eos_id=0, weights=weights, valid_docs_by_source=None,
+                         shard_size_tokens=1 << 20)
+    return path
 
 
 @contextmanager
@@ -163,6 +192,52 @@ def eager_optimizer_updates() -> Iterator[None]:
         return
     with mock.patch.object(adam, "torch", _EagerCompile(adam.torch)):
         yield
+
+
+@contextmanager
+def planned_weight_reads() -> Iterator[None]:
+    """A checkpoint's weights (`model.init_from`: continued pre-training and fine-tuning) read as a device run reads
+    them, each rank its own slices, but without the data: each safetensors file this rank opens has its header
+    read (an open of the file, counted by the file probe), and each slice is answered with a fake tensor of its
+    shape and dtype, its bytes counted as read (`fill_from_hf`'s return). safetensors builds a real tensor on a
+    storage of the mapped file, which fake tensors cannot take."""
+    from leantrain.model import hf_load
+
+    with mock.patch.object(hf_load, "_Reader", _PlannedReader):
+        yield
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2}
+
+
+class _PlannedReader:
+    """`hf_load._Reader` with headers only (see `planned_weight_reads`)."""
+
+    def __init__(self) -> None:
+        self.headers: dict[Any, dict[str, Any]] = {}
+        self.bytes = 0
+
+    def read(self, file: Any, hf_name: str, box: tuple[slice, ...]) -> torch.Tensor:
+        if file not in self.headers:
+            import json
+            import struct
+
+            with open(file, "rb") as handle:  # the format: an 8-byte length, then the JSON header
+                (length,) = struct.unpack("<Q", handle.read(8))
+                self.headers[file] = json.loads(handle.read(length))
+        entry = self.headers[file][hf_name]
+        dims = entry["shape"]
+        full = [*box, *(slice(0, size) for size in dims[len(box):])]
+        shape = [len(range(*cut.indices(size))) for cut, size in zip(full, dims, strict=True)]
+        piece = torch.empty(shape, dtype=_SAFETENSORS_DTYPES[entry["dtype"]])
+        self.bytes += piece.numel() * piece.element_size()
+        return piece
+
+    def close(self) -> None:
+        self.headers.clear()
 
 
 class _EagerCompile:
