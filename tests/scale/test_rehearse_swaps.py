@@ -351,3 +351,35 @@ def test_a_dpo_job_without_its_prepared_pairs_is_one_clear_error() -> None:
                            "training": {"global_batch_tokens": 128, "micro_batch": 2}})
     with pytest.raises(UserInputError, match="rehearsed on its prepared preference pairs"):
         synthetic_data_dir(spec, root=Path("/tmp"))
+
+
+def test_full_dpo_rehearses_with_its_frozen_reference_counted(tmp_path: Path) -> None:
+    """Full DPO (`finetune.dpo.weights: full`) keeps a frozen copy of the init_from weights beside the policy
+    (train/dpo.py). The rehearsal, on prepared preference pairs, counts it in the rank's parameters and in the
+    tracked peak: params plan ÷ rehearsal was 1.98 (the copy missing from the rehearsal)."""
+    pytest.importorskip("transformers")
+    import json
+
+    from leantrain.cli import main
+    from leantrain.golive.rehearse import rehearse
+    from leantrain.model.tiny_hf import save_tiny_hf
+    from leantrain.spec import load_spec
+
+    hf = save_tiny_hf(tmp_path / "hf", tokenizer=True)
+    with open(tmp_path / "prefs.jsonl", "w", encoding="utf-8") as out:
+        for a in range(40):
+            prompt = [{"role": "user", "content": f"What is {a} + 1?"}]
+            out.write(json.dumps({"prompt": prompt, "chosen": [{"role": "assistant", "content": f"{a + 1}."}],
+                                  "rejected": [{"role": "assistant", "content": "I cannot add."}]}) + "\n")
+    text = (EXAMPLES / "dpo-lora-cpu.yaml").read_text()
+    for old, new in (("../demo-out/lora-hf", str(hf)), ("../demo-out/dpo-data", str(tmp_path / "pairs")),
+                     ("../demo-out/arith-prefs.jsonl", str(tmp_path / "prefs.jsonl")),
+                     ("../demo-out/dpo-run", str(tmp_path / "run"))):
+        assert old in text, old
+        text = text.replace(old, new)
+    (tmp_path / "dpo.yaml").write_text(text)
+    assert main(["prepare", str(tmp_path / "dpo.yaml")]) == 0
+    spec = load_spec(tmp_path / "dpo.yaml", overrides=["finetune.dpo.weights=full"])
+    report = rehearse(spec, ranks=[0], isolated=False)
+    ratios = report["plan_vs_rehearsal"]
+    assert 0.9 <= ratios["params"] <= 1.1 and 0.9 <= ratios["peak"] <= 1.1, ratios

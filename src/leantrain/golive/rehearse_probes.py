@@ -469,8 +469,16 @@ def control_window(trainer: Any) -> int:
     return CONTROL_WINDOW_STEPS
 
 
+def reference_parts(trainer: Any) -> list[Any]:
+    """The modules of full DPO's frozen reference model (train/dpo.py: a copy of the init_from weights, sharded
+    like the policy), held on the device beside the trained model; none for other jobs."""
+    reference = getattr(getattr(trainer, "objective", None), "reference", None)
+    return list(reference.parts) if reference is not None else []
+
+
 def resident_bytes(trainer: Any) -> dict[str, int]:
-    """This rank's parameters (and buffers), gradients and optimizer states after a step, from the tensors."""
+    """This rank's parameters (and buffers; full DPO's frozen reference copy among them), gradients and
+    optimizer states after a step, from the tensors."""
     def local_bytes(tensor: Any) -> int:
         local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
         if is_traceable_wrapper_subclass(local):  # torchao's 8-bit optimizer states: uint8 codes + block scales,
@@ -485,6 +493,8 @@ def resident_bytes(trainer: Any) -> dict[str, int]:
         params += local_bytes(param)
         if param.grad is not None:
             grads += local_bytes(param.grad)
+    for part in reference_parts(trainer):
+        params += sum(local_bytes(t) for t in (*part.parameters(), *part.buffers()))
     optimizer = sum(local_bytes(v) for state in trainer.optimizer.state.values() for v in state.values()
                     if hasattr(v, "numel") and v.dim() > 0)
     return {"params": params, "grads": grads, "optimizer": optimizer}
