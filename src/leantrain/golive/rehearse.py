@@ -197,7 +197,7 @@ def rehearse_rank(target: RehearsalTarget, *, rank: int, data_dir: Path, scratch
                                   checkpointer_factory=TrainerCheckpointer)
             startup_s = time.perf_counter() - startup_s
             comm_mode.group_names.update(group_labels(trainer.parallel.mesh))
-            mem.track_external(*trainer.parallel.parts, *reference_parts(trainer), trainer.optimizer)
+            mem.track_external(*trainer.parallel.parts, *reference_parts(trainer))
             step_fn = trainer.train_step
 
             def watched_step() -> Any:

@@ -16,7 +16,9 @@ rank in one process would see the first one's state (the watching is `rehearse_p
 
 from __future__ import annotations
 
+import json
 import math
+import struct
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -222,9 +224,6 @@ class _PlannedReader:
 
     def read(self, file: Any, hf_name: str, box: tuple[slice, ...]) -> torch.Tensor:
         if file not in self.headers:
-            import json
-            import struct
-
             with open(file, "rb") as handle:  # the format: an 8-byte length, then the JSON header
                 (length,) = struct.unpack("<Q", handle.read(8))
                 self.headers[file] = json.loads(handle.read(length))
