@@ -189,6 +189,7 @@ class Fit:
                 f"{self.passes(False):g}); fp8 speed-up {self.fp8_speedup:g}")
 
 
+@cache  # the fits' grids ask for the same run at the same constants many times (runs hash by identity)
 def predicted_tokens_per_gpu_s(run: PublishedRun, *, efficiency: float | None = None,
                                elementwise_passes: float | None = None, fp8_speedup: float | None = None,
                                moe_layer_overhead_s: float | None = None) -> float:
