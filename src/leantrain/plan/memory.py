@@ -178,6 +178,9 @@ def _states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, num_microbat
         else:  # the stage stays gathered from its forward to its backward
             gather = unsharded * inputs.weight_bytes
     keeps_full_grads = inputs.grad_sync == "last_micro_batch" and num_microbatches > 1
+    # Counted at the peak even with one micro-batch a step, whose loss backward comes before any gradient exists
+    # (the rehearsal's live tensors have none there): the allocator's reserved peak keeps the last step's
+    # gradient blocks (torchtitan's 8 → 128 FSDP ranks free 15.4 GiB, 14.0 planned so, 10.5 without; docs/plan.md).
     grads = (unsharded if keeps_full_grads else sharded(True)) * inputs.grad_bytes
     if layout.pp > 1 and shard > 1 and PIPELINE_HOLDS_UNSHARDED:
         # torch's pipelining (torch/distributed/pipelining/stage.py `backward_maybe_with_nosync`) runs every
