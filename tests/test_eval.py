@@ -96,6 +96,21 @@ def test_bad_task_file_exits_2_naming_the_line(setup: tuple[Path, Path, Path], t
     assert "bad.jsonl:2: needs a string 'question' and a list 'choices'" in capsys.readouterr().err
 
 
+def test_set_and_profile_apply_to_the_evaluated_spec(setup: tuple[Path, Path, Path],
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`eval` takes --set and --profile like every SPEC-taking command: one batch instead of three scores
+    another held-out loss and writes it where the overridden run.dir points; a bad override exits 2 naming it."""
+    spec_path, _, _ = setup
+    assert main(["eval", str(spec_path), "--set", "training.eval_batches=1", "--set", "run.dir=run-one"]) == 0
+    one = json.loads((spec_path.parent / "run-one" / "eval.json").read_text())["held_out"]
+    three = evaluate(spec_path, tasks=[])["held_out"]
+    assert one and set(one) <= set(three) and one != three
+    assert main(["eval", str(spec_path), "--set", "training.eval_batches=-1"]) == 2
+    assert "training.eval_batches" in capsys.readouterr().err
+    assert main(["eval", str(spec_path), "--profile", "nope"]) == 2
+    assert "nope" in capsys.readouterr().err
+
+
 def test_acc_norm_is_per_character_and_acc_bytes_per_byte_of_the_choice() -> None:
     """lm-evaluation-harness, lm_eval/api/task.py (ConfigurableTask.process_results, multiple_choice):
     `completion_len = np.array([float(len(i)) for i in choices])`, `byte_length = ... len(i.encode("utf-8"))`,

@@ -347,12 +347,16 @@ def eval_(
     step: Annotated[int | None, typer.Option("--step", min=0, help="Checkpoint step (default: the newest).")] = None,
     base_as_trained: Annotated[bool, typer.Option(
         "--base-as-trained", help="QLoRA runs: the adapters on the NF4 base the run trained on.")] = False,
+    set_: SetOpt = None,
+    profile: ProfileOpt = None,
 ) -> None:
     """Held-out loss/perplexity per source and multiple-choice accuracy (log-likelihood, lm-eval style).
 
     Reads RUN_DIR (spec.yaml, checkpoint) or SPEC, the data dir and the task files; writes eval.json in the run dir.
+    --set and --profile apply to the spec (a run dir's spec.yaml too: e.g. another data.dir to score).
     """
-    _stage("leantrain.golive.eval", target=target, tasks=tasks or [], step=step, base_as_trained=base_as_trained)
+    _stage("leantrain.golive.eval", target=target, tasks=tasks or [], step=step, base_as_trained=base_as_trained,
+           sets=set_ or [], profile=profile)
 
 
 @app.command()

@@ -237,13 +237,14 @@ def multiple_choice(model: nn.Module, items: list[Choice], tokenizer: Any) -> di
     return {**{metric: count / len(items) for metric, count in correct.items()}, "num_questions": len(items)}
 
 
-def evaluate(target: Path, *, tasks: list[Path], step: int | None = None, base_as_trained: bool = False
-             ) -> dict[str, Any]:
+def evaluate(target: Path, *, tasks: list[Path], step: int | None = None, base_as_trained: bool = False,
+             sets: list[str] | None = None, profile: str | None = None) -> dict[str, Any]:
     """Evaluate a run dir (its checkpoint) or a spec (its init_from weights); writes eval.json; returns it.
-    `base_as_trained`: a QLoRA run's adapters on its NF4 base, as it trained (else on the stored base)."""
+    `base_as_trained`: a QLoRA run's adapters on its NF4 base, as it trained (else on the stored base).
+    `sets`, `profile`: `--set` overrides and `--profile` of the spec (the run dir's spec.yaml too)."""
     target = Path(target)
     run_dir = target if target.is_dir() else None
-    spec = load_spec(target / "spec.yaml" if run_dir else target)
+    spec = load_spec(target / "spec.yaml" if run_dir else target, profile=profile, overrides=sets or [])
     if base_as_trained:
         if run_dir is None:
             raise UserInputError("--base-as-trained evaluates a QLoRA run dir's checkpoint; give RUN_DIR")
@@ -263,9 +264,10 @@ def evaluate(target: Path, *, tasks: list[Path], step: int | None = None, base_a
     return result
 
 
-def run(*, console: Any, target: Path, tasks: list[Path], step: int | None, base_as_trained: bool = False) -> None:
+def run(*, console: Any, target: Path, tasks: list[Path], step: int | None, base_as_trained: bool = False,
+        sets: list[str] | None = None, profile: str | None = None) -> None:
     """The `leantrain eval` command."""
-    result = evaluate(target, tasks=tasks, step=step, base_as_trained=base_as_trained)
+    result = evaluate(target, tasks=tasks, step=step, base_as_trained=base_as_trained, sets=sets, profile=profile)
     for source, values in result["held_out"].items():
         detail = (f"ppl {values['perplexity']:.2f}" if "perplexity" in values else
                   f"margin {values['rewards/margin']:.3f}  accuracy {values['rewards/accuracy']:.3f} (pairs)")
