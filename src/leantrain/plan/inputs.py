@@ -67,7 +67,7 @@ POWER_EXPONENT = 0.87
 # layer saves for backward (plan/activations.py, no recompute) at HBM bandwidth per forward + backward, scaled
 # like the FLOPs when recompute repeats a forward (each saved tensor is written by its op, read by the next,
 # read again in the backward, and its gradient written and read). Fitted with the efficiencies above; it
-# trades off against them (7 and 0 fitted on the two halves, docs/plan.md). It is what makes small
+# trades off against them (3 and 1 fitted on the two halves, docs/plan.md). It is what makes small
 # hidden sizes and unfused attention slower per FLOP than large GEMMs.
 ELEMENTWISE_PASSES = 5.0
 # Eager stacks (no torch.compile / TE fusion: `plan.kernels: eager`) run each norm, activation, residual add and

@@ -35,7 +35,6 @@ from leantrain.spec.rules import (
 from leantrain.spec.schema import ParallelismSpec
 
 SMALLER_MB_FAILED = "does not fit: a smaller micro-batch of the same layout did not fit"
-ZERO2_FAILED = "does not fit: the same layout did not fit at ZeRO-2, which holds less"
 STATES_FAILED = "does not fit: params+grads+optimizer largest (other chunkings of the same layout)"
 BATCH_UNEVEN = ("the trainer refuses: dp does not divide the global batch's sequences (training.global_batch_tokens "
                 "must be a multiple of micro_batch × seq_len × data_parallel)")
@@ -71,13 +70,12 @@ class SearchResult:
 
     def rank_of(self, layout: Layout) -> int | None:
         """1-based rank of a layout among the fitting ones, whatever recompute policy its group settled on
-        (None when it was not a candidate or does not fit). ZeRO-0 is ranked as ZeRO-1, and ZeRO-1 as ZeRO-2
-        where they move the same bytes (see `candidate_layouts`)."""
-        zeros = [1, 2] if layout.zero in (0, 1) and layout.dp > 1 else [layout.zero]
-        for zero in zeros:  # ZeRO-1 itself where it was a candidate, else as ZeRO-2
-            for i, cand in enumerate(self.all_fitting, start=1):
-                if replace(layout, zero=zero, recompute=cand.layout.recompute) == cand.layout:
-                    return i
+        (None when it was not a candidate or does not fit). With dp > 1 ZeRO-0 and ZeRO-1 are ranked as ZeRO-2,
+        the level the search lists for them (see `candidate_layouts`)."""
+        zero = 2 if layout.zero in (0, 1) and layout.dp > 1 else layout.zero
+        for i, cand in enumerate(self.all_fitting, start=1):
+            if replace(layout, zero=zero, recompute=cand.layout.recompute) == cand.layout:
+                return i
         return None
 
     def rank_by_throughput(self, candidate: Candidate) -> int:
@@ -133,10 +131,9 @@ def candidate_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int
     """Every layout the search evaluates for `num_gpus`, each with recompute none (the search tries heavier
     policies only while it does not fit); (tp, pp) pairs dropped before evaluation are counted in `skipped`.
 
-    ZeRO-0 is never listed: it moves the bytes ZeRO-1 moves and holds more. ZeRO-1 is listed only where it
-    differs from ZeRO-2: with accumulation (m > 1) and `grad_sync: every_micro_batch`, ZeRO-2 reduce-scatters
-    after every micro-batch and ZeRO-1 once per step, holding every gradient; otherwise they move the same
-    bytes and ZeRO-1 holds more."""
+    ZeRO levels: 2 and 3 where dp > 1 (3 also as HSDP, sharded inside a node), 0 where dp == 1. ZeRO-1 is never
+    listed: the trainer's FSDP2 shards gradients at ZeRO-1 as at ZeRO-2 (parallel/fsdp.py), so they are one layout
+    (`SearchResult.rank_of` finds a ZeRO-1 or ZeRO-0 layout as its ZeRO-2 twin). Interleaving: `_virtual_stages`."""
     shape = inputs.shape
     seqs = sequences_per_step(inputs)
     dpo = inputs.preference  # DPO and ORPO, as the spec rule reads finetune.method
@@ -222,16 +219,10 @@ def search_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int = 
     groups = candidate_layouts(inputs, num_gpus, max_micro_batch=max_micro_batch, skipped=rejected)
     too_big: set[tuple] = set()  # layouts (without micro-batch) that did not fit at a smaller micro-batch
     states_too_big: set[tuple] = set()  # weights + grads + optimizer alone exceed memory, whatever v and mb
-    zero2_failed: set[tuple] = set()  # ZeRO-2 layouts that did not fit with full recompute
     ladder = recompute_ladder(inputs)
     for base in groups:
         states_key = (base.dp, base.tp, base.pp, base.ep, base.dp_replicate, base.zero)
         key = (*states_key, base.virtual_stages)
-        if base.zero == 1:  # ZeRO-1 holds everything ZeRO-2 holds and the full gradients on top
-            key2 = (base.dp, base.tp, base.pp, base.ep, base.dp_replicate, 2, base.virtual_stages, base.micro_batch)
-            if key2 in zero2_failed:
-                rejected[ZERO2_FAILED] = rejected.get(ZERO2_FAILED, 0) + 1
-                continue
         if key in too_big:  # a larger micro-batch holds more of everything: it cannot fit either
             rejected[SMALLER_MB_FAILED] = rejected.get(SMALLER_MB_FAILED, 0) + 1
             continue
@@ -259,7 +250,6 @@ def search_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int = 
         else:  # (with grad_sync: last_micro_batch a larger micro-batch can drop the unsharded gradients)
             if inputs.grad_sync == "every_micro_batch":
                 too_big.add(key)
-                zero2_failed.add((*key, base.micro_batch))
                 if mem.params + mem.grads + mem.optimizer > mem.capacity:
                     states_too_big.add(states_key)
     smallest = evaluate(inputs, leanest[0]) if leanest is not None else None
