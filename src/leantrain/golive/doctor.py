@@ -1,4 +1,4 @@
-"""`leantrain doctor [RUN_DIR]`: environment checks, then a diagnosis of the run for the seed's §8 cases.
+"""`leantrain doctor [RUN_DIR]`: environment checks, then a diagnosis of the run for the usual failures.
 
 Each finding has evidence (numbers and lines from the run dir), a cause and a fix. Cases: ranks stuck at
 start, low utilisation (data / batch / communication / stragglers), OOM (with the planner's memory numbers),
@@ -79,7 +79,7 @@ def environment_findings(run_dir: Path | None, run: RunData | None) -> list[Find
             out.append(Finding("ok", "env", "hostname resolves", f"{name} → {address}"))
         except OSError as err:
             out.append(Finding("problem", "env", "hostname does not resolve", f"{name}: {err}",
-                               "ranks cannot reach each other by name (seed §8.1)",
+                               "ranks cannot reach each other by name",
                                "add the host to DNS or /etc/hosts; set GLOO_SOCKET_IFNAME/NCCL_SOCKET_IFNAME"))
     where = run_dir if run_dir is not None else Path.cwd()
     usage = shutil.disk_usage(where)
@@ -149,7 +149,7 @@ def _data_finding(run: RunData | None) -> Finding:
                        "run `leantrain prepare SPEC` or stage the data dir to this node; check permissions")
 
 
-# -- run diagnosis (seed §8) -----------------------------------------------------------------------------------
+# -- run diagnosis --------------------------------------------------------------------------------------------
 def stuck_findings(run: RunData) -> list[Finding]:
     out = []
     world = run.world_size()
@@ -163,7 +163,7 @@ def stuck_findings(run: RunData) -> list[Finding]:
             evidence += "; " + "; ".join(log_hits[:3])
         out.append(Finding(
             "problem", "start", "ranks stuck at start", evidence,
-            "ports between nodes are closed or collective initialisation failed (seed §8.1)",
+            "ports between nodes are closed or collective initialisation failed",
             "open MASTER_PORT and the NCCL/Gloo port range between nodes, check that hostnames resolve on every "
             "node, set NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME to the right interface; `leantrain launch --preflight` "
             "names the rank that cannot join"))
@@ -216,7 +216,7 @@ def utilisation_findings(run: RunData) -> list[Finding]:
     if math.isfinite(shares["data_wait_s"]) and shares["data_wait_s"] > DATA_BOUND_SHARE:
         out.append(Finding("problem", "utilisation", "data-bound",
                            f"{mfu_text}; steps wait for data {shares['data_wait_s']:.0%} of the time",
-                           "storage bandwidth or preprocessing cannot keep up (seed §8.2)",
+                           "storage bandwidth or preprocessing cannot keep up",
                            "stage data to node-local disk, raise DataLoader workers/prefetch, pre-tokenize"))
     if math.isfinite(shares["comm_s"]) and shares["comm_s"] > COMM_BOUND_SHARE:
         out.append(Finding("problem", "utilisation", "communication-bound",
@@ -239,7 +239,7 @@ def utilisation_findings(run: RunData) -> list[Finding]:
     if low and not out and math.isfinite(tokens_per_gpu) and tokens_per_gpu < SMALL_BATCH_TOKENS_PER_GPU:
         out.append(Finding("problem", "utilisation", "batch too small",
                            f"{mfu_text}; {tokens_per_gpu:.0f} tokens per GPU per step",
-                           "kernels are too small to fill the device (seed §8.2)",
+                           "kernels are too small to fill the device",
                            "raise training.micro_batch (memory allows: see plan memory) or global_batch_tokens"))
     elif low and not out:
         out.append(Finding("warning", "utilisation", "low MFU, cause unclear", mfu_text,
@@ -283,7 +283,7 @@ def oom_findings(run: RunData) -> list[Finding]:
         "buffers": "smaller communication buckets; lower micro_batch",
     }
     return [Finding("problem", "memory", "out of memory", "; ".join(evidence),
-                    f"the largest planned share is {largest} (seed §8.3)",
+                    f"the largest planned share is {largest}",
                     fixes.get(largest, fixes["activations"]) + "; re-check with `leantrain plan` before relaunch")]
 
 
@@ -336,7 +336,7 @@ def divergence_findings(run: RunData) -> list[Finding]:
         causes.append("unclear: neither LR, a data source nor precision stands out")
         fixes.append("resume from the last good checkpoint with a lower LR and skip the batch at that step")
     return [Finding("problem", "convergence", "divergence", "; ".join(evidence),
-                    " or ".join(causes) + " (seed §8.4)", "; ".join(fixes))]
+                    " or ".join(causes), "; ".join(fixes))]
 
 
 def _worst_source(run: RunData, step: int | None) -> tuple[str, str] | None:
@@ -377,7 +377,7 @@ def flapping_findings(run: RunData) -> list[Finding]:
         except (ValueError, AttributeError):
             pass
     return [Finding("problem", "nodes", f"flapping node {host}", f"{host} failed {n} times in this run",
-                    "hardware faults, network jitter or overheating on that node (seed §8.5)",
+                    "hardware faults, network jitter or overheating on that node",
                     f"isolate {host} (node_health.json / Slurm --exclude); check its GPUs (dcgmi diag), NIC, "
                     "thermals")
             for host, n in counts.most_common() if n >= 2]
@@ -411,12 +411,11 @@ def resume_findings(run: RunData) -> list[Finding]:
         elif math.isfinite(tokens_a) and math.isfinite(tokens_b) and tokens_a < 0.5 * tokens_b:
             out.append(Finding("problem", "resume", "data position not restored",
                                evidence + f"; tokens_seen {tokens_b:.4g} before vs {tokens_a:.4g} after",
-                               "the sampler restarted from the beginning, so the model sees data twice (seed §8.6)",
+                               "the sampler restarted from the beginning, so the model sees data twice",
                                "restore the sampler's global sample index from the checkpoint"))
         elif abs(jump) > RESUME_JUMP_REL:
             out.append(Finding("problem", "resume", "metrics jump after resume", evidence,
-                               "optimizer state (Adam moments) not restored, or a different data position "
-                               "(seed §8.6)",
+                               "optimizer state (Adam moments) not restored, or a different data position",
                                "check that the checkpoint holds the optimizer state and the sampler position and "
                                "that both are loaded; compare with `leantrain drill`"))
     return out
@@ -428,7 +427,9 @@ def diagnose_run(run: RunData) -> list[Finding]:
         *utilisation_findings(run), *flapping_findings(run), *resume_findings(run),
     ]
     if not findings:
-        findings.append(Finding("ok", "run", "no known problem", f"{len(run.metrics)} records checked against §8"))
+        findings.append(Finding("ok", "run", "no known problem",
+                                f"{len(run.metrics)} records checked for a stuck start, a hang, OOM, log errors, "
+                                "divergence, low utilisation, flapping nodes and jumps after resume"))
     return findings
 
 

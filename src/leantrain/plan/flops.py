@@ -13,7 +13,8 @@ Conventions (documented in docs/plan.md):
 - Hardware FLOPs add recompute: full recompute repeats the whole forward (+ matmul/3 + attention/3);
   selective recompute (Korthikanti et al. 2022) repeats only the attention core (+ attention/3); torchtitan's
   selective-op policy repeats the matmuls whose outputs it drops (wk, wo, w3 of each dense layer).
-- The seed document's estimate C ≈ 6·N·D uses the nominal parameter count: `seed_total_flops`.
+- The rule-of-thumb estimate C ≈ 6·N·D (N parameters, D tokens) uses the nominal parameter count:
+  `seed_total_flops`.
 """
 
 from __future__ import annotations
@@ -89,5 +90,5 @@ def flops_per_token(shape: ModelShape, *, seq_len: int, causal_halving: bool = F
 
 
 def seed_total_flops(*, nominal_params: float, tokens: float) -> float:
-    """The seed's C ≈ 6·N·D."""
+    """The rule-of-thumb training compute C ≈ 6·N·D (N nominal parameters, D tokens)."""
     return 6.0 * nominal_params * tokens

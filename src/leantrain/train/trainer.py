@@ -81,7 +81,8 @@ class TrainingDiverged(LeantrainError):
 
 
 class Checkpointer(Protocol):
-    """What the checkpoint manager (issue #7) provides; the trainer calls it and knows nothing else."""
+    """What the checkpoint manager (`leantrain.ckpt.manager.CheckpointManager`) provides; the trainer calls it
+    and knows nothing else."""
 
     def load_latest(self, trainer: Trainer) -> bool: ...
 
