@@ -239,6 +239,7 @@ def _per_microbatch(inputs: PlanInputs, *, layers: int, first_layer: int, tp: in
                                  linear_bytes=inputs.linear_input_bytes, autocast=autocast)
         kw = {"tokens": tokens, "tp": tp, "sp": sp, "act_bytes": inputs.act_bytes, "d_model": shape.d_model}
         per_microbatch += count * layer_activation_bytes(terms, recompute=recompute, **kw)  # type: ignore[arg-type]
+        per_microbatch -= count * tokens * frozen_base_bytes(inputs, recompute=recompute, moe_layer=is_moe)
         if recompute == "full":  # backward rebuilds one layer's full activations at a time
             one_layer_full = max(one_layer_full, layer_activation_bytes(terms, recompute="none", **kw))
     if inputs.lora_rank:  # adapters inside a fully recomputed block are rebuilt with it, one layer at a time
@@ -247,7 +248,45 @@ def _per_microbatch(inputs: PlanInputs, *, layers: int, first_layer: int, tp: in
             one_layer_full += adapters
         else:
             per_microbatch += layers * adapters
+        if first_layer == 0 and layers and frozen_base_bytes(inputs, recompute=recompute, moe_layer=False) and (
+                {"wq", "wk", "wv"} & set(inputs.lora_targets)):
+            # the model's first norm reads the embedding's output, which needs no gradient when the embedding
+            # is frozen: it keeps nothing (its fp32 input copy and per-token rstd). (Without a query, key or
+            # value adapter the first block's attention keeps nothing at all: not counted, the plan stays above.)
+            per_microbatch -= tokens * (4.0 * shape.d_model + 4.0)
     return per_microbatch, one_layer_full
+
+
+def frozen_base_bytes(inputs: PlanInputs, *, recompute: str, moe_layer: bool) -> float:
+    """Per token, what one eager block keeps in full training and not when its base is frozen (LoRA/QLoRA freeze
+    every base parameter, model/lora.py: a frozen matmul keeps its weight, not its input): each RMSNorm's
+    normalised tensor, which only its weight's gradient reads (`weight * normed`); a norm's output when no adapter
+    reads it (wq/wk/wv for the attention norm, w1/w3 for the MLP's); the down projection's input when w2 has no
+    adapter (the attention output stays: the attention core keeps it). Counted where the plan counts these
+    tensors (eager kernels; no recompute or selective); the adapters' own tensors are `adapter_activation_bytes`.
+    LoRA runs without tensor parallelism (spec/rules.py). Measured on the trainer's LoRA model with saved-tensor
+    hooks for three target sets (tests/test_plan_finetune.py)."""
+    if not inputs.lora_rank or inputs.fused_kernels or recompute not in ("none", "selective"):
+        return 0.0
+    shape, e, targets = inputs.shape, inputs.act_bytes, set(inputs.lora_targets)
+    unread = 2  # the two norms' normalised tensors
+    if shape.mla is None and not {"wq", "wk", "wv"} & targets:
+        unread += 1
+    if not (moe_layer and shape.moe is not None):  # a dense MLP (an MoE layer's experts keep their own tensors)
+        if not {"w1", "w3"} & targets:
+            unread += 1
+        if "w2" not in targets:
+            return e * (unread * shape.d_model + shape.ffn_hidden)
+    return e * unread * shape.d_model
+
+
+def frozen_head_bytes(inputs: PlanInputs, *, tokens: int, recompute: str) -> float:
+    """What the last stage's final norm and output projection do not keep when the base is frozen: the norm's
+    normalised tensor, and its output (the projection's input) unless the projection has an adapter."""
+    if not frozen_base_bytes(inputs, recompute=recompute, moe_layer=False):
+        return 0.0
+    head_frozen = "output" not in inputs.lora_targets or inputs.shape.tie_embeddings
+    return tokens * inputs.act_bytes * inputs.shape.d_model * (2 if head_frozen else 1)
 
 
 def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first_layer: int, stage: int,
@@ -284,6 +323,7 @@ def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first
         return held + head + logit_count * inputs.act_bytes + 4.0 * tokens, one_layer_full
     head = head_activation_bytes(shape, tokens=tokens, act_bytes=inputs.act_bytes, tp=vocab_tp,
                                  fused=inputs.fused_kernels, sp_tp=sp_tp)
+    head -= frozen_head_bytes(inputs, tokens=tokens, recompute=layout.recompute)
     if KEEPS_COMPUTE_LOGITS:
         head += logit_count * inputs.act_bytes
     # Transient during the loss's backward (see LOGIT_TRANSIENT_BYTES): of the rank's vocabulary slice under
