@@ -336,8 +336,9 @@ def test_jobs_that_start_from_existing_weights_are_rehearsed(tmp_path: Path, exa
     report = rehearse(load_spec(EXAMPLES / example, overrides=[f"model.init_from={hf}"]), ranks=[0], isolated=False)
     rank = report["ranks"][0]
     assert str(Path(hf) / "model.safetensors") in rank["startup"]["files"]
-    bound = 0.1 if example.startswith("continue") else 0.15  # LoRA: activations 1.14, peak 1.11 planned/rehearsed
-    assert abs(report["plan_vs_rehearsal"]["peak"] - 1) <= bound, report["plan_vs_rehearsal"]
+    # LoRA: activations 1.14, peak 1.11 planned/rehearsed until the plan took off what a frozen base does not keep
+    ratios = report["plan_vs_rehearsal"]
+    assert abs(ratios["peak"] - 1) <= 0.1 and abs(ratios["activations"] - 1) <= 0.1, ratios
 
 
 def test_a_dpo_job_without_its_prepared_pairs_is_one_clear_error() -> None:
