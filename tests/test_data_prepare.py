@@ -203,3 +203,27 @@ def test_a_finished_data_dir_is_not_rebuilt_from_other_inputs_without_force(tmp_
     assert load_manifest(data_dir).to_json() == first.manifest.to_json()  # untouched
     rebuilt = prepare_data(changed, data_dir=data_dir, force=True)
     assert not rebuilt.up_to_date
+
+
+@pytest.mark.parametrize(("sets", "named"), [
+    ([], "data.sources: every one of the 4 documents read was dropped (no_stop_words 4)"),
+    (["data.cleaning.min_stop_words=0", "data.valid_fraction=0.9999"],
+     "data.valid_fraction 0.9999: all 4 kept documents"),
+])
+def test_a_data_dir_without_training_tokens_is_exit_2_naming_why(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                  sets: list[str], named: str) -> None:
+    """A tiny corpus whose documents are all filtered out, or all land in the validation split, crashed the
+    summary line with a ZeroDivisionError; it is exit 2 naming the field, and the data dir written is kept."""
+    rng = random.Random(0)
+    words = ["quick", "brown", "fox", "jumps", "over", "lazy", "dog", "forest", "animals", "river", "stone"]
+    rows = [{"text": " ".join(rng.choice(words) for _ in range(80)) + f" doc {i}."} for i in range(4)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = tmp_path / "spec.yaml"
+    spec.write_text("task: pretrain\nmodel: {n_layers: 2, d_model: 64, n_heads: 4, vocab_size: 512}\n"
+                    "data: {tokens_total: 1.0e+5, seq_len: 32, dir: out, valid_fraction: 0.5, tokenizer: {kind: byte},"
+                    " sources: [{name: c, path: c.jsonl}]}\n"
+                    "training: {global_batch_tokens: 64, micro_batch: 2, device: cpu}\n")
+    assert main(["prepare", str(spec), *(a for s in sets for a in ("--set", s))]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err
+    assert (tmp_path / "out" / "manifest.json").is_file()

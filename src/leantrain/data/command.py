@@ -81,8 +81,32 @@ def run(*, console: Console, spec: JobSpec, out: Path | None, probe: bool, force
     result = build(spec, data_dir=data_dir, console=console, force=force)
     console.print(summary(result))
     train_tokens = sum(s.num_tokens for s in result.manifest.shards if s.split == "train")
+    if not train_tokens:
+        raise UserInputError(_no_training_tokens(spec, result, data_dir))
     console.print(f"data.tokens_total {spec.data.tokens_total:.3g} = {spec.data.tokens_total / train_tokens:.2f} "
                   "epochs of these training tokens")
+
+
+def _no_training_tokens(spec: JobSpec, result: PrepareResult, data_dir: Path) -> str:
+    """Why a prepared data dir has no training tokens, naming the fields to change (the dir is kept)."""
+    valid = [s for s in result.manifest.shards if s.split != "train"]
+    kept = sum(s.num_docs for s in valid)
+    if kept:
+        return (f"data.valid_fraction {spec.data.valid_fraction:g}: all {kept:,} kept documents "
+                f"({sum(s.num_tokens for s in valid):,} tokens) went to the validation split, so {data_dir} has no "
+                "training tokens (each document's side is set by a hash of it, so a handful of documents can all "
+                "land on one side); add documents or lower data.valid_fraction and prepare again (the data dir "
+                f"written is kept; {data_dir / 'report.json'} has the counts)")
+    drops: dict[str, int] = {}
+    for source in result.report["sources"]:
+        for reason, count in source.get("drops", {}).items():
+            drops[reason] = drops.get(reason, 0) + count
+    docs_in = sum(source["docs_in"] for source in result.report["sources"])
+    reasons = ", ".join(f"{reason} {count:,}" for reason, count in sorted(drops.items(), key=lambda kv: -kv[1]))
+    return (f"data.sources: every one of the {docs_in:,} documents read was dropped "
+            f"({reasons or 'no reason recorded'}), so {data_dir} has no training tokens; check the sources, or "
+            f"the filter that drops them under data.cleaning (its report: {data_dir / 'report.json'}), and prepare "
+            "again")
 
 
 def _probe(spec: JobSpec, *, data_dir: Path, console: Console) -> ProbeResult:
