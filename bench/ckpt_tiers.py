@@ -6,9 +6,9 @@ Runs `leantrain drill` (golive/drill.py) on examples/tiny-cpu.yaml with `checkpo
 and the peer on the other rank: a reference run, a run where rank 1 is SIGKILLed after step k and resumes from
 the durable tier (every 4 steps), and the same kill with the node's memory lost too, resuming from the fast
 tier through the peer copy. Baseline: the durable tier. Also the planner's expected goodput (Daly 2006) of both
-tiers for the seed's 10B job on its planned GPUs: durable at plan.json's interval and save stall, fast at the
-host-copy stall and its own Daly interval. Prints `name: value unit (ratio vs baseline)` lines and appends them
-to bench/RESULTS.md.
+tiers for the 10B job of examples/seed-10b.yaml on its planned GPUs: durable at plan.json's interval and save
+stall, fast at the host-copy stall and its own Daly interval. Prints `name: value unit (ratio vs baseline)` lines
+and appends them to bench/RESULTS.md.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Quality filters against datatrove's Gopher + C4 filters on the same documents (issue #27).
+"""Quality filters against datatrove's Gopher + C4 filters on the same documents.
 
 For each corpus: how many documents each side keeps, the agreement (same keep/drop decision), and the
 disagreements with both sides' reasons (the first few printed, to judge which side is right).

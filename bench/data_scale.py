@@ -1,4 +1,4 @@
-"""`prepare` memory and throughput at scale (issue #27). Prints `name: value unit (...)` lines.
+"""`prepare` memory and throughput at scale. Prints `name: value unit (...)` lines.
 
 - long line: peak RSS of a `prepare` process whose jsonl holds one 100 MB line among short documents
   (the line is skipped as `doc_too_large` while it streams, data.max_doc_bytes 8 MiB);

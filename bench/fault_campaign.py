@@ -1,4 +1,4 @@
-"""Fault campaigns against what issue #25 built, rerunnable: tiny models, CPU, gloo, run dirs under a temp dir.
+"""Fault campaigns against the fault-tolerance layer, rerunnable: tiny models, CPU, gloo, run dirs under a temp dir.
 
     .venv/bin/python bench/fault_campaign.py [--only NAME ...] [--quick] [--seed N]
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One-GPU benchmark (issues #5, #13), under 8 minutes: a ~1B dense Llama-style model in bf16 (eager) and
+# One-GPU benchmark, under 8 minutes: a ~1B dense Llama-style model in bf16 (eager) and
 # bf16 + per-block torch.compile; fp8 (torchao float8 + compile) where the GPU has it (capability >= 8.9);
 # a small MoE (grouped GEMM dispatch) in bf16; FSDP2 on one device (`leantrain launch --nproc 1` with
 # parallelism.fsdp_single_rank, ZeRO-3: the 1B bf16 run wrapped in FSDP2 over a 1-rank mesh, against the

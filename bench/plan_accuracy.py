@@ -3,7 +3,7 @@
 1. Step time: the step-time constants (a compute efficiency per accelerator family, one memory-bound pass
    count, the fp8 speed-up of the fp8 runs) are fitted on one half of the throughput runs and the other half
    is predicted, and the reverse; the median |predicted / measured − 1| of tokens per second per GPU is printed
-   per half. Baseline, side by side: the seed's rule of thumb, a constant 40 % MFU (tokens/s = 0.4 × peak /
+   per half. Baseline, side by side: the sizing rule of thumb, a constant 40 % MFU (tokens/s = 0.4 × peak /
    FLOPs per token), which needs no fit.
 2. Whole run: the planner's whole-run GPU-hours (step-time model on the published layout, or its own search
    when none is published, divided by the expected goodput and the whole-run efficiency) against the

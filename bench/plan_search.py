@@ -1,5 +1,5 @@
 """Layout-search speed and quality: Llama 3.1 405B on 16,384 H100s and DeepSeek-V3 (671B MoE) on 2,048 H800s
-(examples/llama3-405b.yaml, examples/deepseek-v3.yaml) must each search in < 0.5 s in-process (issue #15).
+(examples/llama3-405b.yaml, examples/deepseek-v3.yaml) must each search in < 0.5 s in-process.
 The search's own CPU time is the budgeted number: on the shared 2-core dev machine wall time also counts
 other jobs.
 

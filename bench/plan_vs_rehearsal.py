@@ -1,4 +1,4 @@
-"""The planner's per-GPU memory against `leantrain rehearse` on a grid of layouts (issue: plan held to the rehearsal).
+"""The planner's per-GPU memory against `leantrain rehearse` on a grid of layouts (the plan held to the rehearsal).
 
 Each layout is a Llama-3-8B-wide model (d 4096, GQA 32/8, SwiGLU 14,336, vocabulary 128,256, 8K context) cut
 to a few layers, rehearsed as rank 0 of its real world size with the trainer itself under a fake process group

@@ -253,7 +253,7 @@ def test_signatures_in_blocks_write_the_files_a_stacked_array_would(tmp_path: Pa
 
 
 def test_a_tasks_signatures_and_hash_files_stay_near_the_signatures_own_size(tmp_path: Path) -> None:
-    """Memory of the clean task's dedup state (issue #27, flat peak RSS): the signatures take 4 bytes per value
+    """Memory of the clean task's dedup state (flat peak RSS): the signatures take 4 bytes per value
     (no array object per document), and writing the hash files adds less than the signatures' own size (the
     stacked copy + (n, bands, rows) uint64 band temporaries before took 3.9x; traced by tracemalloc, which
     numpy reports its buffers to)."""

@@ -1,5 +1,6 @@
-"""PII in the formats people write: each format of the issue, in English and Chinese context, and the
-look-alikes that must stay (versions, order numbers, timestamps, hashes, documentation IPs)."""
+"""PII in the formats people write (IPs, phones, e-mails, secrets, bank cards, resident IDs), in English and
+Chinese context, and the look-alikes that must stay (versions, order numbers, timestamps, hashes, documentation
+IPs)."""
 
 from __future__ import annotations
 

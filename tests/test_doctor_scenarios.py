@@ -1,4 +1,4 @@
-"""`leantrain doctor`: environment checks, and each §8 problem named with evidence, cause and fix."""
+"""`leantrain doctor`: environment checks, and each of the usual failures named with evidence, cause and fix."""
 
 from __future__ import annotations
 

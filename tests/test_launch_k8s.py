@@ -188,7 +188,7 @@ def test_cli_emit_k8s_writes_setup_beside_the_job(tmp_path: Path) -> None:
 
 
 def emit_console(tmp_path: Path, *overrides: str, nproc: int | None = None) -> str:
-    """What `launch --emit k8s` prints for the seed's rehearsal profile with these overrides."""
+    """What `launch --emit k8s` prints for the seed example's rehearsal profile with these overrides."""
     import io
 
     from rich.console import Console
@@ -204,7 +204,7 @@ def emit_console(tmp_path: Path, *overrides: str, nproc: int | None = None) -> s
 
 
 def test_emit_k8s_warns_when_the_fast_tier_exceeds_the_shm_volume(tmp_path: Path) -> None:
-    """The seed's rehearsal (8 ranks per node) keeps 2 × 1.90 GiB × 8 = 30.4 GiB of fast tier per node: a
+    """The seed example's rehearsal (8 ranks per node) keeps 2 × 1.90 GiB × 8 = 30.4 GiB of fast tier per node: a
     16 GiB /dev/shm volume gets one warning line naming cluster.k8s_shm_gb and the size to set (the plan's
     own check, plan/budget.k8s_shm_problem); 4 ranks per node (15.2 GiB) fit; so does the default 64 GiB."""
     tier = ["checkpoint.memory_interval_steps=50"]

@@ -125,10 +125,10 @@ def test_resources_flags_override_spec_and_bad_nnodes_is_a_user_error() -> None:
     from leantrain.plan.planner import make_plan
 
     resources = make_plan(open_size)["resources"]
-    assert resources["num_gpus_with_spare"] > resources["num_gpus"]  # 126 > 116 for the seed
+    assert resources["num_gpus_with_spare"] > resources["num_gpus"]  # 126 > 116 for the seed example
     assert planned.source == "plan resources.num_gpus_with_spare"
     assert planned.num_nodes * 8 >= resources["num_gpus_with_spare"] > (planned.num_nodes - 1) * 8
-    # Elastic (the seed sets fault.elasticity): the spare nodes can be lost, down to what the budget needs.
+    # Elastic (the seed example sets fault.elasticity): the spare nodes can be lost, down to what the budget needs.
     assert planned.min_nodes == -(-resources["num_gpus"] // 8) < planned.num_nodes == planned.max_nodes
     with pytest.raises(Exception, match="MIN:MAX"):
         job_resources(spec, nnodes="8:2")

@@ -36,7 +36,7 @@ def whole_split(runs):
     return whole_run_split_errors(runs[1])
 
 
-def test_data_file_covers_what_the_issue_asks(runs) -> None:
+def test_data_file_covers_the_required_runs(runs) -> None:
     throughput, whole = runs
     every = [*throughput, *whole]
     assert len(throughput) >= 20 and all(r.source for r in every)
@@ -48,9 +48,9 @@ def test_data_file_covers_what_the_issue_asks(runs) -> None:
     assert not {r.name for r in a} & {r.name for r in b}
 
 
-def test_out_of_sample_step_time_error_is_under_the_issue_target(runs) -> None:
-    """Measured 4.0 % (half B, constants fitted on A) and 4.8 % (A on B), 3.6 % on the Hopper runs; the issue
-    asks for ≤ 10 %. The constant-40 %-MFU rule scores 19.5 % on them, with nothing fitted (bench/plan_accuracy.py)."""
+def test_out_of_sample_step_time_error_is_under_the_target(runs) -> None:
+    """Measured 4.0 % (half B, constants fitted on A) and 4.8 % (A on B), 3.6 % on the Hopper runs; the target
+    is ≤ 10 %. The constant-40 %-MFU rule scores 19.5 % on them, with nothing fitted (bench/plan_accuracy.py)."""
     result = split_half_errors(runs[0])
     assert result["error_b_with_fit_a"] < 0.10, result
     assert result["error_a_with_fit_b"] < 0.10, result
@@ -59,7 +59,7 @@ def test_out_of_sample_step_time_error_is_under_the_issue_target(runs) -> None:
 
 
 def test_out_of_sample_step_time_error_on_hopper_rows_alone(runs) -> None:
-    """The issue's second step-time target, ≤ 10 % on the Hopper rows alone (each predicted with the constants
+    """The second step-time target, ≤ 10 % on the Hopper rows alone (each predicted with the constants
     fitted on the other half): measured 3.6 % on 39 H100-family runs (bench/plan_accuracy.py,
     plan_step_out_of_sample_hopper_only)."""
     from leantrain.plan.published import measured_tokens_per_gpu_s, predicted_with
@@ -126,8 +126,8 @@ def test_whole_run_gpu_hours_out_of_sample(whole_split) -> None:
     assert not set(whole_split["half_a"]) & set(whole_split["half_b"])
 
 
-def test_whole_run_gpu_hours_fixed_halves_meet_the_issue_target(whole_split) -> None:
-    """The issue's whole-run target (median ≤ 20 %) on bench/plan_accuracy.py's fixed halves (alternate runs in name
+def test_whole_run_gpu_hours_fixed_halves_meet_the_target(whole_split) -> None:
+    """The whole-run target (median ≤ 20 %) on bench/plan_accuracy.py's fixed halves (alternate runs in name
     order) of the 44 whole runs: 17.6 % (B on A's fit) and 17.1 % (A on B's), fits 0.81 / 0.80 (17.6 % / 17.8 %
     before the search tried op recompute, 16.6 % / 17.8 % before it kept only layouts the spec rules accept). Each
     run added re-alternates the halves: with the first 43 (MiniCPM-2.4B not yet in) 11.2 % and 21.0 %, A missing
@@ -137,7 +137,7 @@ def test_whole_run_gpu_hours_fixed_halves_meet_the_issue_target(whole_split) -> 
 
 
 def test_whole_run_uses_goodput_and_the_published_layout(runs) -> None:
-    """DeepSeek-V3 is priced with its node-limited routing on its published layout, within 30 % (issue)."""
+    """DeepSeek-V3 is priced with its node-limited routing on its published layout, within 30 % (the target)."""
     results = {r.name: whole_run_gpu_hours(r) for r in runs[1] if r.name in ("deepseek-v3", "bloom-176b")}
     assert all(x["goodput"] < 1 and x["layout"] == "spec" for x in results.values())
     assert abs(results["deepseek-v3"]["error"]) < 0.30, results

@@ -1,4 +1,4 @@
-"""`leantrain plan` end to end: the seed's example, plan.json's contract keys, what-if, an impossible job,
+"""`leantrain plan` end to end: the seed example, plan.json's contract keys, what-if, an impossible job,
 the checkpoint interval, storage and the search's speed."""
 
 from __future__ import annotations

@@ -55,7 +55,7 @@ def test_70b_on_64_gpus_fits_the_node_but_not_the_default_kubernetes_shm() -> No
     # ZeRO-3 over 64 ranks: each keeps 1/64 of the checkpoint; 8 ranks per node, two copies each
     assert tier["shard_bytes_per_rank"] == pytest.approx(plan["storage"]["checkpoint_bytes"] / 64, rel=0.01)
     assert tier["bytes_per_node"] == pytest.approx(16 * tier["shard_bytes_per_rank"])
-    assert 150 * GiB < tier["bytes_per_node"] < 256 * GiB  # ~196 GiB: the "~280 GB" order
+    assert 150 * GiB < tier["bytes_per_node"] < 256 * GiB  # ~196 GiB: the order of the ~280 GB expected
     assert tier["fits_tmpfs"] and not tier["fits_k8s_shm"] and not tier["fits"]
     (problem,) = tier["problems"]
     assert "cluster.k8s_shm_gb: 64" in problem and f"at least {int(tier['bytes_per_node'] / GiB) + 1}" in problem

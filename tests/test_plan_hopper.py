@@ -1,4 +1,4 @@
-"""Hopper priced right (issue #24): GEMM efficiency by the shapes a layout gives each GPU, FlashAttention at its
+"""Hopper priced right: GEMM efficiency by the shapes a layout gives each GPU, FlashAttention at its
 measured rate, power-capped parts (`hardware.power_w`, the catalog's 500 W H100-HBM2e) and the fp8 speed-up by
 GEMM size; and the held-out published runs (bench/published_heldout.yaml) that no constant is fitted on."""
 
@@ -99,7 +99,7 @@ def test_attention_runs_at_the_flash_kernels_rate() -> None:
 def test_held_out_runs_are_predicted_without_being_fitted_on() -> None:
     """bench/published_heldout.yaml (torchtitan's 500 W H100s, Trainy's H200s, LLM Foundry rows) is never in the
     fit: predicted with the constants fitted on the calibration file, median |error| 8.6 % (Hopper 8.4 %) when
-    measured; the pin leaves room (issue target: 10 %). The MoE rows held out here until 2026-12-06 (20.0 %, every
+    measured; the pin leaves room (target: 10 %). The MoE rows held out here until 2026-12-06 (20.0 %, every
     one but a B200 layout predicted faster than measured) are the calibration file's `moe_runs` now, which set an
     MoE plan's step range and fit only the MoE layers' fixed time per micro-batch (tests/test_plan_ranges.py)."""
     calibration, _ = load_runs()

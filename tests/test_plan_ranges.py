@@ -101,7 +101,7 @@ def test_step_range_covers_held_out_runs(runs) -> None:
 
 def test_whole_run_range_covers_held_out_runs(whole_split) -> None:
     """Measured on the fixed halves (alternate runs in name order, 22 and 22 of the 44 whole runs): 73 % (16 of
-    22) of B inside the range from A alone, inside the issue's 70-90 %, and 95 % (21 of 22) of A inside B's, above
+    22) of B inside the range from A alone, inside the 70-90 % target, and 95 % (21 of 22) of A inside B's, above
     it: B holds the extremes (Phi-3-small 1.92x and Llama 3 8B 1.68x published / predicted, Falcon-RW-1B 0.60x),
     so its range (0.71-1.68x) is the wider and over-covers A. Each run added re-alternates the halves: with the
     first 43 (MiniCPM-2.4B not yet in) 86 % and 86 %; with the first 40 70 % and 100 %; with the first 21 70 %
@@ -156,7 +156,7 @@ def test_what_if_row_of_the_plans_own_gpu_count_repeats_the_plan(example: str, s
     """A what-if row is the plan at that GPU count: the same layout choice (the spec's where it covers the count),
     goodput, whole-run days, GPU-hours and cost and their P10/P50/P90; the rows around it carry ordered ranges of
     their own. (Before 2026-12-06 a row searched a layout even where the spec gave one and carried only the
-    step-time model's days with the step range: the seed's 120-GPU row read 27 days, 22-46, beside the plan's whole
+    step-time model's days with the step range: seed-10b.yaml's 120-GPU row read 27 days, 22-46, beside the plan's whole
     run of 36.5 days, 27.6-61.5, and its cost had no range.)"""
     spec = load_spec(EXAMPLES / example)
     plan = build_plan(spec)

@@ -20,7 +20,7 @@ from leantrain.plan.activations import backward_chunks_at_peak, in_flight_microb
 from leantrain.plan.layout import Layout
 
 BENCH = Path(__file__).resolve().parents[1] / "bench" / "plan_vs_rehearsal.py"
-TOLERANCE = 0.10  # the issue's ±10 % per category
+TOLERANCE = 0.10  # the target: ±10 % per category
 
 
 def _bench():

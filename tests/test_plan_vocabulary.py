@@ -61,7 +61,7 @@ def test_every_recompute_mode_the_planner_prices_is_written_in_the_spec_and_run_
 
 
 # Each example at GPU counts whose factors differ from its batch's and its shape's (120 = 8 × 15 against batches of
-# 2^k sequences), the seed at the count its own plan chooses (120: until 2026-12-06 it chose dp120 for a batch of
+# 2^k sequences), seed-10b.yaml at the count its own plan chooses (120: until 2026-12-06 it chose dp120 for a batch of
 # 1,024 sequences, which the trainer refuses), shapes whose KV heads or FFN do not divide every tp (the search
 # replicated the one and padded the other), and QLoRA (the search pipelined it).
 WALKS = [("llama3-8b-h100.yaml", 64, ()), ("moe-small-cpu.yaml", 4, ()), ("llama3-405b.yaml", 512, ()),
@@ -116,8 +116,9 @@ def test_the_search_ranks_op_where_it_is_the_fastest_policy_that_fits() -> None:
 
 
 def test_a_batch_that_splits_over_few_replicas_gets_a_note_with_what_divides() -> None:
-    """The seed's 1,024-sequence batch on the 120 GPUs its plan chooses: only dp8 layouts divide it, so the plan says
-    which global batches (multiples of 120 × 4,096 tokens) or GPU count (128) would; the chosen layout passes check."""
+    """seed-10b.yaml's 1,024-sequence batch on the 120 GPUs its plan chooses: only dp8 layouts divide it, so the plan
+    says which global batches (multiples of 120 × 4,096 tokens) or GPU count (128) would; the chosen layout passes
+    check."""
     plan = build_plan(load_spec(EXAMPLES / "seed-10b.yaml"))
     assert plan.layout_gpus == 120 and plan.chosen.layout.dp == 8, plan.chosen.layout.describe()
     note = next(n for n in plan.notes if "splits the global batch" in n)

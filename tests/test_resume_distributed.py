@@ -271,7 +271,7 @@ def test_frozen_rank_aborts_the_group_restarts_it_and_loses_nothing(
     assert len(restart) == 1 and restart[0]["cause"] == "hang" and restart[0]["resumed_from"] == 2, restart
     assert restart[0]["attempt"] == 1
     assert restart[0]["hang_ranks"] == [healthy] and restart[0]["frozen_ranks"] == [frozen]
-    # The targets with the shipped settings: detected within 2 minutes of the last step, training
+    # The targets with the shipped settings: detected within 2 minutes of the last step, training
     # again within 5 (detection, the agent's teardown of the stopped process, restart and resume).
     assert hang["idle_s"] < 120, hang
     assert restart[0]["recovery_s"] < 300, restart[0]

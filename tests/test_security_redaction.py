@@ -86,7 +86,7 @@ def test_canary_never_reaches_any_file_written_by_the_ops_and_security_helpers(
     write_report(analyze(joined=joined, expected_world_size=1, world_size=1, probes={0: {"ok": True}},
                          collectives={}), run_dir / "preflight.json")
     write_job_file(slurm_script(spec, command=TrainCommand(spec_path=SEED, profile="rehearsal"), run_dir=run_dir,
-                                dry_run=True), tmp_path / "job.sbatch")  # dry run: the seed names no image or venv
+                                dry_run=True), tmp_path / "job.sbatch")  # dry run: seed-10b.yaml names no image or venv
     write_job_file(k8s_yaml(k8s_documents(spec, run_dir=run_dir, dry_run=True)), tmp_path / "job.yaml")
     logger = logging.getLogger(f"leantrain.canary.{uuid.uuid4().hex[:6]}")
     handler = logging.FileHandler(run_dir / "train.log")

@@ -15,7 +15,7 @@ from leantrain.spec import load_spec, resolve_secret, spec_from_dict
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
-# The seed document's job file, exactly as written there (minus its comments).
+# The minimal 10B job file: the core of examples/seed-10b.yaml in flow style (no hardware, budget or secrets).
 SEED_YAML = """
 task: pretrain
 model: {size_billion: 10, architecture: dense}

@@ -155,8 +155,9 @@ def test_rehearsal_json_has_every_field(tmp_path: Path) -> None:
 
 
 def test_the_plan_compared_is_priced_for_the_code_rehearsed(clean: dict[str, Any]) -> None:
-    """A spec that plans fused kernels (as the seed examples do, for their published runs) is rehearsed eager
-    (no compile under fake tensors), so the plan in rehearsal.json is the eager one, and says so."""
+    """A spec that plans fused kernels (as examples/llama3-405b.yaml and deepseek-v3.yaml do, for their published
+    runs) is rehearsed eager (no compile under fake tensors), so the plan in rehearsal.json is the eager one, and
+    says so."""
     from leantrain.golive.rehearse_report import planned_memory
     from leantrain.spec import load_spec
 

@@ -1,4 +1,4 @@
-"""`leantrain validate RUN_DIR`: the deployment seed's go-live checklist (§7) as checks with evidence.
+"""`leantrain validate RUN_DIR`: the go-live checklist as checks with evidence.
 
 Categories: health (every rank reported, no unexpected restarts, no errors in events or in any process log:
 torchrun's per-rank files, Slurm's and the pod's output, observe/logs.py), convergence (loss falling, no

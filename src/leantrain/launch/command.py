@@ -312,9 +312,9 @@ def print_sweep(points: list[torchrun.SweepPoint], *, console: Console, path: Pa
 
 
 def demo_stage(ctx: Any) -> str:
-    """`leantrain demo`: write the Slurm and Kubernetes job files for the seed's 10B example (rehearsal
-    profile) under the demo dir, so the cluster side of the chain is shown without a cluster. A dry run: the
-    seed names no image or node set-up, so placeholders stand in."""
+    """`leantrain demo`: write the Slurm and Kubernetes job files for the 10B example (rehearsal
+    profile) under the demo dir, so the cluster side of the chain is shown without a cluster. A dry run:
+    examples/seed-10b.yaml names no image or node set-up, so placeholders stand in."""
     from leantrain.demo_context import REPO_ROOT
     from leantrain.spec import load_spec
 

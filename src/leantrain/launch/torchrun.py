@@ -36,7 +36,7 @@ from leantrain.spec.shapes import resolve_shape
 RDZV_ENV = "LEANTRAIN_RDZV_ENDPOINT"
 LOGS_DIR = "logs"
 SWEEP_FILE = "sweep.json"
-# Below this share of linear scaling, more ranks are judged not to pay (the seed: find the inflection first).
+# Below this share of linear scaling, more ranks are judged not to pay (find the inflection first).
 EFFICIENCY_FLOOR = 0.8
 # torchrun's failure summary names each failed worker: "rank      : 1 (local_rank: 1)".
 FAILED_RANK_LINE = re.compile(r"^\s*(?:\[[^\]]*\]:)?\s*rank\s*:\s*(\d+)\s*\(local_rank")

@@ -1,7 +1,7 @@
 """Budget (GPU count, days, GPU-hours, cost), storage, and the checkpoint interval.
 
 - GPUs for a target: C / (peak × assumed MFU × target seconds), rounded up; spare = ceil(GPUs × (1 + f)).
-  C is the seed's 6·N·D with the nominal N (for MoE its active share) by default (`budget.sizing_flops:
+  C is the rule of thumb 6·N·D with the nominal N (for MoE its active share) by default (`budget.sizing_flops:
   6ND`), or the detailed
   count that MFU is measured against (`detailed`).
 - Storage: tokenized data at 2 bytes per token when the vocabulary fits uint16 (< 65,536 ids, as
@@ -95,7 +95,7 @@ def sizing_params(inputs: PlanInputs) -> float:
 
 
 def sizing_total_flops(spec: JobSpec, inputs: PlanInputs) -> float:
-    """The FLOPs that size the job: seed 6·N·D (nominal N, active for MoE) or the detailed FLOPs × tokens."""
+    """The FLOPs that size the job: 6·N·D (nominal N, active for MoE) or the detailed FLOPs × tokens."""
     if spec.budget.sizing_flops == "6ND":
         return 6.0 * sizing_params(inputs) * inputs.tokens_total
     return inputs.flops.model * inputs.tokens_total

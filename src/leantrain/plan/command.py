@@ -81,7 +81,7 @@ def run(*, console: Console, spec: JobSpec, json_out: Path | None, top: int, wha
 
 
 def demo_stage(ctx: Any) -> str:
-    """Plan the demo spec (plan.json into the demo dir) and the seed's 10B example next to it."""
+    """Plan the demo spec (plan.json into the demo dir) and the 10B example (examples/seed-10b.yaml) next to it."""
     from leantrain.demo_context import DEMO_SPEC
 
     demo_plan = build_plan(ctx.spec())

@@ -1,7 +1,7 @@
 """Assemble a plan from a spec: budget → GPU count → layout (the spec's or the searched best) → memory,
 step time, storage and checkpoint interval. `make_plan(spec)` returns plan.json's content.
 
-Two FLOP counts are reported and kept apart: the *sizing* count (the seed's 6·N·D on the nominal N by
+Two FLOP counts are reported and kept apart: the *sizing* count (the rule of thumb 6·N·D on the nominal N by
 default) sizes the GPU count, days and cost at `budget.assumed_mfu`; the *detailed* model count (matmuls
 of the active weights + attention, plan.flops) is what MFU is measured against, in the planner's
 throughput prediction and in the trainer's metric.

@@ -25,7 +25,7 @@ SECRET_KEY_RE = re.compile(
     r"(^|_)(secret|secrets|password|passwd|token|access_key|secret_key|api_key|private_key|encryption_key|credentials?)$",
     re.IGNORECASE,
 )
-# Profiles change scale and resources only (the seed: environments differ only in data scale and resources).
+# Profiles change scale and resources only: a job's environments differ in data scale and resources, nothing else.
 PROFILE_ALLOWED_PREFIXES = (
     "data.tokens_total", "data.dir", "data.sources", "data.replicas",
     "hardware", "budget", "parallelism", "fault", "monitoring", "run", "checkpoint", "cluster",

@@ -1,4 +1,4 @@
-"""The job spec: one pydantic model tree for the YAML job file (the seed's shape plus what stages need).
+"""The job spec: one pydantic model tree for the YAML job file (examples/seed-10b.yaml's shape plus what stages need).
 
 Every field carries a description; `docs/spec.md` is generated from these models (a test keeps it in sync).
 Cross-field rules (spec/rules.py) run in `JobSpec._check_cross_fields`, so every stage gets a spec that is
@@ -220,7 +220,7 @@ class BudgetSpec(Section):
     spare_fraction: float = Field(0.08, ge=0, le=0.5, description="Spare GPUs kept for failures (seed: 5-10%).")
     sizing_flops: Literal["6ND", "detailed"] = Field(
         "6ND",
-        description="FLOPs that size the GPU count: the seed's 6·N·D (nominal N) or the detailed count "
+        description="FLOPs that size the GPU count: the rule of thumb 6·N·D (nominal N) or the detailed count "
         "(matmuls of the active weights + attention), the one MFU is measured against.",
     )
 
