@@ -313,9 +313,18 @@ def test_eight_bit_optimizer_states_are_rehearsed_at_their_own_size() -> None:
     # torch wraps AdamW8bit.step in its profiling hook at the first construction: whatever ran before in this
     # process, the rehearsal's eager update must hold (a patched `step` did not, in a test worker)
     optim.AdamW8bit([torch.nn.Parameter(torch.zeros(64, 64))])
+    from torchao.optim import subclass_8bit
+    from torchao.optim.quant_utils import create_dynamic_map
+
+    # torchao builds its quantisation maps at their first use, once per process: the rehearsal must not be that use
+    # (under fake tensors the maps held its answers, and a later real 8-bit run here diverged: loss 4.89 -> 21.4)
+    subclass_8bit.get_qmap_signed.cache_clear()
+    subclass_8bit.get_qmap_unsigned.cache_clear()
     overrides = ["model.d_model=256", "model.ffn_hidden=512", "hardware.num_nodes=1"]
     eight, full = (rehearse(load_spec(EXAMPLES / "tiny-cpu.yaml", overrides=[
         *overrides, f"precision.optimizer_state={state}"]), ranks=[0], isolated=False) for state in ("8bit", "fp32"))
+    assert subclass_8bit.get_qmap_signed() == tuple(create_dynamic_map(signed=True))
+    assert subclass_8bit.get_qmap_unsigned() == tuple(create_dynamic_map(signed=False))
     assert 0.9 <= eight["plan_vs_rehearsal"]["optimizer"] <= 1.1, eight["plan_vs_rehearsal"]
     states = {name: r["ranks"][0]["memory_bytes"]["optimizer"] for name, r in (("8bit", eight), ("fp32", full))}
     assert 0.25 <= states["8bit"] / states["fp32"] <= 0.3, states  # 1 byte + scales per moment against 4

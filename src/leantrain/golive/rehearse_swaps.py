@@ -188,10 +188,15 @@ def eager_optimizer_updates() -> Iterator[None]:
     module's `torch` is what is swapped, not the optimizer's `step`: torch's Optimizer wraps a subclass's step in
     its profiling hook at the first construction, so a step patched later is not the one called."""
     try:
-        from torchao.optim import adam
+        from torchao.optim import adam, subclass_8bit
     except ImportError:  # no torchao: the spec's 8-bit states were refused before the rehearsal got here
         yield
         return
+    # torchao builds its 8-bit quantisation maps once per process, at their first use (lru_cache): built under fake
+    # tensors they would hold the rehearsal's healthy answers, and every later real 8-bit run in this process would
+    # quantise its moments with them (a tiny run's loss 4.89 -> 21.4 by step 3). Built here, for real, first.
+    subclass_8bit.get_qmap_signed()
+    subclass_8bit.get_qmap_unsigned()
     with mock.patch.object(adam, "torch", _EagerCompile(adam.torch)):
         yield
 
