@@ -13,6 +13,7 @@ import contextlib
 import functools
 import json
 import os
+import shutil
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -196,6 +197,17 @@ def spawn_layouts(
     return spawn_gloo(functools.partial(_run_layouts, jobs, steps), world_size=world_size, out_dir=out_dir)
 
 
+# torchrun's agent picks the workers' MASTER_PORT by binding port 0 and closing it; with the shared rendezvous
+# store off (launch.resources.TORCHRUN_ENV, on purpose: restarts timed out with it) rank 0 binds that port seconds
+# later, and a socket of another test running beside it can take it first. Such a start is retried once.
+PORT_TAKEN = "EADDRINUSE"
+
+
+def port_taken(output: str) -> bool:
+    """Whether a torchrun job failed only because its rank 0 could not bind the port the agent picked."""
+    return PORT_TAKEN in output
+
+
 def torchrun_train(raw: dict[str, Any], run_dir: Path, *, nproc: int = 2, timeout_s: float = 300) -> None:
     """`leantrain train` on `nproc` gloo ranks through torchrun's command line, for the job dict `raw` (its spec
     file is written beside `run_dir`); fails the test with the end of the output when it does not exit 0."""
@@ -211,6 +223,10 @@ def torchrun_train(raw: dict[str, Any], run_dir: Path, *, nproc: int = 2, timeou
     spec_path.write_text(yaml.safe_dump(raw))
     argv = torchrun.torchrun_argv(spec_from_dict(raw), train=TrainCommand(spec_path=spec_path), run_dir=run_dir,
                                   nproc=nproc, max_restarts=0)
-    proc = subprocess.run(argv, env=torchrun.torchrun_env() | {"OMP_NUM_THREADS": "1"}, capture_output=True,
-                          text=True, timeout=timeout_s)
+    for attempt in range(2):
+        proc = subprocess.run(argv, env=torchrun.torchrun_env() | {"OMP_NUM_THREADS": "1"}, capture_output=True,
+                              text=True, timeout=timeout_s)
+        if proc.returncode == 0 or attempt or not port_taken(proc.stdout + proc.stderr):
+            break
+        shutil.rmtree(run_dir, ignore_errors=True)  # nothing trained: start it again on a fresh port
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]

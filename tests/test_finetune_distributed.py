@@ -4,6 +4,7 @@ matches one process step for step (continued pre-training under FSDP and TP, LoR
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import time
 from pathlib import Path
@@ -19,6 +20,7 @@ from leantrain.launch.resources import TrainCommand
 from leantrain.model.tiny_hf import save_tiny_hf
 from leantrain.spec import spec_from_dict
 from leantrain.train.trainer import Trainer
+from parallel_harness import port_taken
 
 pytest.importorskip("transformers")
 SEQ, VOCAB, STEPS = 16, 512, 3
@@ -56,16 +58,22 @@ def losses(path: Path) -> list[float]:
 def run_two_rank_jobs(jobs: dict[str, dict[str, Any]], tmp_path: Path, *, timeout_s: float = 300) -> None:
     """`leantrain train` for each job dict at once, each on 2 gloo ranks through torchrun (run dir
     `tmp_path / name`); fails naming the job, with the end of its output, when one does not exit 0."""
-    procs = {}
-    for name, raw in jobs.items():
+    def start(name: str, raw: dict[str, Any]) -> subprocess.Popen:
         spec_path = tmp_path / f"{name}.yaml"
         spec_path.write_text(yaml.safe_dump(raw))
         argv = torchrun.torchrun_argv(spec_from_dict(raw), train=TrainCommand(spec_path=spec_path),
                                       run_dir=tmp_path / name, nproc=2, max_restarts=0)
-        procs[name] = subprocess.Popen(argv, env=torchrun.torchrun_env() | {"OMP_NUM_THREADS": "1"},
-                                       stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return subprocess.Popen(argv, env=torchrun.torchrun_env() | {"OMP_NUM_THREADS": "1"},
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+
+    procs = {name: start(name, raw) for name, raw in jobs.items()}
     deadline = time.monotonic() + timeout_s
     outputs = {name: proc.communicate(timeout=max(1.0, deadline - time.monotonic()))[0] for name, proc in procs.items()}
+    for name, proc in list(procs.items()):
+        if proc.returncode and port_taken(outputs[name]):  # once, on a fresh port (parallel_harness.PORT_TAKEN)
+            shutil.rmtree(tmp_path / name, ignore_errors=True)
+            procs[name] = start(name, jobs[name])
+            outputs[name] = procs[name].communicate(timeout=max(1.0, deadline - time.monotonic()))[0]
     for name, proc in procs.items():
         assert proc.returncode == 0, f"{name}:\n{outputs[name][-4000:]}"
 
