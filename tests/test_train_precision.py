@@ -315,3 +315,28 @@ def test_bf16_states_under_fsdp_on_two_ranks_equal_one_process(tmp_path: Path) -
         assert got[key] == pytest.approx(ref[key], rel=rel), key
     assert ref["loss"][-1] < ref["loss"][0]
     assert max(abs(a - b) for a, b in zip(ref["loss"], fp32["loss"], strict=True)) > 1e-5  # bf16 moments show
+
+
+@pytest.mark.parametrize(("compute", "master"), [("bf16", "fp32"), ("bf16", "bf16"), ("fp32", "fp32")])
+def test_the_trainer_and_the_plan_read_one_autocast_rule(compute: str, master: str) -> None:
+    """Whether the forward runs under torch.autocast (each Linear then keeps its own bf16 input copy, which the
+    plan counts) is one rule, spec/rules.py `forward_autocasts` over `wraps_in_fsdp`, for the trainer (its
+    precision policy and the FSDP2 wrapping its dims decide) and the planner (`PlanInputs.autocast_casts`)."""
+    import itertools
+
+    from leantrain.parallel.dims import ParallelDims
+    from leantrain.plan.inputs import plan_inputs
+    from leantrain.plan.layout import Layout
+    from leantrain.spec import spec_from_dict
+
+    policy = resolve_precision(PrecisionSpec(compute=compute, master_weights=master), device=torch.device("cpu"))
+    for dp, tp, single in itertools.product((1, 2), (1, 2), (False, True)):
+        dims = ParallelDims(dp_replicate=1, dp_shard=dp, tp=tp, pp=1, ep=1, world_size=dp * tp, fsdp_single_rank=single)
+        trainer = policy.forward_context(fsdp=dims.wraps_in_fsdp) == policy.autocast
+        inputs = plan_inputs(spec_from_dict({
+            "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 128},
+            "data": {"tokens_total": 1e5, "seq_len": 32}, "training": {"global_batch_tokens": 32 * dp},
+            "precision": {"compute": compute, "master_weights": master}, "plan": {"kernels": "eager"},
+            "parallelism": {"fsdp_single_rank": single}}))
+        assert inputs.autocast_casts(Layout(dp=dp, tp=tp, pp=1, zero=0)) == trainer, (dp, tp, single)
+        assert trainer == (compute == "bf16" and master == "fp32" and dp == 1 and tp == 1 and not single)

@@ -21,6 +21,7 @@ from torch._subclasses.fake_tensor import unset_fake_temporarily
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from leantrain.errors import UserInputError
+from leantrain.spec.rules import wraps_in_fsdp
 from leantrain.spec.schema import JobSpec, ParallelismSpec
 from leantrain.spec.shapes import ModelShape, resolve_shape
 
@@ -55,6 +56,11 @@ class ParallelDims:
     def fsdp_enabled(self) -> bool:
         """FSDP2 wraps the model: several data-parallel ranks, or one rank by request (`fsdp_single_rank`)."""
         return self.dp > 1 or self.fsdp_single_rank
+
+    @property
+    def wraps_in_fsdp(self) -> bool:
+        """FSDP2 wraps the model's parts: `fsdp_enabled`, or tensor parallelism (spec/rules.py `wraps_in_fsdp`)."""
+        return wraps_in_fsdp(dp=self.dp, tp=self.tp, fsdp_single_rank=self.fsdp_single_rank)
 
     @property
     def mesh_shape(self) -> tuple[int, ...]:

@@ -334,7 +334,7 @@ def parallelize(
     # data parallelism FSDP2 still wraps the parts, over a 1-rank mesh (no sharding, no resharding), so that
     # every parameter is a DTensor: foreach/fused optimizers cannot mix DTensors and plain tensors. One rank
     # with `fsdp_single_rank` is wrapped the same way, at the spec's zero_stage (fsdp_enabled is true for it).
-    use_fsdp = dims.fsdp_enabled or dims.tp > 1
+    use_fsdp = dims.wraps_in_fsdp
     zero_stage = par.zero_stage if dims.fsdp_enabled else 2
     for part in parts:
         if dims.tp > 1:

@@ -16,6 +16,7 @@ from leantrain.hardware import GB, Accelerator, get_accelerator, host_cpu_peak_f
 from leantrain.plan.adapters import lora_param_count
 from leantrain.plan.flops import FlopsPerToken, Recompute, flops_per_token
 from leantrain.plan.layout import Layout
+from leantrain.spec.rules import forward_autocasts, wraps_in_fsdp
 from leantrain.spec.schema import JobSpec
 from leantrain.spec.shapes import ModelShape, resolve_shape
 
@@ -187,11 +188,13 @@ class PlanInputs:
     def autocast_casts(self, layout: Layout) -> bool:
         """Whether the forward runs under `torch.autocast` over fp32 parameters, where every Linear casts its
         fp32 input to bf16 itself and saves that copy: bf16 compute with fp32 master weights and no FSDP2 (one
-        data-parallel rank, no TP, not `fsdp_single_rank`; train/precision.py). Under FSDP2 the parameters are
+        data-parallel rank, no TP, not `fsdp_single_rank`), the trainer's own rule (spec/rules.py
+        `forward_autocasts`, `wraps_in_fsdp`). Under FSDP2 the parameters are
         gathered in bf16 and the blocks run in bf16, so the Linears reading one norm share its bf16 output.
         Counted for the eager kernels of a trained base (compile and adapters not measured)."""
-        return (self.compute_dtype == "bf16" and self.master_bytes > 0 and layout.dp == 1 and layout.tp == 1
-                and not self.fsdp_single_rank and not self.fused_kernels and self.trains_base)
+        fsdp = wraps_in_fsdp(dp=layout.dp, tp=layout.tp, fsdp_single_rank=self.fsdp_single_rank)
+        return (self.compute_dtype == "bf16" and not self.fused_kernels and self.trains_base and forward_autocasts(
+            compute="bf16", master_weights="fp32" if self.master_bytes > 0 else "bf16", fsdp=fsdp))
 
     def hardware_flops_per_token(self, recompute: Recompute) -> float:
         """FLOPs executed per token. LoRA/QLoRA skip the frozen base's weight-gradient matmuls (a third of

@@ -15,6 +15,20 @@ if TYPE_CHECKING:
     from leantrain.spec.schema import JobSpec, ParallelismSpec
 
 
+def wraps_in_fsdp(*, dp: int, tp: int, fsdp_single_rank: bool) -> bool:
+    """Whether the trainer wraps the model in FSDP2 (parallel/parallelize.py): several data-parallel ranks, one rank
+    by request (`parallelism.fsdp_single_rank`), or tensor parallelism (FSDP2 over a 1-rank mesh then makes every
+    parameter a DTensor, which foreach/fused optimizers need). Torch-free, so that the planner asks the same."""
+    return dp > 1 or fsdp_single_rank or tp > 1
+
+
+def forward_autocasts(*, compute: str, master_weights: str, fsdp: bool) -> bool:
+    """Whether each forward runs under `torch.autocast` (train/precision.py): bf16 compute (or fp8's layers that are
+    not float8) over fp32 master weights without FSDP2, whose mixed precision gathers the weights in bf16 instead.
+    The planner counts autocast's input copies by it (`PlanInputs.autocast_casts`)."""
+    return compute in ("bf16", "fp8") and master_weights == "fp32" and not fsdp
+
+
 def cross_field_problems(spec: JobSpec) -> list[str]:
     """Every cross-field problem of a spec whose sections are each valid; empty when it is coherent."""
     shape = resolve_shape(spec.model)

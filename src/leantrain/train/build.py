@@ -73,7 +73,7 @@ def build_parallel_model(
     """Build on meta, parallelize, allocate this rank's shards and initialise them (or `load` them)."""
     # A mesh for several ranks, or for one rank wrapped in FSDP2 (parallelism.fsdp_single_rank, a 1-rank group).
     meshed = runtime.distributed or dims.fsdp_single_rank
-    fsdp = meshed and (dims.fsdp_enabled or dims.tp > 1)  # as parallelize decides
+    fsdp = meshed and dims.wraps_in_fsdp  # as parallelize decides
     model = meta_model(spec, precision=precision, fsdp=fsdp, fsdp_shards=dims.dp_shard, tp=dims.tp)
     itemsize = DTYPES[spec.precision.master_weights].itemsize
     param_bytes_total = sum(p.numel() for p in model.parameters()) * itemsize

@@ -31,6 +31,7 @@ from torch import nn
 
 from leantrain.dtypes import DTYPES
 from leantrain.errors import UserInputError
+from leantrain.spec.rules import forward_autocasts
 from leantrain.spec.schema import PrecisionSpec
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada/Hopper and newer have fp8 tensor cores
@@ -50,6 +51,14 @@ class PrecisionPolicy:
         if self.compute in ("bf16", "fp8") and self.param_dtype != torch.bfloat16:
             return torch.autocast(device_type=self.device_type, dtype=torch.bfloat16)
         return contextlib.nullcontext()
+
+    def forward_context(self, *, fsdp: bool) -> Callable[[], contextlib.AbstractContextManager[None]]:
+        """What each forward runs in, by the rule the planner also reads (spec/rules.py `forward_autocasts`):
+        `autocast` without FSDP2; under FSDP2's mixed precision the weights are gathered in bf16 already, and
+        autocast would only add casts."""
+        master = "bf16" if self.param_dtype == torch.bfloat16 else "fp32"
+        autocasts = forward_autocasts(compute=self.compute, master_weights=master, fsdp=fsdp)
+        return self.autocast if autocasts else contextlib.nullcontext
 
     @property
     def peak_dtype(self) -> str:

@@ -147,8 +147,7 @@ class Trainer:
             self.console.print(f"[yellow]note: parallelism.grad_sync: last_micro_batch holds every parameter's "
                                f"unsharded gradient between micro-batches (~{full_grads_gib:.1f} GiB per rank)")
         self.comm_timer = CommTimer(device_type=self.device.type)
-        # Under FSDP mixed precision the weights are gathered in bf16 already: autocast would only add casts.
-        self.autocast = contextlib.nullcontext if self.parallel.fsdp_mixed_precision else self.precision.autocast
+        self.autocast = self.precision.forward_context(fsdp=self.parallel.fsdp)
         # The model with the single-process names (this rank's stages under PP): checkpoints, optimizer groups.
         self.model: nn.Module = self.parallel.module
         self.param_counts = finetune.param_counts(self.model)  # params, trainable_params (LoRA: adapters only)
