@@ -109,6 +109,11 @@ def test_set_and_profile_apply_to_the_evaluated_spec(setup: tuple[Path, Path, Pa
     assert "training.eval_batches" in capsys.readouterr().err
     assert main(["eval", str(spec_path), "--profile", "nope"]) == 2
     assert "nope" in capsys.readouterr().err
+    # a data.dir typo scored nothing and overwrote eval.json with an empty held_out: now exit 2, the file kept
+    before = (spec_path.parent / "run-one" / "eval.json").read_text()
+    assert main(["eval", str(spec_path), "--set", "run.dir=run-one", "--set", "data.dir=/nowhere/typo"]) == 2
+    assert "data.dir /nowhere/typo" in capsys.readouterr().err
+    assert (spec_path.parent / "run-one" / "eval.json").read_text() == before
 
 
 def test_acc_norm_is_per_character_and_acc_bytes_per_byte_of_the_choice() -> None:

@@ -410,6 +410,13 @@ def main(argv: list[str] | None = None) -> int:
     except typer.Abort:
         err_console.print("aborted")
         return 130
+    except (IsADirectoryError, NotADirectoryError, FileExistsError, FileNotFoundError, PermissionError) as err:
+        # a path given on the command line or in the spec that is not what the command needs (a folder for a
+        # file, a file for a folder, a file that is missing or may not be read or written): name it
+        paths = " → ".join(str(p) for p in (err.filename, err.filename2) if p is not None) or "a path"
+        err_console.print(f"[bold red]error:[/] {escape(paths)}: {escape(err.strerror or str(err))} (check that path, "
+                          "given on the command line or in the spec)", highlight=False, soft_wrap=True)
+        return 2
     except Exception as exc:
         # Usage errors from typer's bundled click: duck-typed, since typer vendors its own click copy.
         if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):

@@ -258,6 +258,10 @@ def evaluate(target: Path, *, tasks: list[Path], step: int | None = None, base_a
         tokenizer = _tokenizer(spec)
         result["tasks"] = {name: multiple_choice(model, task, tokenizer) for name, task in items.items()}
     out_dir = run_dir or Path(spec.run.dir)
+    if not result["held_out"] and not items:  # nothing scored: an earlier eval.json is not overwritten with nothing
+        raise UserInputError(f"data.dir {spec.data.dir}: no prepared validation split to score there (a typo, or "
+                             "data.valid_fraction 0), and no --tasks were given: nothing to evaluate; "
+                             f"{out_dir / EVAL_FILE} is left as it was")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / EVAL_FILE).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     result["path"] = str(out_dir / EVAL_FILE)
