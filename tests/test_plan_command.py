@@ -197,3 +197,21 @@ def test_spec_layout_that_does_not_fit_is_replaced_with_a_note() -> None:
     plan = make_plan(spec)
     assert plan["layout"]["source"] == "search" and plan["memory"]["fits"]
     assert any("spec's layout" in note and "GiB" in note for note in plan["notes"])
+
+
+@pytest.mark.parametrize(("sets", "named"), [
+    (["hardware.peak_flops=989"], "hardware.peak_flops (FLOP/s"),  # TFLOPS for FLOP/s: 1.2e14 GPUs, hours of search
+    (["data.tokens_total=1e30"], "data.tokens_total"),
+    (["data.tokens_total=.inf"], "data.tokens_total: Input should be a finite number"),  # overflowed in the budget
+    (["fault.failures_per_gpu_day=.nan"], "fault.failures_per_gpu_day: Input should be a finite number"),
+])
+def test_a_budget_beyond_any_cluster_or_not_a_number_is_exit_2_naming_the_field(
+        sets: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    from leantrain.cli import main
+
+    seed = Path(__file__).resolve().parents[1] / "examples" / "seed-10b.yaml"
+    assert main(["plan", str(seed), *(a for s in sets for a in ("--set", s))]) == 2
+    err = capsys.readouterr().err
+    assert named in err and "Traceback" not in err
+    assert main(["plan", str(seed), "--what-if", "gpus=64,9223372036854775807"]) == 2
+    assert "more than any cluster" in capsys.readouterr().err

@@ -24,6 +24,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from leantrain.errors import UserInputError
 from leantrain.hardware import GB, GiB
 from leantrain.plan.finetune import adapter_params
 from leantrain.plan.inputs import HOST_COPY_BYTES_S, PlanInputs, sequences_per_step
@@ -101,6 +102,11 @@ def sizing_total_flops(spec: JobSpec, inputs: PlanInputs) -> float:
     return inputs.flops.model * inputs.tokens_total
 
 
+# More GPUs than any cluster has (the largest published runs: ~10^5): a unit slip, not a job to plan (the layout
+# search's divisor walk would take hours over such a count).
+MAX_GPUS = 10**6
+
+
 def make_budget(spec: JobSpec, inputs: PlanInputs, *, num_gpus: int | None = None) -> Budget:
     """GPU count and days at the assumed MFU; with `num_gpus` (or a fixed count in the spec) report days."""
     b = spec.budget
@@ -110,10 +116,19 @@ def make_budget(spec: JobSpec, inputs: PlanInputs, *, num_gpus: int | None = Non
     if fixed is not None:
         exact = float(fixed)
         gpus = fixed
+        if gpus > MAX_GPUS:
+            raise UserInputError(f"{gpus:,} GPUs (budget.num_gpus, hardware.num_gpus or --what-if) is more than any "
+                                 f"cluster ({MAX_GPUS:,})")
     else:
         assert b.target_days is not None  # the spec check asks for target_days or num_gpus
         exact = gpus_for_days(total_flops=total, flops_per_gpu_s=rate, days=b.target_days)
         gpus = max(1, math.ceil(exact - 1e-9))
+        if gpus > MAX_GPUS:
+            raise UserInputError(
+                f"the budget needs {exact:.3g} GPUs ({total:.3g} FLOPs at {rate:.3g} FLOP/s a GPU for "
+                f"budget.target_days {b.target_days:g}), more than any cluster ({MAX_GPUS:,}): check "
+                "hardware.peak_flops (FLOP/s: 989e12 for an H100's bf16, not 989), budget.assumed_mfu, "
+                "data.tokens_total and budget.target_days")
     days = days_for_gpus(total_flops=total, flops_per_gpu_s=rate, num_gpus=gpus)
     gpu_hours = days * 24 * gpus
     cost = gpu_hours * b.price_per_gpu_hour

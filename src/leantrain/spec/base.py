@@ -19,9 +19,10 @@ Fraction = Annotated[float, Field(gt=0, le=1)]
 
 class Section(BaseModel):
     """Base for every spec section: unknown keys are errors, so a typo never silently does nothing; integers
-    beyond MAX_SPEC_INT (e.g. `max_steps: 1e29`) are refused, naming the field."""
+    beyond MAX_SPEC_INT (e.g. `max_steps: 1e29`) and non-finite numbers (`.inf`, `.nan`: no field means them; the
+    planner's arithmetic overflowed on them) are refused, naming the field."""
 
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, allow_inf_nan=False)
 
     @field_validator("*", mode="after")
     @classmethod
