@@ -227,3 +227,14 @@ def test_a_data_dir_without_training_tokens_is_exit_2_naming_why(tmp_path: Path,
     err = capsys.readouterr().err
     assert named in err and "Traceback" not in err
     assert (tmp_path / "out" / "manifest.json").is_file()
+
+
+def test_a_source_store_that_cannot_be_reached_is_exit_2_naming_the_source(tmp_path: Path,
+                                                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A remote source that cannot be listed (no credentials, a bad host, a refused connection) was a traceback
+    from fsspec; it is exit 2 naming data.sources[name].path and the cause."""
+    out = tmp_path / "data"
+    assert main(["prepare", str(REPO / "examples" / "tiny-cpu.yaml"), "--out", str(out), "--set",
+                 "data.sources=[{name: web, path: 'http://127.0.0.1:9/x.jsonl'}]"]) == 2
+    err = capsys.readouterr().err
+    assert "data.sources[web].path: http://127.0.0.1:9/x.jsonl cannot be listed" in err and "Traceback" not in err

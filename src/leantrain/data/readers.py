@@ -88,7 +88,17 @@ def list_source(source: DataSource) -> tuple[list[str], list[str]]:
     name, unless its suffix is another record format's."""
     assert source.path is not None, "builtin sources are materialised before reading"
     _need_pyarrow(source)
-    found = list_files(source.path)
+    try:
+        found = list_files(source.path)
+    except (OSError, ValueError) as err:  # an unreachable store, no credentials, a bad bucket or host name
+        raise UserInputError(f"data.sources[{source.name}].path: {source.path} cannot be listed: "
+                             f"{type(err).__name__}: {err}") from err
+    except Exception as err:
+        # botocore's credential and endpoint errors are not OSErrors (NoCredentialsError, ...); name them too
+        if type(err).__module__.split(".")[0] not in ("botocore", "aiobotocore", "s3fs", "fsspec", "aiohttp"):
+            raise
+        raise UserInputError(f"data.sources[{source.name}].path: {source.path} cannot be listed: "
+                             f"{type(err).__name__}: {err}") from err
     if found is None:
         raise UserInputError(f"data.sources[{source.name}].path: {source.path} does not exist")
     if found == [str(source.path)]:
