@@ -387,3 +387,12 @@ def test_a_cyclic_or_too_deep_mapping_from_code_is_refused() -> None:
 def test_override_value_bomb_is_refused() -> None:
     with pytest.raises(UserInputError, match="--set model.x: .*nested deeper"):
         spec_from_dict(TINY, overrides=["model.x=" + "[" * 10_000])
+
+
+def test_a_negative_curriculum_weight_is_refused_naming_it() -> None:
+    """It passed the spec and `prepare`, then `train` failed inside numpy ("repeats may not contain negative
+    values")."""
+    raw = copy.deepcopy(TINY)
+    raw["data"]["stages"] = [{"weights": {"en": -1.0, "zh": 2.0}}]
+    with pytest.raises(SpecError, match=r"data\.stages\.0\.weights\.en"):
+        spec_from_dict(raw)

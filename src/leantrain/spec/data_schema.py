@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -181,7 +181,8 @@ class PIISpec(Section):
 class MixtureStageSpec(Section):
     """A curriculum stage: these source weights apply until `until_tokens` training tokens."""
 
-    weights: dict[str, float] = Field(description="Weight per source name (missing sources get 0).")
+    weights: dict[str, Annotated[float, Field(ge=0)]] = Field(
+        description="Weight per source name, 0 or more (missing sources get 0).")
     until_tokens: float | None = Field(None, gt=0, description="End of the stage in training tokens; None: the end.")
 
 
