@@ -90,12 +90,10 @@ def list_source(source: DataSource) -> tuple[list[str], list[str]]:
     _need_pyarrow(source)
     try:
         found = list_files(source.path)
-    except (OSError, ValueError) as err:  # an unreachable store, no credentials, a bad bucket or host name
-        raise UserInputError(f"data.sources[{source.name}].path: {source.path} cannot be listed: "
-                             f"{type(err).__name__}: {err}") from err
-    except Exception as err:
-        # botocore's credential and endpoint errors are not OSErrors (NoCredentialsError, ...); name them too
-        if type(err).__module__.split(".")[0] not in ("botocore", "aiobotocore", "s3fs", "fsspec", "aiohttp"):
+    except Exception as err:  # an unreachable store, no credentials, a bad bucket or host name
+        # (botocore's credential and endpoint errors are not OSErrors: NoCredentialsError, ...)
+        store = type(err).__module__.split(".")[0] in ("botocore", "aiobotocore", "s3fs", "fsspec", "aiohttp")
+        if not (store or isinstance(err, (OSError, ValueError))):
             raise
         raise UserInputError(f"data.sources[{source.name}].path: {source.path} cannot be listed: "
                              f"{type(err).__name__}: {err}") from err
