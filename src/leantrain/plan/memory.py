@@ -248,13 +248,18 @@ def _per_microbatch(inputs: PlanInputs, *, layers: int, first_layer: int, tp: in
             one_layer_full += adapters
         else:
             per_microbatch += layers * adapters
-        if first_layer == 0 and layers and frozen_base_bytes(inputs, recompute=recompute, moe_layer=False) and (
+        if first_layer == 0 and layers and frozen_base_counted(inputs, recompute) and (
                 {"wq", "wk", "wv"} & set(inputs.lora_targets)):
             # the model's first norm reads the embedding's output, which needs no gradient when the embedding
             # is frozen: it keeps nothing (its fp32 input copy and per-token rstd). (Without a query, key or
             # value adapter the first block's attention keeps nothing at all: not counted, the plan stays above.)
             per_microbatch -= tokens * (4.0 * shape.d_model + 4.0)
     return per_microbatch, one_layer_full
+
+
+def frozen_base_counted(inputs: PlanInputs, recompute: str) -> bool:
+    """Whether `frozen_base_bytes` applies: LoRA/QLoRA, eager kernels, no recompute or selective."""
+    return bool(inputs.lora_rank) and not inputs.fused_kernels and recompute in ("none", "selective")
 
 
 def frozen_base_bytes(inputs: PlanInputs, *, recompute: str, moe_layer: bool) -> float:
@@ -266,7 +271,7 @@ def frozen_base_bytes(inputs: PlanInputs, *, recompute: str, moe_layer: bool) ->
     tensors (eager kernels; no recompute or selective); the adapters' own tensors are `adapter_activation_bytes`.
     LoRA runs without tensor parallelism (spec/rules.py). Measured on the trainer's LoRA model with saved-tensor
     hooks for three target sets (tests/test_plan_finetune.py)."""
-    if not inputs.lora_rank or inputs.fused_kernels or recompute not in ("none", "selective"):
+    if not frozen_base_counted(inputs, recompute):
         return 0.0
     shape, e, targets = inputs.shape, inputs.act_bytes, set(inputs.lora_targets)
     unread = 2  # the two norms' normalised tensors
@@ -283,10 +288,9 @@ def frozen_base_bytes(inputs: PlanInputs, *, recompute: str, moe_layer: bool) ->
 def frozen_head_bytes(inputs: PlanInputs, *, tokens: int, recompute: str) -> float:
     """What the last stage's final norm and output projection do not keep when the base is frozen: the norm's
     normalised tensor, and its output (the projection's input) unless the projection has an adapter."""
-    if not frozen_base_bytes(inputs, recompute=recompute, moe_layer=False):
-        return 0.0
     head_frozen = "output" not in inputs.lora_targets or inputs.shape.tie_embeddings
-    return tokens * inputs.act_bytes * inputs.shape.d_model * (2 if head_frozen else 1)
+    per_token = inputs.act_bytes * inputs.shape.d_model * (2 if head_frozen else 1)
+    return tokens * per_token if frozen_base_counted(inputs, recompute) else 0.0
 
 
 def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first_layer: int, stage: int,
@@ -303,11 +307,9 @@ def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first
     in_flight = in_flight_microbatches(layout, num_microbatches, stage=stage)
     held = per_microbatch * in_flight
     if layout.pp > 1 and not inputs.fused_kernels:
-        # torch's PipelineStage keeps each chunk's output (the hidden states it sent on) until that chunk's
-        # backward, which starts from it: one per chunk forward in flight, except the model's last chunk
-        # (its output is the loss). Measured by `leantrain rehearse` on PP4's first stage: 4 × 64 MiB.
-        # Megatron frees the sent output's storage (schedules.py `deallocate_output_tensor`): the fused
-        # (Megatron-style) kernel set keeps none.
+        # torch's PipelineStage keeps each chunk's output (the hidden states sent on) until that chunk's backward,
+        # one per chunk forward in flight but the model's last chunk's (the loss): `leantrain rehearse`, PP4 stage 0,
+        # 4 × 64 MiB. Megatron frees a sent output (`deallocate_output_tensor`): the fused kernel set keeps none.
         v = layout.virtual_stages
         outputs = in_flight * v - (in_flight if last else 0.0)
         held += outputs * tokens * inputs.act_bytes * shape.d_model / (layout.tp if layout.sp else 1)
