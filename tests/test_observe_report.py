@@ -280,3 +280,36 @@ def test_report_sections_are_present_and_visible_in_headless_chromium(tmp_path: 
     assert seen["card"] is True
     assert {"plot-loss", "plot-loss_by_source", "plot-timeline"} <= set(seen["images"])
     assert all(seen["images"].values()), seen["images"]
+
+
+def test_a_hand_edited_eval_json_or_per_source_map_is_named_in_the_report(tmp_path: Path) -> None:
+    """eval.json with a missing key or a wrong type, or a metrics record whose loss_by_source is not an object,
+    were KeyError/AttributeError/ValueError tracebacks and no report. Like an eval.json that is not JSON (listed
+    under unreadable lines), each is named (file and key) and the rest of the report is written."""
+    import json
+
+    run_dir = make_run(tmp_path, "healthy")
+    good = {"step": 40, "held_out": {"web.en": {"loss": 2.5, "perplexity": 12.18},
+                                     "prefs": {"loss": 0.6, "rewards/margin": 0.25, "rewards/accuracy": 0.75}},
+            "tasks": {"quiz": {"acc": 0.5, "acc_norm": 0.625, "num_questions": 8}}}
+    (run_dir / "eval.json").write_text(json.dumps(good))
+    section = write_report(run_dir).read_text().split("<h2>Evaluation (step 40)</h2>")[1].split("</table>")[0]
+    for row in ("held-out web.en</td><td>loss 2.5000, perplexity 12.18", "reward margin 0.250, accuracy 0.750",
+                "acc 0.500, acc_norm 0.625 (8 questions)"):
+        assert row in section
+    for edited, named in (({"held_out": {"web.en": {"loss": "2.5"}}},
+                           "key &#x27;held_out.web.en.loss&#x27;: expected a number, got a string"),
+                          ({"held_out": {"prefs": {"loss": 0.6}}}, "no key &#x27;held_out.prefs.rewards/margin"),
+                          ({"tasks": [{"acc": 0.5}]}, "key &#x27;tasks&#x27;: expected an object, got a list")):
+        (run_dir / "eval.json").write_text(json.dumps(edited))
+        assert main(["report", str(run_dir)]) == 0
+        section = (run_dir / "report.html").read_text().split("<h2>Evaluation</h2>")[1].split("</p>")[0]
+        assert str(run_dir / "eval.json") in section and named in section, section
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    record = json.loads(lines[3])
+    record["loss_by_source"] = ["en", "zh"]
+    lines[3] = json.dumps(record)
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    text = write_report(run_dir).read_text()
+    assert f"metrics.jsonl: step {record['step']}: loss_by_source is not an object" in text
+    assert "id='plot-loss_by_source'" in text  # the other records' per-source losses are still drawn

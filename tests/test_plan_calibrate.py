@@ -110,3 +110,27 @@ def test_calibrate_on_a_real_training_run(tmp_path: Path, monkeypatch: pytest.Mo
     run(console=Console(file=io.StringIO()), spec=spec, json_out=out, top=1, what_if=None, calibrate=[run_dir])
     assert json.loads(out.read_text())["throughput"]["step_s"] == pytest.approx(measured, rel=0.01)
     hardware.host_cpu_peak_flops.cache_clear()  # the next test reads its own cache
+
+
+@pytest.mark.parametrize(("plan_text", "named"), [
+    ('{"layout": {"dp": 8, "tp"', "not valid JSON"),  # cut short
+    ("[]", "expected a JSON object, got a list"),
+    ('{"layout": []}', "key 'layout': expected an object with 'dp', got a list"),
+    ('{"throughput": {}}', "no key 'layout.dp' (expected an integer)"),
+    ('{"layout": {"dp": "8", "tp": 1, "pp": 1}}', "key 'layout.dp': expected an integer, got a string (\"8\")"),
+    ('{"layout": {"dp": 0, "tp": 1, "pp": 1}}', "key 'layout.dp': expected an integer from 1, got 0"),
+    ('{"layout": {"dp": 8, "tp": 1, "pp": 1, "recompute": "most"}}', "expected one of none, selective, op, full"),
+])
+def test_a_hand_edited_plan_json_is_exit_2_naming_the_file_and_key(
+        tmp_path: Path, plan_text: str, named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """A run dir's plan.json that is cut short or edited by hand was a JSONDecodeError, AttributeError or TypeError
+    traceback (or a ZeroDivisionError deep in the step-time model)."""
+    from leantrain.cli import main
+
+    run_dir = write_run(tmp_path, "rehearsal", 8, true_efficiency=0.4, true_overlap=0.8)
+    (run_dir / "plan.json").write_text(plan_text)
+    spec = tmp_path / "target.yaml"
+    spec.write_text(yaml.safe_dump(job(64)))
+    assert main(["plan", str(spec), "--calibrate", str(run_dir)]) == 2
+    err = " ".join(capsys.readouterr().err.split())  # rich wraps long lines
+    assert f"--calibrate {run_dir / 'plan.json'}" in err and named in err and "Traceback" not in err

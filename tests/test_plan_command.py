@@ -92,8 +92,13 @@ def _missing(data: dict, key: str) -> bool:
 def test_what_if_parsing() -> None:
     assert parse_what_if("gpus=64,128,256") == ([64, 128, 256], None)
     assert parse_what_if("gpus=8,plot=a.png") == ([8], Path("a.png"))
+    assert parse_what_if("gpus=8,plot=a.jpg") == ([8], Path("a.jpg"))  # any format matplotlib writes
     for bad in ("gpus=", "gpus=x", "nodes=4", ""):
         with pytest.raises(UserInputError):
+            parse_what_if(bad)
+    # A bare count said "unknown key None"; a second plot= silently replaced the first.
+    for bad, named in (("64,128", "start with a key"), ("gpus=8,plot=a.png,plot=b.png", "more than once")):
+        with pytest.raises(UserInputError, match=named):
             parse_what_if(bad)
 
 
@@ -215,3 +220,32 @@ def test_a_budget_beyond_any_cluster_or_not_a_number_is_exit_2_naming_the_field(
     assert named in err and "Traceback" not in err
     assert main(["plan", str(seed), "--what-if", "gpus=64,9223372036854775807"]) == 2
     assert "more than any cluster" in capsys.readouterr().err
+
+
+def test_a_plot_suffix_with_no_format_is_exit_2_up_front_and_a_failed_plot_keeps_plan_json(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """matplotlib picks the format from the suffix: `--plot p.txt` was its ValueError traceback, after the tables
+    and before plan.json was written. Now it is refused first; and a plot that fails (a path that cannot be
+    written) fails after plan.json is written, so plan.json is never lost to it."""
+    from leantrain.cli import main
+    from leantrain.errors import UserInputError as PlotError
+
+    seed = str(EXAMPLES / "seed-10b.yaml")
+    json_path = tmp_path / "plan.json"
+    for plot_args in (["--what-if", "gpus=64,128", "--plot", str(tmp_path / "p.txt")],
+                      ["--what-if", f"gpus=64,plot={tmp_path / 'q.tex'}"]):
+        assert main(["plan", seed, "--json", str(json_path), *plot_args]) == 2
+        captured = capsys.readouterr()
+        assert "plot" in captured.err and ".png, .svg, .pdf" in captured.err and "Traceback" not in captured.err
+        assert "budget" not in captured.out  # refused before any planning
+    assert not json_path.exists() and not list(tmp_path.iterdir())
+
+    def failing_plot(*args: object, **kwargs: object) -> Path:
+        raise PlotError("--plot: cannot be written")
+
+    monkeypatch.setattr("leantrain.plan.command.plot_what_if", failing_plot)
+    out, _ = console()
+    with pytest.raises(PlotError):
+        run(console=out, spec=load_spec(EXAMPLES / "seed-10b.yaml"), json_out=json_path, top=1,
+            what_if="gpus=64", plot=tmp_path / "p.svg")
+    assert [row["gpus"] for row in json.loads(json_path.read_text())["what_if"]] == [64]

@@ -209,3 +209,48 @@ def test_a_run_is_compared_with_its_rehearsal(tmp_path: Path, params: int, peak:
     checks = _by_name(run_dir)
     assert checks["model_ready vs rehearsal"][0] == ready_status, checks["model_ready vs rehearsal"]
     assert checks["step peak vs rehearsal"][0] == peak_status, checks["step peak vs rehearsal"]
+
+
+@pytest.mark.parametrize(("name", "content", "check", "status", "named"), [
+    ("plan.json", '{"throughput": {"tokens_per_s": 1e5', "tokens/s vs plan", "WARN", "not valid JSON"),
+    ("plan.json", "[]", "MFU vs plan", "WARN", "expected a JSON object, got a list"),
+    ("plan.json", {"throughput": "fast"}, "tokens/s vs plan", "WARN",
+     "key 'throughput': expected an object with 'tokens_per_s', got a string"),
+    ("plan.json", {"throughput": {"tokens_per_s": "fast", "mfu": 0.4}}, "tokens/s vs plan", "WARN",
+     "key 'throughput.tokens_per_s': expected a number, got a string (\"fast\")"),
+    ("rehearsal.json", {"ranks": []}, "model_ready vs rehearsal", "WARN", "key 'ranks' is empty"),
+    ("rehearsal.json", {"ranks": [{"rank": 0, "memory_bytes": []}]}, "model_ready vs rehearsal", "WARN",
+     "key 'ranks.0.memory_bytes': expected an object with 'params', got a list"),
+    ("drill.json", "{", "fault drill", "WARN", "not valid JSON"),
+    ("drill.json", {"passed": "yes", "num_kills": []}, "fault drill", "FAIL",
+     "key 'passed': expected true or false, got a string (\"yes\")"),
+])
+def test_a_hand_edited_run_file_is_a_check_naming_the_file_and_key(
+        tmp_path: Path, name: str, content: object, check: str, status: str, named: str) -> None:
+    """A run dir's plan.json, rehearsal.json or drill.json edited by hand or cut short was a TypeError,
+    AttributeError, KeyError or ValueError traceback, or was taken for a missing file ("no plan to compare").
+    Like a missing file it makes its check warn (a drill verdict that cannot be read fails), naming the file
+    and the key; a --plan FILE the user named is exit 2."""
+    run_dir = make_run(tmp_path, "healthy")
+    (run_dir / name).write_text(content if isinstance(content, str) else json.dumps(content))
+    checks = _by_name(run_dir)
+    assert checks[check][0] == status and str(run_dir / name) in checks[check][1] and named in checks[check][1], \
+        checks[check]
+    plan_file = tmp_path / "edited-plan.json"
+    plan_file.write_text(json.dumps({"throughput": {"tokens_per_s": 1e5, "mfu": "40%"}}))
+    with pytest.raises(UserInputError, match=r"--plan .*edited-plan.json: key 'throughput.mfu': expected a number"):
+        validate_run(run_dir, plan_file=plan_file)
+
+
+def test_a_restart_event_or_model_ready_entry_of_the_wrong_type_is_read_without_a_traceback(tmp_path: Path) -> None:
+    """events.jsonl edited by hand: a restart's attempt that is not a number, a model_ready rank without its
+    number (both ValueError/KeyError tracebacks before)."""
+    from leantrain.observe.report_data import append_event
+
+    run_dir = make_run(tmp_path, "healthy")
+    append_event(run_dir, "restart", attempt="second", step=40)
+    append_event(run_dir, "model_ready", ranks=[{"param_bytes_local": GiB}, "rank 1"])
+    (run_dir / "rehearsal.json").write_text(json.dumps(_rehearsal(GiB, 56 * GiB)))
+    checks = _by_name(run_dir)
+    assert "1 restart event(s)" in checks["no unexpected restarts"][1]  # the drill's kill: planned
+    assert checks["model_ready vs rehearsal"] == ("WARN", "no rank in both model_ready and rehearsal.json")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 
 class LeantrainError(Exception):
     """Base class for errors the user can act on."""
@@ -28,6 +30,76 @@ def check_output_file(path: object, option: str) -> None:
             if not parent.is_dir():
                 raise UserInputError(f"{option} {target}: {parent} is a file, not a directory")
             break
+
+
+NUMBER = (int, float)  # for json_field: an int or a float, never a bool
+_TYPE_NAMES = {dict: "an object", list: "a list", str: "a string", int: "an integer", float: "a number",
+               bool: "true or false", type(None): "null"}
+_REQUIRED = object()
+
+
+def _json_kind(expected: type | tuple[type, ...]) -> str:
+    kinds = expected if isinstance(expected, tuple) else (expected,)
+    return "a number" if set(kinds) == set(NUMBER) else " or ".join(_TYPE_NAMES.get(k, k.__name__) for k in kinds)
+
+
+def _json_value(value: Any) -> str:
+    """`a string ("fast")`: the JSON type of a value and the start of it, for an error message."""
+    import json
+
+    kind = "a boolean" if isinstance(value, bool) else _TYPE_NAMES.get(type(value), "a value")
+    text = json.dumps(value, default=str)
+    return f"{kind} ({text if len(text) <= 40 else text[:37] + '...'})"
+
+
+def read_json_object(path: object, *, option: str = "") -> dict[str, Any]:
+    """A JSON artifact a command reads back (plan.json, rehearsal.json, eval.json, ...) as its top-level object.
+    A file that cannot be read, is not JSON (hand-edited, truncated) or is not an object is a UserInputError that
+    names the file (after `option`, the flag that brought it, when given)."""
+    import json
+    from pathlib import Path
+
+    target = Path(str(path))
+    where = f"{option} {target}" if option else str(target)
+    try:
+        data = json.loads(target.read_text(encoding="utf-8"))
+    except OSError as err:
+        raise UserInputError(f"{where}: cannot be read ({err.strerror or err})") from None
+    except ValueError as err:  # JSONDecodeError and UnicodeDecodeError
+        raise UserInputError(f"{where}: not valid JSON ({err}); was it edited by hand or cut short?") from None
+    if not isinstance(data, dict):
+        raise UserInputError(f"{where}: expected a JSON object, got {_json_value(data)}")
+    return data
+
+
+def json_field(data: Any, key: str | tuple[str, ...], expected: type | tuple[type, ...], *, source: object,
+               default: Any = _REQUIRED) -> Any:
+    """`data[key]` of a JSON artifact, checked to be of the `expected` type(s) (NUMBER: int or float, not bool).
+    A dotted key walks nested objects ("throughput.mfu"; a tuple of parts where a name may hold a dot); a part
+    that is a number indexes a list ("ranks.0"). A missing or null value returns `default` when one is given;
+    otherwise it, a wrong type or a path through a non-object is a UserInputError naming `source` (the file),
+    the key and what was expected."""
+    parts = key.split(".") if isinstance(key, str) else list(key)
+    key = ".".join(parts)
+    node: Any = data
+    for depth, part in enumerate(parts):
+        if node is None:
+            break
+        if isinstance(node, dict):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit():
+            node = node[int(part)] if int(part) < len(node) else None
+        else:
+            where = f"key {'.'.join(parts[:depth])!r}" if depth else "the file"
+            raise UserInputError(f"{source}: {where}: expected an object with {part!r}, got {_json_value(node)}")
+    if node is None:
+        if default is not _REQUIRED:
+            return default
+        raise UserInputError(f"{source}: no key {key!r} (expected {_json_kind(expected)})")
+    kinds = expected if isinstance(expected, tuple) else (expected,)
+    if not isinstance(node, kinds) or (isinstance(node, bool) and bool not in kinds):
+        raise UserInputError(f"{source}: key {key!r}: expected {_json_kind(expected)}, got {_json_value(node)}")
+    return node
 
 
 class SpecError(UserInputError):

@@ -21,13 +21,15 @@ from typing import Any, Literal
 import numpy as np
 
 from leantrain.ckpt.rank_records import HANG, OOM, merged_events, read_rank_records
-from leantrain.errors import CheckFailed, UserInputError
+from leantrain.errors import NUMBER, CheckFailed, UserInputError, json_field, read_json_object
 from leantrain.observe.alerts import AlertRules, load_rules, replay
 from leantrain.observe.logs import log_errors
 from leantrain.observe.report_data import (
     COMM_BOUND_SHARE,
     DATA_BOUND_SHARE,
+    DRILL_FILE,
     METRICS_FILE,
+    PLAN_FILE,
     RunData,
     as_float,
     load_plan_file,
@@ -59,6 +61,61 @@ class Check:
     name: str
     status: Status
     evidence: str
+
+
+@dataclass(frozen=True)
+class PlanTargets:
+    """What the plan predicts, for the checks that compare the run with it (NaN: not in the plan)."""
+
+    tokens_per_s: float = math.nan  # the whole job's
+    mfu: float = math.nan
+    gpus: float = math.nan  # the GPUs its layout runs on
+    memory_bytes: float = math.nan  # per GPU
+    problem: str = ""  # why the run dir's plan.json could not be used (names the file and the key), else ""
+
+
+def plan_targets(plan: dict[str, Any] | None, *, source: object) -> PlanTargets:
+    """The plan's numbers, each checked to be a number: a wrong type is a UserInputError naming `source` and the
+    key. The throughput is for the GPUs the layout runs on (whole nodes), not the pre-rounding budget count."""
+    def number(key: str) -> float:
+        return float(json_field(plan, key, NUMBER, source=source, default=math.nan))
+
+    gpus = number("resources.layout_gpus")
+    return PlanTargets(tokens_per_s=number("throughput.tokens_per_s"), mfu=number("throughput.mfu"),
+                       gpus=gpus if math.isfinite(gpus) else number("resources.num_gpus"),
+                       memory_bytes=number("memory.per_gpu.total"))
+
+
+def artifact_problem(run: RunData, name: str) -> str:
+    """Why a JSON file of the run dir that the reader left out (hand-edited, cut short, not an object) cannot be
+    used, naming the file; "" when there is no such file."""
+    path = run.run_dir / name
+    if not path.is_file():
+        return ""
+    try:
+        read_json_object(path)
+    except UserInputError as err:
+        return str(err)
+    return ""
+
+
+def load_plan_targets(run: RunData, plan_file: Path | None) -> PlanTargets:
+    """The plan to compare with: --plan FILE (unusable: exit 2, the user named it), else the run dir's plan.json
+    (unusable: the plan checks warn and name the file and the key, as they warn when there is no plan)."""
+    if plan_file is not None:
+        return plan_targets(load_plan_file(plan_file), source=f"--plan {plan_file}")
+    if run.plan is None:
+        return PlanTargets(problem=artifact_problem(run, PLAN_FILE))
+    try:
+        return plan_targets(run.plan, source=run.run_dir / PLAN_FILE)
+    except UserInputError as err:
+        return PlanTargets(problem=str(err))
+
+
+def _int(value: Any, default: int) -> int:
+    """A count or index from a run file as int; `default` for a missing or non-numeric value."""
+    number = as_float(value)
+    return int(number) if math.isfinite(number) else default
 
 
 def bound_diagnosis(run: RunData) -> str:
@@ -94,7 +151,7 @@ def health_checks(run: RunData) -> list[Check]:
     jumps = resume_points(run)
     planned = planned_events = sum(1 for e in restarts if e.get("planned") or e.get("cause") == "drill")
     if run.drill:
-        planned = max(planned, int(as_float(run.drill.get("num_kills", 1)) or 1))
+        planned = max(planned, _int(run.drill.get("num_kills"), 1) or 1)
     # A membership change (torchrun restarted the workers because a node joined or left the rendezvous, no worker
     # failed: ckpt/attempt.py) is the elastic job doing its work, not a failure: a warning, never a failure.
     moved = sum(1 for e in restarts if e.get("cause") == "membership change")
@@ -118,15 +175,15 @@ def health_checks(run: RunData) -> list[Check]:
 def restart_causes(restarts: list[dict[str, Any]], hangs: list[dict[str, Any]]) -> str:
     """`; causes: 1 hang (ranks [0] aborted after step 3, suspect frozen: [1]), 1 worker failure` ('' if none).
     A restart whose earlier attempt left hang records is a hang even when its event predates the label."""
-    hung_attempts = {int(h.get("attempt", -1)) + 1 for h in hangs}
+    hung_attempts = {_int(h.get("attempt"), -1) + 1 for h in hangs}
     labels = []
     for event in restarts:
         cause = event.get("cause") or "worker failure"
-        if cause != "hang" and int(as_float(event.get("attempt", -1))) in hung_attempts:
+        if cause != "hang" and _int(event.get("attempt"), -1) in hung_attempts:
             cause = "hang"
         if cause == "hang":
             ranks = event.get("hang_ranks") or sorted({h.get("rank") for h in hangs
-                                                       if int(h.get("attempt", -1)) + 1 == event.get("attempt")})
+                                                       if _int(h.get("attempt"), -1) + 1 == event.get("attempt")})
             cause += (f" (ranks {ranks} aborted after step {event.get('last_step', '?')}, suspect frozen: "
                       f"{event.get('frozen_ranks', '?')})")
         labels.append(cause)
@@ -224,23 +281,20 @@ def _thresholds(values: np.ndarray, pass_at: float, warn_at: float) -> tuple[flo
     return pass_at - tol, warn_at - tol, note
 
 
-def throughput_checks(run: RunData, plan: dict[str, Any] | None) -> list[Check]:
+def throughput_checks(run: RunData, plan: PlanTargets) -> list[Check]:
     checks = []
     _, tokens = run.series("tokens_per_s")
     _, mfus = run.series("mfu")
     tokens_s = float(np.median(steady(tokens))) if steady(tokens).size else math.nan
     mfu = float(np.median(steady(mfus))) if steady(mfus).size else math.nan
-    throughput = (plan or {}).get("throughput") or {}
-    plan_tokens, plan_mfu = as_float(throughput.get("tokens_per_s")), as_float(throughput.get("mfu"))
-    resources = (plan or {}).get("resources") or {}
-    # The plan's throughput is for the GPUs its layout runs on (whole nodes), not the pre-rounding budget count.
-    plan_gpus = as_float(resources.get("layout_gpus", resources.get("num_gpus")))
+    plan_tokens, plan_mfu, plan_gpus = plan.tokens_per_s, plan.mfu, plan.gpus
     world = max(1, run.world_size())
     if not math.isfinite(tokens_s):
         checks.append(Check("throughput", "tokens/s vs plan", "FAIL", "no tokens_per_s in the metrics"))
     elif not math.isfinite(plan_tokens):
         checks.append(Check("throughput", "tokens/s vs plan", "WARN",
-                            f"{tokens_s:.4g} tokens/s; no plan to compare (--plan FILE or plan.json in the run dir)"))
+                            f"{tokens_s:.4g} tokens/s; "
+                            + (plan.problem or "no plan to compare (--plan FILE or plan.json in the run dir)")))
     else:
         per_gpu_plan = plan_tokens / (plan_gpus if math.isfinite(plan_gpus) and plan_gpus > 0 else world)
         ratio = tokens_s / world / per_gpu_plan
@@ -253,7 +307,8 @@ def throughput_checks(run: RunData, plan: dict[str, Any] | None) -> list[Check]:
     if not math.isfinite(mfu):
         checks.append(Check("throughput", "MFU vs plan", "WARN", "no mfu in the metrics"))
     elif not math.isfinite(plan_mfu) or plan_mfu <= 0:
-        checks.append(Check("throughput", "MFU vs plan", "WARN", f"MFU {mfu:.1%}; no planned MFU to compare"))
+        checks.append(Check("throughput", "MFU vs plan", "WARN",
+                            f"MFU {mfu:.1%}; {plan.problem or 'no planned MFU to compare'}"))
     else:
         ratio = mfu / plan_mfu
         pass_at, warn_at, note = _thresholds(steady(mfus), MFU_PASS, MFU_WARN)
@@ -264,12 +319,12 @@ def throughput_checks(run: RunData, plan: dict[str, Any] | None) -> list[Check]:
     return checks
 
 
-def memory_check(run: RunData, plan: dict[str, Any] | None) -> Check:
+def memory_check(run: RunData, plan: PlanTargets) -> Check:
     _, mem = run.series("mem_bytes")
     ooms = merged_events(run.events_of("oom"), read_rank_records(run.run_dir, OOM))  # every rank's record
     ooms += [{"step": None} for log in run.logs for line in log.error_lines if OOM_RE.search(line)]
     limit, source = run.memory_limit_bytes()
-    predicted = as_float((((plan or {}).get("memory") or {}).get("per_gpu") or {}).get("total"))
+    predicted = plan.memory_bytes
     note = f"; plan predicted {predicted / 2**30:.2f} GiB" if math.isfinite(predicted) else ""
     if ooms:
         return Check("memory", "peak under limit with headroom", "FAIL", f"{len(ooms)} out-of-memory event(s){note}")
@@ -297,13 +352,13 @@ def rehearsal_checks(run: RunData) -> list[Check]:
     if not path.is_file():
         return []
     try:
-        rehearsal = json.loads(path.read_text(encoding="utf-8"))
-        rehearsed = {int(r["rank"]): r["memory_bytes"] for r in rehearsal["ranks"]}
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        return [Check("memory", "model_ready vs rehearsal", "WARN", f"{path} unreadable: {err}")]
+        rehearsed = _rehearsed_bytes(read_json_object(path), source=path)
+    except UserInputError as err:  # like a missing plan: the comparison cannot be made, and the file is named
+        return [Check("memory", "model_ready vs rehearsal", "WARN", str(err))]
     checks = []
     ready = run.events_of("model_ready")
-    ranks = {int(r["rank"]): r for r in (ready[-1].get("ranks") or [])} if ready else {}
+    listed = (ready[-1].get("ranks") if ready else None) or []
+    ranks = {r["rank"]: r for r in listed if isinstance(r, dict) and isinstance(r.get("rank"), int)}
     common = sorted(set(ranks) & set(rehearsed))
     if not common:
         checks.append(Check("memory", "model_ready vs rehearsal", "WARN",
@@ -327,6 +382,16 @@ def rehearsal_checks(run: RunData) -> list[Check]:
     return checks
 
 
+def _rehearsed_bytes(rehearsal: dict[str, Any], *, source: object) -> dict[int, dict[str, float]]:
+    """Rank → its rehearsed parameter and peak bytes; a missing key or a wrong type names `source` and the key."""
+    if not json_field(rehearsal, "ranks", list, source=source):
+        raise UserInputError(f"{source}: key 'ranks' is empty (expected one entry per rehearsed rank)")
+    return {json_field(rehearsal, f"ranks.{i}.rank", int, source=source):
+            {part: float(json_field(rehearsal, f"ranks.{i}.memory_bytes.{part}", NUMBER, source=source))
+             for part in ("params", "peak")}
+            for i in range(len(rehearsal["ranks"]))}
+
+
 def comm_check(run: RunData) -> Check:
     share = step_share(run, "comm_s")
     if not math.isfinite(share):
@@ -341,11 +406,15 @@ def comm_check(run: RunData) -> Check:
 def drill_check(run: RunData) -> Check:
     drill = run.drill
     if drill is None:
-        return Check("fault tolerance", "fault drill", "WARN",
-                     "no drill.json: run `leantrain drill SPEC` on this setup")
+        return Check("fault tolerance", "fault drill", "WARN", artifact_problem(run, DRILL_FILE)
+                     or "no drill.json: run `leantrain drill SPEC` on this setup")
     facts = ", ".join(f"{k} {drill[k]}" for k in ("recovery_s", "steps_lost", "goodput", "max_loss_diff")
                       if k in drill)
-    if drill.get("passed") is True:
+    try:
+        passed = json_field(drill, "passed", bool, source=run.run_dir / DRILL_FILE, default=False)
+    except UserInputError as err:  # the drill's verdict cannot be read: it did not pass
+        return Check("fault tolerance", "fault drill", "FAIL", f"{err}; {facts}")
+    if passed:
         return Check("fault tolerance", "fault drill", "PASS", f"drill passed: {facts}")
     reason = drill.get("reason") or drill.get("message") or "drill.json says passed: false"
     return Check("fault tolerance", "fault drill", "FAIL", f"{reason}; {facts}")
@@ -359,7 +428,7 @@ def validate_run(
     if not (run_dir / METRICS_FILE).is_file():
         raise UserInputError(f"{run_dir / METRICS_FILE} is missing: validate needs a run dir written by train/launch")
     run = load_run(run_dir)
-    plan = load_plan_file(plan_file) if plan_file is not None else run.plan
+    plan = load_plan_targets(run, plan_file)
     base = None
     if baseline is not None:
         if not (Path(baseline) / METRICS_FILE).is_file():

@@ -18,11 +18,18 @@ from typing import Any
 
 import numpy as np
 
-from leantrain.errors import UserInputError
+from leantrain.errors import NUMBER, UserInputError, json_field
 from leantrain.observe.report_card import drill_section, fields_text, human_bytes, run_card
 from leantrain.observe.report_cost import CostSummary, cost_and_idle
 from leantrain.observe.report_data import METRICS_FILE, RunData, as_float, load_run, steady
-from leantrain.observe.report_plots import XAxis, metric_plots, plotly_available, source_loss_plot, timeline_plot
+from leantrain.observe.report_plots import (
+    XAxis,
+    malformed_by_source,
+    metric_plots,
+    plotly_available,
+    source_loss_plot,
+    timeline_plot,
+)
 
 CSS = """
 body{font-family:system-ui,-apple-system,Segoe UI,Roboto,sans-serif;margin:24px;color:#1b1f24;max-width:1600px}
@@ -193,16 +200,35 @@ def _events_table(run: RunData) -> str:
 
 
 def _eval_section(run: RunData) -> str:
-    """The results of `leantrain eval` (eval.json): held-out loss per source and multiple-choice accuracy."""
+    """The results of `leantrain eval` (eval.json): held-out loss per source and multiple-choice accuracy. A
+    hand-edited eval.json (a missing key, a wrong type) is named in the section, as an unreadable one is listed
+    at the end: the rest of the report is still written."""
     result = run.eval_results
     if not result:
         return ""
-    rows = [[f"held-out {name}", f"loss {v['loss']:.4f}, " + (f"perplexity {v['perplexity']:.2f}" if "perplexity" in v
-             else f"reward margin {v['rewards/margin']:.3f}, accuracy {v['rewards/accuracy']:.3f}")]  # DPO: pairs
-            for name, v in result.get("held_out", {}).items()]
-    rows += [[f"task {name}", f"acc {v['acc']:.3f}, acc_norm {v['acc_norm']:.3f} ({v['num_questions']} questions)"]
-             for name, v in result.get("tasks", {}).items()]
-    return f"<h2>Evaluation (step {result.get('step')})</h2>" + _table(["what", "result"], rows)
+    try:
+        rows = eval_rows(result, source=run.run_dir / "eval.json")
+    except UserInputError as err:
+        return f"<h2>Evaluation</h2><p class='warning'>{html.escape(str(err))}</p>"
+    return f"<h2>Evaluation (step {html.escape(str(result.get('step')))})</h2>" + _table(["what", "result"], rows)
+
+
+def eval_rows(result: dict[str, Any], *, source: object) -> list[list[str]]:
+    """(what, result) rows of an eval.json; a missing key or a wrong type is a UserInputError naming it."""
+    def number(*key: str, required: bool = True) -> Any:
+        return json_field(result, key, NUMBER, source=source, **({} if required else {"default": None}))
+
+    rows = []
+    for name in json_field(result, "held_out", dict, source=source, default={}):
+        perplexity = number("held_out", name, "perplexity", required=False)
+        rows.append([f"held-out {name}", f"loss {number('held_out', name, 'loss'):.4f}, " + (
+            f"perplexity {perplexity:.2f}" if perplexity is not None else  # DPO: preference pairs
+            f"reward margin {number('held_out', name, 'rewards/margin'):.3f}, "
+            f"accuracy {number('held_out', name, 'rewards/accuracy'):.3f}")])
+    for name in json_field(result, "tasks", dict, source=source, default={}):
+        rows.append([f"task {name}", f"acc {number('tasks', name, 'acc'):.3f}, acc_norm "
+                     f"{number('tasks', name, 'acc_norm'):.3f} ({number('tasks', name, 'num_questions'):g} questions)"])
+    return rows
 
 
 def compare_rows(runs: list[RunData]) -> list[list[str]]:
@@ -259,8 +285,9 @@ def render_html(run: RunData | list[RunData], *, x: XAxis = "step", interactive:
     timeline_img = "" if timeline is None else (
         f"<img id='plot-timeline' class='plot' alt='Run timeline' style='width:100%' "
         f"src='data:image/png;base64,{timeline.png_base64}'>")
-    problems = "" if not run.bad_lines else (
-        "<h2>Unreadable lines</h2><ul>" + "".join(f"<li>{html.escape(b)}</li>" for b in run.bad_lines[:50]) + "</ul>")
+    bad = [*run.bad_lines, *malformed_by_source(run)]
+    problems = "" if not bad else (
+        "<h2>Unreadable lines</h2><ul>" + "".join(f"<li>{html.escape(b)}</li>" for b in bad[:50]) + "</ul>")
     name = (run.lineage or {}).get("run_name") or run.run_dir.name
     title = name if len(runs) == 1 else f"{name} vs " + ", ".join(r.run_dir.name for r in runs[1:])
     generated = dt.datetime.now(tz=dt.UTC).strftime("%Y-%m-%d %H:%M UTC")

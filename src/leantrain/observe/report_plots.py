@@ -171,16 +171,38 @@ def _label_last(ax: Axes, xs: np.ndarray, ys: np.ndarray, name: str) -> None:
                     textcoords="offset points", xytext=(-6, 8), ha="right", fontsize=8)
 
 
+BY_SOURCE_KEYS = ("loss_by_source", "eval_loss_by_source")  # {source name: loss} in a metrics record
+
+
+def by_source(record: dict[str, object], key: str) -> dict[str, object]:
+    """A record's {source: loss} map; {} when absent or not an object (malformed_by_source names those)."""
+    value = record.get(key)
+    return value if isinstance(value, dict) else {}
+
+
+def malformed_by_source(run: RunData) -> list[str]:
+    """`metrics.jsonl: step 12: loss_by_source is not an object {source: loss} (['en'])...` for each record whose
+    per-source map the plots had to leave out (a hand-edited file)."""
+    found = []
+    for record in [*run.metrics, *run.evals]:
+        for key in BY_SOURCE_KEYS:
+            value = record.get(key)
+            if value is not None and not isinstance(value, dict):
+                found.append(f"metrics.jsonl: step {record.get('step', '?')}: {key} is not an object "
+                             f"{{source: loss}} ({str(value)[:40]!r}): left out of the plots")
+    return found
+
+
 def held_out_by_source(run: RunData) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """Source name → (steps, held-out loss) from the eval records' eval_loss_by_source (every source, every eval)."""
     names: list[str] = []
     for record in run.evals:
-        for name in record.get("eval_loss_by_source") or {}:
+        for name in by_source(record, "eval_loss_by_source"):
             if name not in names:
                 names.append(name)
     out = {}
     for name in names:
-        points = [(as_float(r.get("step")), as_float((r.get("eval_loss_by_source") or {}).get(name)))
+        points = [(as_float(r.get("step")), as_float(by_source(r, "eval_loss_by_source").get(name)))
                   for r in run.evals]
         steps, losses = (np.array(v, dtype=float) for v in zip(*points, strict=True))
         out[name] = (steps, losses)
@@ -194,10 +216,10 @@ def source_loss_plot(run: RunData) -> Plot | None:
     steps, _ = run.series("loss")
     trained: dict[str, np.ndarray] = {}
     for record in run.metrics:
-        for name in record.get("loss_by_source") or {}:
+        for name in by_source(record, "loss_by_source"):
             trained.setdefault(name, np.full(len(run.metrics), np.nan))
     for i, record in enumerate(run.metrics):
-        for name, value in (record.get("loss_by_source") or {}).items():
+        for name, value in by_source(record, "loss_by_source").items():
             trained[name][i] = as_float(value)
     if not held and len(trained) < 2:
         return None

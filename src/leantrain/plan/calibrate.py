@@ -15,11 +15,11 @@ from __future__ import annotations
 import json
 import math
 import statistics
-from dataclasses import dataclass, fields, replace
+from dataclasses import MISSING, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
-from leantrain.errors import UserInputError
+from leantrain.errors import UserInputError, json_field, read_json_object
 from leantrain.hardware import remeasure_cpu_peak
 from leantrain.plan.inputs import PlanInputs, plan_inputs
 from leantrain.plan.layout import Layout
@@ -64,13 +64,31 @@ def load_measured_run(run_dir: Path) -> MeasuredRun:
         if not (run_dir / name).is_file():
             raise UserInputError(f"--calibrate {run_dir}: no {name} (a run dir written by `leantrain train`)")
     spec = load_spec(run_dir / "spec.yaml")
-    plan = json.loads((run_dir / "plan.json").read_text(encoding="utf-8"))
-    names = {f.name for f in fields(Layout)}
-    layout = Layout(**{k: v for k, v in plan.get("layout", {}).items() if k in names})
+    layout = plan_layout(read_json_object(run_dir / "plan.json", option="--calibrate"),
+                         source=f"--calibrate {run_dir / 'plan.json'}")
     inputs = plan_inputs(spec)
     seqs = max(1, math.ceil(spec.training.global_batch_tokens / spec.data.seq_len))
     return MeasuredRun(run_dir=run_dir, inputs=inputs, layout=layout, sequences_per_step=seqs,
                        step_s=_steady_step_s(run_dir / "metrics.jsonl"), compute_dtype=spec.precision.compute)
+
+
+def plan_layout(plan: dict[str, Any], *, source: str) -> Layout:
+    """The layout a plan.json records under `layout`, each field checked against Layout's type (counts positive,
+    ZeRO stage from 0): a hand-edited or cut-short file is a UserInputError naming `source` and the key."""
+    hints = get_type_hints(Layout)
+    values = {}
+    for field in fields(Layout):
+        key, hint = f"layout.{field.name}", hints[field.name]
+        allowed = get_args(hint) if get_origin(hint) is Literal else ()
+        optional = {} if field.default is MISSING else {"default": field.default}
+        value = json_field(plan, key, str if allowed else hint, source=source, **optional)
+        if allowed and value not in allowed:
+            raise UserInputError(f"{source}: key {key!r}: expected one of {', '.join(allowed)}, got {value!r}")
+        if hint is int and value < (0 if field.name == "zero" else 1):
+            raise UserInputError(f"{source}: key {key!r}: expected an integer from {0 if field.name == 'zero' else 1}"
+                                 f", got {value}")
+        values[field.name] = value
+    return Layout(**values)
 
 
 def efficiency_for(run: MeasuredRun, *, dp_overlap: float | None = None) -> float:

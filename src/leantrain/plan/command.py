@@ -11,7 +11,7 @@ from rich.console import Console
 
 from leantrain.errors import UserInputError, check_output_file
 from leantrain.plan.planner import build_plan, make_plan, what_if_rows
-from leantrain.plan.render import plot_what_if, render_calibration, render_plan, render_what_if
+from leantrain.plan.render import check_plot_path, plot_what_if, render_calibration, render_plan, render_what_if
 from leantrain.spec import JobSpec, load_spec
 
 __all__ = ["demo_stage", "make_plan", "parse_what_if", "run"]
@@ -23,6 +23,10 @@ def parse_what_if(text: str) -> tuple[list[int], Path | None]:
     for item in (part.strip() for part in text.split(",")):
         if "=" in item:
             key, item = (s.strip() for s in item.split("=", 1))
+        elif key is None:
+            raise UserInputError(f"--what-if {text!r}: start with a key, e.g. gpus=64,128,256[,plot=FILE.png]")
+        if key == "plot" and plot is not None:
+            raise UserInputError(f"--what-if {text!r}: plot= is given more than once")
         if key == "gpus":
             if not item.isdigit() or int(item) < 1:
                 raise UserInputError(f"--what-if: GPU counts are positive integers, got {item!r} "
@@ -31,6 +35,7 @@ def parse_what_if(text: str) -> tuple[list[int], Path | None]:
         elif key == "plot":
             plot = Path(item)
             check_output_file(plot, "--what-if plot=")
+            check_plot_path(plot, "--what-if plot=")
         else:
             raise UserInputError(f"--what-if: unknown key {key!r}; use gpus=64,128,256[,plot=FILE.png]")
     if not counts:
@@ -45,9 +50,13 @@ def write_plan_json(data: dict[str, Any], path: Path) -> None:
 
 def run(*, console: Console, spec: JobSpec, json_out: Path | None, top: int, what_if: str | None,
         plot: Path | None = None, calibrate: list[Path] | None = None) -> None:
-    """Print the plan; write plan.json with --json; --what-if adds a table (and a PNG with plot=);
-    --calibrate fits the step-time constants to earlier runs first (plan/calibrate.py)."""
+    """Print the plan; write plan.json with --json; --what-if adds a table (and a PNG with plot=, drawn after
+    plan.json is written, so a plot that fails loses nothing); --calibrate fits the step-time constants to earlier
+    runs first (plan/calibrate.py). The flags are checked before any of it."""
     start = time.perf_counter()
+    check_plot_path(plot, "--plot")
+    counts, plot_from_flag = parse_what_if(what_if) if what_if else ([], None)
+    plot = plot or plot_from_flag
     calibration = None
     if calibrate:
         from leantrain.plan.calibrate import apply
@@ -58,15 +67,11 @@ def run(*, console: Console, spec: JobSpec, json_out: Path | None, top: int, wha
         render_calibration(calibration, console=console)
     plan = build_plan(spec)
     plan.calibration = calibration
-    if what_if:
-        counts, plot_from_flag = parse_what_if(what_if)
+    if counts:
         what_if_rows(plan, counts)
-        plot = plot or plot_from_flag
     render_plan(plan, console=console, top=max(1, top))
     if plan.what_if:
         render_what_if(plan.what_if, console=console, currency=spec.budget.currency)
-        if plot is not None:
-            console.print(f"what-if plot: {plot_what_if(plan.what_if, plot, currency=spec.budget.currency)}")
     if spec.plan.trace:
         from leantrain.plan.trace import compare, render_comparison
 
@@ -76,6 +81,8 @@ def run(*, console: Console, spec: JobSpec, json_out: Path | None, top: int, wha
     if json_out is not None:
         write_plan_json(plan.to_json(), json_out)
         console.print(f"wrote {json_out}")
+    if plan.what_if and plot is not None:
+        console.print(f"what-if plot: {plot_what_if(plan.what_if, plot, currency=spec.budget.currency)}")
     console.print(f"planned in {time.perf_counter() - start:.2f} s")
 
 

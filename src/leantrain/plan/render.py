@@ -8,6 +8,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
+from leantrain.errors import UserInputError
 from leantrain.hardware import GiB
 from leantrain.plan.budget import FAST_TIER_COPIES
 from leantrain.plan.planner import Plan
@@ -184,9 +185,22 @@ def render_what_if(rows: list[dict[str, Any]], *, console: Console, currency: st
         console.print(f"  {line}")
 
 
+# The formats the what-if plot is written in, chosen by the file's suffix: matplotlib's own writers and Pillow's
+# (a dependency of matplotlib); not pgf (needs LaTeX), AVIF (needs a Pillow built with it) or raw pixel buffers.
+PLOT_SUFFIXES = (".png", ".svg", ".pdf", ".jpg", ".jpeg", ".webp", ".tif", ".tiff", ".eps", ".ps")
+
+
+def check_plot_path(path: Path | None, option: str) -> None:
+    """Refuse, before any work, a plot path whose suffix names no format the plot is written in."""
+    if path is not None and Path(path).suffix.lower() not in PLOT_SUFFIXES:
+        raise UserInputError(f"{option} {path}: the plot's format comes from the file suffix; use one of "
+                             f"{', '.join(PLOT_SUFFIXES)} (e.g. {Path(path).with_suffix('.png')})")
+
+
 def plot_what_if(rows: list[dict[str, Any]], path: Path, *, currency: str = "USD") -> Path:
-    """Days (top) and cost (bottom) against GPU count, as a PNG (Agg backend: no display needed): the budget at
-    the assumed MFU and the predicted whole run's P50 with its P10–P90 band."""
+    """Days (top) and cost (bottom) against GPU count, as a PNG, SVG, PDF, ... by the suffix (Agg backend: no display
+    needed): the budget at the assumed MFU and the predicted whole run's P50 with its P10–P90 band."""
+    check_plot_path(path, "--plot")
     import matplotlib
 
     matplotlib.use("Agg")
@@ -212,7 +226,11 @@ def plot_what_if(rows: list[dict[str, Any]], path: Path, *, currency: str = "USD
     cost_ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
     cost_ax.set_xlabel("GPUs")
     fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(path, dpi=100)
+    except OSError as err:
+        raise UserInputError(f"--plot {path}: cannot be written ({err.strerror or err})") from None
+    finally:
+        plt.close(fig)
     return path
