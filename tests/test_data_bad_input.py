@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import random
 from pathlib import Path
 
@@ -14,10 +15,12 @@ import zstandard
 from leantrain.cli import main
 from leantrain.data.demo_corpus import _document
 from leantrain.data.inputs import BadInputError, open_binary
+from leantrain.data.layout import write_token_data_dir
 from leantrain.data.pipeline import prepare_data
 from leantrain.spec.schema import CleaningSpec, DataSource, DataSpec, TokenizerSpec
 
 NUM_DOCS = 400
+TINY = Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml"
 
 
 def _rows(seed: int = 1) -> bytes:
@@ -96,3 +99,77 @@ def test_cli_exit_2_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture
     captured = capsys.readouterr()
     assert code == 2, captured
     assert path.name in (captured.out + captured.err).replace("\n", "")
+
+
+def _damage(data_dir: Path, kind: str) -> list[str]:
+    """Damage a data dir as `leantrain train` might find it; returns what the refusal must name."""
+    manifest_path = data_dir / "manifest.json"
+    manifest = json.loads(manifest_path.read_text())
+    shard = data_dir / manifest["shards"][0]["path"]
+    if kind in ("truncated_shard", "odd_sized_shard"):  # a copy cut short: even, or mid-token
+        os.truncate(shard, 200 if kind == "truncated_shard" else shard.stat().st_size - 1)
+        return [str(shard), f"expected {manifest['shards'][0]['num_bytes']:,}"]
+    if kind == "truncated_manifest":
+        text = manifest_path.read_text()
+        manifest_path.write_text(text[: len(text) // 2])
+        return [str(manifest_path), "not valid JSON"]
+    edits = {
+        "missing_key": (lambda m: m.pop("eos_id"), "'eos_id'"),
+        "string_for_number": (lambda m: m.update(vocab_size="lots"), "'vocab_size'"),
+        "shard_string_for_number": (lambda m: m["shards"][0].update(num_tokens="many"), "'num_tokens'"),
+        "bad_dtype": (lambda m: m.update(dtype="float32"), "'dtype'"),
+    }
+    edit, key = edits[kind]
+    edit(manifest)
+    manifest_path.write_text(json.dumps(manifest))
+    return [str(manifest_path), key]
+
+
+@pytest.mark.parametrize("kind", ["truncated_shard", "odd_sized_shard", "truncated_manifest", "missing_key",
+                                  "string_for_number", "shard_string_for_number", "bad_dtype"])
+def test_train_refuses_a_damaged_data_dir_naming_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                          kind: str) -> None:
+    """A damaged prepared data dir is exit 2 naming the file (and the manifest's key), not a traceback; a refusal
+    at start leaves no description of a run that never started."""
+    rng = random.Random(0)
+    docs = {"web": [[rng.randrange(1, 500) for _ in range(60)] for _ in range(40)]}
+    write_token_data_dir(tmp_path / "data", docs, vocab_size=512, eos_id=0, shard_size_tokens=1000)
+    names = _damage(tmp_path / "data", kind)
+    run_dir = tmp_path / "run"
+    code = main(["train", str(TINY), "--set", f"data.dir={tmp_path / 'data'}", "--run-dir", str(run_dir),
+                 "--max-steps", "1"])
+    captured = capsys.readouterr()
+    message = (captured.out + captured.err).replace("\n", "")
+    assert code == 2, message
+    assert "Traceback" not in message and all(name in message for name in names), (names, message)
+    if kind not in ("truncated_shard", "odd_sized_shard"):  # refused at start (a shard: when first opened)
+        assert not (run_dir / "spec.yaml").exists() and not (run_dir / "lineage.json").exists()
+
+
+def test_train_refuses_token_ids_beyond_the_models_vocabulary_at_start(tmp_path: Path,
+                                                                       capsys: pytest.CaptureFixture[str]) -> None:
+    """Data tokenized with a larger vocabulary than model.vocab_size (here a tokenizer whose vocab_size, 512,
+    undercounts its ids, as one with gaps in its id range does) is refused before the first step, from the
+    largest id prepare recorded per shard, naming both numbers and both fields; an older data dir that has no
+    such record still trains."""
+    rng = random.Random(0)
+    docs = {"web": [[rng.randrange(1, 700) for _ in range(60)] for _ in range(40)]}
+    write_token_data_dir(tmp_path / "data", docs, vocab_size=512, eos_id=0, shard_size_tokens=1000)
+    top = max(max(doc) for doc in docs["web"])
+    assert top >= 512
+    argv = ["train", str(TINY), "--set", f"data.dir={tmp_path / 'data'}", "--max-steps", "1", "--run-dir"]
+    code = main([*argv, str(tmp_path / "run")])
+    message = capsys.readouterr().err.replace("\n", "")
+    assert code == 2, message
+    for part in (str(tmp_path / "data" / "manifest.json"), "max_token_id", str(top), "model.vocab_size", "512"):
+        assert part in message, (part, message)
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()  # refused before any step
+    # a data dir written before max_token_id was recorded (and within the model's vocabulary) still trains
+    old = write_token_data_dir(tmp_path / "old", {"web": [[i % 500 + 1 for i in range(60)]] * 40}, vocab_size=512,
+                               eos_id=0, shard_size_tokens=1000)
+    raw = json.loads((tmp_path / "old" / "manifest.json").read_text())
+    for shard in raw["shards"]:
+        del shard["max_token_id"]
+    (tmp_path / "old" / "manifest.json").write_text(json.dumps(raw))
+    assert old.shards and main(["train", str(TINY), "--set", f"data.dir={tmp_path / 'old'}", "--max-steps", "1",
+                                "--run-dir", str(tmp_path / "old-run")]) == 0

@@ -234,3 +234,31 @@ def test_the_prefetching_loader_hands_out_the_samplers_batches_and_its_consumed_
         with pytest.raises(UserInputError, match="mask is missing"):
             failing.next_batch()
     failing.close()
+
+
+def test_a_truncated_shard_or_mask_is_refused_when_first_opened_naming_it(tmp_path: Path) -> None:
+    """A shard's size is checked against the manifest when the sampler first opens it (one stat, no read): a
+    building sampler opens nothing, and the batch that needs the damaged shard raises a user error naming it."""
+    import json
+    import os
+
+    from leantrain.data.chat import mask_path
+    from leantrain.data.layout import load_manifest
+
+    write_token_data_dir(tmp_path / "d", {"web": _docs(4, low=1, high=100, num_docs=8)}, vocab_size=128, eos_id=0)
+    shard = load_manifest(tmp_path / "d").shards[0]
+    bin_path = tmp_path / "d" / shard.path
+    os.truncate(bin_path, shard.num_bytes - 2)  # a copy cut short by one token
+    sampler = _sampler(tmp_path / "d")
+    with pytest.raises(UserInputError, match=f"{bin_path}: .* bytes, expected {shard.num_bytes:,}"):
+        sampler.next_batch()
+    # a chat source's loss mask: one byte per token, checked the same way
+    write_token_data_dir(tmp_path / "c", {"chat": _docs(5, low=1, high=100, num_docs=8)}, vocab_size=128, eos_id=0)
+    raw = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    raw["sources"][0].update(loss_mask=True, pad_multiple=SEQ_LEN)
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps(raw))
+    shard = load_manifest(tmp_path / "c").shards[0]
+    mask = mask_path(tmp_path / "c" / shard.path)
+    mask.write_bytes(b"\x01" * (shard.num_tokens - 1))
+    with pytest.raises(UserInputError, match=f"{mask}: .* expected one per token of the shard"):
+        _sampler(tmp_path / "c").next_batch()

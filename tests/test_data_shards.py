@@ -2,14 +2,27 @@
 
 from __future__ import annotations
 
+import json
+import os
 import struct
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 from leantrain.data.layout import load_manifest, write_token_data_dir
-from leantrain.data.shards import INDEX_HEADER, ShardReader, ShardWriter, read_index, sha256_file, token_dtype
+from leantrain.data.shards import (
+    INDEX_HEADER,
+    ShardInfo,
+    ShardReader,
+    ShardWriter,
+    map_tokens,
+    read_index,
+    sha256_file,
+    token_dtype,
+)
+from leantrain.errors import UserInputError
 
 DOCS = [[5, 6, 7], [8], [9, 10, 11, 12, 13]]
 
@@ -93,3 +106,53 @@ def test_sha256_file_is_hashlibs_across_buffer_boundaries(tmp_path: Path, size: 
     data = np.random.default_rng(size).bytes(size)
     (tmp_path / "f").write_bytes(data)
     assert sha256_file(tmp_path / "f") == hashlib.sha256(data).hexdigest()
+
+
+def test_shards_record_their_largest_token_id_and_older_entries_still_load(tmp_path: Path) -> None:
+    writer = ShardWriter(tmp_path / "s", dtype=np.uint16)
+    assert writer.max_token_id is None
+    for doc in DOCS:
+        writer.add(np.array(doc))
+    assert writer.max_token_id == 13
+    manifest = write_token_data_dir(tmp_path / "d", {"a": DOCS * 10}, vocab_size=64, eos_id=0, shard_size_tokens=20)
+    assert [s.max_token_id for s in load_manifest(tmp_path / "d").shards] == [s.max_token_id for s in manifest.shards]
+    assert max(s.max_token_id or 0 for s in manifest.shards) == 13
+    older = {k: v for k, v in manifest.shards[0].to_json().items() if k != "max_token_id"}
+    assert ShardInfo.from_json(older).max_token_id is None
+    assert ShardInfo.from_json(older).to_json() == older  # written back as it was read
+
+
+@pytest.mark.parametrize(("edit", "named"), [
+    (lambda m: m["sources"][0].update(weight="heavy"), "'sources.0.weight'"),
+    (lambda m: m.update(mixture=[]), "'mixture'"),
+    (lambda m: m["mixture"].update(stages=[{"weights": {"a": "x"}}]), "'mixture.stages.0.weights.a'"),
+    (lambda m: m.update(eos_id=64), "'eos_id'"),
+    (lambda m: m.update(shards={}), "'shards'"),
+    (lambda m: m["shards"][0].update(bytes=1), "'shards.0' (train/a_00000.bin): unknown keys ['bytes']"),
+    (lambda m: m["shards"][0].update(num_docs=-1), "'num_docs'"),
+    (lambda m: m.update(dtype="uint17"), "'dtype'"),
+])
+def test_a_manifest_with_a_wrong_key_or_type_is_refused_naming_it(tmp_path: Path, edit: Any, named: str) -> None:
+    write_token_data_dir(tmp_path, {"a": DOCS}, vocab_size=64, eos_id=0)
+    raw = json.loads((tmp_path / "manifest.json").read_text())
+    edit(raw)
+    (tmp_path / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(UserInputError) as info:
+        load_manifest(tmp_path)
+    assert str(tmp_path / "manifest.json") in str(info.value) and named in str(info.value), str(info.value)
+
+
+def test_a_shards_size_is_checked_once_when_it_is_mapped(tmp_path: Path) -> None:
+    """map_tokens compares the file's size with the manifest's token count (one stat, nothing read): a truncated,
+    mid-token or missing `.bin` is a user error naming it and what was expected."""
+    write_token_data_dir(tmp_path, {"a": DOCS}, vocab_size=64, eos_id=0)
+    shard = load_manifest(tmp_path).shards[0]
+    path = tmp_path / shard.path
+    assert map_tokens(path, dtype=np.dtype(np.uint16), num_tokens=shard.num_tokens).tolist()[:3] == [5, 6, 7]
+    for size in (8, shard.num_bytes - 1):
+        os.truncate(path, size)
+        with pytest.raises(UserInputError, match=f"{path}: {size:,} bytes, expected {shard.num_bytes:,}"):
+            map_tokens(path, dtype=np.dtype(np.uint16), num_tokens=shard.num_tokens)
+    path.unlink()
+    with pytest.raises(UserInputError, match=f"{path}: listed in the data dir's manifest.json but missing"):
+        map_tokens(path, dtype=np.dtype(np.uint16), num_tokens=shard.num_tokens)

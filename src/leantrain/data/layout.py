@@ -7,6 +7,7 @@ the trainer needs to open first; everything else is found through it.
 
 from __future__ import annotations
 
+import functools
 import json
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -15,8 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from leantrain.data.shards import ShardInfo, ShardWriter, atomic_write_bytes, token_dtype
-from leantrain.errors import UserInputError
+from leantrain.data.shards import TOKEN_DTYPES, ShardInfo, ShardWriter, atomic_write_bytes, token_dtype
+from leantrain.errors import NUMBER, UserInputError, json_field, read_json_object
 
 MANIFEST = "manifest.json"
 REPORT = "report.json"
@@ -25,6 +26,7 @@ PII_AUDIT = "pii_audit.jsonl"
 SPLITS = ("train", "valid")
 FORMAT_NAME = "leantrain-data"
 FORMAT_VERSION = 1
+_MANIFEST_KEYS = {"format", "version", "vocab_size", "eos_id", "dtype", "tokenizer", "sources", "mixture", "shards"}
 
 
 def shard_prefix(split: str, source: str, number: int) -> str:
@@ -87,29 +89,52 @@ class Manifest:
 
 
 def load_manifest(data_dir: Path) -> Manifest:
-    """Read and check `manifest.json`; a missing or foreign file is a user error naming the path."""
+    """Read and check `manifest.json`: a missing, foreign or damaged file (not JSON, a key missing, a value of the
+    wrong type, a dtype that is not an integer type) is a user error naming the path and the key."""
     path = Path(data_dir) / MANIFEST
     if not path.is_file():
         raise UserInputError(f"{path} not found: run `leantrain prepare SPEC` to build the data dir first")
-    try:
-        raw = json.loads(path.read_text(encoding="utf-8"))
-    except json.JSONDecodeError as err:
-        raise UserInputError(f"{path} is not valid JSON ({err}); re-run `leantrain prepare`") from None
+    raw = read_json_object(path)
     if raw.get("format") != FORMAT_NAME or raw.get("version") != FORMAT_VERSION:
         raise UserInputError(f"{path}: not a {FORMAT_NAME} v{FORMAT_VERSION} manifest; re-run `leantrain prepare`")
-    known = {"format", "version", "vocab_size", "eos_id", "dtype", "tokenizer", "sources", "mixture", "shards"}
-    stages = [MixtureStage(weights=dict(st["weights"]), until_tokens=st.get("until_tokens"))
-              for st in raw["mixture"].get("stages", [])]
+    field = functools.partial(json_field, raw, source=path)
+    vocab_size, eos_id, dtype = field("vocab_size", int), field("eos_id", int), field("dtype", str)
+    if vocab_size < 1:
+        raise UserInputError(f"{path}: key 'vocab_size': expected a number of tokens ≥ 1, got {vocab_size}")
+    if not 0 <= eos_id < vocab_size:
+        raise UserInputError(f"{path}: key 'eos_id': expected a token id from 0 to vocab_size - 1 "
+                             f"({vocab_size - 1}), got {eos_id}")
+    if dtype not in TOKEN_DTYPES:
+        raise UserInputError(f"{path}: key 'dtype': expected an integer type, one of {list(TOKEN_DTYPES)}; "
+                             f"got {dtype!r}")
+    for number in range(len(field("sources", list))):
+        field(f"sources.{number}.name", str)
+        field(f"sources.{number}.weight", NUMBER)
+        field(f"sources.{number}.pad_multiple", int, default=0)
+    field("mixture", dict)
+    stages = []
+    for number in range(len(field("mixture.stages", list, default=[]))):
+        weights = field(f"mixture.stages.{number}.weights", dict)
+        for name in weights:
+            field(("mixture", "stages", str(number), "weights", name), NUMBER)
+        stages.append(MixtureStage(weights=dict(weights),
+                                   until_tokens=field(f"mixture.stages.{number}.until_tokens", NUMBER, default=None)))
     return Manifest(
-        vocab_size=int(raw["vocab_size"]),
-        eos_id=int(raw["eos_id"]),
-        dtype=str(raw["dtype"]),
-        sources=list(raw["sources"]),
-        shards=[ShardInfo.from_json(s) for s in raw["shards"]],
-        stages=stages,
-        tokenizer=dict(raw.get("tokenizer", {})),
-        extra={k: v for k, v in raw.items() if k not in known},
+        vocab_size=vocab_size, eos_id=eos_id, dtype=dtype, sources=list(raw["sources"]),
+        shards=_shards(raw, path=path), stages=stages, tokenizer=dict(field("tokenizer", dict, default={})),
+        extra={k: v for k, v in raw.items() if k not in _MANIFEST_KEYS},
     )
+
+
+def _shards(raw: dict[str, Any], *, path: Path) -> list[ShardInfo]:
+    shards = []
+    for number, entry in enumerate(json_field(raw, "shards", list, source=path)):
+        try:
+            shards.append(ShardInfo.from_json(entry))
+        except TypeError as err:
+            name = f" ({entry['path']})" if isinstance(entry, dict) and isinstance(entry.get("path"), str) else ""
+            raise UserInputError(f"{path}: key 'shards.{number}'{name}: {err}; re-run `leantrain prepare`") from None
+    return shards
 
 
 def write_split_shards(
@@ -162,6 +187,7 @@ def _close(
     info = ShardInfo(
         path=writer.bin_path.relative_to(data_dir).as_posix(), split=split, source=source, sha256=bin_sha,
         idx_sha256=idx_sha, num_tokens=writer.num_tokens, num_docs=writer.num_docs, num_bytes=num_bytes,
+        max_token_id=getattr(writer, "max_token_id", None),  # a ShardWriter's; a writer that does not track it: none
     )
     if on_shard is not None:
         on_shard(info)

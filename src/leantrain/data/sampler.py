@@ -26,10 +26,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from leantrain.data.chat import load_mask
-from leantrain.data.layout import Manifest, MixtureStage, load_manifest
+from leantrain.data.chat import load_mask, mask_path
+from leantrain.data.layout import MANIFEST, Manifest, MixtureStage, load_manifest
 from leantrain.data.sample_index import load_index
-from leantrain.data.shards import ShardInfo
+from leantrain.data.shards import ShardInfo, map_tokens
 from leantrain.errors import UserInputError
 
 BLOCK_SAMPLES = 1024  # granularity of the mixture: weights are honoured exactly per block, to 1/1024
@@ -59,7 +59,8 @@ class SourceStream:
     """One source's endless, epoch-shuffled, packed token stream over its shards.
 
     Where each document lies comes from the data dir's memory-mapped index (`data.sample_index`); a shard's
-    tokens (and loss mask) are opened on first use, so a rank opens only the shards its samples touch.
+    tokens (and loss mask) are opened on first use, so a rank opens only the shards its samples touch, and their
+    sizes are checked against the manifest then (one stat each: a truncated shard is an error naming it).
     """
 
     def __init__(self, data_dir: Path, shards: list[ShardInfo], index: np.ndarray, *, name: str, seed: int,
@@ -67,6 +68,7 @@ class SourceStream:
         self.name = name
         self.seq_len = seq_len
         self._paths = [Path(data_dir) / s.path for s in shards]
+        self._num_tokens = [s.num_tokens for s in shards]
         self._dtype = dtype
         self._tokens: dict[int, np.ndarray] = {}
         self._masked = masked  # chat sources: one mask byte per token, beside each shard
@@ -78,9 +80,7 @@ class SourceStream:
 
     def _shard_tokens(self, shard: int) -> np.ndarray:
         if shard not in self._tokens:
-            path = self._paths[shard]
-            self._tokens[shard] = (np.memmap(path, dtype=self._dtype, mode="r") if path.stat().st_size
-                                   else np.zeros(0, dtype=self._dtype))
+            self._tokens[shard] = map_tokens(self._paths[shard], dtype=self._dtype, num_tokens=self._num_tokens[shard])
         return self._tokens[shard]
 
     def _shard_mask(self, shard: int) -> np.ndarray:
@@ -89,6 +89,9 @@ class SourceStream:
             if mask is None:
                 raise UserInputError(f"{self._paths[shard]}: the source {self.name!r} has a loss mask but this "
                                      "shard's .mask is missing; prepare the data dir again")
+            if len(mask) != self._num_tokens[shard]:
+                raise UserInputError(f"{mask_path(self._paths[shard])}: {len(mask):,} bytes, expected one per token "
+                                     f"of the shard ({self._num_tokens[shard]:,}); prepare the data dir again")
             self._masks[shard] = mask
         return self._masks[shard]
 
@@ -267,6 +270,20 @@ class PackedBatchSampler:
         if position < 0:
             raise UserInputError(f"sampler state global_sample_index must be ≥ 0, got {position}")
         self._position = position
+
+
+def check_token_ids(manifest: Manifest, data_dir: Path, *, model_vocab_size: int) -> None:
+    """Refuse, once at start, data holding token ids that the model's embedding has no row for, from the largest
+    id each shard's manifest entry records (`max_token_id`; no shard is read). A data dir written before that
+    was recorded passes here; the trainer still compares its manifest's vocab_size with the model's."""
+    recorded = [(s.max_token_id, s.path) for s in manifest.shards if s.max_token_id is not None]
+    top, path = max(recorded, default=(-1, ""))
+    if top >= model_vocab_size:
+        raise UserInputError(
+            f"{Path(data_dir) / MANIFEST}: shard {path} holds token ids up to {top} (its max_token_id), but "
+            f"model.vocab_size is {model_vocab_size} and every id must be below it: the data was tokenized with a "
+            f"larger vocabulary than the model has (the manifest's vocab_size: {manifest.vocab_size}). Raise "
+            f"model.vocab_size to at least {top + 1}, or prepare the data with the model's tokenizer")
 
 
 def has_loss_mask(manifest: Manifest, *, name: str, seq_len: int, data_dir: Path) -> bool:

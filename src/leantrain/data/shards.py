@@ -32,12 +32,15 @@ from typing import BinaryIO
 
 import numpy as np
 
+from leantrain.errors import UserInputError
+
 INDEX_HEADER = b"MMIDIDX\x00\x00"
 INDEX_VERSION = 1
 DTYPE_CODES: dict[type[np.number], int] = {
     np.uint8: 1, np.int8: 2, np.int16: 3, np.int32: 4, np.int64: 5, np.float64: 6, np.float32: 7, np.uint16: 8,
 }
 CODE_DTYPES = {code: dtype for dtype, code in DTYPE_CODES.items()}
+TOKEN_DTYPES = tuple(np.dtype(t).name for t in DTYPE_CODES if np.issubdtype(t, np.integer))  # what ids can be in
 _FIXED_HEADER_BYTES = 9 + 8 + 1 + 8 + 8
 
 
@@ -69,6 +72,11 @@ def atomic_write_bytes(path: Path, data: bytes) -> None:
     _fsync_rename(tmp, path)
 
 
+_SHARD_KEY_TYPES = {"path": str, "split": str, "source": str, "sha256": str, "idx_sha256": str, "num_tokens": int,
+                    "num_docs": int, "num_bytes": int, "max_token_id": int}
+_OPTIONAL_SHARD_KEYS = {"max_token_id"}  # not recorded by older versions
+
+
 @dataclass(frozen=True)
 class ShardInfo:
     """What the manifest records about one finished shard (paths relative to the data dir)."""
@@ -81,13 +89,45 @@ class ShardInfo:
     num_tokens: int
     num_docs: int
     num_bytes: int
+    max_token_id: int | None = None  # the largest token id in the shard (None: written before it was recorded)
 
     def to_json(self) -> dict[str, object]:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if v is not None or k not in _OPTIONAL_SHARD_KEYS}
 
     @staticmethod
-    def from_json(raw: dict[str, object]) -> ShardInfo:
-        return ShardInfo(**raw)  # type: ignore[arg-type]
+    def from_json(raw: object) -> ShardInfo:
+        """A shard entry as `to_json` wrote it; a missing, unknown or mistyped key is a TypeError naming it."""
+        if not isinstance(raw, dict):
+            raise TypeError(f"expected an object with keys {sorted(_SHARD_KEY_TYPES)}, got {type(raw).__name__}")
+        missing = sorted(set(_SHARD_KEY_TYPES) - _OPTIONAL_SHARD_KEYS - set(raw))
+        unknown = sorted(set(raw) - set(_SHARD_KEY_TYPES))
+        if missing or unknown:
+            raise TypeError(f"missing keys {missing}" if missing else f"unknown keys {unknown}")
+        for key, value in raw.items():
+            kind = _SHARD_KEY_TYPES[key]
+            if kind is int and (not isinstance(value, int) or isinstance(value, bool) or value < 0):
+                raise TypeError(f"key {key!r}: expected a whole number ≥ 0, got {value!r:.40}")
+            if kind is str and not isinstance(value, str):
+                raise TypeError(f"key {key!r}: expected a string, got {value!r:.40}")
+        return ShardInfo(**raw)
+
+
+def map_tokens(bin_path: Path, *, dtype: np.dtype, num_tokens: int) -> np.ndarray:
+    """A shard's tokens, memory-mapped after one stat (nothing is read): a missing `.bin`, or one whose size is not
+    `num_tokens` (the manifest's count) in `dtype` (truncated, replaced, or the manifest's dtype is wrong), is a
+    user error naming the file."""
+    itemsize = np.dtype(dtype).itemsize
+    try:
+        size = os.stat(bin_path).st_size
+    except FileNotFoundError:
+        raise UserInputError(f"{bin_path}: listed in the data dir's manifest.json but missing; restore it or re-run "
+                             "`leantrain prepare`") from None
+    if size != num_tokens * itemsize:
+        raise UserInputError(
+            f"{bin_path}: {size:,} bytes, expected {num_tokens * itemsize:,} (manifest.json lists {num_tokens:,} "
+            f"tokens of dtype {np.dtype(dtype).name}, {itemsize} bytes each); the shard is truncated or is not the "
+            "one the manifest describes: re-run `leantrain prepare`")
+    return np.memmap(bin_path, dtype=dtype, mode="r") if size else np.zeros(0, dtype=dtype)
 
 
 class ShardWriter:
@@ -103,12 +143,16 @@ class ShardWriter:
         self._file = open(self._bin_tmp, "wb")  # noqa: SIM115 - closed in finish/abort
         self._lengths = array.array("q")  # 8 bytes per document (a list of ints took 36)
         self.num_tokens = 0
+        self.max_token_id: int | None = None  # recorded in the manifest: the trainer checks it against the model
 
     def add(self, tokens: np.ndarray) -> None:
         values = np.asarray(tokens, dtype=self.dtype)
         self._file.write(values.tobytes(order="C"))
         self._lengths.append(int(values.size))
         self.num_tokens += int(values.size)
+        if values.size:
+            top = int(values.max())
+            self.max_token_id = top if self.max_token_id is None else max(self.max_token_id, top)
 
     @property
     def num_docs(self) -> int:

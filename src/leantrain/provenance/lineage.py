@@ -174,7 +174,8 @@ def container_info() -> dict[str, Any]:
 
 
 def data_info(data_dir: Path | None, *, data_url: str | None = None) -> dict[str, Any]:
-    """Hashes that identify the prepared data: manifest.json and the tokenizer."""
+    """Hashes that identify the prepared data: manifest.json and the tokenizer. A manifest that cannot be parsed
+    is still hashed (training refuses it later, naming it, before anything is trained)."""
     info: dict[str, Any] = {"dir": str(data_dir) if data_dir else None, "url": data_url,
                             "manifest_sha256": None, "tokenizer_sha256": None, "num_shards": None}
     if data_dir is None:
@@ -182,9 +183,14 @@ def data_info(data_dir: Path | None, *, data_url: str | None = None) -> dict[str
     manifest_path = Path(data_dir) / "manifest.json"
     if manifest_path.is_file():
         info["manifest_sha256"] = sha256_file(manifest_path)
-        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
-        info["tokenizer_sha256"] = (manifest.get("tokenizer") or {}).get("sha256")
-        info["num_shards"] = len(manifest.get("shards") or [])
+        try:
+            manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError):
+            manifest = None  # damaged: the hash identifies it; the trainer's manifest check refuses it, naming it
+        manifest = manifest if isinstance(manifest, dict) else {}
+        tokenizer, shards = manifest.get("tokenizer"), manifest.get("shards")
+        info["tokenizer_sha256"] = tokenizer.get("sha256") if isinstance(tokenizer, dict) else None
+        info["num_shards"] = len(shards) if isinstance(shards, list) else None
     tokenizer_path = Path(data_dir) / "tokenizer.json"
     if info["tokenizer_sha256"] is None and tokenizer_path.is_file():
         info["tokenizer_sha256"] = sha256_file(tokenizer_path)

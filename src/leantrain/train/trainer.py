@@ -32,7 +32,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from leantrain.data.layout import Manifest
 from leantrain.data.preference import PairBatchSampler
 from leantrain.data.prefetch import PrefetchingSampler
-from leantrain.data.sampler import Batch, PackedBatchSampler
+from leantrain.data.sampler import Batch, PackedBatchSampler, check_token_ids
 from leantrain.dtypes import DTYPES
 from leantrain.errors import LeantrainError, UserInputError
 from leantrain.model.transformer import num_params
@@ -189,6 +189,7 @@ class Trainer:
     def _sampler(self, *, split: str) -> PackedBatchSampler:
         if self._manifest is None:  # rank 0 reads the data dir's metadata; the others get it from rank 0
             self._manifest = shared_manifest(self.spec.data.dir)
+            check_token_ids(self._manifest, self.spec.data.dir, model_vocab_size=self.model_args.shape.vocab_size)
         sampler_class = PairBatchSampler if dpo.enabled(self.spec) else PackedBatchSampler  # DPO: whole pairs
         return sampler_class(
             self.spec.data.dir, seq_len=self.spec.data.seq_len, micro_batch=self.spec.training.micro_batch,
