@@ -28,3 +28,19 @@ def test_an_output_folder_that_is_a_file_is_exit_2_naming_it(tmp_path: Path,
     assert main(["prepare", str(EXAMPLES / "tiny-cpu.yaml"), "--out", str(spec / "data")]) == 2
     err = capsys.readouterr().err
     assert str(spec) in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("command", [["doctor"], ["runs"], ["validate"], ["report"], ["export", "--out", "hf"]])
+def test_a_run_dir_argument_that_is_a_file_is_exit_2_saying_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], command: list[str]
+) -> None:
+    """A file where a run dir goes is named as a file, not reported as missing (or as a run dir without
+    metrics.jsonl / spec.yaml)."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("{}\n")
+    assert main([command[0], str(path), *command[1:]]) == 2
+    err = capsys.readouterr().err
+    assert f"{path} is a file, not a run dir" in err and "does not exist" not in err and "Traceback" not in err
+    if command == ["runs"]:  # a registry file given where the run dir goes: the flag that takes it
+        assert f"--registry {path}" in err
+    assert not (tmp_path / "hf").exists()

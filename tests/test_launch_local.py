@@ -162,6 +162,28 @@ def test_sweep_option_runs_the_sweep_and_prints_where_scaling_stops(
     assert cli("launch", str(TINY), "--sweep", "gpus=2").exit_code == 2
 
 
+
+@pytest.mark.parametrize(("sweep", "named"), [
+    ("nproc=1,,2", "entry 2 is empty"), ("nproc=1,2,", "entry 3 is empty"), ("nproc=", "no sizes"),
+    ("=1,2", "key (nproc) is missing"), ("nproc=1,nproc=2", "'nproc=2'"), ("nproc=2,1,2", "2 listed more than once"),
+    ("nproc=1,two", "'two'"), ("nproc=1.5", "'1.5'"), ("nproc=0", "'0'"), ("nproc=\u00b2", "'\u00b2'"),
+])
+def test_a_malformed_sweep_is_exit_2_naming_the_entry(
+    tmp_path: Path, cli: Callable[..., Result], no_torchrun: list[object], sweep: str, named: str
+) -> None:
+    """Every size typed is run or the sweep is refused: an empty, repeated or non-integer entry is not skipped
+    (`nproc=1,,2` ran 1 and 2; `nproc=\u00b2` was a ValueError traceback). Nothing is written."""
+    result = cli("launch", str(TINY), "--sweep", sweep, "--run-dir", str(tmp_path / "run"))
+    assert result.exit_code == 2, result.output
+    assert f"--sweep {sweep!r}" in result.output and named in result.output and "Traceback" not in result.output
+    assert not (tmp_path / "run").exists() and no_torchrun == []
+
+
+def test_sweep_with_preflight_is_refused_not_ignored(tmp_path: Path, cli: Callable[..., Result]) -> None:
+    result = cli("launch", str(TINY), "--sweep", "nproc=1,2", "--preflight", "--run-dir", str(tmp_path / "run"))
+    assert result.exit_code == 2 and "--preflight and --sweep: choose one" in result.output
+    assert not (tmp_path / "run").exists()
+
 def test_moe_balance_sums_over_the_data_parallel_group_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """dp 2 × tp 2 on a fake 4-rank group: the expert counts are reduced over dp, not over all 4 ranks."""
     spec = make_spec(moe=True, data_parallel=2, tensor_parallel=2)

@@ -128,8 +128,13 @@ def test_resources_flags_override_spec_and_bad_nnodes_is_a_user_error() -> None:
     assert resources["num_gpus_with_spare"] > resources["num_gpus"]  # 126 > 116 for the seed example
     assert planned.source == "plan resources.num_gpus_with_spare"
     assert planned.num_nodes * 8 >= resources["num_gpus_with_spare"] > (planned.num_nodes - 1) * 8
-    # Elastic (the seed example sets fault.elasticity): the spare nodes can be lost, down to what the budget needs.
-    assert planned.min_nodes == -(-resources["num_gpus"] // 8) < planned.num_nodes == planned.max_nodes
+    # Elastic (the seed example sets fault.elasticity): the spare nodes may be lost, down to what the budget needs,
+    # where the layout runs at every count in between. Its 1,024 sequences per step do not divide over the 15
+    # data-parallel ranks of 15 nodes (tp 2 × pp 4): the floor stays at 16 (the job re-formed at 15 nodes would
+    # fail each restart there); 240 sequences divide over 15 and 16.
+    assert planned.min_nodes == planned.num_nodes == planned.max_nodes == 16
+    divisible = job_resources(load_spec(SEED, overrides=[f"training.global_batch_tokens={240 * 4096}"]))
+    assert divisible.min_nodes == -(-resources["num_gpus"] // 8) == 15 < divisible.num_nodes == divisible.max_nodes
     with pytest.raises(Exception, match="MIN:MAX"):
         job_resources(spec, nnodes="8:2")
 
@@ -360,3 +365,27 @@ def test_slurm_script_passes_bash_n_and_shellcheck(tmp_path: Path) -> None:
     done = subprocess.run(["shellcheck", "--severity=warning", "--shell=bash", *scripts], capture_output=True,
                           text=True)
     assert done.returncode == 0, done.stdout
+
+
+def test_an_elastic_range_is_checked_at_every_node_count_and_emit_refuses_a_layout_that_cannot_run(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """torchrun may re-form an elastic job at any node count from MIN to MAX. Only the two ends were checked, and
+    `--emit` checked none: a job file whose ranks fail at start (after the queue) was written."""
+    from leantrain.launch import torchrun
+
+    # 8 micro-batches of 4 × 128 tokens per step: 2, 4 and 8 data-parallel ranks divide them, 6 do not.
+    spec = load_spec(TINY, overrides=["training.global_batch_tokens=4096"])
+    with pytest.raises(UserInputError, match=r"at 6 ranks.*1\.\.4.*runs at 1, 2, 4 node\(s\): set fault\.min_nodes "
+                                             r"\(or --nnodes MIN\) to 4"):
+        torchrun.check_layout(spec, nproc=2, min_nodes=1, max_nodes=4)
+    assert [d.dp for d in torchrun.check_layout(spec, nproc=2, min_nodes=1, max_nodes=2)] == [2, 4]
+    out = tmp_path / "job.sbatch"
+    base = ["launch", str(TINY), "--set", VENV, "--emit", "slurm", "--out", str(out)]
+    for args in (["--set", "training.global_batch_tokens=4096", "--nnodes", "1:4", "--nproc", "2"],
+                 ["--nnodes", "3", "--nproc", "5"]):  # the spec's dp 2 stretched to 15 ranks
+        assert main([*base, *args]) == 2
+        err = capsys.readouterr().err
+        assert "training.global_batch_tokens" in err and "Traceback" not in err
+        assert not out.exists()
+    assert main([*base, "--set", "training.global_batch_tokens=4096", "--nnodes", "1:2", "--nproc", "2"]) == 0
+    assert "#SBATCH --nodes=1-2" in out.read_text()

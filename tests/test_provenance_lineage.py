@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -141,3 +142,106 @@ def test_registry_is_per_project_and_readable_at_80_columns(
 def test_empty_registry_is_not_an_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["runs", "--registry", str(tmp_path / "none.db")]) == 0
     assert "no runs registered yet" in capsys.readouterr().out
+
+
+def _foreign_database(path: Path) -> bytes:
+    """Another program's SQLite file (a table of its own, one row): its bytes."""
+    import sqlite3
+
+    conn = sqlite3.connect(path)
+    conn.execute("CREATE TABLE notes (body TEXT)")
+    conn.execute("INSERT INTO notes VALUES ('keep me')")
+    conn.commit()
+    conn.close()
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize("kind", ["folder", "not sqlite"])
+def test_a_registry_that_is_a_folder_or_not_sqlite_is_exit_2_naming_it(
+    tmp_path: Path, data_dir: Path, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`runs --registry` and a job's run.registry: a folder, or a file that is not SQLite, is one line naming the
+    path and what was expected, not a sqlite3 traceback; the file is left as it was."""
+    from leantrain.errors import UserInputError
+
+    registry = tmp_path / "runs.db"
+    if kind == "folder":
+        registry.mkdir()
+    else:
+        registry.write_text("name,step\nalpha,10\n")
+    assert main(["runs", "--registry", str(registry)]) == 2
+    err = capsys.readouterr().err
+    assert f"--registry {registry}" in err and "Traceback" not in err
+    assert ("is a directory" if kind == "folder" else "not a SQLite database") in err
+    lineage = write_lineage(tmp_path / "run", load_spec(TINY), data_dir=data_dir)
+    with pytest.raises(UserInputError, match=re.escape(f"run.registry {registry}: ") + ".*the run registry's"):
+        register_run(lineage, registry=registry)
+    assert registry.is_dir() if kind == "folder" else registry.read_text() == "name,step\nalpha,10\n"
+
+
+def test_another_programs_database_is_refused_and_left_byte_identical(
+    tmp_path: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A SQLite file without the registry's tables is not written into: not by the read-only `leantrain runs`
+    (which created its tables in it), nor by a run that names it as run.registry."""
+    from leantrain.errors import UserInputError
+
+    other = tmp_path / "other.db"
+    before = _foreign_database(other)
+    assert main(["runs", "--registry", str(other)]) == 2
+    err = capsys.readouterr().err
+    assert f"--registry {other}" in err and "holds no leantrain run registry" in err and "notes" in err
+    assert other.read_bytes() == before
+    lineage = write_lineage(tmp_path / "run", load_spec(TINY), data_dir=data_dir)
+    with pytest.raises(UserInputError, match="holds no leantrain run registry"):
+        register_run(lineage, registry=other)
+    assert other.read_bytes() == before
+
+
+def test_runs_only_reads_and_a_run_creates_its_registry(
+    tmp_path: Path, data_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`leantrain runs` never creates or changes a registry (a missing one is reported, an empty file is listed
+    as is); training creates one at a new path, or fills an empty file."""
+    missing, empty = tmp_path / "none" / "runs.db", tmp_path / "empty.db"
+    empty.touch()
+    assert main(["runs", "--registry", str(missing)]) == 0
+    assert "no runs registered yet" in capsys.readouterr().out and not missing.parent.exists()
+    assert list_runs(registry=missing) == [] and not missing.parent.exists()
+    assert main(["runs", "--registry", str(empty)]) == 0
+    assert empty.read_bytes() == b""
+    lineage = write_lineage(tmp_path / "run", load_spec(TINY), data_dir=data_dir)
+    for registry in (missing, empty):
+        register_run(lineage, registry=registry)
+        assert [row["run_id"] for row in list_runs(registry=registry)] == [lineage["run_id"]]
+
+
+@pytest.mark.parametrize("text", ['{"format": "leantrain-data", "shards": [{"pa', "[1, 2]", '{"tokenizer": "x"}'])
+def test_lineage_hashes_a_manifest_it_cannot_parse(tmp_path: Path, data_dir: Path, text: str) -> None:
+    """A truncated or foreign manifest.json is still identified by its hash (the trainer refuses it, naming it,
+    when it opens the data); the lineage is written, not a traceback."""
+    (data_dir / "manifest.json").write_text(text)
+    lineage = write_lineage(tmp_path / "run", load_spec(TINY), data_dir=data_dir)
+    assert lineage["data"]["manifest_sha256"] == hashlib.sha256(text.encode()).hexdigest()
+    assert lineage["data"]["tokenizer_sha256"] == hashlib.sha256(b'{"model": "bpe"}').hexdigest()
+    assert lineage["data"]["num_shards"] is None
+
+
+def test_a_registry_a_run_cannot_use_is_refused_before_the_run_dir_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """train wrote spec.yaml, plan.json and lineage.json (attempt 0) before the registry refused, and under
+    `launch` every restart of every rank failed on it; now train's rank 0 and the launcher check it first."""
+    from leantrain.errors import UserInputError
+    from leantrain.train.run_setup import prepare_run
+
+    registry = tmp_path / "runs.db"
+    registry.mkdir()
+    spec = load_spec(TINY, overrides=[f"run.registry={registry}"])
+    with pytest.raises(UserInputError, match=re.escape(f"run.registry {registry}: is a directory")):
+        prepare_run(spec, run_dir=tmp_path / "run", rank=0, console=None)
+    assert not (tmp_path / "run").exists()
+    assert main(["launch", str(TINY), "--nproc", "2", "--set", f"run.registry={registry}",
+                 "--run-dir", str(tmp_path / "run")]) == 2
+    assert "is a directory" in capsys.readouterr().err
+    assert not (tmp_path / "run").exists()

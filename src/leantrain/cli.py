@@ -55,7 +55,21 @@ SetOpt = Annotated[
 ProfileOpt = Annotated[
     str | None, typer.Option("--profile", help="Apply the spec's named overlay (scale and resources).")
 ]
-RunDirArg = Annotated[Path, typer.Argument(help="A run dir written by train/launch.", show_default=False)]
+
+
+def _run_dir_argument(ctx: typer.Context, value: Path | list[Path] | None) -> Path | list[Path] | None:
+    """Refuse a run dir argument that names a file (the command checks a missing one itself)."""
+    for path in [] if ctx.resilient_parsing else value if isinstance(value, list) else [value]:
+        if path is not None and path.exists() and not path.is_dir():
+            takes = "a run dir (the folder train/launch wrote)"
+            if ctx.info_name == "runs":
+                takes += f" or a folder of run dirs; a registry file goes after --registry: --registry {path}"
+            raise UserInputError(f"{path} is a file, not a run dir: `leantrain {ctx.info_name}` takes {takes}")
+    return value
+
+
+RunDirArg = Annotated[Path, typer.Argument(
+    help="A run dir written by train/launch.", show_default=False, callback=_run_dir_argument)]
 ResumeOpt = Annotated[str, typer.Option(
     help="Where to start: auto (newest valid checkpoint of the run, else fresh), none (start over: a run dir "
     "without checkpoints), latest, a STEP, or a checkpoint PATH (step folder, run dir, s3://...).")]
@@ -101,7 +115,8 @@ def plan(
     json_out: Annotated[Path | None, typer.Option("--json", help="Write plan.json here.")] = None,
     top: Annotated[int, typer.Option(min=1, help="Layouts to show.")] = 5,
     what_if: Annotated[str | None, typer.Option("--what-if", help="e.g. gpus=64,128,256")] = None,
-    plot: Annotated[Path | None, typer.Option(help="With --what-if: write a PNG plot of days/cost here.")] = None,
+    plot: Annotated[Path | None, typer.Option(
+        help="With --what-if: write a plot of days/cost here (PNG, SVG, PDF, ... by the suffix).")] = None,
     calibrate: Annotated[list[Path] | None, typer.Option(
         "--calibrate", help="Run dir of an earlier run on the same hardware (repeatable): fit the step-time "
         "constants to its measured step times first.")] = None,
@@ -231,7 +246,8 @@ def launch(
 
 @app.command()
 def report(
-    run_dirs: Annotated[list[Path], typer.Argument(help="Run dir; more run dirs are overlaid and compared.")],
+    run_dirs: Annotated[list[Path], typer.Argument(
+        help="Run dir; more run dirs are overlaid and compared.", callback=_run_dir_argument)],
     out: Annotated[Path | None, typer.Option(
         help="HTML file (default: RUN_DIR/report.html, or RUN_DIR/compare.html for several).")] = None,
     x: Annotated[str, typer.Option("--x", help="x axis: step, time (minutes) or tokens.")] = "step",
@@ -281,7 +297,8 @@ def drill(
 
 @app.command()
 def doctor(
-    run_dir: Annotated[Path | None, typer.Argument(help="A run dir to diagnose (optional).")] = None,
+    run_dir: Annotated[Path | None, typer.Argument(
+        help="A run dir to diagnose (optional).", callback=_run_dir_argument)] = None,
 ) -> None:
     """Check the environment and diagnose a run (hangs, low MFU, OOM, divergence, flapping nodes).
 
@@ -309,7 +326,8 @@ def alert_rules(
 @app.command()
 def runs(
     run_dir: Annotated[Path | None, typer.Argument(
-        help="A run dir: its checkpoints and lineage; a folder of run dirs: the runs in its runs.db.")] = None,
+        help="A run dir: its checkpoints and lineage; a folder of run dirs: the runs in its runs.db.",
+        callback=_run_dir_argument)] = None,
     registry: Annotated[Path | None, typer.Option(
         help="Registry database (default: $LEANTRAIN_REGISTRY, $LEANTRAIN_HOME/runs.db, or runs/runs.db).")] = None,
 ) -> None:

@@ -57,7 +57,12 @@ def emit_job_file(
     run_dir: Path, nproc: int | None, nnodes: str | None, max_restarts: int | None, dry_run: bool = False,
 ) -> Path:
     """Write the Slurm batch script or the Kubernetes manifests (nothing else: the run dir is the cluster's);
-    returns the path written. `dry_run`: placeholders for a missing image or node set-up, for reading."""
+    returns the path written. `dry_run`: placeholders for a missing image or node set-up, for reading. A layout
+    that cannot run at the job's world size (at both ends of an elastic range) is refused before it is written,
+    not after the job has waited in the queue."""
+    if kind in EMIT_KINDS:
+        res = job_resources(spec, nnodes=nnodes, nproc=nproc)
+        torchrun.check_layout(spec, nproc=res.gpus_per_node, min_nodes=res.min_nodes, max_nodes=res.max_nodes)
     refs = raw_env_references(spec_path, profile=profile, overrides=list(overrides))
     if kind == "slurm":
         # The job runs the spec frozen in the script, which writes it to the run dir when it starts; not the
@@ -76,6 +81,31 @@ def emit_job_file(
     return write_job_file(text, out)
 
 
+def parse_sweep_option(sweep: str) -> list[int]:
+    """`--sweep nproc=1,2,4` → [1, 2, 4], or exit 2 naming the part that is wrong. Stricter than
+    `torchrun.parse_sweep`, which skips an empty entry (`nproc=1,,2`) and folds a repeated one (`nproc=1,1`):
+    the sizes run are exactly the ones typed."""
+    expected = f"--sweep {sweep!r}: expected nproc=N1,N2,... with positive integers (e.g. nproc=1,2,4)"
+    key, _, values = sweep.partition("=")
+    if key.strip() != "nproc":
+        raise UserInputError(f"{expected}; " + (f"{key.strip()!r} cannot be swept: only nproc can" if key.strip()
+                                                else "the key (nproc) is missing"))
+    if not values.strip():
+        raise UserInputError(f"{expected}; no sizes after nproc=")
+    entries = [entry.strip() for entry in values.split(",")]
+    for number, entry in enumerate(entries, start=1):
+        if not entry:
+            raise UserInputError(f"{expected}; entry {number} is empty")
+        if "=" in entry:
+            raise UserInputError(f"{expected}; entry {number} ({entry!r}) repeats the key: name nproc once")
+        if not (entry.isascii() and entry.isdigit() and int(entry) > 0):
+            raise UserInputError(f"{expected}; entry {number} ({entry!r}) is not a positive integer")
+    sizes = [int(entry) for entry in entries]
+    if repeated := sorted({size for size in sizes if sizes.count(size) > 1}):
+        raise UserInputError(f"{expected}; {', '.join(map(str, repeated))} listed more than once")
+    return torchrun.parse_sweep(sweep)
+
+
 def run(
     *, console: Console, spec: JobSpec, spec_path: Path, overrides: list[str], profile: str | None,
     nproc: int | None, nnodes: str | None, max_restarts: int | None, run_dir: Path | None, dry_run: bool,
@@ -83,6 +113,11 @@ def run(
 ) -> None:
     """The `leantrain launch` command (`train_args`: --resume/--weights-only/--extend-schedule for the ranks)."""
     run_dir = Path(run_dir or spec.run.dir)
+    if sweep is not None:  # refused as typed, whatever else is asked, before anything is written
+        sizes = parse_sweep_option(sweep)
+        for flag, given in (("--dry-run", dry_run), ("--preflight", preflight), ("--emit", emit is not None)):
+            if given:
+                raise UserInputError(f"{flag} and --sweep: choose one")
     if out is not None and emit is None:
         raise UserInputError("--out names the file --emit writes; add --emit slurm or --emit k8s")
     if emit is not None:
@@ -127,8 +162,6 @@ def run(
         finally:
             _audit(spec, run_dir, "launch.preflight", outcome=outcome)
         return
-    if dry_run and sweep is not None:
-        raise UserInputError("--dry-run and --sweep: choose one")
     procs = nproc or spec.hardware.gpus_per_node
     min_nodes, max_nodes = parse_nnodes(nnodes) if nnodes else (1, 1)
     if dry_run:  # the whole job's layout: --nnodes, else the spec's hardware.num_nodes
@@ -136,7 +169,6 @@ def run(
         return
     train = TrainCommand(spec_path=Path(spec_path).resolve(), overrides=tuple(overrides), profile=profile)
     if sweep is not None:
-        sizes = torchrun.parse_sweep(sweep)
         make_private_dir(run_dir, owner_only=spec.security.owner_only)
         _stage_data(spec, console=console)
         steps = min(spec.training.max_steps or SWEEP_STEPS, SWEEP_STEPS)
@@ -155,6 +187,10 @@ def launch(
 ) -> None:
     """Check, stage and run torchrun on this host; a failed run is recorded against the host and exits 1."""
     torchrun.check_layout(spec, nproc=nproc, min_nodes=min_nodes, max_nodes=max_nodes)  # before any side effect
+    if max_nodes == 1:  # rank 0 runs here: a registry it cannot use would fail every restart of every rank
+        from leantrain.provenance.registry import check_registry
+
+        check_registry(spec.run.registry, run_dir=run_dir)
     host = socket.gethostname()
     excluded = excluded_hosts(run_dir, crash_threshold=spec.cluster.unhealthy_after_crashes)
     if host in excluded:

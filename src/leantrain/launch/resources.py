@@ -16,8 +16,11 @@ from typing import Any
 
 from leantrain.errors import UserInputError
 from leantrain.hardware import get_accelerator
+from leantrain.parallel.dims import ParallelDims, resolve_parallelism
 from leantrain.plan.budget import HOST_MEMORY_GB_PER_GPU
 from leantrain.spec import JobSpec
+from leantrain.spec.rules import batch_fix_hint
+from leantrain.spec.shapes import resolve_shape
 
 DEFAULT_CPUS_PER_GPU = 8
 DEFAULT_MEMORY_GB_PER_GPU = HOST_MEMORY_GB_PER_GPU  # the plan sizes the fast tier against the same default
@@ -58,6 +61,43 @@ def _planned_num_gpus(spec: JobSpec) -> tuple[int, int] | None:
     return int(num), int(resources.get("num_gpus_with_spare") or num)
 
 
+def layout_at(spec: JobSpec, *, nproc: int, nodes: int) -> ParallelDims:
+    """The spec's layout on `nodes` × `nproc` ranks (dp fills what tp × pp leave); raises UserInputError naming
+    the axis, or the global batch, that does not fit that world size."""
+    world = nodes * nproc
+    par = resolve_parallelism(spec, world_size=world)
+    dims = ParallelDims.from_spec(par, world_size=world, shape=resolve_shape(spec.model), gpus_per_node=nproc)
+    tokens_per_micro_step = spec.training.micro_batch * spec.data.seq_len * dims.dp
+    if spec.training.global_batch_tokens % tokens_per_micro_step:
+        raise UserInputError(
+            f"training.global_batch_tokens ({spec.training.global_batch_tokens}) is not a multiple of "
+            f"micro_batch × seq_len × data-parallel ranks ({spec.training.micro_batch} × {spec.data.seq_len} × "
+            f"{dims.dp} = {tokens_per_micro_step}) at {world} ranks: " + batch_fix_hint(
+                global_batch_tokens=spec.training.global_batch_tokens, micro_batch=spec.training.micro_batch,
+                seq_len=spec.data.seq_len, data_parallel=dims.dp) + ".")
+    return dims
+
+
+def layout_problem(spec: JobSpec, *, nproc: int, nodes: int) -> str | None:
+    """Why the layout does not run on `nodes` × `nproc` ranks; None when it does."""
+    try:
+        layout_at(spec, nproc=nproc, nodes=nodes)
+    except UserInputError as err:
+        return str(err)
+    return None
+
+
+def elastic_floor(spec: JobSpec, *, nproc: int, floor: int, max_nodes: int) -> int | None:
+    """The smallest node count ≥ `floor` from which the layout runs at every count up to `max_nodes` (an elastic
+    job may re-form at any of them); None when it does not run at `max_nodes` either."""
+    best = None
+    for nodes in range(max_nodes, floor - 1, -1):
+        if layout_problem(spec, nproc=nproc, nodes=nodes) is not None:
+            break
+        best = nodes
+    return best
+
+
 def parse_nnodes(text: str) -> tuple[int, int]:
     """`N` or `MIN:MAX` (torchrun's syntax) → (min, max)."""
     parts = text.split(":")
@@ -93,8 +133,11 @@ def job_resources(spec: JobSpec, *, nnodes: str | None = None, nproc: int | None
         min_nodes = max_nodes = num_nodes
         if spec.fault.elasticity:
             floor = math.ceil(planned[0] / gpus_per_node) if planned is not None else num_nodes
-            min_nodes = spec.fault.min_nodes or min(floor, num_nodes)
             max_nodes = spec.fault.max_nodes or num_nodes
+            # Not given: the lowest count from which the job re-forms at every count up to the top (the spare
+            # nodes a plan adds need not divide the global batch: seed-10b's 16 nodes do, 15 do not).
+            min_nodes = spec.fault.min_nodes or elastic_floor(
+                spec, nproc=gpus_per_node, floor=min(floor, num_nodes), max_nodes=max_nodes) or min(floor, num_nodes)
     if not min_nodes <= num_nodes <= max_nodes:
         raise UserInputError(f"nodes {num_nodes} is outside fault.min_nodes..max_nodes = {min_nodes}..{max_nodes}")
     cluster = spec.cluster

@@ -27,11 +27,16 @@ from pathlib import Path
 from rich.console import Console
 
 from leantrain.errors import UserInputError
-from leantrain.launch.resources import TORCHRUN_ENV, TrainCommand, parse_nnodes
-from leantrain.parallel.dims import ParallelDims, resolve_parallelism
-from leantrain.spec.rules import batch_fix_hint
+from leantrain.launch.resources import (
+    TORCHRUN_ENV,
+    TrainCommand,
+    elastic_floor,
+    layout_at,
+    layout_problem,
+    parse_nnodes,
+)
+from leantrain.parallel.dims import ParallelDims
 from leantrain.spec.schema import JobSpec
-from leantrain.spec.shapes import resolve_shape
 
 RDZV_ENV = "LEANTRAIN_RDZV_ENDPOINT"
 LOGS_DIR = "logs"
@@ -43,24 +48,29 @@ FAILED_RANK_LINE = re.compile(r"^\s*(?:\[[^\]]*\]:)?\s*rank\s*:\s*(\d+)\s*\(loca
 
 
 def check_layout(spec: JobSpec, *, nproc: int, min_nodes: int = 1, max_nodes: int = 1) -> list[ParallelDims]:
-    """The layout at every world size the job may run at (elastic: the smallest and the largest);
-    raises UserInputError naming the axis that does not fit. Nothing is started."""
-    shape = resolve_shape(spec.model)
-    dims = []
-    for nodes in sorted({min_nodes, max_nodes}):
-        world = nodes * nproc
-        par = resolve_parallelism(spec, world_size=world)
-        dims.append(ParallelDims.from_spec(par, world_size=world, shape=shape, gpus_per_node=nproc))
-        tokens_per_micro_step = spec.training.micro_batch * spec.data.seq_len * dims[-1].dp
-        if spec.training.global_batch_tokens % tokens_per_micro_step:
+    """The layout at the smallest and the largest world size the job may run at; raises UserInputError naming the
+    axis that does not fit. An elastic job (min < max) may re-form at any node count in between, so every count
+    is checked: a count where the layout does not run would fail each restart there. Nothing is started."""
+    for nodes in range(min_nodes, max_nodes + 1):
+        try:
+            layout_at(spec, nproc=nproc, nodes=nodes)
+        except UserInputError as err:
+            if min_nodes == max_nodes:
+                raise
+            runs = [n for n in range(min_nodes, max_nodes + 1) if layout_problem(spec, nproc=nproc, nodes=n) is None]
+            floor = elastic_floor(spec, nproc=nproc, floor=min_nodes, max_nodes=max_nodes)
+            where = f"at {_counts(runs)} node(s)" if runs else "at none of them"
+            fix = "" if floor is None else f"set fault.min_nodes (or --nnodes MIN) to {floor}" + (
+                "" if floor == max_nodes else f" (it runs at every count from {floor} to {max_nodes})") + ", or "
             raise UserInputError(
-                f"training.global_batch_tokens ({spec.training.global_batch_tokens}) is not a multiple of "
-                f"micro_batch × seq_len × data-parallel ranks ({spec.training.micro_batch} × {spec.data.seq_len} × "
-                f"{dims[-1].dp} = {tokens_per_micro_step}) at {world} ranks: " + batch_fix_hint(
-                    global_batch_tokens=spec.training.global_batch_tokens, micro_batch=spec.training.micro_batch,
-                    seq_len=spec.data.seq_len, data_parallel=dims[-1].dp)
-            )
-    return dims
+                f"{err} An elastic job may re-form at any node count in {min_nodes}..{max_nodes} (fault.min_nodes.."
+                f"max_nodes or --nnodes MIN:MAX) of {nproc} ranks each, and this layout runs {where}: {fix}choose "
+                "a global batch that every data-parallel size in the range divides") from None
+    return [layout_at(spec, nproc=nproc, nodes=nodes) for nodes in sorted({min_nodes, max_nodes})]
+
+
+def _counts(values: list[int]) -> str:
+    return ", ".join(map(str, values[:8])) + (f" … ({len(values)} counts)" if len(values) > 8 else "")
 
 
 def restarts(spec: JobSpec, max_restarts: int | None) -> int:

@@ -6,7 +6,9 @@ training starts (after `write_lineage`), `register_checkpoint` after each commit
 end. The database is per project, not per user: `run.registry`, else $LEANTRAIN_REGISTRY, else
 $LEANTRAIN_HOME/runs.db, else `runs.db` next to the run dirs (the run dir's parent: runs/run → runs/runs.db;
 owner-only). `leantrain runs DIR` lists DIR/runs.db (`leantrain runs` alone: ./runs/runs.db, the default
-run.dir's parent); `leantrain runs RUN_DIR` shows one run.
+run.dir's parent); `leantrain runs RUN_DIR` shows one run. `leantrain runs` only reads: it never creates or
+changes a registry. A path that is a directory, a file that is not SQLite or another program's database is
+refused (exit 2) and left as it is.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from leantrain.errors import UserInputError
+from leantrain.errors import UserInputError, check_output_file
 from leantrain.provenance.lineage import LINEAGE_FILE_NAME, read_lineage, sha256_file
 from leantrain.security import AuditLog, make_private_dir
 
@@ -78,19 +80,74 @@ def default_registry_path(configured: Path | None = None, *, run_dir: Path | str
     return root / REGISTRY_NAME
 
 
+def _registry_field(configured: Path | None) -> str:
+    """What set the registry's path, for an error message."""
+    if configured is not None:
+        return "run.registry"
+    if os.environ.get("LEANTRAIN_REGISTRY"):
+        return "$LEANTRAIN_REGISTRY"
+    if os.environ.get("LEANTRAIN_HOME"):
+        return "$LEANTRAIN_HOME"
+    return "run registry"
+
+
+def _open(db_path: Path, *, read_only: bool, where: str) -> sqlite3.Connection:
+    """A connection to the registry file; `read_only` never changes the file (not even its schema)."""
+    try:
+        if read_only:
+            return sqlite3.connect(db_path.resolve().as_uri() + "?mode=ro", uri=True, timeout=30)
+        return sqlite3.connect(db_path, timeout=30)
+    except sqlite3.OperationalError as err:
+        raise UserInputError(f"{where}: cannot open it as a SQLite database ({err})") from None
+
+
+def _holds_registry(conn: sqlite3.Connection, *, where: str, read_only: bool) -> bool:
+    """True when the database has the registry's tables, False when it has no table at all (a new registry);
+    anything else (not SQLite, another program's database) is refused, and the file is left as it is."""
+    valid = f"give the run registry's file ({REGISTRY_NAME})" + ("" if read_only else
+                                                                  ", or a path that does not exist yet for a new one")
+    try:
+        tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    except sqlite3.DatabaseError as err:
+        if getattr(err, "sqlite_errorcode", 0) & 0xFF not in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT):
+            raise
+        raise UserInputError(f"{where}: not a SQLite database ({err}); {valid}") from None
+    if not tables:
+        return False
+    if {"runs", "checkpoints"} <= tables:
+        return True
+    raise UserInputError(f"{where}: a SQLite database that holds no leantrain run registry (its tables: "
+                         f"{', '.join(sorted(tables))}); it was left unchanged: {valid}")
+
+
 @contextlib.contextmanager
-def connect(path: Path | None = None, *, run_dir: Path | str | None = None) -> Iterator[sqlite3.Connection]:
-    """Open (creating, owner-only) the registry; commits on success."""
+def connect(
+    path: Path | None = None, *, run_dir: Path | str | None = None, read_only: bool = False, field: str | None = None
+) -> Iterator[sqlite3.Connection]:
+    """Open the registry; commits on success. Writable (training): created owner-only when absent, its tables
+    added to an empty database. `read_only` (`leantrain runs`): an existing file, never changed. A directory, a
+    file that is not SQLite or another program's database is refused naming the path and `field` (what set it)."""
     db_path = default_registry_path(path, run_dir=run_dir)
-    if not db_path.parent.exists():
-        make_private_dir(db_path.parent)
+    field = field or _registry_field(path)
+    where = f"{field} {db_path}"
+    if db_path.is_dir():
+        raise UserInputError(f"{where}: is a directory; expected the run registry's SQLite file, e.g. "
+                             f"{db_path / REGISTRY_NAME}")
+    if not read_only:
+        check_output_file(db_path, field)  # a path under a file
+        if not db_path.parent.exists():
+            make_private_dir(db_path.parent)
     created = not db_path.exists()
-    conn = sqlite3.connect(db_path, timeout=30)
+    conn = _open(db_path, read_only=read_only, where=where)
     try:
         if created:
             os.chmod(db_path, 0o600)
         conn.row_factory = sqlite3.Row
-        conn.executescript(SCHEMA)
+        if not _holds_registry(conn, where=where, read_only=read_only):
+            # An empty database: a new registry gets its tables in one transaction (a run starting beside this
+            # one never sees one table without the other); read-only, empty in-memory ones stand in.
+            conn.executescript(SCHEMA.replace("CREATE TABLE", "CREATE TEMP TABLE") if read_only
+                               else f"BEGIN IMMEDIATE;{SCHEMA}COMMIT;")
         yield conn
         conn.commit()
     finally:
@@ -106,6 +163,20 @@ def _summary(lineage: dict[str, Any]) -> dict[str, Any]:
         "data_manifest_sha256": lineage.get("data", {}).get("manifest_sha256"),
         "packages_sha256": lineage.get("software", {}).get("packages", {}).get("sha256"),
     }
+
+
+def check_registry(path: Path | None = None, *, run_dir: Path | str | None = None) -> None:
+    """Refuse, before a run writes anything, a registry it could not record itself in (a directory, a path under a
+    file, a file that is not SQLite, another program's database); reads only, creates nothing."""
+    db_path = default_registry_path(path, run_dir=run_dir)
+    if db_path.is_file():
+        with connect(path, run_dir=run_dir, read_only=True):
+            pass
+    elif db_path.is_dir():
+        raise UserInputError(f"{_registry_field(path)} {db_path}: is a directory; expected the run registry's SQLite "
+                             f"file, e.g. {db_path / REGISTRY_NAME}")
+    else:
+        check_output_file(db_path, _registry_field(path))
 
 
 def register_run(lineage: dict[str, Any], *, registry: Path | None = None, status: str = "running") -> str:
@@ -168,9 +239,12 @@ def set_run_status(
         conn.execute("UPDATE runs SET status = ?, updated_at = ? WHERE run_id = ?", (status, time.time(), run_id))
 
 
-def list_runs(*, registry: Path | None = None) -> list[dict[str, Any]]:
-    """Every registered run, newest first, with its checkpoint count and latest step."""
-    with connect(registry) as conn:
+def list_runs(*, registry: Path | None = None, field: str | None = None) -> list[dict[str, Any]]:
+    """Every registered run, newest first, with its checkpoint count and latest step. Reads only: a registry
+    that does not exist lists nothing and is not created (`field`: what named the registry, for errors)."""
+    if not default_registry_path(registry).exists():
+        return []
+    with connect(registry, read_only=True, field=field) as conn:
         rows = conn.execute(
             "SELECT r.*, COUNT(c.step) AS num_checkpoints, MAX(c.step) AS latest_step FROM runs r "
             "LEFT JOIN checkpoints c ON c.run_id = r.run_id GROUP BY r.run_id ORDER BY r.created_at DESC"
@@ -178,12 +252,12 @@ def list_runs(*, registry: Path | None = None) -> list[dict[str, Any]]:
     return [dict(r) for r in rows]
 
 
-def _registered_lineage(path: Path, registry: Path | None) -> dict[str, Any]:
+def _registered_lineage(path: Path, registry: Path | None, field: str | None) -> dict[str, Any]:
     """A checkpoint's registry row shaped like its lineage (for an encrypted lineage.json); {} when absent."""
     db_path = default_registry_path(registry, run_dir=path.parent.parent.parent)  # RUN/checkpoints/step-N/file
     if not db_path.exists():
         return {}
-    with connect(db_path) as conn:
+    with connect(db_path, read_only=True, field=field or _registry_field(registry)) as conn:
         row = conn.execute("SELECT * FROM checkpoints WHERE path = ?", (str(path.parent.resolve()),)).fetchone()
     if row is None:
         return {}
@@ -193,15 +267,17 @@ def _registered_lineage(path: Path, registry: Path | None) -> dict[str, Any]:
             "software": {"packages": {"sha256": row["packages_sha256"]}}}
 
 
-def checkpoint_lineages(run_dir: Path, *, registry: Path | None = None) -> list[dict[str, Any]]:
+def checkpoint_lineages(
+    run_dir: Path, *, registry: Path | None = None, field: str | None = None
+) -> list[dict[str, Any]]:
     """What produced each checkpoint of a run, read from the checkpoints' own lineage.json files (from the
-    registry when a file is encrypted). Only published `step-N` folders are listed."""
+    registry when a file is encrypted; `field`: what named it, for errors). Only published `step-N` folders."""
     rows = []
     for path in sorted((Path(run_dir) / "checkpoints").glob("step-" + "[0-9]" * 8 + "/" + LINEAGE_FILE_NAME)):
         try:
             lineage = json.loads(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError):  # encrypted with the checkpoint
-            lineage = _registered_lineage(path, registry)
+            lineage = _registered_lineage(path, registry, field)
             lineage.setdefault("checkpoint", {}).setdefault("step", int(path.parent.name.removeprefix("step-")))
         rows.append({
             "step": lineage.get("checkpoint", {}).get("step"),
@@ -229,12 +305,12 @@ def _git_cell(commit: str | None, dirty: int | None, *, short: bool = False) -> 
     return _short(commit, 7) + ("*" if dirty else "") if short else _short(commit, 8) + ("+dirty" if dirty else "")
 
 
-def _show_runs(console: Console, registry: Path | None) -> None:
+def _show_runs(console: Console, registry: Path | None, *, field: str) -> None:
     db_path = default_registry_path(registry)
     if not db_path.exists():
         console.print(f"no runs registered yet ({db_path} does not exist)")
         return
-    runs = list_runs(registry=db_path)
+    runs = list_runs(registry=db_path, field=field)
     # Fits 80 columns: a short id, the dir relative to the registry's folder, attempts beside the status.
     table = Table(title=f"runs in {db_path} (* uncommitted changes, ×N attempts)", title_justify="left",
                   box=box.SIMPLE_HEAD, pad_edge=False)
@@ -259,7 +335,7 @@ def _relative(run_dir: str | None, root: Path) -> str:
         return run_dir
 
 
-def _show_run(console: Console, run_dir: Path, *, registry: Path | None = None) -> None:
+def _show_run(console: Console, run_dir: Path, *, registry: Path | None, field: str) -> None:
     lineage = read_lineage(run_dir)
     if lineage is None:
         raise UserInputError(f"{run_dir} has no {LINEAGE_FILE_NAME}: not a run dir written by train/launch")
@@ -277,7 +353,7 @@ def _show_run(console: Console, run_dir: Path, *, registry: Path | None = None) 
     table = Table(title="checkpoints and what produced them")
     for column in ("step", "saved", "try", "git", "spec", "data", "packages", "torch", "image"):
         table.add_column(column, overflow="fold")
-    for row in checkpoint_lineages(run_dir, registry=registry):
+    for row in checkpoint_lineages(run_dir, registry=registry, field=field):
         table.add_row(str(row["step"]), _when(row["saved_at"]), str((row["attempt"] or 0) + 1),
                       _git_cell(row["git_commit"], row["git_dirty"]), _short(row["spec_sha256"]),
                       _short(row["data_manifest_sha256"]), _short(row["packages_sha256"]), row["torch"] or "-",
@@ -290,8 +366,10 @@ def run(*, console: Console, run_dir: Path | None, registry: Path | None) -> Non
     or, for a run dir, show its checkpoints and their lineage."""
     if run_dir is not None and not Path(run_dir).is_dir():
         raise UserInputError(f"run dir {run_dir} does not exist")
-    if run_dir is None or (registry is None and read_lineage(Path(run_dir)) is None
-                           and (Path(run_dir) / REGISTRY_NAME).is_file()):
-        _show_runs(console, registry if run_dir is None else Path(run_dir) / REGISTRY_NAME)
+    field = "--registry" if registry is not None else _registry_field(None)
+    if run_dir is None:
+        _show_runs(console, registry, field=field)
+    elif registry is None and read_lineage(Path(run_dir)) is None and (Path(run_dir) / REGISTRY_NAME).is_file():
+        _show_runs(console, Path(run_dir) / REGISTRY_NAME, field="run registry")
     else:
-        _show_run(console, Path(run_dir), registry=registry)
+        _show_run(console, Path(run_dir), registry=registry, field=field)

@@ -79,6 +79,9 @@ def prepare_run(
     context = RunContext(run_dir=Path(run_dir), spec=spec, is_main=rank == 0)
     if not context.is_main:
         return context
+    from leantrain.provenance.registry import check_registry
+
+    check_registry(spec.run.registry, run_dir=context.run_dir)  # a registry it cannot use, before any file is written
     make_private_dir(context.run_dir, owner_only=spec.security.owner_only)
     write_private_text(context.run_dir / SPEC_FILE, yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False),
                        spec=spec)
