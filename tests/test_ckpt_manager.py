@@ -161,9 +161,12 @@ def _corrupt(folder: Path, how: str) -> None:
         (folder / "COMMIT").unlink()
     elif how == "missing_file":
         (folder / ".metadata").unlink()
+    elif how == "bad_commit":  # an IntegrityError (a LeantrainError, exit 2 where it is not caught): falls back
+        marker = json.loads((folder / "COMMIT").read_text())
+        (folder / "COMMIT").write_text(json.dumps({**marker, "manifest_sha256": "0" * 64}))
 
 
-@pytest.mark.parametrize("how", ["truncated", "bit_flipped", "half_written", "missing_file"])
+@pytest.mark.parametrize("how", ["truncated", "bit_flipped", "half_written", "missing_file", "bad_commit"])
 def test_damaged_newest_checkpoint_is_skipped_with_fallback(run_dir: Path, how: str) -> None:
     spec = make_spec()
     app = make_app()

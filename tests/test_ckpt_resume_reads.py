@@ -193,3 +193,20 @@ def test_resume_reads_metadata_on_rank0_and_each_shard_once(tmp_path: Path, monk
         assert groups["load_is_save_group"] and groups["load"] >= 1800 > groups["control"], groups
     for name in shards:  # every shard checked (read whole) by exactly one rank: the one that wrote it
         assert whole_by[name] == [int(name.split("_")[2])], (name, dict(whole_by))
+
+
+def test_a_failed_check_is_a_user_facing_error_that_survives_dcps_pickling() -> None:
+    """A failed check is a LeantrainError: where no resume catches it to fall back, the CLI prints one line and
+    exits 2 (a traceback before). DCP's trip of a rank's failure to the others (pickled) keeps `permanent`,
+    which decides whether a resume condemns the checkpoint."""
+    import pickle
+
+    from leantrain.ckpt.integrity import IntegrityError, KeyMismatchError
+    from leantrain.errors import LeantrainError
+
+    for err in (IntegrityError("step-00000004/__0_0.distcp: sha256 mismatch (corrupted)"),
+                IntegrityError("step-00000004/__0_0.distcp: read failed: EIO", permanent=False),
+                KeyMismatchError("step-00000004: encrypted with another key")):
+        back = pickle.loads(pickle.dumps(err))
+        assert type(back) is type(err) and str(back) == str(err) and back.permanent == err.permanent
+        assert isinstance(back, LeantrainError) and back.exit_code == 2

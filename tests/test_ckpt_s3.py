@@ -150,3 +150,33 @@ def test_endpoint_cut_mid_save_fails_cleanly_and_keeps_the_last_good(
     finally:
         ckpt.close()
         server.stop()
+
+
+def test_resume_from_an_s3_location_that_cannot_be_listed_is_exit_2_naming_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--resume s3://...` without credentials: the location the user named cannot be listed; one line, exit 2
+    (the user's input), naming the URL and the cause. (This run's own store failing to list stays exit 1.)"""
+    from leantrain.ckpt import CheckpointLoadError
+    from leantrain.ckpt.resume import source_location
+
+    for name in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN", "AWS_PROFILE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")  # no instance-metadata lookup: nothing leaves the host
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "no-config"))
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "no-credentials"))
+    monkeypatch.setenv("AWS_ENDPOINT_URL", "http://127.0.0.1:9")
+    monkeypatch.setenv("AWS_DEFAULT_REGION", "us-east-1")
+    spec = make_spec()
+    source, step = source_location(spec, "s3://ckpt-bucket/other-run/step-00000002")
+    assert step == 2
+    ckpt = CheckpointManager(spec, run_dir=tmp_path / "run")
+    try:
+        with pytest.raises(CheckpointLoadError) as raised:
+            ckpt.load_latest(make_app(), step=step, source=source)
+    finally:
+        ckpt.close()
+    message = str(raised.value)
+    assert raised.value.exit_code == 2
+    assert message.startswith("--resume s3://ckpt-bucket/other-run: cannot list the checkpoints there: "
+                              "NoCredentialsError")
+    assert "AWS_ACCESS_KEY_ID" in message and "\n" not in message and "Traceback" not in message

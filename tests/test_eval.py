@@ -243,3 +243,88 @@ def test_qlora_eval_and_export_with_the_base_as_trained(tmp_path: Path, capsys: 
     train(spec_from_dict(raw), run_dir=lora_run, max_steps=None, console=None)
     assert main(["eval", str(lora_run), "--base-as-trained"]) == 2
     assert "is not a QLoRA run (finetune weights lora)" in capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A tiny model trained from scratch for 4 steps: checkpoints at steps 2 and 4."""
+    from leantrain.spec import spec_from_dict
+    from leantrain.train.command import train
+
+    root = tmp_path_factory.mktemp("trained")
+    rng = np.random.default_rng(2)
+    docs = {"prose": [[int(t) for t in rng.integers(1, 60, 40)] for _ in range(10)]}
+    write_token_data_dir(root / "data", docs, vocab_size=64, eos_id=63, valid_docs_by_source=docs)
+    train(spec_from_dict({
+        "model": {"n_layers": 1, "d_model": 16, "n_heads": 2, "n_kv_heads": 1, "ffn_hidden": 32, "vocab_size": 64},
+        "data": {"tokens_total": 1e4, "seq_len": 16, "dir": str(root / "data")},
+        "training": {"global_batch_tokens": 32, "micro_batch": 2, "max_steps": 4, "device": "cpu",
+                     "eval_batches": 1},
+        "checkpoint": {"interval_steps": 2}, "hardware": {"accelerator": "cpu", "gpus_per_node": 1},
+        "budget": {"num_gpus": 1, "target_days": None}, "monitoring": {"tensorboard": False},
+    }), run_dir=root / "run", max_steps=None, console=None)
+    return root / "run"
+
+
+def _damage(folder: Path, how: str) -> str:
+    """Damage a checkpoint folder; the file the error must name."""
+    shard = folder / "__0_0.distcp"
+    if how == "truncated":
+        shard.write_bytes(shard.read_bytes()[:1000])
+    elif how == "zeroed":  # same size: only the bytes are wrong
+        shard.write_bytes(bytes(shard.stat().st_size))
+    elif how == "missing_shard":
+        shard.unlink()
+    elif how == "missing_metadata":
+        (folder / ".metadata").unlink()
+        return ".metadata"
+    elif how == "bad_commit":
+        marker = json.loads((folder / "COMMIT").read_text())
+        (folder / "COMMIT").write_text(json.dumps({**marker, "manifest_sha256": "0" * 64}))
+        return "manifest does not match the hash in its commit marker"
+    return "__0_0.distcp"
+
+
+@pytest.mark.parametrize("how", ["truncated", "zeroed", "missing_shard", "missing_metadata", "bad_commit"])
+def test_damaged_checkpoint_is_exit_2_naming_the_step_folder_and_file(
+        trained_run: Path, tmp_path: Path, how: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """export and eval read the newest checkpoint: a damaged one is one line and exit 2 naming the checkpoint
+    folder and the damaged file, with the other steps to choose from (EOFError/IntegrityError tracebacks
+    before); nothing is written; --step picks an intact one."""
+    import shutil
+
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir)
+    what = _damage(run_dir / "checkpoints" / "step-00000004", how)
+    for argv in (["export", str(run_dir), "--out", str(tmp_path / "hf")], ["eval", str(run_dir)]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert f"checkpoint step 4 ({run_dir / 'checkpoints' / 'step-00000004'})" in err, err
+        assert what in err and "other steps: 2" in err and "Traceback" not in err, err
+    assert not (tmp_path / "hf").exists() and not (run_dir / "eval.json").exists()
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "hf"), "--step", "2"]) == 0
+    assert (tmp_path / "hf" / "config.json").is_file()
+
+
+def test_eval_and_export_refuse_a_spec_of_another_model_naming_the_fields(
+        trained_run: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`eval RUN_DIR --set model.vocab_size=N` (or a spec.yaml edited after training) describes another model
+    than the checkpoint holds: refused before the model is built, naming each differing field, with the
+    fingerprint check a resume uses (a size-mismatch RuntimeError from deep inside the load before)."""
+    import shutil
+
+    assert main(["eval", str(trained_run), "--set", "model.vocab_size=128"]) == 2
+    err = capsys.readouterr().err
+    assert "holds another model than the spec describes: model.vocab_size 64 in the checkpoint, 128 in the spec" \
+        in err and str(trained_run / "checkpoints" / "step-00000004") in err
+    assert main(["eval", str(trained_run), "--set", "model.d_model=32", "--set", "model.n_heads=4"]) == 2
+    err = capsys.readouterr().err
+    assert "model.d_model 16 in the checkpoint, 32 in the spec; model.n_heads 2 in the checkpoint, 4" in err
+    run_dir = tmp_path / "run"
+    shutil.copytree(trained_run, run_dir)
+    spec = yaml.safe_load((run_dir / "spec.yaml").read_text())
+    spec["model"]["ffn_hidden"] = 48
+    (run_dir / "spec.yaml").write_text(yaml.safe_dump(spec))
+    assert main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 2
+    assert "model.ffn_hidden 32 in the checkpoint, 48 in the spec" in capsys.readouterr().err
+    assert not (tmp_path / "hf").exists()

@@ -15,6 +15,7 @@ at `--out`, and an existing non-empty `--out` is refused.
 from __future__ import annotations
 
 import json
+import pickle
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,13 +25,18 @@ import torch
 import torch.distributed.checkpoint as dcp
 from safetensors import safe_open
 from safetensors.torch import save_file
+from torch.distributed.checkpoint.api import CheckpointException
 
 import leantrain.ckpt.integrity as integ
 from leantrain.ckpt.base_ref import verify_base
+from leantrain.ckpt.crypto import TamperError
 from leantrain.ckpt.dcp_io import SealedFileSystem, SealedReader
+from leantrain.ckpt.errors import one_line, root_cause
+from leantrain.ckpt.identity import MODEL_KEY, OTHER_MODEL, identity_problem, model_identity
 from leantrain.ckpt.manager import _make_cipher
 from leantrain.ckpt.storage import open_store
-from leantrain.errors import UserInputError
+from leantrain.ckpt.verified_load import read_metadata
+from leantrain.errors import LeantrainError, UserInputError
 from leantrain.model.hf import (
     CONFIG_FILE,
     from_hf_expert_name,
@@ -47,6 +53,8 @@ from leantrain.spec import JobSpec, load_spec
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json")
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+# What a damaged file raises inside DCP's read (a short read, bytes that do not unpickle or decrypt): named
+READ_ERRORS = (OSError, EOFError, ValueError, RuntimeError, pickle.UnpicklingError, TamperError, LeantrainError)
 
 
 @dataclass(frozen=True)
@@ -59,29 +67,95 @@ class ExportResult:
 
 
 class DcpTensors:
-    """Read named tensors of a checkpoint's model state (`model.<name>` keys) a group at a time."""
+    """Read named tensors of a checkpoint's model state (`model.<name>` keys) a group at a time.
+
+    Opening checks, once, what the reads rely on: the commit marker and manifest, that the checkpoint holds the
+    spec's model (its manifest's model fingerprint, ckpt/identity.py, as a resume checks it), DCP's `.metadata`
+    against the manifest, and every file's size (a stat each, no read). A failed check, or a read that fails
+    later, is a UserInputError naming the checkpoint folder and the file (exit 2)."""
 
     def __init__(self, spec: JobSpec, run_dir: Path, *, step: int | None) -> None:
         store = open_store(spec, run_dir=run_dir)
-        entries = [e for e in integ.list_steps(store) if e.good_candidate]
-        if step is not None:
-            entries = [e for e in entries if e.step == step]
+        good = [e for e in integ.list_steps(store) if e.good_candidate]
+        entries = good if step is None else [e for e in good if e.step == step]
         if not entries:
             which = f"step {step}" if step is not None else "any step"
             raise UserInputError(f"{run_dir}: no committed checkpoint for {which} in {store.url}")
         self.entry = entries[-1]
-        manifest = integ.read_manifest(store, self.entry.name)
-        self.fs = SealedFileSystem(store, cipher=_make_cipher(spec) if manifest.get("encryption") else None)
-        metadata = SealedReader(self.fs, self.entry.name).read_metadata().state_dict_metadata
+        self.run_dir, self.where = run_dir, store.describe(self.entry.name)
+        self._other_steps = [e.step for e in good if e.step != self.entry.step]
+        try:
+            manifest = integ.read_manifest(store, self.entry.name)
+            self._check_model(spec, manifest)
+            cipher = _make_cipher(spec) if manifest.get("encryption") else None
+            self.fs = SealedFileSystem(store, cipher=integ.check_key(self.entry.name, manifest, cipher=cipher))
+            metadata = read_metadata(self.fs, self.entry.name, manifest).state_dict_metadata
+            integ.check_sizes(store, self.entry.name, manifest)
+        except integ.IntegrityError as err:
+            raise self._unreadable(err) from None
+        self._records = manifest["files"]
         self.meta = {key.removeprefix("model."): md for key, md in metadata.items() if key.startswith("model.")}
+
+    def _check_model(self, spec: JobSpec, manifest: dict) -> None:
+        """Refuse a checkpoint of another model than the spec's (e.g. `--set model.vocab_size=N`), naming the
+        fields that differ, or one whose manifest is not the step its folder says."""
+        expected = model_identity(spec)
+        problem = identity_problem(folder_step=self.entry.step, manifest=manifest, expected=expected)
+        if problem is None:
+            return
+        if problem[0] != OTHER_MODEL:
+            raise UserInputError(f"{self.run_dir}: checkpoint {self.where}: {problem[1]}")
+        differences = shape_differences(manifest[MODEL_KEY].get("shape"), expected["shape"]) or [
+            "the same shape with other adapters (finetune.method, finetune.lora.rank or finetune.lora.targets)"]
+        raise UserInputError(f"{self.run_dir}: checkpoint {self.where} holds another model than the spec describes: "
+                             f"{'; '.join(differences)}. Use the spec the run was trained with (its spec.yaml, "
+                             "without --set for these fields)")
+
+    def _unreadable(self, err: BaseException) -> UserInputError:
+        others = (f"committed checkpoints of other steps: {', '.join(map(str, self._other_steps))} (--step N)"
+                  if self._other_steps else "there is no other committed checkpoint")
+        return UserInputError(f"{self.run_dir}: checkpoint step {self.entry.step} ({self.where}) cannot be read: "
+                              f"{one_line(err) if not isinstance(err, LeantrainError) else err}; {others}")
 
     def sizes(self) -> dict[str, int]:
         return {name: md.size.numel() * md.properties.dtype.itemsize for name, md in self.meta.items()}
 
     def load(self, names: list[str], *, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         state = {"model": {n: torch.empty(self.meta[n].size, dtype=self.meta[n].properties.dtype) for n in names}}
-        dcp.load(state, storage_reader=SealedReader(self.fs, self.entry.name), no_dist=True)
+        try:
+            dcp.load(state, storage_reader=SealedReader(self.fs, self.entry.name), no_dist=True)
+        except (Exception, CheckpointException) as err:
+            if not isinstance(root_cause(err), READ_ERRORS):
+                raise
+            raise self._unreadable(self._damaged_file() or root_cause(err)) from None
         return {name: tensor.to(dtype) for name, tensor in state["model"].items()}
+
+    def _damaged_file(self) -> integ.IntegrityError | None:
+        """After a failed read: the first file that fails its manifest's sha256 (a hashing pass, only then)."""
+        for name, record in sorted(self._records.items()):
+            try:
+                integ.verify_file(self.fs.store, self.entry.name, name, record, cipher=self.fs.cipher)
+            except integ.IntegrityError as err:
+                return err
+            except Exception:  # noqa: BLE001 - e.g. a store error: the read's own error is the one reported
+                return None
+        return None
+
+
+def shape_differences(saved: dict[str, Any] | None, expected: dict[str, Any]) -> list[str]:
+    """`model.vocab_size 64 in the checkpoint, 128 in the spec` for each field of two model shapes
+    (ckpt/identity.py's `shape`) that differs; nested settings (moe, mla) field by field."""
+    saved = saved if isinstance(saved, dict) else {}
+    lines = []
+    for key in sorted(set(saved) | set(expected)):
+        field = "model." + ("head_dim" if key == "attn_head_dim" else key)
+        ours, theirs = saved.get(key), expected.get(key)
+        if isinstance(ours, dict) and isinstance(theirs, dict):
+            lines += [f"{field}.{k} {ours.get(k)} in the checkpoint, {theirs.get(k)} in the spec"
+                      for k in sorted(set(ours) | set(theirs)) if ours.get(k) != theirs.get(k)]
+        elif ours != theirs:
+            lines.append(f"{field} {ours} in the checkpoint, {theirs} in the spec")
+    return lines
 
 
 def _base_tensor(files: dict[str, Path], name: str, experts: dict[str, list[str]]) -> torch.Tensor:

@@ -22,6 +22,7 @@ from typing import IO
 
 from leantrain.ckpt.crypto import ChunkCipher, EncryptingWriter, TamperError
 from leantrain.ckpt.storage import Store
+from leantrain.errors import LeantrainError
 
 FORMAT = "leantrain-checkpoint/1"
 MANIFEST_NAME = "manifest.json"
@@ -33,8 +34,11 @@ TMP_RE = re.compile(r"^\.tmp-step-(\d{8})$")
 READ_CHUNK_BYTES = 8 * 2**20
 
 
-class IntegrityError(Exception):
-    """A checkpoint failed verification. `permanent` is False for I/O errors that may pass on retry."""
+class IntegrityError(LeantrainError):
+    """A checkpoint failed verification. `permanent` is False for I/O errors that may pass on retry.
+
+    A resume catches it and falls back to an older checkpoint (ckpt/loading.py); export and eval name the
+    checkpoint around it (ckpt/export.py); anywhere else the CLI prints its one line and exits 2, no traceback."""
 
     def __init__(self, message: str, *, permanent: bool = True) -> None:
         super().__init__(message)
@@ -274,6 +278,21 @@ def verify_file(store: Store, folder: str, name: str, record: dict, *, cipher: C
     except OSError as err:
         raise IntegrityError(f"{rel}: read failed: {err}", permanent=False) from err
     check_read(rel, record, num_bytes=reader.num_bytes, sha256=reader.digest.hexdigest())
+
+
+def check_sizes(store: Store, folder: str, manifest: dict) -> None:
+    """Every file of the manifest is there with its recorded size: a stat each, no read (a missing or truncated
+    file is named before a reader that does not hash what it reads trips over it)."""
+    for name, record in sorted(manifest.get("files", {}).items()):
+        rel = f"{folder}/{name}"
+        try:
+            size = store.size_bytes(rel)
+        except FileNotFoundError as err:
+            raise IntegrityError(f"{store.describe(rel)}: missing") from err
+        except OSError as err:
+            raise IntegrityError(f"{store.describe(rel)}: cannot stat it: {err}", permanent=False) from err
+        if size != record["bytes"]:
+            raise IntegrityError(f"{store.describe(rel)}: {size} bytes, manifest says {record['bytes']} (truncated?)")
 
 
 class OnePassReader:

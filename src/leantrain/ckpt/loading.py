@@ -55,11 +55,17 @@ def _list(m: CheckpointManager, store: Store) -> list[integ.StepEntry]:
         try:
             return [(e, _counts_as_checkpoint(store, e)) for e in integ.list_steps(store)]
         except Exception as err:  # noqa: BLE001 - botocore/fsspec errors are not OSErrors
-            return f"cannot list the checkpoints in {store.url}: {one_line(err)}"
+            return one_line(err)
 
     listed = m.read_on_rank0(read)
     if isinstance(listed, str):
-        raise CheckpointLoadError(listed)
+        if store is m.store:  # this run's own store, which passed the start's preflight: exit 1
+            raise CheckpointLoadError(f"cannot list the checkpoints in {store.url}: {listed}")
+        # the location `--resume PATH` named: the user's input (exit 2)
+        raise CheckpointLoadError(f"--resume {store.url}: cannot list the checkpoints there: {listed}" + (
+            "; check the URL, the credentials (AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment, or "
+            "checkpoint.access_key/secret_key with checkpoint.storage object_store) and the endpoint "
+            "(AWS_ENDPOINT_URL, or checkpoint.endpoint_url)" if store.url.startswith("s3://") else ""), user_input=True)
     return [e for e, counts in listed if counts]
 
 

@@ -88,6 +88,10 @@ def read_task(path: Path) -> list[Choice]:
 
 def _load_model(spec: JobSpec, run_dir: Path | None, *, step: int | None, base_as_trained: bool = False
                 ) -> tuple[nn.Module, int | None]:
+    if run_dir is None and spec.model.init_from is None:
+        raise UserInputError("eval SPEC needs model.init_from (or give a run dir with checkpoints)")
+    # the checkpoint is opened and checked (intact, and the spec's model) before the model is built
+    checkpoint = None if run_dir is None else DcpTensors(spec, run_dir, step=step)
     max_len = spec.data.seq_len  # questions may be longer than training windows: the checkpoint's own limit
     if spec.model.init_from is not None:
         max_len = max(max_len, read_hf_config(spec.model.init_from).max_position_embeddings)
@@ -97,12 +101,9 @@ def _load_model(spec: JobSpec, run_dir: Path | None, *, step: int | None, base_a
     prepare_model(model, spec)
     model.to_empty(device=torch.device("cpu"))
     init_buffers(model, args=args, device=torch.device("cpu"))
-    if run_dir is None:
-        if spec.model.init_from is None:
-            raise UserInputError("eval SPEC needs model.init_from (or give a run dir with checkpoints)")
-        fill_from_hf(model, Path(spec.model.init_from), args=args, skip=is_adapter)
+    if checkpoint is None:
+        fill_from_hf(model, Path(str(spec.model.init_from)), args=args, skip=is_adapter)
         return model.eval(), None
-    checkpoint = DcpTensors(spec, run_dir, step=step)
     names = [n for n, _ in model.named_parameters() if n in checkpoint.meta]
     if uses_adapters(spec):
         fill_from_hf(model, verify_base(run_dir), args=args, skip=is_adapter)
