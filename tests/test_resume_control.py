@@ -180,3 +180,25 @@ def test_signal_saves_the_current_step_exits_128_plus_n_and_a_rerun_resumes(
         if proc.poll() is None:
             proc.kill()
     assert f"resuming from step {step}" in out and proc.returncode == 143
+
+
+def test_a_restart_before_the_first_save_repeats_the_first_attempts_request(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """torchrun restarts a worker that failed before this run saved anything (a crash, or a refusal). The restart
+    replaced `--resume OTHER_RUN` with auto and, finding no checkpoint of its own, trained from step 0, exit 0: the
+    continued run silently started over. It repeats the first attempt's request now."""
+    source = tmp_path / "source"
+    assert main(argv(data_dir, source, 4)) == 0
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")  # this start is the job's attempt 1
+    capsys.readouterr()
+    continued = tmp_path / "continued"
+    assert main(argv(data_dir, continued, 8, "--resume", str(source), "--extend-schedule")) == 0
+    assert "resuming from step 4" in capsys.readouterr().out
+    assert steps_logged(continued) == [6, 8]  # steps 5-8 only: not trained from step 0
+    # A refusal is repeated too (here: the other run has no checkpoint), not turned into a fresh start.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert main(argv(data_dir, tmp_path / "again", 8, "--resume", str(empty))) == 2
+    assert not (tmp_path / "again" / "checkpoints").exists() or not any((tmp_path / "again" / "checkpoints").iterdir())

@@ -164,11 +164,12 @@ class TrainerCheckpointer:
         return self.provenance.files(step) if self.provenance is not None else {}
 
     def load_latest(self, trainer: Any) -> bool:
-        """Resume as `--resume` asks (ckpt/resume.py); a restarted worker resumes this run's newest checkpoint."""
+        """Resume as `--resume` asks (ckpt/resume.py); a restarted worker resumes this run's newest checkpoint.
+        A restart before this run saved one repeats the first attempt's request: it resumes (or takes the weights
+        of) the other run's checkpoint again, or is refused again, never starts over silently."""
         request = self.resume
-        if self.attempt > 0:  # the first attempt chose; a restart goes on from this run's own checkpoints
-            fresh = request.weights_only and not self._own_steps()
-            request = ResumeRequest(mode="path", path=request.path, weights_only=True) if fresh else ResumeRequest()
+        if self.attempt > 0 and self._own_steps():  # the first attempt chose; a restart goes on from its own
+            request = ResumeRequest(extend_schedule=request.extend_schedule)  # (its newest may predate the new one)
         step = self._load_weights(trainer, request) if request.weights_only else self._load_full(trainer, request)
         self._seen_saved_step = self.manager.last_saved_step
         if step is not None and not request.weights_only:
