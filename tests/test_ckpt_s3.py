@@ -180,3 +180,25 @@ def test_resume_from_an_s3_location_that_cannot_be_listed_is_exit_2_naming_it(
     assert message.startswith("--resume s3://ckpt-bucket/other-run: cannot list the checkpoints there: "
                               "NoCredentialsError")
     assert "AWS_ACCESS_KEY_ID" in message and "\n" not in message and "Traceback" not in message
+
+
+def test_resume_from_s3_uses_the_specs_endpoint_and_the_bounded_client_whatever_the_runs_store(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--resume s3://...` from a run whose own checkpoints are local got an S3 client with no options: none of
+    the timeouts and retry limits (a dead endpoint hung for minutes in botocore's retries), and the spec's
+    checkpoint.endpoint_url and keys ignored."""
+    from leantrain.ckpt.resume import source_location
+    from leantrain.ckpt.storage import S3_CONNECT_TIMEOUT_S
+    from leantrain.spec import load_spec
+
+    spec = load_spec(Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml", overrides=[
+        "checkpoint.endpoint_url=http://127.0.0.1:9", "checkpoint.access_key=${LT_TEST_KEY}",
+        "checkpoint.secret_key=${LT_TEST_SECRET}"])
+    monkeypatch.setenv("LT_TEST_KEY", "k")
+    monkeypatch.setenv("LT_TEST_SECRET", "s")
+    assert spec.checkpoint.storage == "local"
+    store, step = source_location(spec, "s3://bucket/other-run/step-00000040")
+    options = store.fs.storage_options
+    assert (store.url.rstrip("/"), step) == ("s3://bucket/other-run", 40)
+    assert options["endpoint_url"] == "http://127.0.0.1:9" and (options["key"], options["secret"]) == ("k", "s")
+    assert options["config_kwargs"]["connect_timeout"] == S3_CONNECT_TIMEOUT_S

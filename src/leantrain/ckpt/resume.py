@@ -107,17 +107,15 @@ def finished_message(run_dir: Path, *, step: int, where: str | None) -> str:
 
 def source_location(spec: JobSpec, path: str) -> tuple[Store, int | None]:
     """The store a --resume PATH names and the step it names (None: its newest)."""
-    from leantrain.ckpt.storage import FsspecStore, LocalStore, open_store
+    from leantrain.ckpt.storage import FsspecStore, LocalStore, s3_options
 
     text = path.rstrip("/")
     tail = text.rsplit("/", 1)[-1]
     match = integ.STEP_RE.match(tail)
     step = int(match.group(1)) if match else None
     root = text.rsplit("/", 1)[0] if match else text
-    if root.startswith("s3://"):
-        own = open_store(spec, run_dir=Path(".")) if spec.checkpoint.storage == "object_store" else None
-        options = {} if not isinstance(own, FsspecStore) else dict(own.fs.storage_options)
-        return FsspecStore(root, storage_options=options), step
+    if root.startswith("s3://"):  # the spec's endpoint and credentials, and the bounded client, whatever its store
+        return FsspecStore(root, storage_options=s3_options(spec)), step
     folder = Path(root)
     if (folder / "checkpoints").is_dir() and not integ.STEP_RE.match(tail):
         folder = folder / "checkpoints"

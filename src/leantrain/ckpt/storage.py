@@ -205,6 +205,13 @@ def open_store(spec: JobSpec, *, run_dir: str | Path) -> Store:
         return LocalStore(root, owner_only=spec.security.owner_only)
     if not ck.url:
         raise UserInputError("checkpoint.url must be s3://bucket/prefix when checkpoint.storage is object_store")
+    return FsspecStore(ck.url, storage_options=s3_options(spec))
+
+
+def s3_options(spec: JobSpec) -> dict[str, Any]:
+    """The S3 client's options from `spec.checkpoint` (endpoint_url, access_key/secret_key when given; else the
+    AWS_* environment), for this run's store and for a `--resume s3://...` of another run alike."""
+    ck = spec.checkpoint
     # Bounded client: a dead endpoint or wrong credentials fail in seconds, not after minutes of botocore's and
     # s3fs's own retries (the save's retries and checkpoint.save_timeout_s are the retry policy).
     options: dict[str, Any] = {"config_kwargs": {
@@ -217,4 +224,4 @@ def open_store(spec: JobSpec, *, run_dir: str | Path) -> Store:
         raise UserInputError("checkpoint.access_key and checkpoint.secret_key must be given together")
     if key is not None:
         options["key"], options["secret"] = key, secret
-    return FsspecStore(ck.url, storage_options=options)
+    return options
