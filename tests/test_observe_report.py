@@ -313,3 +313,17 @@ def test_a_hand_edited_eval_json_or_per_source_map_is_named_in_the_report(tmp_pa
     text = write_report(run_dir).read_text()
     assert f"metrics.jsonl: step {record['step']}: loss_by_source is not an object" in text
     assert "id='plot-loss_by_source'" in text  # the other records' per-source losses are still drawn
+
+
+def test_a_drill_verdict_that_is_not_true_is_not_shown_as_passed_and_a_non_object_file_is_named(
+        tmp_path: Path) -> None:
+    """The report showed a hand-edited `"passed": "no"` as PASSED (truthiness), where validate fails it; and a
+    drill.json or plan.json whose top level is not an object was dropped without a word."""
+    import json
+
+    run_dir = make_run(tmp_path, "healthy")
+    (run_dir / "drill.json").write_text(json.dumps({"passed": "no", "reason": "edited"}))
+    assert "<b class='critical'>FAILED</b>" in write_report(run_dir).read_text()
+    (run_dir / "drill.json").write_text(json.dumps([{"passed": True}]))
+    text = write_report(run_dir).read_text()
+    assert "drill.json: not a JSON object (a list); left out" in text and "PASSED" not in text

@@ -133,7 +133,7 @@ def drill_section(run: RunData) -> str:
     if not result:
         return ("<p id='drill'>No drill.json in the run dir: `leantrain drill SPEC` kills a rank and checks the "
                 "restart and the resumed loss curve.</p>")
-    passed = bool(result.get("passed"))
+    passed = result.get("passed") is True  # a hand-edited "no" or 1 is not a pass (validate reads it the same way)
     verdict = "<b class='resolved'>PASSED</b>" if passed else "<b class='critical'>FAILED</b>"
     why = "" if passed or not result.get("reason") else f": {html.escape(str(result['reason']))}"
     rows = [

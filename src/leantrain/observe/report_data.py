@@ -94,7 +94,10 @@ def _read_json(path: Path, bad_lines: list[str]) -> dict[str, Any] | None:
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         bad_lines.append(f"{path.name}: unreadable ({err})")
         return None
-    return data if isinstance(data, dict) else None
+    if not isinstance(data, dict):
+        bad_lines.append(f"{path.name}: not a JSON object (a {type(data).__name__}); left out")
+        return None
+    return data
 
 
 def _read_spec(run_dir: Path, bad_lines: list[str]) -> dict[str, Any] | None:
