@@ -81,31 +81,6 @@ def emit_job_file(
     return write_job_file(text, out)
 
 
-def parse_sweep_option(sweep: str) -> list[int]:
-    """`--sweep nproc=1,2,4` → [1, 2, 4], or exit 2 naming the part that is wrong. Stricter than
-    `torchrun.parse_sweep`, which skips an empty entry (`nproc=1,,2`) and folds a repeated one (`nproc=1,1`):
-    the sizes run are exactly the ones typed."""
-    expected = f"--sweep {sweep!r}: expected nproc=N1,N2,... with positive integers (e.g. nproc=1,2,4)"
-    key, _, values = sweep.partition("=")
-    if key.strip() != "nproc":
-        raise UserInputError(f"{expected}; " + (f"{key.strip()!r} cannot be swept: only nproc can" if key.strip()
-                                                else "the key (nproc) is missing"))
-    if not values.strip():
-        raise UserInputError(f"{expected}; no sizes after nproc=")
-    entries = [entry.strip() for entry in values.split(",")]
-    for number, entry in enumerate(entries, start=1):
-        if not entry:
-            raise UserInputError(f"{expected}; entry {number} is empty")
-        if "=" in entry:
-            raise UserInputError(f"{expected}; entry {number} ({entry!r}) repeats the key: name nproc once")
-        if not (entry.isascii() and entry.isdigit() and int(entry) > 0):
-            raise UserInputError(f"{expected}; entry {number} ({entry!r}) is not a positive integer")
-    sizes = [int(entry) for entry in entries]
-    if repeated := sorted({size for size in sizes if sizes.count(size) > 1}):
-        raise UserInputError(f"{expected}; {', '.join(map(str, repeated))} listed more than once")
-    return torchrun.parse_sweep(sweep)
-
-
 def run(
     *, console: Console, spec: JobSpec, spec_path: Path, overrides: list[str], profile: str | None,
     nproc: int | None, nnodes: str | None, max_restarts: int | None, run_dir: Path | None, dry_run: bool,
@@ -114,7 +89,7 @@ def run(
     """The `leantrain launch` command (`train_args`: --resume/--weights-only/--extend-schedule for the ranks)."""
     run_dir = Path(run_dir or spec.run.dir)
     if sweep is not None:  # refused as typed, whatever else is asked, before anything is written
-        sizes = parse_sweep_option(sweep)
+        sizes = torchrun.parse_sweep(sweep)
         for flag, given in (("--dry-run", dry_run), ("--preflight", preflight), ("--emit", emit is not None)):
             if given:
                 raise UserInputError(f"{flag} and --sweep: choose one")

@@ -283,12 +283,27 @@ class SweepPoint:
 
 
 def parse_sweep(text: str) -> list[int]:
-    """`nproc=1,2,4` → [1, 2, 4]."""
+    """`nproc=4,1,2` → [1, 2, 4], or a UserInputError naming the part that is wrong: the sizes run are exactly
+    the ones typed (an empty entry, `nproc=1,,2`, a repeated one, `nproc=1,1`, or a non-ASCII digit is refused)."""
+    expected = f"--sweep {text!r}: expected nproc=N1,N2,... with positive integers (e.g. nproc=1,2,4)"
     key, _, values = text.partition("=")
-    sizes = [v.strip() for v in values.split(",") if v.strip()]
-    if key.strip() != "nproc" or not sizes or not all(v.isdigit() and int(v) > 0 for v in sizes):
-        raise UserInputError(f"--sweep {text!r}: expected nproc=N1,N2,... with positive integers (e.g. nproc=1,2,4)")
-    return sorted({int(v) for v in sizes})
+    if key.strip() != "nproc":
+        raise UserInputError(f"{expected}; " + (f"{key.strip()!r} cannot be swept: only nproc can" if key.strip()
+                                                else "the key (nproc) is missing"))
+    if not values.strip():
+        raise UserInputError(f"{expected}; no sizes after nproc=")
+    entries = [entry.strip() for entry in values.split(",")]
+    for number, entry in enumerate(entries, start=1):
+        if not entry:
+            raise UserInputError(f"{expected}; entry {number} is empty")
+        if "=" in entry:
+            raise UserInputError(f"{expected}; entry {number} ({entry!r}) repeats the key: name nproc once")
+        if not (entry.isascii() and entry.isdigit() and int(entry) > 0):
+            raise UserInputError(f"{expected}; entry {number} ({entry!r}) is not a positive integer")
+    sizes = [int(entry) for entry in entries]
+    if repeated := sorted({size for size in sizes if sizes.count(size) > 1}):
+        raise UserInputError(f"{expected}; {', '.join(map(str, repeated))} listed more than once")
+    return sorted(sizes)
 
 
 def _steady_metrics(metrics_path: Path) -> dict[str, float] | None:
