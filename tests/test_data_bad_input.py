@@ -173,3 +173,32 @@ def test_train_refuses_token_ids_beyond_the_models_vocabulary_at_start(tmp_path:
     (tmp_path / "old" / "manifest.json").write_text(json.dumps(raw))
     assert old.shards and main(["train", str(TINY), "--set", f"data.dir={tmp_path / 'old'}", "--max-steps", "1",
                                 "--run-dir", str(tmp_path / "old-run")]) == 0
+
+
+def test_train_refuses_chat_token_ids_beyond_the_models_vocabulary_at_start(tmp_path: Path,
+                                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    """Fine-tuning data is checked as text data is: a chat data dir's shards (with their loss masks) record
+    their largest token id too, so ids the model's embedding has no row for (the ChatML specials, 256-258, of a
+    tokenizer whose vocab_size was given as 257, its EOS's id + 1) are refused before the first step, naming the
+    manifest and the shard."""
+    from tokenizers import Tokenizer
+
+    from leantrain.data.chat import ChatRenderer, write_chat_data_dir
+    from leantrain.model.tiny_hf import CHATML_TEMPLATE, save_tokenizer
+
+    save_tokenizer(tmp_path / "tok")
+    tokenizer = Tokenizer.from_file(str(tmp_path / "tok" / "tokenizer.json"))
+    chat = ChatRenderer(tokenizer, template=CHATML_TEMPLATE, eos_id=tokenizer.token_to_id("<|endoftext|>"))
+    conversations = [[{"role": "user", "content": f"Say {i}"}, {"role": "assistant", "content": f"{i} {i}"}]
+                     for i in range(20)]
+    manifest = write_chat_data_dir(tmp_path / "data", {"chat": conversations}, renderer=chat, vocab_size=257,
+                                   seq_len=128)
+    assert [s.max_token_id for s in manifest.shards] == [tokenizer.token_to_id("<|im_end|>")]
+    code = main(["train", str(TINY), "--set", f"data.dir={tmp_path / 'data'}", "--set", "model.vocab_size=257",
+                 "--max-steps", "1", "--run-dir", str(tmp_path / "run")])
+    message = capsys.readouterr().err.replace("\n", "")
+    assert code == 2, message
+    for part in (str(tmp_path / "data" / "manifest.json"), manifest.shards[0].path, "max_token_id", "258",
+                 "model.vocab_size is 257"):
+        assert part in message, (part, message)
+    assert "Traceback" not in message and not (tmp_path / "run" / "metrics.jsonl").exists()

@@ -238,3 +238,52 @@ def test_a_source_store_that_cannot_be_reached_is_exit_2_naming_the_source(tmp_p
                  "data.sources=[{name: web, path: 'http://127.0.0.1:9/x.jsonl'}]"]) == 2
     err = capsys.readouterr().err
     assert "data.sources[web].path: http://127.0.0.1:9/x.jsonl cannot be listed" in err and "Traceback" not in err
+
+
+GAP_WORDS = ["the", "a", "of", "and", "to", "in", "is", "it", "quick", "brown", "jumps", "over", "lazy", "dog",
+             "river", "stone", "forest", "animals"]
+
+
+def _gapped_tokenizer(path: Path) -> set[int]:
+    """A word-level tokenizer.json of 21 tokens whose word "fox" has id 70000 (its ids have a gap); its ids."""
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {"<unk>": 0, "<|endoftext|>": 1, **{w: i + 2 for i, w in enumerate(GAP_WORDS)}, "fox": 70000}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(path))
+    return set(vocab.values())
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "chat"])
+def test_a_tokenizer_whose_ids_have_gaps_keeps_its_ids_and_is_checked_against_the_model(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], fmt: str) -> None:
+    """A tokenizer whose ids have gaps (21 tokens, ids up to 70000): the shards' dtype and the manifest's vocab_size
+    come from its largest id, so every id is written as it is (uint16 from its token count made text a numpy
+    OverflowError and silently wrapped chat ids, 70000 to 4464); with a model too small for its ids, `prepare`
+    is exit 2 naming both numbers, data.tokenizer and model.vocab_size."""
+    import yaml
+
+    ids = _gapped_tokenizer(tmp_path / "tok.json")
+    rng = random.Random(0)
+    text = [" ".join(rng.choice([*GAP_WORDS, "fox"]) for _ in range(80)) + f" doc {i}." for i in range(12)]
+    rows = [{"text": t} for t in text] if fmt == "jsonl" else [{"prompt": t, "response": f"the fox {i}"}
+                                                              for i, t in enumerate(text)]
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    data = {"tokens_total": 1e5, "seq_len": 32, "valid_fraction": 0.0, "workers": 1,
+            "tokenizer": {"kind": "file", "path": str(tmp_path / "tok.json")}, "cleaning": {"min_stop_words": 0},
+            "sources": [{"name": "c", "path": str(tmp_path / "c.jsonl"), "format": fmt}]}
+    manifest = prepare_data(DataSpec(**data), data_dir=tmp_path / "data").manifest
+    assert manifest.vocab_size == 70001 and manifest.dtype == "int32"
+    written = np.concatenate([ShardReader(tmp_path / "data" / s.path).tokens for s in manifest.shards])
+    assert 70000 in written and set(written.tolist()) <= ids
+    assert max(s.max_token_id or 0 for s in manifest.shards) == 70000
+    (tmp_path / "spec.yaml").write_text(yaml.safe_dump({
+        "task": "pretrain", "model": {"n_layers": 2, "d_model": 64, "n_heads": 4, "vocab_size": 512}, "data": data,
+        "training": {"global_batch_tokens": 64, "micro_batch": 2, "device": "cpu"}}))
+    assert main(["prepare", str(tmp_path / "spec.yaml"), "--out", str(tmp_path / "small")]) == 2
+    err = capsys.readouterr().err.replace("\n", "")
+    for part in ("data.tokenizer", str(tmp_path / "small" / "tokenizer.json"), "up to 70000", "70001",
+                 "model.vocab_size is 512"):
+        assert part in err, (part, err)
+    assert "Traceback" not in err

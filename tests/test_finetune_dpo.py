@@ -159,6 +159,26 @@ def test_prepare_writes_whole_pairs_with_masks_on_the_responses(prepared: tuple[
         PairBatchSampler(root / "data", seq_len=32, micro_batch=4, dp_rank=0, dp_size=1, seed=0)
 
 
+
+def test_preference_shards_record_their_largest_token_id_for_the_start_time_check(prepared: tuple[Path, Path]
+                                                                                  ) -> None:
+    """Preference (and chat) shards carry max_token_id in the manifest as text shards do, so the trainer's check
+    at start covers DPO data: a model whose vocabulary stops at that id is refused, naming the shard."""
+    from leantrain.data.layout import load_manifest
+    from leantrain.data.sampler import check_token_ids
+    from leantrain.data.shards import ShardReader
+
+    root, _ = prepared
+    manifest = load_manifest(root / "data")
+    assert manifest.shards
+    for shard in manifest.shards:
+        assert shard.max_token_id == int(np.asarray(ShardReader(root / "data" / shard.path).tokens).max())
+    top, path = max((s.max_token_id, s.path) for s in manifest.shards if s.max_token_id is not None)
+    check_token_ids(manifest, root / "data", model_vocab_size=top + 1)
+    with pytest.raises(UserInputError, match=f"manifest.json: shard {path} holds token ids up to {top}"):
+        check_token_ids(manifest, root / "data", model_vocab_size=top)
+
+
 def run_dpo(root: Path, hf_dir: Path, run_dir: Path, **overrides: Any) -> list[dict[str, Any]]:
     from leantrain.train.command import train
 

@@ -253,6 +253,11 @@ class MaskedShardWriter:
     def num_docs(self) -> int:
         return self.writer.num_docs
 
+    @property
+    def max_token_id(self) -> int | None:
+        """The shard's largest token id, for the manifest (the trainer checks it against the model at start)."""
+        return self.writer.max_token_id
+
     def __post_init__(self) -> None:
         self._mask_tmp = mask_path(self.writer.bin_path).with_suffix(".mask.tmp")
         self._mask = open(self._mask_tmp, "wb")  # noqa: SIM115 - closed in finish/abort
@@ -296,7 +301,7 @@ def write_chat_split(
     inner = writer.writer
     return [ShardInfo(path=inner.bin_path.relative_to(data_dir).as_posix(), split=split, source=source,
                       sha256=bin_sha, idx_sha256=idx_sha, num_tokens=inner.num_tokens, num_docs=inner.num_docs,
-                      num_bytes=num_bytes)]
+                      num_bytes=num_bytes, max_token_id=inner.max_token_id)]
 
 
 def write_chat_data_dir(

@@ -122,10 +122,15 @@ def with_model_tokenizer(spec: JobSpec) -> JobSpec:
         raise UserInputError(f"{path}: not found; model.init_from has no tokenizer, so name one in data.tokenizer")
     from tokenizers import Tokenizer
 
-    vocab = Tokenizer.from_file(str(path)).get_vocab_size()
-    if vocab > spec.model.vocab_size:  # type: ignore[operator] # filled from config.json
-        raise UserInputError(f"{path}: vocabulary of {vocab} tokens exceeds the embedding (vocab_size "
-                             f"{spec.model.vocab_size} in {Path(init_from) / 'config.json'})")
+    from leantrain.data.tokenizer import id_range
+
+    tokenizer = Tokenizer.from_file(str(path))
+    num_ids = id_range(tokenizer)  # its largest id + 1: more than its token count when its ids have gaps
+    if num_ids > spec.model.vocab_size:  # type: ignore[operator] # filled from config.json
+        gaps = f" (ids up to {num_ids - 1})" if num_ids != tokenizer.get_vocab_size() else ""
+        raise UserInputError(f"{path}: vocabulary of {tokenizer.get_vocab_size()} tokens{gaps} exceeds the embedding "
+                             f"(vocab_size {spec.model.vocab_size} in {Path(init_from) / 'config.json'}): every "
+                             "token id must be below it")
     eos = _eos_token(Path(init_from) / "tokenizer_config.json") or spec.data.tokenizer.eos_token
     tokenizer = spec.data.tokenizer.model_copy(update={"kind": "file", "path": path, "eos_token": eos})
     return spec.model_copy(update={"data": spec.data.model_copy(update={"tokenizer": tokenizer})})

@@ -20,15 +20,25 @@ from leantrain.spec.schema import JobSpec
 from leantrain.spec.shapes import resolve_shape
 
 
-def _check_vocab(spec: JobSpec, *, tokenizer_vocab: int | None) -> None:
-    """The model's embedding must cover every token id the tokenizer can produce."""
+def _check_vocab(spec: JobSpec, *, tokenizer_vocab: int | None, tokenizer_path: Path | None = None) -> None:
+    """The model's embedding must cover every token id the tokenizer can produce: before prepare, a BPE
+    tokenizer's target size; after, the manifest's vocab_size, the prepared tokenizer's largest id + 1 (so it
+    covers every id written to the shards, their max_token_id, and a tokenizer whose ids have gaps)."""
     model_vocab = resolve_shape(spec.model).vocab_size
-    wanted = tokenizer_vocab if tokenizer_vocab is not None else (
-        spec.data.tokenizer.vocab_size if spec.data.tokenizer.kind == "bpe" else None)
-    if wanted is not None and wanted > model_vocab:
+    if tokenizer_vocab is None:
+        wanted = spec.data.tokenizer.vocab_size if spec.data.tokenizer.kind == "bpe" else None
+        if wanted is not None and wanted > model_vocab:
+            raise UserInputError(
+                f"data.tokenizer vocabulary ({wanted}) is larger than model.vocab_size ({model_vocab}); "
+                f"raise model.vocab_size to at least {wanted} or lower data.tokenizer.vocab_size"
+            )
+    elif tokenizer_vocab > model_vocab:
+        where = f" ({tokenizer_path})" if tokenizer_path is not None else ""
         raise UserInputError(
-            f"data.tokenizer vocabulary ({wanted}) is larger than model.vocab_size ({model_vocab}); "
-            f"raise model.vocab_size to at least {wanted} or lower data.tokenizer.vocab_size"
+            f"data.tokenizer{where}: its token ids run up to {tokenizer_vocab - 1} (the data dir's vocab_size "
+            f"{tokenizer_vocab}), but model.vocab_size is {model_vocab} and every id must be below it. Raise "
+            f"model.vocab_size to at least {tokenizer_vocab}, or prepare with a tokenizer whose ids fit"
+            + (" or a smaller data.tokenizer.vocab_size" if spec.data.tokenizer.kind == "bpe" else "")
         )
 
 
@@ -40,7 +50,8 @@ def build(spec: JobSpec, *, data_dir: Path, console: Console, force: bool = Fals
     _check_vocab(spec, tokenizer_vocab=None)
     result = prepare_data(spec.data, data_dir=data_dir, console=console, force=force)
     render_report(result.report, console=console)
-    _check_vocab(spec, tokenizer_vocab=result.manifest.vocab_size)
+    _check_vocab(spec, tokenizer_vocab=result.manifest.vocab_size,
+                 tokenizer_path=data_dir / str(result.manifest.tokenizer.get("path", "tokenizer.json")))
     return result
 
 

@@ -29,7 +29,7 @@ class TokenizerInfo:
 
     path: str
     sha256: str
-    vocab_size: int
+    vocab_size: int  # the ids it can emit: its largest id + 1 (`id_range`), what the embedding needs and dtype holds
     eos_id: int
     eos_token: str
     kind: str
@@ -46,6 +46,13 @@ def _byte_level(spec: TokenizerSpec, texts: Iterable[str], *, vocab_size: int) -
     tokenizer.train_from_iterator(texts, trainer)
     tokenizer.add_tokens([AddedToken(p, normalized=False, single_word=False) for p in PLACEHOLDERS.values()])
     return tokenizer
+
+
+def id_range(tokenizer: Tokenizer) -> int:
+    """How many ids the tokenizer can emit: its largest id (vocabulary or added token) + 1. That is its token
+    count unless its ids have gaps (a tokenizer.json with tokens removed: 512 tokens with ids up to 1104); the
+    model's embedding needs this many rows, and the shards' dtype must hold the largest id."""
+    return max(tokenizer.get_vocab_size(), max(tokenizer.get_vocab(with_added_tokens=True).values(), default=-1) + 1)
 
 
 def build_tokenizer(spec: TokenizerSpec, texts: Iterator[str], *, out_path: Path) -> TokenizerInfo:
@@ -71,7 +78,7 @@ def build_tokenizer(spec: TokenizerSpec, texts: Iterator[str], *, out_path: Path
     data = tokenizer.to_str().encode("utf-8")
     atomic_write_bytes(out_path, data)
     return TokenizerInfo(path=out_path.name, sha256=hashlib.sha256(data).hexdigest(),
-                         vocab_size=tokenizer.get_vocab_size(), eos_id=eos_id, eos_token=spec.eos_token,
+                         vocab_size=id_range(tokenizer), eos_id=eos_id, eos_token=spec.eos_token,
                          kind=spec.kind)
 
 
@@ -82,6 +89,6 @@ def load_info(path: Path, spec: TokenizerSpec) -> tuple[Tokenizer, TokenizerInfo
     eos_id = tokenizer.token_to_id(spec.eos_token)
     assert eos_id is not None, "a tokenizer we wrote has its EOS"
     info = TokenizerInfo(path=path.name, sha256=hashlib.sha256(data).hexdigest(),
-                         vocab_size=tokenizer.get_vocab_size(), eos_id=eos_id, eos_token=spec.eos_token,
+                         vocab_size=id_range(tokenizer), eos_id=eos_id, eos_token=spec.eos_token,
                          kind=spec.kind)
     return tokenizer, info
