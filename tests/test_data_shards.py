@@ -43,6 +43,15 @@ def test_idx_byte_layout(tmp_path: Path) -> None:
     assert lengths.tolist() == [3, 1, 5] and pointers.tolist() == [0, 6, 8] and documents.tolist() == [0, 1, 2, 3]
     assert len(raw) == 34 + 12 + 24 + 32
     assert np.fromfile(tmp_path / "s.bin", np.uint16).tolist() == sum(DOCS, [])
+    assert writer.max_token_id == 13
+
+
+def test_a_token_id_the_shard_dtype_cannot_hold_is_refused_not_wrapped(tmp_path: Path) -> None:
+    """An int64 array cast to uint16 wrapped 70000 to 4464 silently, and 4464 was recorded as max_token_id."""
+    writer = ShardWriter(tmp_path / "s", dtype=np.uint16)
+    with pytest.raises(ValueError, match="token id 70000 does not fit the shard's uint16"):
+        writer.add(np.array([5, 70000], dtype=np.int64))
+    writer.abort()
     assert not list(tmp_path.glob("*.tmp"))
 
 

@@ -146,13 +146,16 @@ class ShardWriter:
         self.max_token_id: int | None = None  # recorded in the manifest: the trainer checks it against the model
 
     def add(self, tokens: np.ndarray) -> None:
-        values = np.asarray(tokens, dtype=self.dtype)
+        source = np.asarray(tokens)
+        if source.size:  # the largest id before the cast: an id the dtype cannot hold is refused, never wrapped
+            top = int(source.max())
+            if top > np.iinfo(self.dtype).max:
+                raise ValueError(f"{self.bin_path}: token id {top} does not fit the shard's {self.dtype.name}")
+            self.max_token_id = top if self.max_token_id is None else max(self.max_token_id, top)
+        values = source.astype(self.dtype, copy=False)
         self._file.write(values.tobytes(order="C"))
         self._lengths.append(int(values.size))
         self.num_tokens += int(values.size)
-        if values.size:
-            top = int(values.max())
-            self.max_token_id = top if self.max_token_id is None else max(self.max_token_id, top)
 
     @property
     def num_docs(self) -> int:
