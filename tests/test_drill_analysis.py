@@ -203,3 +203,22 @@ def test_the_drill_launches_only_the_faulted_run_when_it_reuses_the_reference(
     assert result["reference_dir"] == str(train_run.resolve() if reusable else train_run / "drill" / "reference")
     drill.render(result, console=out)
     assert ("reference reused" in out.export_text()) is reusable
+
+
+def test_the_drill_logs_so_that_every_checkpoint_starts_a_logging_window(tmp_path: Path) -> None:
+    """A logged loss is the mean since the previous record: with a checkpoint every 2 steps and a record every 5,
+    the run resumed at step 2 logged steps 3-4 where the reference logged 1-4 at step 4, and the drill failed a
+    run that had resumed exactly (loss diff 0.025). The drill runs now log every gcd(log_every, intervals)."""
+    from leantrain.golive.drill import _interval_steps, drill_log_every, reusable_reference
+
+    spec = _spec(tmp_path)  # log_every 5
+    with_interval = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"interval_steps": 2})})
+    assert drill_log_every(with_interval, interval=2) == 1
+    assert _interval_steps(with_interval, 4) == (2, ["monitoring.log_every=1"])
+    assert drill_log_every(spec, interval=10) == 5 and drill_log_every(spec, interval=15) == 5
+    tier = spec.model_copy(update={"checkpoint": spec.checkpoint.model_copy(update={"memory_interval_steps": 3})})
+    assert drill_log_every(tier, interval=10) == 1
+    finished = _finished_run(tmp_path / "run", spec, losses=REFERENCE)  # logged every 5
+    assert reusable_reference(finished, spec=spec, nproc=2, max_steps=6, log_every=5) is None
+    assert "logged every 5 step(s), the drill every 1" in reusable_reference(
+        finished, spec=spec, nproc=2, max_steps=6, log_every=1)

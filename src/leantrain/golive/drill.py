@@ -120,12 +120,28 @@ def _ensure_data(spec: JobSpec, console: Console) -> None:
 
 
 def _interval_steps(spec: JobSpec, max_steps: int) -> tuple[int, list[str]]:
-    """A fixed checkpoint interval for the drill (an `auto` one would not save at all in a short run)."""
+    """A fixed checkpoint interval for the drill (an `auto` one would not save at all in a short run), and a
+    logging cadence whose windows start at every checkpoint (`drill_log_every`)."""
     interval = spec.checkpoint.interval_steps
     if isinstance(interval, int) and interval < max_steps:
-        return interval, []
-    chosen = max(1, max_steps // 4)
-    return chosen, [f"checkpoint.interval_steps={chosen}"]
+        chosen, sets = interval, []
+    else:
+        chosen = max(1, max_steps // 4)
+        sets = [f"checkpoint.interval_steps={chosen}"]
+    log_every = drill_log_every(spec, interval=chosen)
+    if log_every != (spec.monitoring.log_every or spec.training.log_every):
+        sets.append(f"monitoring.log_every={log_every}")
+    return chosen, sets
+
+
+def drill_log_every(spec: JobSpec, *, interval: int) -> int:
+    """Steps between the drill runs' metric records. A record's loss is the mean since the previous record, so a
+    run resumed from a checkpoint inside a logging window logs a shorter window than the reference at the same step
+    (kill at 2, checkpoint every 2, log every 5: the reference's step-4 loss covers steps 1-4, the resumed run's
+    steps 3-4, a false mismatch). Logging every gcd(log_every, checkpoint intervals) steps makes every checkpoint
+    a window boundary (`monitoring.log_every`, which no loss depends on)."""
+    log_every = spec.monitoring.log_every or spec.training.log_every
+    return math.gcd(log_every, interval, spec.checkpoint.memory_interval_steps or 0)
 
 
 def choose_kill_step(
@@ -239,7 +255,8 @@ def run_drill(
     reference_dir = drill_dir / "reference"
     runs: dict[str, dict[str, Any]] = {}
     if reference_run is not None:
-        why_not = reusable_reference(Path(reference_run), spec=spec, nproc=nproc, max_steps=max_steps)
+        why_not = reusable_reference(Path(reference_run), spec=spec, nproc=nproc, max_steps=max_steps,
+                                     log_every=drill_log_every(spec, interval=interval))
         if why_not is None:
             reference_dir = Path(reference_run).resolve()
             runs["reference"] = {"exit_code": 0, "wall_s": None, "reused": str(reference_dir)}
@@ -282,11 +299,12 @@ def run_drill(
     return result
 
 
-def reusable_reference(run_dir: Path, *, spec: JobSpec, nproc: int, max_steps: int) -> str | None:
+def reusable_reference(run_dir: Path, *, spec: JobSpec, nproc: int, max_steps: int,
+                       log_every: int | None = None) -> str | None:
     """Why the finished run in `run_dir` cannot be the drill's reference, or None when it can: its spec.yaml
-    equals `spec` in every LOSS_SECTIONS section, it ran on `nproc` ranks for `max_steps` steps and logged a loss
-    at the last one, and it had no restart and no injected fault. (A reference that still differed would fail
-    the drill on the loss comparison, never pass it.)"""
+    equals `spec` in every LOSS_SECTIONS section, it ran on `nproc` ranks for `max_steps` steps, logged every
+    `log_every` steps (when given) and a loss at the last one, and it had no restart and no injected fault. (A
+    reference that still differed would fail the drill on the loss comparison, never pass it.)"""
     import yaml
 
     try:
@@ -301,6 +319,9 @@ def reusable_reference(run_dir: Path, *, spec: JobSpec, nproc: int, max_steps: i
     if info.get("world_size") != nproc or info.get("max_steps") != max_steps:
         return f"it ran {info.get('max_steps')} steps on {info.get('world_size')} ranks, the drill needs " \
                f"{max_steps} on {nproc}"
+    logged = (recorded.get("monitoring") or {}).get("log_every") or (recorded.get("training") or {}).get("log_every")
+    if log_every is not None and logged != log_every:
+        return f"it logged every {logged} step(s), the drill every {log_every} (each checkpoint starts a window)"
     losses = losses_by_step(_read_jsonl(run_dir / "metrics.jsonl"))
     if max(losses, default=0) != max_steps:
         return f"its last logged loss is at step {max(losses, default=0)}, not {max_steps}"
