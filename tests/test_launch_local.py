@@ -183,6 +183,17 @@ def test_sweep_with_preflight_is_refused_not_ignored(tmp_path: Path, cli: Callab
     result = cli("launch", str(TINY), "--sweep", "nproc=1,2", "--preflight", "--run-dir", str(tmp_path / "run"))
     assert result.exit_code == 2 and "--preflight and --sweep: choose one" in result.output
     assert not (tmp_path / "run").exists()
+    # --preflight with --dry-run ran a real preflight (every rank started); with --emit it was ignored
+    for other in (["--dry-run"], ["--emit", "slurm", "--out", str(tmp_path / "job.sbatch"), "--set",
+                                  "cluster.slurm_venv=/shared/venv"]):
+        result = cli("launch", str(TINY), "--preflight", *other, "--run-dir", str(tmp_path / "run"))
+        assert result.exit_code == 2 and f"--preflight and {other[0]}: choose one" in result.output, result.output
+        assert not (tmp_path / "run").exists() and not (tmp_path / "job.sbatch").exists()
+    # --rehearsal-json without --rehearse wrote nothing and said nothing
+    for command in ("check", "plan"):
+        result = cli(command, str(TINY), "--rehearsal-json", str(tmp_path / "r.json"))
+        assert result.exit_code == 2 and "add --rehearse" in result.output, result.output
+
 
 def test_moe_balance_sums_over_the_data_parallel_group_only(monkeypatch: pytest.MonkeyPatch) -> None:
     """dp 2 × tp 2 on a fake 4-rank group: the expert counts are reduced over dp, not over all 4 ranks."""

@@ -93,6 +93,13 @@ RehearseJsonOpt = Annotated[Path | None, typer.Option(
     "--rehearsal-json", help="With --rehearse: where rehearsal.json goes (default ./rehearsal.json).")]
 
 
+def _rehearsal_json_needs_rehearse(rehearse: bool, rehearsal_json: Path | None) -> None:
+    """--rehearsal-json without --rehearse was ignored (nothing written, no word): refuse it."""
+    if rehearsal_json is not None and not rehearse:
+        raise UserInputError(f"--rehearsal-json {rehearsal_json} is where --rehearse writes: add --rehearse")
+    check_output_file(rehearsal_json, "--rehearsal-json")
+
+
 @app.command()
 def check(spec: SpecArg, set_: SetOpt = None, profile: ProfileOpt = None, rehearse: RehearseOpt = False,
           rehearsal_json: RehearseJsonOpt = None) -> None:
@@ -100,7 +107,7 @@ def check(spec: SpecArg, set_: SetOpt = None, profile: ProfileOpt = None, rehear
     --rehearse)."""
     from leantrain.render import render_spec_summary
 
-    check_output_file(rehearsal_json, "--rehearsal-json")
+    _rehearsal_json_needs_rehearse(rehearse, rehearsal_json)
     job = _spec(spec, set_, profile)
     render_spec_summary(job, console=console)
     if rehearse:
@@ -130,7 +137,8 @@ def plan(
     """
     if plot is not None and what_if is None:
         raise UserInputError("--plot draws the --what-if table: add --what-if gpus=64,128,256")
-    for path, option in ((json_out, "--json"), (plot, "--plot"), (rehearsal_json, "--rehearsal-json")):
+    _rehearsal_json_needs_rehearse(rehearse, rehearsal_json)
+    for path, option in ((json_out, "--json"), (plot, "--plot")):
         check_output_file(path, option)
     job = _spec(spec, set_, profile)
     _stage("leantrain.plan.command", spec=job, json_out=json_out, top=top, what_if=what_if, plot=plot,

@@ -93,6 +93,9 @@ def run(
         for flag, given in (("--dry-run", dry_run), ("--preflight", preflight), ("--emit", emit is not None)):
             if given:
                 raise UserInputError(f"{flag} and --sweep: choose one")
+    if preflight and (dry_run or emit is not None):  # the preflight starts every rank: it was run, or ignored
+        raise UserInputError(f"--preflight and {'--emit' if emit is not None else '--dry-run'}: choose one (a job "
+                             "file runs its own preflight when cluster.preflight is on)")
     if out is not None and emit is None:
         raise UserInputError("--out names the file --emit writes; add --emit slurm or --emit k8s")
     if emit is not None:
