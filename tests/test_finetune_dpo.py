@@ -72,6 +72,7 @@ def prepared(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     records = preference_records()
     records.append(records[0])  # an exact duplicate: dropped by dedup
     records.append({"prompt": "Where do I write?", "chosen": "Mail bob@example.com", "rejected": "Nowhere."})
+    records.append({"prompt": "Which?", "chosen": "This one.", "rejected": "This one."})  # a tie: dropped
     write_jsonl(root / "prefs.jsonl", records)
     spec = root / "spec.yaml"
     spec.write_text(yaml.safe_dump(dpo_spec(root, hf_dir)))
@@ -128,6 +129,7 @@ def test_prepare_writes_whole_pairs_with_masks_on_the_responses(prepared: tuple[
     entry = manifest.sources[0]
     assert entry["preference"] and entry["pair_seq_len"] == SEQ and entry["pad_multiple"] == 2 * (SEQ + 1)
     assert entry["docs"]["train"] == 25 and entry["drops"]["exact_duplicate"] == 1
+    assert entry["drops"]["tied_pair"] == 1  # chosen == rejected teaches nothing (was kept and trained on)
     assert entry["pii"]["email"] == 1
     tokenizer = Tokenizer.from_file(str(hf_dir / "tokenizer.json"))
     sampler = PairBatchSampler(root / "data", seq_len=SEQ, micro_batch=4, dp_rank=0, dp_size=1, seed=0)

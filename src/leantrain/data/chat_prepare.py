@@ -47,6 +47,10 @@ def chat_candidate(
     if not any(m["role"] == "assistant" and m["content"].strip() for m in messages):
         counts["drops"]["empty"] += 1
         return None
+    if pair and messages[len(record["prompt"]):][:len(record["chosen"])] == messages[
+            len(record["prompt"]) + len(record["chosen"]):]:
+        counts["drops"]["tied_pair"] += 1  # chosen == rejected: DPO's loss is constant on it, its gradient zero
+        return None
     stats = text_stats("\n".join(m["content"] for m in messages))
     split = add_candidate_hashes(stats, near=spec.dedup.near, hasher=hasher, keys=keys, signatures=signatures,
                                  valid_cut=valid_cut)
