@@ -85,3 +85,44 @@ def test_doctor_reads_torchrun_rank_logs(tmp_path: Path) -> None:
     oom.write_text("torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB\n")
     problems = {f.title: f for f in diagnose_run(load_run(run_dir)) if f.severity == "problem"}
     assert "node7 attempt 0 local rank 5 (stdout)" in problems["out of memory"].evidence
+
+
+@pytest.mark.parametrize("value", ["", "abc", "99999", "-1", "0"])
+def test_a_master_port_that_is_not_a_port_is_a_finding_not_a_crash(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, value: str) -> None:
+    """doctor runs when the environment is broken: a MASTER_PORT that is empty, not a number or out of range was
+    a ValueError/OverflowError traceback; it is a problem naming MASTER_PORT, its value and the valid range."""
+    monkeypatch.setenv("MASTER_PORT", value)
+    findings = {f.title: f for f in environment_findings(None, None)}
+    finding = findings["MASTER_PORT is not a port"]
+    assert finding.severity == "problem" and f"MASTER_PORT={value!r}" in finding.evidence
+    assert "1-65535" in finding.evidence and "MASTER_PORT" in finding.fix
+    assert "rendezvous port free" not in findings
+    assert main(["doctor", str(make_run(tmp_path, "healthy"))]) == 0
+
+
+def test_a_folder_that_is_not_a_run_dir_is_refused_but_a_run_that_crashed_at_start_is_diagnosed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A data dir or an empty folder was diagnosed as "ranks stuck at start" (exit 0). It is exit 2 saying it
+    is not a run dir; a run dir that crashed before its first metric record (only the files written before the
+    first step, or only the launcher's rank logs) is still diagnosed."""
+    data_dir, empty = tmp_path / "data", tmp_path / "empty"
+    (data_dir / "train").mkdir(parents=True)
+    (data_dir / "manifest.json").write_text('{"shards": []}')
+    empty.mkdir()
+    for folder in (data_dir, empty):
+        assert main(["doctor", str(folder)]) == 2
+        err = capsys.readouterr().err
+        assert f"{folder} is not a run dir" in err and "spec.yaml" in err and "Traceback" not in err
+    assert "data dir" in str(pytest.raises(UserInputError, doctor, data_dir).value)
+    started = tmp_path / "started"
+    started.mkdir()
+    (started / "spec.yaml").write_text("run: {dir: started}\n")
+    rank_log = tmp_path / "launched" / "logs" / "node1" / "none_x" / "attempt_0" / "0" / "stderr.log"
+    rank_log.parent.mkdir(parents=True)
+    rank_log.write_text("RuntimeError: Connection refused\n")
+    for run_dir in (started, tmp_path / "launched"):
+        stuck = next(f for f in doctor(run_dir) if f.title == "ranks stuck at start")
+        assert "no metric records" in stuck.evidence
+        assert main(["doctor", str(run_dir)]) == 0
+    assert "Connection refused" in next(f for f in doctor(tmp_path / "launched") if f.area == "start").evidence

@@ -96,6 +96,38 @@ def test_bad_task_file_exits_2_naming_the_line(setup: tuple[Path, Path, Path], t
     assert "bad.jsonl:2: needs a string 'question' and a list 'choices'" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(("line", "message"), [
+    (b"[1, 2]", 'bad.jsonl:2: expected a JSON object {"question", "choices", "answer"}, got [1, 2]'),
+    (b'"q"', 'bad.jsonl:2: expected a JSON object'),
+    (b'{"question": "caf\xe9", "choices": ["a", "b"], "answer": 0}', "bad.jsonl:2: not UTF-8 text"),
+    (b"\xff\xfe{}", "bad.jsonl:2: not UTF-8 text"),
+])
+def test_a_task_line_that_is_not_a_utf8_json_object_exits_2_naming_the_line(
+    setup: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str], line: bytes, message: str
+) -> None:
+    spec_path, _, _ = setup
+    bad = tmp_path / "bad.jsonl"
+    bad.write_bytes(b'{"question": "q", "choices": ["a", "b"], "answer": 0}\n' + line + b"\n")
+    assert main(["eval", str(spec_path), "--tasks", str(bad)]) == 2
+    err = capsys.readouterr()
+    assert message in err.err and "Traceback" not in err.out + err.err
+
+
+def test_task_lines_are_counted_at_newlines_only(tmp_path: Path) -> None:
+    """A line separator inside a JSON string (allowed raw there) neither splits the line nor shifts the numbers."""
+    from leantrain.errors import UserInputError
+    from leantrain.golive.eval import read_task
+
+    task = tmp_path / "task.jsonl"
+    task.write_text('{"question": "one\u2028two\x85", "choices": ["a", "b"], "answer": "b"}\r\n[3]\n',
+                    encoding="utf-8")
+    with pytest.raises(UserInputError, match="task.jsonl:2: expected a JSON object"):
+        read_task(task)
+    task.write_text(task.read_text(encoding="utf-8").replace("[3]", ""), encoding="utf-8")
+    (item,) = read_task(task)
+    assert item.question == "one\u2028two\x85" and item.answer == 1
+
+
 def test_set_and_profile_apply_to_the_evaluated_spec(setup: tuple[Path, Path, Path],
                                                      capsys: pytest.CaptureFixture[str]) -> None:
     """`eval` takes --set and --profile like every SPEC-taking command: one batch instead of three scores

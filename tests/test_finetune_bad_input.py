@@ -121,3 +121,34 @@ def test_a_sliding_window_shorter_than_seq_len_is_refused(tmp_path: Path, capsys
     assert main(["check", str(spec_file(tmp_path, windowed))]) == 2
     assert "data.seq_len (16) exceeds the sliding_window (8)" in capsys.readouterr().err
     assert main(["check", str(spec_file(tmp_path, mistral))]) == 0  # no window: full attention, as ours
+
+
+@pytest.mark.parametrize("keep", [1000, 0.9], ids=["cut-in-header", "cut-in-data"])
+def test_a_cut_short_safetensors_file_exits_2_naming_it_in_train_and_eval(
+    hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], keep: float
+) -> None:
+    """A download cut short: the header check (rank 0, before the model is built) names the file; train writes
+    no run description and eval no eval.json."""
+    from leantrain.data.layout import write_token_data_dir
+
+    cut = copy_with_config(hf_dir, tmp_path / "cut")
+    weights = cut / "model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data[: keep if isinstance(keep, int) else int(len(data) * keep)])
+    message = f"{weights}: not a readable safetensors file"
+    with pytest.raises(UserInputError, match="download it again"):
+        check_hf_dir(cut, args=args_from_hf_config(cut))
+    spec = spec_file(tmp_path, cut)
+    docs = {"web": [list(range(1, 60))] * 4}
+    write_token_data_dir(tmp_path / "data", docs, vocab_size=259, eos_id=256, valid_docs_by_source=docs)
+    assert main(["train", str(spec), "--max-steps", "1"]) == 2
+    err = capsys.readouterr()
+    assert message in err.err and "Traceback" not in err.out + err.err
+    assert not [name for name in ("spec.yaml", "plan.json", "lineage.json", "metrics.jsonl")
+                if (tmp_path / "run" / name).exists()]
+    task = tmp_path / "task.jsonl"
+    task.write_text('{"question": "1+1", "choices": ["2", "3"], "answer": 0}\n')
+    assert main(["eval", str(spec), "--tasks", str(task)]) == 2
+    err = capsys.readouterr()
+    assert message in err.err and "Traceback" not in err.out + err.err
+    assert not (tmp_path / "run" / "eval.json").exists()

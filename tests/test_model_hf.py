@@ -194,3 +194,40 @@ def test_a_config_head_dim_is_read_and_a_bad_one_names_the_field(tmp_path: Path)
         (tmp_path / "config.json").write_text(json.dumps({**base, "head_dim": bad, "hidden_size": 5000}))
         with pytest.raises(HFConfigError, match="config.json: field 'head_dim'"):
             read_hf_config(tmp_path)
+
+
+def test_a_damaged_safetensors_file_is_named_by_the_check_and_by_a_later_read(tmp_path: Path) -> None:
+    """A shard of an indexed checkpoint cut short fails rank 0's header check naming it; a file that changes after
+    the check (cut, or removed, while a download is redone) is named by the rank that reads it."""
+    import re
+
+    from leantrain.model.hf import args_from_hf_config, hf_config, plan_shards, write_hf_shards
+    from leantrain.model.hf_load import check_hf_dir, fill_from_hf
+    from leantrain.model.init import init_buffers
+    from leantrain.model.transformer import Transformer
+
+    ours = tiny_model(tie=False)
+    state = ours.state_dict()
+    shards = plan_shards({name: t.numel() * 4 for name, t in state.items()}, max_shard_bytes=20_000)
+    hf = write_hf_shards(tmp_path / "hf", shards=shards, load=lambda names: {n: state[n] for n in names},
+                         config=hf_config(ours.args))
+    args = args_from_hf_config(hf, max_seq_len=32)
+    owners = check_hf_dir(hf, args=args)
+    shard = hf / f"model-00002-of-{len(shards):05d}.safetensors"
+    whole = shard.read_bytes()
+    shard.write_bytes(whole[: len(whole) // 2])
+    with pytest.raises(UserInputError, match=re.escape(f"{shard}: not a readable safetensors file")):
+        check_hf_dir(hf, args=args)
+    with torch.device("meta"):
+        model = Transformer(args)
+    model.to_empty(device=torch.device("cpu"))
+    init_buffers(model, args=args, device=torch.device("cpu"))
+    with pytest.raises(UserInputError, match=re.escape(f"{shard}: not a readable safetensors file")):
+        fill_from_hf(model, hf, args=args, owners=owners)  # checked whole before, cut since
+    shard.unlink()
+    with pytest.raises(UserInputError, match=re.escape(f"{shard}: cannot be read")):
+        fill_from_hf(model, hf, args=args, owners=owners)
+    shard.write_bytes(whole)
+    fill_from_hf(model, hf, args=args, owners=owners)
+    for name, param in model.named_parameters():
+        assert torch.equal(param, state[name]), name

@@ -327,3 +327,29 @@ def test_a_drill_verdict_that_is_not_true_is_not_shown_as_passed_and_a_non_objec
     (run_dir / "drill.json").write_text(json.dumps([{"passed": True}]))
     text = write_report(run_dir).read_text()
     assert "drill.json: not a JSON object (a list); left out" in text and "PASSED" not in text
+
+
+@pytest.mark.parametrize("bad", ['{"step": "x"}', '{"step": null, "loss": 2.0}', '{"loss": 2.0}',
+                                 '{"step": true, "loss": 2.0}'])
+def test_a_metrics_record_whose_step_is_not_a_number_is_an_unreadable_line(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], bad: str) -> None:
+    """A record whose step is not a number (hand-edited, another tool's file) was a ValueError traceback in the
+    timeline plot or the compare table. It is listed under the unreadable lines, like a torn line, and left out
+    of the plots; a file with no record left is exit 2 naming it, and no report is written."""
+    only_bad = tmp_path / "only-bad"
+    only_bad.mkdir()
+    (only_bad / "metrics.jsonl").write_text(bad + "\n")
+    out = tmp_path / "out" / "report.html"
+    run_dir = make_run(tmp_path, "healthy")
+    for command in (["report", str(only_bad)], ["report", str(run_dir), str(only_bad)]):
+        assert main([*command, "--out", str(out)]) == 2
+        err = capsys.readouterr().err
+        assert f"{only_bad / 'metrics.jsonl'} holds no metric records" in err and "metrics.jsonl:1:" in err
+        assert "Traceback" not in err and not out.exists()
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    (run_dir / "metrics.jsonl").write_text("\n".join([*lines[:3], bad, *lines[3:]]) + "\n")
+    (only_bad / "metrics.jsonl").write_text(bad + "\n" + lines[0] + "\n")
+    assert len(load_run(run_dir).metrics) == len(lines)
+    assert main(["report", str(run_dir), str(only_bad), "--out", str(out)]) == 0
+    text = write_report(run_dir).read_text()
+    assert "<h2>Unreadable lines</h2>" in text and "metrics.jsonl:4: " in text and "left out" in text

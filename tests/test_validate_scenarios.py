@@ -254,3 +254,21 @@ def test_a_restart_event_or_model_ready_entry_of_the_wrong_type_is_read_without_
     checks = _by_name(run_dir)
     assert "1 restart event(s)" in checks["no unexpected restarts"][1]  # the drill's kill: planned
     assert checks["model_ready vs rehearsal"] == ("WARN", "no rank in both model_ready and rehearsal.json")
+
+
+@pytest.mark.parametrize("content", ["", 'garbage\n{"step": "x"}\n[1]\n', '{"event": "start"}\n'])
+def test_a_baseline_without_a_logged_loss_is_exit_2_naming_it(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str) -> None:
+    """A --baseline whose metrics.jsonl holds no training record (empty, unreadable lines, events only) was a
+    FAIL "no logged step in common with the baseline" (exit 1), blaming the run. It is refused before any check
+    runs, exit 2 naming --baseline and the file, as `report` refuses it."""
+    run_dir = make_run(tmp_path, "healthy")
+    baseline = tmp_path / "baseline"
+    baseline.mkdir()
+    (baseline / "metrics.jsonl").write_text(content)
+    out = tmp_path / "validate.json"
+    assert main(["validate", str(run_dir), "--baseline", str(baseline), "--json", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert f"--baseline {baseline}" in captured.err and str(baseline / "metrics.jsonl") in captured.err
+    assert "Traceback" not in captured.err and "matches baseline" not in captured.out and not out.exists()
+    assert main(["validate", str(run_dir), "--baseline", str(make_run(tmp_path / "base", "healthy"))]) == 0

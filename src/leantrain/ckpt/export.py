@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch.distributed.checkpoint.api import CheckpointException
 
@@ -46,7 +45,7 @@ from leantrain.model.hf import (
     to_hf_name,
     write_hf_shards,
 )
-from leantrain.model.hf_load import weight_files
+from leantrain.model.hf_load import open_weights, weight_files
 from leantrain.model.lora import is_adapter, nf4_round
 from leantrain.model.transformer import model_args_from_spec
 from leantrain.spec import JobSpec, load_spec
@@ -167,7 +166,7 @@ def _base_tensor(files: dict[str, Path], name: str, experts: dict[str, list[str]
 
 
 def _hf_tensor(files: dict[str, Path], hf_name: str) -> torch.Tensor:
-    with safe_open(str(files[hf_name]), framework="pt") as handle:
+    with open_weights(files[hf_name]) as handle:
         return handle.get_tensor(hf_name)
 
 
@@ -192,7 +191,7 @@ def _lora_loader(
             continue
         if stacked:
             experts.setdefault(name, {})[stacked[1]] = hf_name
-        with safe_open(str(file), framework="pt") as handle:
+        with open_weights(file) as handle:
             shape = handle.get_slice(hf_name).get_shape()
         sizes[name] = sizes.get(name, 0) + int(torch.Size(shape).numel()) * dtype.itemsize
     by_expert = {name: [members[e] for e in sorted(members)] for name, members in experts.items()}

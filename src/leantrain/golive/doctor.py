@@ -23,6 +23,7 @@ from typing import Any, Literal
 import numpy as np
 
 from leantrain.ckpt.rank_records import HANG, OOM, merged_events, read_rank_records
+from leantrain.errors import UserInputError
 from leantrain.observe.alerts import AlertRules, replay
 from leantrain.observe.logs import log_errors
 from leantrain.observe.report_data import (
@@ -30,6 +31,7 @@ from leantrain.observe.report_data import (
     DATA_BOUND_SHARE,
     RunData,
     as_float,
+    is_run_dir,
     load_run,
     median_finite,
     nonfinite_steps,
@@ -63,16 +65,7 @@ class Finding:
 
 # -- environment ---------------------------------------------------------------------------------------------
 def environment_findings(run_dir: Path | None, run: RunData | None) -> list[Finding]:
-    out = [_torch_finding()]
-    port = int(os.environ.get("MASTER_PORT", "29500"))
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind(("", port))
-            out.append(Finding("ok", "env", "rendezvous port free", f"port {port} (MASTER_PORT or 29500) can be bound"))
-        except OSError as err:
-            out.append(Finding("warning", "env", "rendezvous port in use", f"port {port}: {err}",
-                               "another job or a stale torchrun holds it",
-                               "set MASTER_PORT to a free port, or stop the stale process"))
+    out = [_torch_finding(), _port_finding()]
     for name in [socket.gethostname(), *([os.environ["MASTER_ADDR"]] if os.environ.get("MASTER_ADDR") else [])]:
         try:
             address = socket.gethostbyname(name)
@@ -115,6 +108,28 @@ def _torch_finding() -> Finding:
     backends = [b for b in ("gloo", "nccl") if getattr(dist, f"is_{b}_available", lambda: False)()]
     parts.append(f"distributed backends: {', '.join(backends) or 'none'}")
     return Finding("ok" if dist.is_available() else "problem", "env", "torch and devices", "; ".join(parts))
+
+
+def _port_finding() -> Finding:
+    """Whether the rendezvous port (MASTER_PORT, else 29500) is a port number and free on this host."""
+    raw = os.environ.get("MASTER_PORT", "29500")
+    try:
+        port = int(raw)
+    except ValueError:
+        port = -1
+    if not 1 <= port <= 65535:
+        return Finding("problem", "env", "MASTER_PORT is not a port",
+                       f"MASTER_PORT={raw!r}; a port is a whole number in 1-65535",
+                       "the rendezvous cannot listen on it, so no rank can join",
+                       "set MASTER_PORT to a free port in 1-65535 (e.g. 29500), or unset it")
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        try:
+            sock.bind(("", port))
+            return Finding("ok", "env", "rendezvous port free", f"port {port} (MASTER_PORT or 29500) can be bound")
+        except OSError as err:
+            return Finding("warning", "env", "rendezvous port in use", f"port {port}: {err}",
+                           "another job or a stale torchrun holds it",
+                           "set MASTER_PORT to a free port, or stop the stale process")
 
 
 def _planned_checkpoint_bytes(run: RunData | None) -> float:
@@ -435,9 +450,13 @@ def diagnose_run(run: RunData) -> list[Finding]:
 
 def doctor(run_dir: Path | None) -> list[Finding]:
     if run_dir is not None and not Path(run_dir).is_dir():
-        from leantrain.errors import UserInputError
-
         raise UserInputError(f"run dir {run_dir} does not exist")
+    if run_dir is not None and not is_run_dir(Path(run_dir)):
+        hint = "; its manifest.json marks a data dir" if (Path(run_dir) / "manifest.json").is_file() else ""
+        raise UserInputError(
+            f"{run_dir} is not a run dir: it holds none of spec.yaml, lineage.json, metrics.jsonl, events.jsonl, "
+            f"checkpoints/ or logs/, which train and launch write before the first step{hint}. Give the spec's "
+            "run.dir, or run `leantrain doctor` without a folder for the environment checks alone")
     run = load_run(Path(run_dir)) if run_dir is not None else None
     findings = environment_findings(Path(run_dir) if run_dir else None, run)
     if run is not None:

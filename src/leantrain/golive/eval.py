@@ -62,16 +62,25 @@ class Choice:
 
 
 def read_task(path: Path) -> list[Choice]:
-    """A multiple-choice JSONL file; a bad line is a UserInputError naming the file, the line and the field."""
+    """A multiple-choice JSONL file; a bad line is a UserInputError naming the file, the line and the field.
+    Lines are counted at each newline byte, as the data readers count them; each is UTF-8 and one JSON object."""
     items = []
-    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), start=1):
+    for number, raw in enumerate(Path(path).read_bytes().split(b"\n"), start=1):
+        where = f"{path}:{number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise UserInputError(f"{where}: not UTF-8 text ({err.reason} at byte {err.start} of the line); "
+                                 "save the file as UTF-8") from None
         if not line.strip():
             continue
-        where = f"{path}:{number}"
         try:
             record = json.loads(line)
         except json.JSONDecodeError as err:
             raise UserInputError(f"{where}: not valid JSON ({err})") from None
+        if not isinstance(record, dict):
+            raise UserInputError(f'{where}: expected a JSON object {{"question", "choices", "answer"}}, got '
+                                 f"{json.dumps(record)[:40]}")
         choices, answer = record.get("choices"), record.get("answer")
         if not isinstance(record.get("question"), str) or not isinstance(choices, list) or len(choices) < 2 or not all(
                 isinstance(c, str) for c in choices):

@@ -434,6 +434,9 @@ def validate_run(
         if not (Path(baseline) / METRICS_FILE).is_file():
             raise UserInputError(f"--baseline {baseline}: no {METRICS_FILE} there")
         base = load_run(Path(baseline))
+        if not np.isfinite(base.series("loss")[1]).any():  # nothing to compare with: an input error, not a FAIL
+            raise UserInputError(f"--baseline {baseline}: {Path(baseline) / METRICS_FILE} holds no metric records "
+                                 "with a loss; give the run dir of a run that logged training steps")
     rules = rules or AlertRules()
     return [
         *health_checks(run),

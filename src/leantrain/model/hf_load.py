@@ -8,7 +8,8 @@ so no rank ever holds a full copy of the model, or even of one weight it only ho
 (RoPE tables) are computed, not read (`ParallelModel.initialize` fills them before calling the loader).
 
 Before any data is read, the checkpoint's names and shapes are checked against the model: an unknown or
-missing tensor, or a shape that differs, is a UserInputError naming the file and the tensor.
+missing tensor, or a shape that differs, is a UserInputError naming the file and the tensor; so is a file whose
+header does not parse or does not account for the file's size (a download cut short), found by opening it.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -45,6 +46,20 @@ from leantrain.spec.hf_config import read_hf_config
 _DERIVED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+def open_weights(file: Path) -> Any:
+    """`safe_open` of one safetensors file: reads its header and checks that the tensors it lists cover the file
+    exactly, without reading the weights. A damaged or cut-short file (or one that cannot be opened) is a
+    UserInputError naming it."""
+    try:
+        return safe_open(str(file), framework="pt")
+    except SafetensorError as err:
+        size = f"; the file has {file.stat().st_size:,} bytes" if file.is_file() else ""
+        raise UserInputError(f"{file}: not a readable safetensors file ({err}{size}), perhaps a download cut "
+                             "short: download it again") from None
+    except OSError as err:
+        raise UserInputError(f"{file}: cannot be read as a safetensors file ({err.strerror or err})") from None
+
+
 def weight_files(hf_dir: Path) -> dict[str, Path]:
     """HF tensor name -> the safetensors file holding it (from the index, or the single file, or every file)."""
     hf_dir = Path(hf_dir)
@@ -60,7 +75,7 @@ def weight_files(hf_dir: Path) -> dict[str, Path]:
         raise UserInputError(f"{hf_dir}: no *.safetensors files (model.init_from needs safetensors weights)")
     mapping: dict[str, Path] = {}
     for file in files:
-        with safe_open(str(file), framework="pt") as handle:
+        with open_weights(file) as handle:
             mapping.update({name: file for name in handle.keys()})  # noqa: SIM118 - safe_open has no __iter__
     return mapping
 
@@ -81,7 +96,7 @@ def _checkpoint_shapes(files: dict[str, Path], *, mtp_from: int | None = None) -
     for file, names in by_file.items():
         if not file.is_file():
             raise UserInputError(f"{file}: listed in {INDEX_FILE} but missing")
-        with safe_open(str(file), framework="pt") as handle:
+        with open_weights(file) as handle:
             for name in names:
                 if name.endswith(_DERIVED_SUFFIXES) or _is_mtp(name, mtp_from):
                     continue
@@ -218,8 +233,8 @@ class _Reader:
         self.bytes = 0
 
     def read(self, file: Path, hf_name: str, box: tuple[slice, ...]) -> torch.Tensor:
-        if file not in self.handles:
-            self.handles[file] = safe_open(str(file), framework="pt").__enter__()
+        if file not in self.handles:  # its header was checked at start, but the file may have changed since
+            self.handles[file] = open_weights(file).__enter__()
         piece = self.handles[file].get_slice(hf_name)[box]
         self.bytes += piece.numel() * piece.element_size()
         return piece

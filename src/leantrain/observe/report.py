@@ -334,7 +334,10 @@ def _load_for_report(run_dir: Path) -> RunData:
         raise UserInputError(f"{run_dir / METRICS_FILE} is missing: report needs a run dir written by train/launch")
     run = load_run(run_dir)
     if not run.metrics:
-        raise UserInputError(f"{run_dir / METRICS_FILE} holds no metric records (train logs every log_every steps)")
+        unreadable = [line for line in run.bad_lines if line.startswith(f"{METRICS_FILE}:")]
+        raise UserInputError(f"{run_dir / METRICS_FILE} holds no metric records " + (
+            f"({len(unreadable)} unreadable line(s), e.g. {unreadable[0]})" if unreadable
+            else "(train logs every log_every steps)"))
     return run
 
 

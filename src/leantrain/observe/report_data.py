@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import yaml
 
-from leantrain.observe.logs import LogFile, read_logs
+from leantrain.observe.logs import LogFile, log_paths, read_logs
 
 METRICS_FILE = "metrics.jsonl"
 RANK_METRICS_RE = re.compile(r"^metrics-rank(\d+)\.jsonl$")
@@ -64,7 +64,18 @@ def as_float(value: Any) -> float:
         return math.nan
 
 
-def _read_jsonl(path: Path, bad_lines: list[str]) -> list[dict[str, Any]]:
+def _step_problem(record: dict[str, Any]) -> str | None:
+    """Why a metrics record cannot be placed on a step axis (a hand-edited or foreign file), else None. Event
+    records that reach metrics.jsonl through the logger are not steps and are left to `load_run`."""
+    step = record.get("step")
+    if "event" in record or (isinstance(step, int | float) and not isinstance(step, bool) and math.isfinite(step)):
+        return None
+    return "no step" if "step" not in record else f"step is not a number ({json.dumps(step)[:40]})"
+
+
+def _read_jsonl(path: Path, bad_lines: list[str], *, metrics: bool = False) -> list[dict[str, Any]]:
+    """The JSON objects of a JSONL file; a line that is not one is named in `bad_lines` and left out, and so is
+    (with `metrics`) a record whose step is not a number."""
     records: list[dict[str, Any]] = []
     if not path.is_file():
         return records
@@ -79,10 +90,12 @@ def _read_jsonl(path: Path, bad_lines: list[str]) -> list[dict[str, Any]]:
                 # A torn last line is what a killed writer leaves; keep reading, but say so.
                 bad_lines.append(f"{path.name}:{number}: not JSON ({err.msg})")
                 continue
-            if isinstance(record, dict):
-                records.append(record)
-            else:
+            if not isinstance(record, dict):
                 bad_lines.append(f"{path.name}:{number}: not a JSON object")
+            elif metrics and (problem := _step_problem(record)):
+                bad_lines.append(f"{path.name}:{number}: {problem}; left out")
+            else:
+                records.append(record)
     return records
 
 
@@ -271,8 +284,8 @@ def load_run(run_dir: Path) -> RunData:
     for path in sorted(run_dir.glob("metrics-rank*.jsonl")):
         match = RANK_METRICS_RE.match(path.name)
         if match:
-            rank_files[int(match.group(1))] = _read_jsonl(path, bad)
-    records = _read_jsonl(run_dir / METRICS_FILE, bad)
+            rank_files[int(match.group(1))] = _read_jsonl(path, bad, metrics=True)
+    records = _read_jsonl(run_dir / METRICS_FILE, bad, metrics=True)
     # Held-out evaluation records share the file ({"step", "eval_loss", ...}); they are not training steps.
     evals = [r for r in records if "eval_loss" in r and "loss" not in r]
     # Event records (checkpoint_failed, ...) reach metrics.jsonl through the same logger; they are not steps.
@@ -295,6 +308,18 @@ def load_run(run_dir: Path) -> RunData:
         train_info=_read_json(run_dir / TRAIN_INFO_FILE, bad),
         eval_results=_read_json(run_dir / "eval.json", bad),
     )
+
+
+RUN_DIR_FILES = (*SPEC_FILES, LINEAGE_FILE, PLAN_FILE, METRICS_FILE, EVENTS_FILE, ALERTS_FILE, TRAIN_INFO_FILE,
+                 DRILL_FILE)
+
+
+def is_run_dir(run_dir: Path) -> bool:
+    """Whether a folder holds anything a run writes: its description files (written before the first step),
+    metrics or events, checkpoints, or process logs, so a run that crashed before its first metric record counts."""
+    run_dir = Path(run_dir)
+    return (any((run_dir / name).is_file() for name in RUN_DIR_FILES) or (run_dir / CHECKPOINT_DIR).is_dir()
+            or (run_dir / "logs").is_dir() or any(run_dir.glob("metrics-rank*.jsonl")) or bool(log_paths(run_dir)))
 
 
 def load_plan_file(path: Path) -> dict[str, Any]:
