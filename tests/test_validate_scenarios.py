@@ -79,6 +79,21 @@ def test_plan_flag_overrides_and_cli_exit_codes(tmp_path: Path) -> None:
         validate_command(console=Console(quiet=True), run_dir=make_run(tmp_path, "spike"))
     with pytest.raises(UserInputError, match="--plan"):
         validate_run(run_dir, plan_file=tmp_path / "missing.json")
+    # A plan made for another job (another model or accelerator) judged this run against its targets without a
+    # word (a false FAIL; alert-rules wrote its MFU floor): refused naming the fields.
+    other_plan = tmp_path / "other-plan.json"
+    plan["model"] = {"n_layers": 999}
+    plan["resources"]["accelerator"] = "A100-80GB"
+    other_plan.write_text(json.dumps(plan))
+    with pytest.raises(UserInputError, match=r"planned for another job \(hardware.accelerator A100-80GB → H100-SXM"):
+        validate_run(run_dir, plan_file=other_plan)
+    from leantrain.observe.prometheus import rules_yaml
+    from leantrain.spec import load_spec
+
+    tiny = load_spec(Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml")
+    with pytest.raises(UserInputError, match=r"planned for another job \(model.n_layers 999 → 2; "
+                                             r"hardware.accelerator A100-80GB → cpu"):
+        rules_yaml(tiny, plan_file=other_plan)
 
 
 def _rank_log(run_dir: Path, *, attempt: int, rank: int, text: str, host: str = "node1") -> Path:

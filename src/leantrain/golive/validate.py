@@ -103,7 +103,7 @@ def load_plan_targets(run: RunData, plan_file: Path | None) -> PlanTargets:
     """The plan to compare with: --plan FILE (unusable: exit 2, the user named it), else the run dir's plan.json
     (unusable: the plan checks warn and name the file and the key, as they warn when there is no plan)."""
     if plan_file is not None:
-        return plan_targets(load_plan_file(plan_file), source=f"--plan {plan_file}")
+        return plan_targets(load_plan_file(plan_file, spec=run.spec), source=f"--plan {plan_file}")
     if run.plan is None:
         return PlanTargets(problem=artifact_problem(run, PLAN_FILE))
     try:

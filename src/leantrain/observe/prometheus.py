@@ -175,7 +175,7 @@ def rules_yaml(spec: Any, *, plan_file: Path | None = None) -> str:
     if plan_file is not None:
         from leantrain.observe.report_data import load_plan_file
 
-        plan_mfu = (load_plan_file(plan_file).get("throughput") or {}).get("mfu")
+        plan_mfu = (load_plan_file(plan_file, spec=spec).get("throughput") or {}).get("mfu")
     rules = alerting_rules(load_rules(spec.monitoring.alert_rules), hang_timeout_s=spec.monitoring.hang_timeout_s,
                            plan_mfu=plan_mfu)
     return yaml.safe_dump(rules, sort_keys=False)

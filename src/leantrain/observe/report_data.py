@@ -322,8 +322,33 @@ def is_run_dir(run_dir: Path) -> bool:
             or (run_dir / "logs").is_dir() or any(run_dir.glob("metrics-rank*.jsonl")) or bool(log_paths(run_dir)))
 
 
-def load_plan_file(path: Path) -> dict[str, Any]:
-    """A plan.json given on the command line; errors name the file."""
+def plan_mismatch(plan: dict[str, Any], spec: Any) -> list[str]:
+    """Where plan.json describes another job than `spec` (a JobSpec, or a run's spec.yaml as a dict): the model's
+    layers, width and vocabulary and the accelerator, each as `field plan → spec`. [] when they agree, or when the
+    spec cannot be read (an old run's spec.yaml: nothing to compare with)."""
+    from leantrain.errors import LeantrainError
+    from leantrain.spec import JobSpec, spec_from_dict
+    from leantrain.spec.shapes import resolve_shape
+
+    keys = ("n_layers", "d_model", "vocab_size")
+    try:
+        job = spec if isinstance(spec, JobSpec) else spec_from_dict(spec)
+        shape = resolve_shape(job.model)
+        ours = {key: getattr(shape, key) for key in keys} | {"accelerator": job.hardware.accelerator}
+    except (LeantrainError, TypeError, ValueError):  # a partial or old spec.yaml: what it states
+        raw = spec if isinstance(spec, dict) else {}
+        ours = {key: (raw.get("model") or {}).get(key) for key in keys}
+        ours["accelerator"] = (raw.get("hardware") or {}).get("accelerator")
+    model, resources = plan.get("model") or {}, plan.get("resources") or {}
+    pairs = [(f"model.{key}", model.get(key), ours[key]) for key in keys]
+    pairs.append(("hardware.accelerator", resources.get("accelerator"), ours["accelerator"]))
+    return [f"{name} {planned} → {mine}" for name, planned, mine in pairs
+            if planned is not None and mine is not None and planned != mine]
+
+
+def load_plan_file(path: Path, *, spec: Any = None) -> dict[str, Any]:
+    """A plan.json given on the command line; errors name the file. With `spec` (a JobSpec or a run's spec.yaml
+    dict): a plan made for another job (`plan_mismatch`) is refused too, as its targets would judge this one."""
     from leantrain.errors import UserInputError
 
     if not path.is_file():
@@ -334,6 +359,9 @@ def load_plan_file(path: Path) -> dict[str, Any]:
         raise UserInputError(f"--plan {path}: not a JSON plan ({err})") from None
     if not isinstance(data, dict):
         raise UserInputError(f"--plan {path}: expected a JSON object with the plan.json keys")
+    if spec is not None and (differs := plan_mismatch(data, spec)):
+        raise UserInputError(f"--plan {path}: planned for another job ({'; '.join(differs)}, plan → spec); write "
+                             "one from this spec: leantrain plan SPEC --json FILE")
     return data
 
 
