@@ -126,6 +126,10 @@ def test_task_lines_are_counted_at_newlines_only(tmp_path: Path) -> None:
     task.write_text(task.read_text(encoding="utf-8").replace("[3]", ""), encoding="utf-8")
     (item,) = read_task(task)
     assert item.question == "one\u2028two\x85" and item.answer == 1
+    # equal choices score equal: a question with two "Paris" was scored right whichever was the answer
+    task.write_text('{"question": "capital?", "choices": ["Paris", "Lyon", "Paris"], "answer": 2}\n')
+    with pytest.raises(UserInputError, match="task.jsonl:1: field 'choices' lists \"Paris\" more than once"):
+        read_task(task)
 
 
 def test_set_and_profile_apply_to_the_evaluated_spec(setup: tuple[Path, Path, Path],
