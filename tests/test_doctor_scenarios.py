@@ -52,6 +52,8 @@ def test_environment_checks(tmp_path: Path) -> None:
     titles = {f.title: f for f in environment_findings(run_dir, load_run(run_dir))}
     assert "torch" in titles["torch and devices"].evidence
     assert "hostname resolves" in titles and "disk space" in titles
+    # the scenario plans 1e9-byte checkpoints, 3 kept: 2.79 GiB (a tiny run's said "0.0 GiB")
+    assert "planned checkpoints need 2.79 GiB" in titles["disk space"].evidence
     # spec.yaml names no data dir here; a spec that names a missing one is a problem with a fix.
     assert titles["data readable"].severity == "info"
     (run_dir / "spec.yaml").write_text(f"data: {{dir: {tmp_path / 'no-data'}}}\n")

@@ -26,6 +26,7 @@ from leantrain.ckpt.rank_records import HANG, OOM, merged_events, read_rank_reco
 from leantrain.errors import UserInputError
 from leantrain.observe.alerts import AlertRules, replay
 from leantrain.observe.logs import log_errors
+from leantrain.observe.report_card import human_bytes
 from leantrain.observe.report_data import (
     COMM_BOUND_SHARE,
     DATA_BOUND_SHARE,
@@ -80,7 +81,7 @@ def environment_findings(run_dir: Path | None, run: RunData | None) -> list[Find
     low = usage.free < max(MIN_FREE_DISK_BYTES, need)
     out.append(Finding("warning" if low else "ok", "env", "disk space",
                        f"{usage.free / 2**30:.1f} GiB free at {where}"
-                       + (f"; planned checkpoints need {need / 2**30:.1f} GiB" if need else ""),
+                       + (f"; planned checkpoints need {human_bytes(need)}" if need else ""),
                        "checkpoints will fail to write" if low else "",
                        "free space or point checkpoint.url elsewhere" if low else ""))
     out.append(_data_finding(run))
