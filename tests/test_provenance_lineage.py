@@ -245,3 +245,27 @@ def test_a_registry_a_run_cannot_use_is_refused_before_the_run_dir_is_written(
                  "--run-dir", str(tmp_path / "run")]) == 2
     assert "is a directory" in capsys.readouterr().err
     assert not (tmp_path / "run").exists()
+
+
+def test_a_registry_left_mid_write_is_recovered_not_a_traceback(tmp_path: Path) -> None:
+    """A writer killed mid-transaction leaves a hot journal that only a read-write connection rolls back: the
+    read-only checks (every train start, `leantrain runs`) raised 'attempt to write a readonly database' and no
+    run could start until someone opened the file read-write by hand."""
+    import os
+    import sys
+
+    from leantrain.provenance.registry import check_registry, connect, list_runs
+
+    registry = tmp_path / "runs.db"
+    with connect(registry) as conn:
+        conn.execute("INSERT INTO runs (run_id, run_dir, created_at, updated_at, status, attempt) "
+                     "VALUES ('a', 'x', 1, 1, 'running', 0)")
+    writer = (f"import os, sqlite3\nc = sqlite3.connect({str(registry)!r})\nc.execute('PRAGMA cache_size=1')\n"
+              "c.execute('BEGIN')\nfor i in range(20000):\n    c.execute(\"INSERT INTO runs (run_id, run_dir, "
+              "created_at, updated_at, status, attempt) VALUES (?, ?, 1, 1, 'running', 0)\", (str(i), 'y' * 200))\n"
+              "os.kill(os.getpid(), 9)\n")
+    subprocess.run([sys.executable, "-c", writer], check=False)
+    assert (tmp_path / "runs.db-journal").exists()  # the killed writer's hot journal
+    check_registry(registry)
+    assert [r["run_id"] for r in list_runs(registry=registry)] == ["a"]  # the last committed content
+    assert not (tmp_path / "runs.db-journal").exists() and os.path.getsize(registry) > 0

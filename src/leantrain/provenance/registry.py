@@ -109,9 +109,12 @@ def _holds_registry(conn: sqlite3.Connection, *, where: str, read_only: bool) ->
     try:
         tables = {row[0] for row in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
     except sqlite3.DatabaseError as err:
-        if getattr(err, "sqlite_errorcode", 0) & 0xFF not in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT):
+        code = getattr(err, "sqlite_errorcode", 0) & 0xFF
+        if code == sqlite3.SQLITE_READONLY:  # a hot journal: the caller recovers it on a read-write connection
             raise
-        raise UserInputError(f"{where}: not a SQLite database ({err}); {valid}") from None
+        if code in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT):
+            raise UserInputError(f"{where}: not a SQLite database ({err}); {valid}") from None
+        raise UserInputError(f"{where}: cannot be read ({err})") from None
     if not tables:
         return False
     if {"runs", "checkpoints"} <= tables:
@@ -143,7 +146,19 @@ def connect(
         if created:
             os.chmod(db_path, 0o600)
         conn.row_factory = sqlite3.Row
-        if not _holds_registry(conn, where=where, read_only=read_only):
+        try:
+            holds = _holds_registry(conn, where=where, read_only=read_only)
+        except sqlite3.OperationalError:
+            # A writer killed mid-transaction left a hot journal, which SQLite rolls back on the next read-write
+            # connection only (a read-only one fails, every start and every `runs` would): its own recovery, to
+            # the last committed content, and nothing else is written. (Read-write already: a real error.)
+            if not read_only:
+                raise UserInputError(f"{where}: cannot be read (a journal that SQLite cannot roll back)") from None
+            conn.close()
+            conn = _open(db_path, read_only=False, where=where)
+            conn.row_factory = sqlite3.Row
+            holds = _holds_registry(conn, where=where, read_only=read_only)
+        if not holds:
             # An empty database: a new registry gets its tables in one transaction (a run starting beside this
             # one never sees one table without the other); read-only, empty in-memory ones stand in.
             conn.executescript(SCHEMA.replace("CREATE TABLE", "CREATE TEMP TABLE") if read_only
