@@ -202,3 +202,30 @@ def test_a_restart_before_the_first_save_repeats_the_first_attempts_request(
     empty.mkdir()
     assert main(argv(data_dir, tmp_path / "again", 8, "--resume", str(empty))) == 2
     assert not (tmp_path / "again" / "checkpoints").exists() or not any((tmp_path / "again" / "checkpoints").iterdir())
+
+
+def test_a_restart_goes_on_from_the_fast_tier_and_ignores_a_save_cut_short(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """What counts as the run's own state on a restart: a fast-tier snapshot does (the restart of a `--resume none`
+    run killed before its first durable save went back to step 0 and threw the snapshot away), a folder of a save
+    cut short does not (it turned a `--resume OTHER_RUN` restart into auto: a fresh start)."""
+    source = tmp_path / "source"
+    assert main(argv(data_dir, source, 4)) == 0
+    monkeypatch.delenv("TORCHELASTIC_RUN_ID", raising=False)
+    # the fast tier: killed at step 5 with a snapshot every step and no durable checkpoint yet
+    run, shm = tmp_path / "fast", tmp_path / "shm"
+    fast = argv(data_dir, run, 8, "--set", "checkpoint.memory_interval_steps=1", "--set",
+                f"checkpoint.memory_dir={shm}", "--resume", "none", interval=100)
+    killed = subprocess.run([sys.executable, "-m", "leantrain.cli", *fast], capture_output=True, text=True,
+                            env=os.environ | {"LEANTRAIN_FAULT_KILL_AT_STEP": "5", "OMP_NUM_THREADS": "1"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    capsys.readouterr()
+    assert main(fast) == 0
+    assert "resuming from step 5" in capsys.readouterr().out
+    # a save cut short in the continued run's own store: not a checkpoint to go on from
+    continued = tmp_path / "continued"
+    (continued / "checkpoints" / "step-00000006").mkdir(parents=True)
+    assert main(argv(data_dir, continued, 8, "--resume", str(source), "--extend-schedule")) == 0
+    assert "resuming from step 4" in capsys.readouterr().out

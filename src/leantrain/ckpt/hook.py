@@ -165,10 +165,11 @@ class TrainerCheckpointer:
 
     def load_latest(self, trainer: Any) -> bool:
         """Resume as `--resume` asks (ckpt/resume.py); a restarted worker resumes this run's newest checkpoint.
-        A restart before this run saved one repeats the first attempt's request: it resumes (or takes the weights
-        of) the other run's checkpoint again, or is refused again, never starts over silently."""
+        A restart before this run saved one (a usable durable checkpoint or a fast-tier snapshot; a save cut
+        short does not count) repeats the first attempt's request: it resumes (or takes the weights of) the other
+        run's checkpoint again, or is refused again, never starts over silently."""
         request = self.resume
-        if self.attempt > 0 and self._own_steps():  # the first attempt chose; a restart goes on from its own
+        if self.attempt > 0 and self._restart_has_own_state():  # the first attempt chose; a restart goes on
             request = ResumeRequest(extend_schedule=request.extend_schedule)  # (its newest may predate the new one)
         step = self._load_weights(trainer, request) if request.weights_only else self._load_full(trainer, request)
         self._seen_saved_step = self.manager.last_saved_step
@@ -189,7 +190,8 @@ class TrainerCheckpointer:
             source, step = source_location(trainer.spec, str(request.path))
             if same_store(source, self.manager.store):
                 source = None
-        own_steps = self._own_steps() if request.mode == "none" or source is not None else []
+        # The first attempt's refusal; a restart's folders are this run's own (a save cut short by the failure)
+        own_steps = self._own_steps() if (request.mode == "none" or source is not None) and not self.attempt else []
         if own_steps:
             what = "--resume none starts over" if request.mode == "none" else f"--resume {request.path} is another run"
             raise CheckpointLoadError(
@@ -228,7 +230,7 @@ class TrainerCheckpointer:
     def _load_weights(self, trainer: Any, request: ResumeRequest) -> int | None:
         """--weights-only: the model's weights from another run's checkpoint; None (this run starts at step 0)."""
         source, step = source_location(trainer.spec, str(request.path))
-        own_steps = self._own_steps()
+        own_steps = self._own_steps() if not self.attempt else []  # a restart's folders are this run's own
         if same_store(source, self.manager.store) or own_steps:
             raise CheckpointLoadError(
                 f"--weights-only starts a new run, but {self.manager.store.url} holds checkpoints (steps "
@@ -286,6 +288,15 @@ class TrainerCheckpointer:
         self.manager.events.emit("checkpoint_loaded", step=fast, tier="memory", duration_s=time.perf_counter() - start,
                                  durable_step=durable[-1] if durable else None, folder=self.manager.loaded_from)
         return fast
+
+    def _restart_has_own_state(self) -> bool:
+        """Whether this run has state of its own to go on from: a committed, uncondemned checkpoint in its store
+        (agreed), else a snapshot in the fast tier every rank can restore (agreed by `best_step`)."""
+        good = [e.step for e in integ.list_steps(self.manager.store) if e.good_candidate] \
+            if self.manager.rank == 0 else None
+        if self.manager.agree(good):
+            return True
+        return self.memory is not None and self.memory.best_step() is not None
 
     def _own_steps(self) -> list[int]:
         steps = [e.step for e in integ.list_steps(self.manager.store)] if self.manager.rank == 0 else None

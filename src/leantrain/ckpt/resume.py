@@ -13,8 +13,9 @@ and schedule, into a run dir without checkpoints.
 A checkpoint's manifest records the schedule-defining settings (max steps, LR schedule, peak LR, batch). A
 resume whose settings differ is refused (exit 2) with the choices, unless `--extend-schedule` says to go on
 with the new settings (the LR curve is then laid over the new run length from the resumed step on).
-A restarted worker (torchrun's attempt > 0) always resumes this run's own newest checkpoint: the choice was
-made by the first attempt.
+A restarted worker (torchrun's attempt > 0) resumes this run's own newest checkpoint (durable or fast tier) once
+the run has one: the choice was made by the first attempt; before that it repeats the first attempt's request
+(ckpt/hook.py `load_latest`).
 """
 
 from __future__ import annotations
