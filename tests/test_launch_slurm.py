@@ -389,3 +389,17 @@ def test_an_elastic_range_is_checked_at_every_node_count_and_emit_refuses_a_layo
         assert not out.exists()
     assert main([*base, "--set", "training.global_batch_tokens=4096", "--nnodes", "1:2", "--nproc", "2"]) == 0
     assert "#SBATCH --nodes=1-2" in out.read_text()
+
+
+def test_an_elastic_floor_above_the_jobs_count_is_left_to_check_layout_and_lost_elasticity_is_said(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """seed-10b with 8 nodes and fault.max_nodes 16 runs only at 8 and 16 nodes: the derived floor (16) was above
+    the job's 8 and the error named 'fault.min_nodes..max_nodes = 16..16', which the user never set. And sized from
+    the plan with fault.elasticity on, a job that cannot shrink was written as a fixed one without a word."""
+    out = tmp_path / "job.sbatch"
+    base = ["launch", str(SEED), "--set", VENV, "--emit", "slurm", "--dry-run", "--out", str(out)]
+    assert main([*base, "--set", "hardware.num_nodes=8", "--set", "fault.max_nodes=16"]) == 2
+    err = capsys.readouterr().err
+    assert "re-form at any node count in 8..16" in err and "runs at 8, 16 node(s)" in err and "16..16" not in err
+    assert main(base) == 0
+    assert "note: fault.elasticity is on, but the job is not elastic" in capsys.readouterr().out.replace("\n", " ")

@@ -111,6 +111,10 @@ def run(
                excluded=excluded, dry_run=dry_run)
         console.print(f"wrote {emit} job file {path}: {res.num_nodes} node(s) × {res.gpus_per_node} GPU(s) "
                       f"(from {res.source}); excluded hosts: {', '.join(excluded) or 'none'}")
+        if spec.fault.elasticity and spec.fault.min_nodes is None and res.source.startswith("plan") and not res.elastic:
+            console.print(f"[yellow]note: fault.elasticity is on, but the job is not elastic: the layout runs at "
+                          f"{res.num_nodes} node(s) and at no smaller count down to the budget's (its global batch "
+                          "does not divide over fewer data-parallel ranks)")
         if dry_run:
             console.print("[yellow]dry run: placeholders stand in for what the spec does not name (cluster.image, "
                           "the Slurm node set-up); the file is for reading, not for submitting")

@@ -136,8 +136,10 @@ def job_resources(spec: JobSpec, *, nnodes: str | None = None, nproc: int | None
             max_nodes = spec.fault.max_nodes or num_nodes
             # Not given: the lowest count from which the job re-forms at every count up to the top (the spare
             # nodes a plan adds need not divide the global batch: seed-10b's 16 nodes do, 15 do not).
-            min_nodes = spec.fault.min_nodes or elastic_floor(
-                spec, nproc=gpus_per_node, floor=min(floor, num_nodes), max_nodes=max_nodes) or min(floor, num_nodes)
+            derived = elastic_floor(spec, nproc=gpus_per_node, floor=min(floor, num_nodes), max_nodes=max_nodes)
+            # (none, or above the job's own count: check_layout then says which counts run)
+            usable = derived is not None and derived <= num_nodes
+            min_nodes = spec.fault.min_nodes or (derived if usable else min(floor, num_nodes))
     if not min_nodes <= num_nodes <= max_nodes:
         raise UserInputError(f"nodes {num_nodes} is outside fault.min_nodes..max_nodes = {min_nodes}..{max_nodes}")
     cluster = spec.cluster

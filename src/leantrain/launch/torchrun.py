@@ -60,12 +60,14 @@ def check_layout(spec: JobSpec, *, nproc: int, min_nodes: int = 1, max_nodes: in
             runs = [n for n in range(min_nodes, max_nodes + 1) if layout_problem(spec, nproc=nproc, nodes=n) is None]
             floor = elastic_floor(spec, nproc=nproc, floor=min_nodes, max_nodes=max_nodes)
             where = f"at {_counts(runs)} node(s)" if runs else "at none of them"
-            fix = "" if floor is None else f"set fault.min_nodes (or --nnodes MIN) to {floor}" + (
-                "" if floor == max_nodes else f" (it runs at every count from {floor} to {max_nodes})") + ", or "
+            fixes = [] if floor is None else [f"set fault.min_nodes (or --nnodes MIN) to {floor}" + (
+                "" if floor == max_nodes else f" (it runs at every count from {floor} to {max_nodes})")]
+            if str(err).startswith("training.global_batch_tokens"):
+                fixes.append("choose a global batch that every data-parallel size in the range divides")
             raise UserInputError(
                 f"{err} An elastic job may re-form at any node count in {min_nodes}..{max_nodes} (fault.min_nodes.."
-                f"max_nodes or --nnodes MIN:MAX) of {nproc} ranks each, and this layout runs {where}: {fix}choose "
-                "a global batch that every data-parallel size in the range divides") from None
+                f"max_nodes or --nnodes MIN:MAX) of {nproc} ranks each, and this layout runs {where}"
+                + (f": {', or '.join(fixes)}" if fixes else "")) from None
     return [layout_at(spec, nproc=nproc, nodes=nodes) for nodes in sorted({min_nodes, max_nodes})]
 
 
