@@ -364,3 +364,19 @@ def test_eval_and_export_refuse_a_spec_of_another_model_naming_the_fields(
     assert main(["export", str(run_dir), "--out", str(tmp_path / "hf")]) == 2
     assert "model.ffn_hidden 32 in the checkpoint, 48 in the spec" in capsys.readouterr().err
     assert not (tmp_path / "hf").exists()
+
+
+def test_a_transient_read_error_is_said_as_it_is_without_hashing_the_checkpoint(
+        trained_run: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A dropped connection while export reads was followed by a sha256 pass over every file of the checkpoint
+    (terabytes at 405B) before the error was said."""
+    from leantrain.ckpt import export
+
+    def dropped(*args: object, **kwargs: object) -> None:
+        raise ConnectionResetError(104, "Connection reset by peer")
+
+    monkeypatch.setattr(export.dcp, "load", dropped)
+    monkeypatch.setattr(export.DcpTensors, "_damaged_file", lambda self: pytest.fail("hashed the checkpoint"))
+    assert main(["eval", str(trained_run)]) == 1  # not the user's input: a failed read that may pass next time
+    err = capsys.readouterr().err
+    assert "reading checkpoint step 4" in err and "Connection reset by peer" in err and "try again" in err

@@ -30,7 +30,7 @@ import leantrain.ckpt.integrity as integ
 from leantrain.ckpt.base_ref import verify_base
 from leantrain.ckpt.crypto import TamperError
 from leantrain.ckpt.dcp_io import SealedFileSystem, SealedReader
-from leantrain.ckpt.errors import one_line, root_cause
+from leantrain.ckpt.errors import CheckpointLoadError, one_line, root_cause
 from leantrain.ckpt.identity import MODEL_KEY, OTHER_MODEL, identity_problem, model_identity
 from leantrain.ckpt.manager import _make_cipher
 from leantrain.ckpt.storage import open_store
@@ -111,8 +111,11 @@ class DcpTensors:
                              "without --set for these fields)")
 
     def _unreadable(self, err: BaseException) -> UserInputError:
-        others = (f"committed checkpoints of other steps: {', '.join(map(str, self._other_steps))} (--step N)"
-                  if self._other_steps else "there is no other committed checkpoint")
+        if isinstance(err, integ.KeyMismatchError):  # every step is sealed with the same key: another step won't do
+            others = "set security.encryption_key to the key this run was encrypted with"
+        else:
+            others = (f"committed checkpoints of other steps: {', '.join(map(str, self._other_steps))} (--step N)"
+                      if self._other_steps else "there is no other committed checkpoint")
         return UserInputError(f"{self.run_dir}: checkpoint step {self.entry.step} ({self.where}) cannot be read: "
                               f"{one_line(err) if not isinstance(err, LeantrainError) else err}; {others}")
 
@@ -124,9 +127,16 @@ class DcpTensors:
         try:
             dcp.load(state, storage_reader=SealedReader(self.fs, self.entry.name), no_dist=True)
         except (Exception, CheckpointException) as err:
-            if not isinstance(root_cause(err), READ_ERRORS):
+            cause = root_cause(err)
+            if not isinstance(cause, READ_ERRORS):
                 raise
-            raise self._unreadable(self._damaged_file() or root_cause(err)) from None
+            # A transient store error (a timeout, a dropped connection) is said as it is: hashing every file of
+            # the checkpoint to find a damaged one is for reads that failed on what the bytes are
+            transient = isinstance(cause, TimeoutError | ConnectionError) or getattr(cause, "permanent", True) is False
+            if transient:  # not the user's input: exit 1, and another try may pass
+                raise CheckpointLoadError(f"{self.run_dir}: reading checkpoint step {self.entry.step} ({self.where}) "
+                                          f"failed: {one_line(cause)}; try again") from None
+            raise self._unreadable(self._damaged_file() or cause) from None
         return {name: tensor.to(dtype) for name, tensor in state["model"].items()}
 
     def _damaged_file(self) -> integ.IntegrityError | None:
