@@ -128,8 +128,10 @@ def test_task_lines_are_counted_at_newlines_only(tmp_path: Path) -> None:
     assert item.question == "one\u2028two\x85" and item.answer == 1
     # equal choices score equal: a question with two "Paris" was scored right whichever was the answer
     task.write_text('{"question": "capital?", "choices": ["Paris", "Lyon", "Paris"], "answer": 2}\n')
-    with pytest.raises(UserInputError, match="task.jsonl:1: field 'choices' lists \"Paris\" more than once"):
+    with pytest.raises(UserInputError, match="task.jsonl:1: the answer \"Paris\" is listed more than once"):
         read_task(task)
+    task.write_text('{"question": "capital?", "choices": ["Paris", "Lyon", "Lyon"], "answer": 0}\n')
+    assert read_task(task)[0].answer == 0  # a repeated wrong choice (some benchmarks have them) is kept
 
 
 def test_set_and_profile_apply_to_the_evaluated_spec(setup: tuple[Path, Path, Path],

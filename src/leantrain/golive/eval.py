@@ -85,13 +85,13 @@ def read_task(path: Path) -> list[Choice]:
         if not isinstance(record.get("question"), str) or not isinstance(choices, list) or len(choices) < 2 or not all(
                 isinstance(c, str) for c in choices):
             raise UserInputError(f"{where}: needs a string 'question' and a list 'choices' of two or more strings")
-        if len(set(choices)) < len(choices):  # equal choices score equal: the answer would win a tie by its index
-            repeated = sorted({c for c in choices if choices.count(c) > 1})
-            raise UserInputError(f"{where}: field 'choices' lists {json.dumps(repeated[0])[:40]} more than once")
         if isinstance(answer, str) and answer in choices:
             answer = choices.index(answer)
         if isinstance(answer, bool) or not isinstance(answer, int) or not 0 <= answer < len(choices):
             raise UserInputError(f"{where}: field 'answer' must be a choice's index or text, got {answer!r}")
+        if choices.count(choices[answer]) > 1:  # equal choices score equal: the answer's twin decides by its index
+            raise UserInputError(f"{where}: the answer {json.dumps(choices[answer])[:40]} is listed more than once "
+                                 "in 'choices' (a repeated wrong choice is fine)")
         items.append(Choice(record["question"], choices, answer))
     if not items:
         raise UserInputError(f"{path}: no questions")
