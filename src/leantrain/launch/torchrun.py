@@ -51,9 +51,10 @@ def check_layout(spec: JobSpec, *, nproc: int, min_nodes: int = 1, max_nodes: in
     """The layout at the smallest and the largest world size the job may run at; raises UserInputError naming the
     axis that does not fit. An elastic job (min < max) may re-form at any node count in between, so every count
     is checked: a count where the layout does not run would fail each restart there. Nothing is started."""
+    dims: dict[int, ParallelDims] = {}
     for nodes in range(min_nodes, max_nodes + 1):
         try:
-            layout_at(spec, nproc=nproc, nodes=nodes)
+            dims[nodes] = layout_at(spec, nproc=nproc, nodes=nodes)
         except UserInputError as err:
             if min_nodes == max_nodes:
                 raise
@@ -68,7 +69,7 @@ def check_layout(spec: JobSpec, *, nproc: int, min_nodes: int = 1, max_nodes: in
                 f"{err} An elastic job may re-form at any node count in {min_nodes}..{max_nodes} (fault.min_nodes.."
                 f"max_nodes or --nnodes MIN:MAX) of {nproc} ranks each, and this layout runs {where}"
                 + (f": {', or '.join(fixes)}" if fixes else "")) from None
-    return [layout_at(spec, nproc=nproc, nodes=nodes) for nodes in sorted({min_nodes, max_nodes})]
+    return [dims[nodes] for nodes in sorted({min_nodes, max_nodes})]
 
 
 def _counts(values: list[int]) -> str:

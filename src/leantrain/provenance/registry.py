@@ -184,12 +184,9 @@ def check_registry(path: Path | None = None, *, run_dir: Path | str | None = Non
     """Refuse, before a run writes anything, a registry it could not record itself in (a directory, a path under a
     file, a file that is not SQLite, another program's database); reads only, creates nothing."""
     db_path = default_registry_path(path, run_dir=run_dir)
-    if db_path.is_file():
+    if db_path.exists():  # connect's own checks: a directory, not SQLite, another program's database
         with connect(path, run_dir=run_dir, read_only=True):
             pass
-    elif db_path.is_dir():
-        raise UserInputError(f"{_registry_field(path)} {db_path}: is a directory; expected the run registry's SQLite "
-                             f"file, e.g. {db_path / REGISTRY_NAME}")
     else:
         check_output_file(db_path, _registry_field(path))
 
