@@ -219,3 +219,22 @@ def test_a_signal_while_start_up_is_blocked_in_cpp_still_ends_the_process(tmp_pa
     assert proc.returncode == 143, err
     assert "stopped by SIGTERM during start-up" in err and "Traceback" not in err, err
     assert marker.read_text() == "released"
+
+
+def test_a_registry_that_fails_at_the_end_does_not_fail_the_trained_run(
+    demo_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The run registry is an index beside the run: if it cannot be written when the run ends (locked past the
+    timeout by another writer on a shared file system, made read-only), the trained run still exits 0 and its
+    files stand; the failure is a warning naming the registry, not exit 2 after the whole run."""
+    from leantrain.errors import UserInputError
+    from leantrain.provenance import registry
+
+    def locked(*args: Any, **kwargs: Any) -> None:
+        raise UserInputError("run.registry /shared/runs.db: cannot be read (database is locked)")
+
+    monkeypatch.setattr(registry, "set_run_status", locked)
+    records = train("tiny-cpu.yaml", demo_data, tmp_path / "run", 2)
+    assert [r["step"] for r in records if "loss" in r][-1] == 2
+    (warning,) = [r.getMessage() for r in caplog.records if "run registry" in r.getMessage()]
+    assert "as finished" in warning and "database is locked" in warning and str(tmp_path / "run") in warning

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import logging
+import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -18,6 +19,7 @@ from typing import Any
 import yaml
 from rich.console import Console
 
+from leantrain.errors import LeantrainError
 from leantrain.observe.sinks import Sink
 from leantrain.spec.schema import JobSpec
 
@@ -126,7 +128,13 @@ def finish_run(context: RunContext, *, status: str) -> None:
     from leantrain.provenance.registry import set_run_status
     from leantrain.security import AuditLog
 
-    set_run_status(context.run_id, status, registry=context.spec.run.registry, run_dir=context.run_dir)
+    try:
+        set_run_status(context.run_id, status, registry=context.spec.run.registry, run_dir=context.run_dir)
+    except (LeantrainError, OSError, sqlite3.Error) as err:
+        # The registry is an index beside the run: a registry locked past its timeout or made read-only while the
+        # run trained must not turn a trained run (or the error that ended it) into this error.
+        log.warning("the run registry did not record run %s as %s: %s; the run dir %s is complete, and `leantrain "
+                    "runs` lists the run with its earlier status", context.run_id, status, err, context.run_dir)
     if context.spec.security.audit_log:
         AuditLog(context.run_dir / "audit.log", spec=context.spec).append(
             "command.end", command="train", run_id=context.run_id, status=status
