@@ -287,3 +287,22 @@ def test_a_baseline_without_a_logged_loss_is_exit_2_naming_it(
     assert f"--baseline {baseline}" in captured.err and str(baseline / "metrics.jsonl") in captured.err
     assert "Traceback" not in captured.err and "matches baseline" not in captured.out and not out.exists()
     assert main(["validate", str(run_dir), "--baseline", str(make_run(tmp_path / "base", "healthy"))]) == 0
+
+
+@pytest.mark.parametrize("content", ["", 'garbage\n{"step": "x"}\n[1]\n'])
+def test_a_folder_whose_metrics_file_holds_nothing_a_run_writes_is_exit_2(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str], content: str) -> None:
+    """A folder with a metrics.jsonl of garbage (or an empty one) and nothing else a run writes got every check
+    run over no data: "0 finite losses" PASS beside a throughput FAIL, exit 1. It is refused, exit 2, naming the
+    folder and the first unreadable line; a run that crashed before its first step (its spec.yaml and
+    lineage.json written) still gets its verdict."""
+    folder = tmp_path / "notes"
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text(content)
+    assert main(["validate", str(folder)]) == 2
+    captured = capsys.readouterr()
+    assert str(folder) in captured.err and "Traceback" not in captured.err and "verdict" not in captured.out
+    assert ("metrics.jsonl:1: not JSON" in captured.err) == bool(content)
+    crashed = make_run(tmp_path / "crashed", "healthy")
+    (crashed / "metrics.jsonl").write_text(content)
+    assert main(["validate", str(crashed)]) == 1 and "verdict: FAIL" in capsys.readouterr().out

@@ -4,9 +4,8 @@ Categories: health (every rank reported, no unexpected restarts, no errors in ev
 torchrun's per-rank files, Slurm's and the pod's output, observe/logs.py), convergence (loss falling, no
 spikes or non-finite values, grad norm bounded, within tolerance of a baseline run), throughput (tokens/s
 and MFU vs the plan; when low, whether data- or communication-bound), memory (peak under the device limit
-with headroom), communication share, fault drill. Spikes and grad-norm explosions are judged by replaying
-the alert rules (observe.alerts) over the metrics, so validate and the live alerts agree.
-The verdict is FAIL when any check fails, else PASS (warnings are listed); `strict` makes warnings fail.
+with headroom), communication share, fault drill. Spikes and grad-norm explosions replay the alert rules
+(observe.alerts), so validate and the live alerts agree. FAIL when any check fails, else PASS (warnings listed).
 """
 
 from __future__ import annotations
@@ -425,9 +424,12 @@ def validate_run(
 ) -> list[Check]:
     """Every check of the go-live list for one run dir."""
     run_dir = Path(run_dir)
-    if not (run_dir / METRICS_FILE).is_file():
-        raise UserInputError(f"{run_dir / METRICS_FILE} is missing: validate needs a run dir written by train/launch")
-    run = load_run(run_dir)
+    run = load_run(run_dir) if (run_dir / METRICS_FILE).is_file() else None
+    if run is None or not (run.metrics or run.events or run.spec or run.lineage):  # e.g. a file of garbage lines
+        what = f"{run_dir / METRICS_FILE} is missing" if run is None else (
+            f"{run_dir}: no step record, event, spec.yaml or lineage.json" + "".join(
+                f" ({len(run.bad_lines)} unreadable: {line})" for line in run.bad_lines[:1]))
+        raise UserInputError(f"{what}: validate needs a run dir written by train/launch")
     plan = load_plan_targets(run, plan_file)
     base = None
     if baseline is not None:
