@@ -70,8 +70,8 @@ class DcpTensors:
 
     Opening checks, once, what the reads rely on: the commit marker and manifest, that the checkpoint holds the
     spec's model (its manifest's model fingerprint, ckpt/identity.py, as a resume checks it), DCP's `.metadata`
-    against the manifest, and every file's size (a stat each, no read). A failed check, or a read that fails
-    later, is a UserInputError naming the checkpoint folder and the file (exit 2)."""
+    against the manifest, and every file's size (one listing of the folder, no read). A failed check, or a read
+    that fails later, is a UserInputError naming the checkpoint folder and the file (exit 2)."""
 
     def __init__(self, spec: JobSpec, run_dir: Path, *, step: int | None) -> None:
         store = open_store(spec, run_dir=run_dir)

@@ -281,16 +281,17 @@ def verify_file(store: Store, folder: str, name: str, record: dict, *, cipher: C
 
 
 def check_sizes(store: Store, folder: str, manifest: dict) -> None:
-    """Every file of the manifest is there with its recorded size: a stat each, no read (a missing or truncated
-    file is named before a reader that does not hash what it reads trips over it)."""
+    """Every file of the manifest is there with its recorded size: one listing of the folder, no read (a missing
+    or truncated file is named before a reader that does not hash what it reads trips over it)."""
+    try:
+        sizes = store.file_sizes(folder)
+    except OSError as err:
+        raise IntegrityError(f"{store.describe(folder)}: cannot list it: {err}", permanent=False) from err
     for name, record in sorted(manifest.get("files", {}).items()):
         rel = f"{folder}/{name}"
-        try:
-            size = store.size_bytes(rel)
-        except FileNotFoundError as err:
-            raise IntegrityError(f"{store.describe(rel)}: missing") from err
-        except OSError as err:
-            raise IntegrityError(f"{store.describe(rel)}: cannot stat it: {err}", permanent=False) from err
+        size = sizes.get(name)
+        if size is None:
+            raise IntegrityError(f"{store.describe(rel)}: missing")
         if size != record["bytes"]:
             raise IntegrityError(f"{store.describe(rel)}: {size} bytes, manifest says {record['bytes']} (truncated?)")
 
