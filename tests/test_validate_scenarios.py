@@ -79,6 +79,10 @@ def test_plan_flag_overrides_and_cli_exit_codes(tmp_path: Path) -> None:
         validate_command(console=Console(quiet=True), run_dir=make_run(tmp_path, "spike"))
     with pytest.raises(UserInputError, match="--plan"):
         validate_run(run_dir, plan_file=tmp_path / "missing.json")
+    for text, said in (("{cut", "not valid JSON"), ("[1]", "expected a JSON object, got a list")):
+        (tmp_path / "bad-plan.json").write_text(text)
+        with pytest.raises(UserInputError, match=f"--plan {tmp_path / 'bad-plan.json'}: {said}"):
+            validate_run(run_dir, plan_file=tmp_path / "bad-plan.json")
     # A plan made for another job (another model or accelerator) judged this run against its targets without a
     # word (a false FAIL; alert-rules wrote its MFU floor): refused naming the fields.
     other_plan = tmp_path / "other-plan.json"

@@ -349,16 +349,11 @@ def plan_mismatch(plan: dict[str, Any], spec: Any) -> list[str]:
 def load_plan_file(path: Path, *, spec: Any = None) -> dict[str, Any]:
     """A plan.json given on the command line; errors name the file. With `spec` (a JobSpec or a run's spec.yaml
     dict): a plan made for another job (`plan_mismatch`) is refused too, as its targets would judge this one."""
-    from leantrain.errors import UserInputError
+    from leantrain.errors import UserInputError, read_json_object
 
     if not path.is_file():
         raise UserInputError(f"--plan {path}: no such file (write one with `leantrain plan SPEC --json FILE`)")
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as err:
-        raise UserInputError(f"--plan {path}: not a JSON plan ({err})") from None
-    if not isinstance(data, dict):
-        raise UserInputError(f"--plan {path}: expected a JSON object with the plan.json keys")
+    data = read_json_object(path, option="--plan")
     if spec is not None and (differs := plan_mismatch(data, spec)):
         raise UserInputError(f"--plan {path}: planned for another job ({'; '.join(differs)}, plan → spec); write "
                              "one from this spec: leantrain plan SPEC --json FILE")
