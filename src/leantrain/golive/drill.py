@@ -129,7 +129,7 @@ def _interval_steps(spec: JobSpec, max_steps: int) -> tuple[int, list[str]]:
         chosen = max(1, max_steps // 4)
         sets = [f"checkpoint.interval_steps={chosen}"]
     log_every = drill_log_every(spec, interval=chosen)
-    if log_every != (spec.monitoring.log_every or spec.training.log_every):
+    if log_every != spec.log_every:
         sets.append(f"monitoring.log_every={log_every}")
     return chosen, sets
 
@@ -140,8 +140,7 @@ def drill_log_every(spec: JobSpec, *, interval: int) -> int:
     (kill at 2, checkpoint every 2, log every 5: the reference's step-4 loss covers steps 1-4, the resumed run's
     steps 3-4, a false mismatch). Logging every gcd(log_every, checkpoint intervals) steps makes every checkpoint
     a window boundary (`monitoring.log_every`, which no loss depends on)."""
-    log_every = spec.monitoring.log_every or spec.training.log_every
-    return math.gcd(log_every, interval, spec.checkpoint.memory_interval_steps or 0)
+    return math.gcd(spec.log_every, interval, spec.checkpoint.memory_interval_steps or 0)
 
 
 def choose_kill_step(

@@ -384,6 +384,11 @@ class JobSpec(Section):
         default_factory=dict, description="Named overlays (scale and resources only), chosen by --profile."
     )
 
+    @property
+    def log_every(self) -> int:
+        """Steps between metric records: `monitoring.log_every` when set, else `training.log_every`."""
+        return self.monitoring.log_every or self.training.log_every
+
     @model_validator(mode="after")
     def _lora_targets_follow_attention(self) -> JobSpec:
         """Unset `finetune.lora.targets` name the model's own projections (MLA has no wk/wv); the value is

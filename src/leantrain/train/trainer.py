@@ -178,7 +178,7 @@ class Trainer:
         self.peak_flops, self.peak_source = resolve_peak_flops(
             spec.hardware, device=self.device, dtype=self.precision.peak_dtype
         )
-        self.log_every = spec.monitoring.log_every or training.log_every
+        self.log_every = spec.log_every
         self.step, self.tokens_seen, self.skipped_steps = 0, 0, 0
         # 9. checkpointer hook (resumes here when a checkpoint exists)
         self.checkpointer = checkpointer_factory(self) if checkpointer_factory else None
