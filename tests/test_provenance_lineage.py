@@ -269,3 +269,35 @@ def test_a_registry_left_mid_write_is_recovered_not_a_traceback(tmp_path: Path) 
     check_registry(registry)
     assert [r["run_id"] for r in list_runs(registry=registry)] == ["a"]  # the last committed content
     assert not (tmp_path / "runs.db-journal").exists() and os.path.getsize(registry) > 0
+
+
+@pytest.mark.parametrize("lock", ["IMMEDIATE", "EXCLUSIVE"])
+def test_a_registry_locked_by_another_process_is_said_so_exit_1_not_a_traceback(
+    tmp_path: Path, data_dir: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], lock: str
+) -> None:
+    """Another process holding the registry's lock past the timeout (a run registering on a slow shared file
+    system, a lock a dead host left) made a starting run's registration a sqlite3 traceback (a write lock) and
+    `runs` say "cannot be read" (exit 2, an input error). Both now say it is locked, to try again: exit 1."""
+    import sqlite3
+
+    from leantrain.provenance import registry as reg
+
+    db = tmp_path / "reg" / "runs.db"
+    lineage = write_lineage(tmp_path / "run", load_spec(TINY), data_dir=data_dir)
+    run_id = register_run(lineage, registry=db)
+    monkeypatch.setattr(reg, "LOCK_TIMEOUT_S", 0.1)
+    holder = sqlite3.connect(db, isolation_level=None)
+    holder.execute(f"BEGIN {lock}")
+    try:
+        for call in (lambda: register_run(lineage, registry=db), lambda: set_run_status(run_id, "x", registry=db)):
+            with pytest.raises(reg.RegistryBusy, match=re.escape(f"run.registry {db}: locked by another process")):
+                call()
+        if lock == "EXCLUSIVE":  # a write lock still lets readers in
+            assert main(["runs", "--registry", str(db)]) == 1
+            err = capsys.readouterr().err
+            assert f"--registry {db}: locked by another process" in err and "Traceback" not in err
+    finally:
+        holder.execute("ROLLBACK")
+        holder.close()
+    set_run_status(run_id, "finished", registry=db)
+    assert [r["status"] for r in list_runs(registry=db)] == ["finished"]

@@ -8,7 +8,7 @@ $LEANTRAIN_HOME/runs.db, else `runs.db` next to the run dirs (the run dir's pare
 owner-only). `leantrain runs DIR` lists DIR/runs.db (`leantrain runs` alone: ./runs/runs.db, the default
 run.dir's parent); `leantrain runs RUN_DIR` shows one run. `leantrain runs` only reads: it never creates or
 changes a registry. A path that is a directory, a file that is not SQLite or another program's database is
-refused (exit 2) and left as it is.
+refused (exit 2) and left as it is; one another process keeps locked past LOCK_TIMEOUT_S is `RegistryBusy` (exit 1).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from rich import box
 from rich.console import Console
 from rich.table import Table
 
-from leantrain.errors import UserInputError, check_output_file
+from leantrain.errors import LeantrainError, UserInputError, check_output_file
 from leantrain.provenance.lineage import LINEAGE_FILE_NAME, read_lineage, sha256_file
 from leantrain.security import AuditLog, make_private_dir
 
@@ -65,6 +65,13 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 
 
 REGISTRY_NAME = "runs.db"
+LOCK_TIMEOUT_S = 30.0  # how long a connection waits for another process's lock on the registry
+
+
+class RegistryBusy(LeantrainError):
+    """The registry stayed locked by another process past LOCK_TIMEOUT_S: try again (exit 1, not an input error)."""
+
+    exit_code = 1
 DEFAULT_RUNS_ROOT = Path("runs")  # the parent of the spec's default run.dir (runs/run)
 
 
@@ -95,8 +102,8 @@ def _open(db_path: Path, *, read_only: bool, where: str) -> sqlite3.Connection:
     """A connection to the registry file; `read_only` never changes the file (not even its schema)."""
     try:
         if read_only:
-            return sqlite3.connect(db_path.resolve().as_uri() + "?mode=ro", uri=True, timeout=30)
-        return sqlite3.connect(db_path, timeout=30)
+            return sqlite3.connect(db_path.resolve().as_uri() + "?mode=ro", uri=True, timeout=LOCK_TIMEOUT_S)
+        return sqlite3.connect(db_path, timeout=LOCK_TIMEOUT_S)
     except sqlite3.OperationalError as err:
         raise UserInputError(f"{where}: cannot open it as a SQLite database ({err})") from None
 
@@ -114,13 +121,26 @@ def _holds_registry(conn: sqlite3.Connection, *, where: str, read_only: bool) ->
             raise
         if code in (sqlite3.SQLITE_NOTADB, sqlite3.SQLITE_CORRUPT):
             raise UserInputError(f"{where}: not a SQLite database ({err}); {valid}") from None
-        raise UserInputError(f"{where}: cannot be read ({err})") from None
+        raise _registry_error(err, where=where) from None
     if not tables:
         return False
     if {"runs", "checkpoints"} <= tables:
         return True
     raise UserInputError(f"{where}: a SQLite database that holds no leantrain run registry (its tables: "
                          f"{', '.join(sorted(tables))}); it was left unchanged: {valid}")
+
+
+def _registry_error(err: sqlite3.Error, *, where: str) -> LeantrainError:
+    """A SQLite error of the registry as what it means: locked past the timeout (try again), read-only, or
+    unreadable; each names the registry file and what set it."""
+    code = getattr(err, "sqlite_errorcode", 0) & 0xFF
+    if code in (sqlite3.SQLITE_BUSY, sqlite3.SQLITE_LOCKED):
+        return RegistryBusy(f"{where}: locked by another process for {LOCK_TIMEOUT_S:.0f} s (a run registering or "
+                            "`leantrain runs` reading it; on a network file system a dead host can leave a lock): "
+                            "try again, or point it at a file on a local disk")
+    if code == sqlite3.SQLITE_READONLY or isinstance(err, sqlite3.OperationalError) and "readonly" in str(err):
+        return UserInputError(f"{where}: cannot be written ({err}): give a registry this user can write")
+    return UserInputError(f"{where}: cannot be read ({err})")
 
 
 @contextlib.contextmanager
@@ -165,6 +185,8 @@ def connect(
                                else f"BEGIN IMMEDIATE;{SCHEMA}COMMIT;")
         yield conn
         conn.commit()
+    except sqlite3.OperationalError as err:  # the caller's statements or the commit: locked, read-only
+        raise _registry_error(err, where=where) from None
     finally:
         conn.close()
 
