@@ -88,6 +88,34 @@ def test_template_comes_from_tokenizer_config_else_the_default(tokenizer_dir: Pa
     assert template_for(tmp_path / "tokenizer.json") == ChatTemplate(DEFAULT_TEMPLATE)
 
 
+def test_template_saved_by_transformers_as_jinja_files_is_the_one_used(tmp_path: Path) -> None:
+    """transformers (≥ 4.50) saves a tokenizer's template as chat_template.jinja, not in tokenizer_config.json;
+    it was ignored and every record silently rendered in ChatML. The files win over the config (as in
+    transformers), several templates without a default are refused naming them, as is one that does not compile."""
+    transformers = pytest.importorskip("transformers")
+    save_tokenizer(tmp_path / "base", chat_template=None)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "base")
+    mine = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{{ eos_token }}{% endfor %}"
+    tokenizer.chat_template = mine
+    tokenizer.save_pretrained(tmp_path / "saved")
+    assert (tmp_path / "saved" / "chat_template.jinja").is_file()
+    chat = template_for(tmp_path / "saved" / "tokenizer.json")
+    assert chat == ChatTemplate(mine, eos_token="<|endoftext|>")
+    assert transformers.AutoTokenizer.from_pretrained(tmp_path / "saved").chat_template == mine
+    named = tmp_path / "named"
+    save_tokenizer(named, chat_template=CHATML_TEMPLATE)  # the config's entry loses to the files
+    (named / "additional_chat_templates").mkdir()
+    (named / "additional_chat_templates" / "rag.jinja").write_text(mine)
+    (named / "additional_chat_templates" / "tool_use.jinja").write_text(mine)
+    with pytest.raises(UserInputError, match=r"chat templates rag, tool_use and none named default"):
+        template_for(named / "tokenizer.json")
+    (named / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}")
+    with pytest.raises(UserInputError, match=r"chat_template.jinja: chat template: line 1: .*endfor"):
+        template_for(named / "tokenizer.json")
+    (named / "chat_template.jinja").write_text(mine)
+    assert template_for(named / "tokenizer.json").template == mine
+
+
 # The templates as their models ship them (tokenizer_config.json), and the same with `{% generation %}` markers
 # around what the model writes (transformers' return_assistant_tokens_mask needs those), with (BOS, EOS, the token
 # that ends an answer).

@@ -152,3 +152,64 @@ def test_a_cut_short_safetensors_file_exits_2_naming_it_in_train_and_eval(
     err = capsys.readouterr()
     assert message in err.err and "Traceback" not in err.out + err.err
     assert not (tmp_path / "run" / "eval.json").exists()
+
+
+def test_a_chat_template_that_refuses_a_record_names_the_record_and_a_broken_one_stops_prepare_first(
+    hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A template's raise_exception (Mistral's "roles must alternate" on a system turn) stopped prepare with no
+    file or line; one that failed in its own code was a traceback; one that does not compile was found only at the
+    encode stage, after cleaning and deduplication. Now: the record's file:line, and a syntax error first."""
+    model = tmp_path / "model"
+    shutil.copytree(hf_dir, model)
+    (model / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{{ raise_exception('roles must alternate') }}"
+        "{% endif %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}")
+    chat = tmp_path / "chat.jsonl"
+    good = [{"prompt": f"q{i} " * 5, "response": f"answer {i} " * 5} for i in range(6)]
+    bad = {"messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi there"},
+                        {"role": "assistant", "content": "hello to you"}]}
+    chat.write_text("".join(json.dumps(r) + "\n" for r in [*good[:3], bad, *good[3:]]))
+    spec = spec_file(tmp_path, model)
+    raw = yaml.safe_load(spec.read_text())
+    raw["data"]["sources"] = [{"name": "chat", "path": str(chat), "format": "chat"}]
+    spec.write_text(yaml.safe_dump(raw))
+    assert main(["prepare", str(spec)]) == 2
+    captured = capsys.readouterr()
+    assert "chat.jsonl:4: chat template: roles must alternate" in captured.err and "Traceback" not in captured.err
+    assert "dedup" in captured.out  # this one is found at the encode stage, after cleaning and deduplication
+    (model / "chat_template.jinja").write_text("{% for m in messages %}{{ m['content'] }}")
+    assert main(["prepare", str(spec)]) == 2
+    captured = capsys.readouterr()
+    assert f"{model / 'chat_template.jinja'}: chat template: line 1:" in captured.err
+    assert "clean" not in captured.out and "dedup" not in captured.out
+
+
+def test_a_tied_pair_of_whole_conversations_is_dropped_as_a_tie_not_refused(
+    hf_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """{chosen, rejected} as two equal conversations (hh-rlhf has such ties) refused the whole corpus with "field
+    'chosen' must end with an assistant turn with content"; the prompt layout dropped the same tie as tied_pair."""
+    from leantrain.data.preference import parse_preference
+
+    turns = [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]
+    pair = parse_preference({"chosen": turns, "rejected": turns}, where="f:1")
+    assert pair.prompt == turns[:1] and pair.chosen == pair.rejected == turns[1:]
+    longer = [*turns, {"role": "user", "content": "more"}, {"role": "assistant", "content": "b"}]
+    pair = parse_preference({"chosen": turns, "rejected": longer}, where="f:2")
+    assert pair.prompt == turns[:1] and pair.chosen == turns[1:] and pair.rejected == longer[1:]
+    prefs = tmp_path / "prefs.jsonl"
+    rows = [{"prompt": f"question {i} " * 3, "chosen": f"good answer {i} " * 3, "rejected": f"bad answer {i} " * 3}
+            for i in range(6)]
+    rows.insert(2, {"chosen": [{"role": "user", "content": "same question"},
+                               {"role": "assistant", "content": "same answer"}],
+                    "rejected": [{"role": "user", "content": "same question"},
+                                 {"role": "assistant", "content": "same answer"}]})
+    prefs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    spec = spec_file(tmp_path, hf_dir)
+    raw = yaml.safe_load(spec.read_text())
+    raw["task"], raw["finetune"] = "finetune", {"method": "dpo"}
+    raw["data"]["sources"] = [{"name": "prefs", "path": str(prefs), "format": "preference"}]
+    spec.write_text(yaml.safe_dump(raw))
+    assert main(["prepare", str(spec)]) == 0
+    assert "tied_pair" in capsys.readouterr().out

@@ -41,7 +41,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import numpy as np
-from jinja2 import nodes
+from jinja2 import TemplateError, TemplateSyntaxError, nodes
 from jinja2.ext import Extension
 
 from leantrain.data.layout import Manifest, shard_prefix
@@ -99,19 +99,48 @@ def _token_text(value: Any) -> str:
 
 
 def template_for(tokenizer_path: Path | None) -> ChatTemplate:
-    """The chat template and BOS/EOS strings of the tokenizer_config.json beside `tokenizer_path`; without a
-    template there, the default (ChatML)."""
-    if tokenizer_path is not None:
-        config_path = Path(tokenizer_path).with_name("tokenizer_config.json")
-        if config_path.is_file():
+    """The chat template of the tokenizer beside `tokenizer_path`, found as transformers finds it: the files
+    `chat_template.jinja` (the default) and `additional_chat_templates/NAME.jinja` first (what `save_pretrained`
+    writes since transformers 4.50), else tokenizer_config.json's `chat_template` (a string, or a list of named
+    ones); of several, the one named "default". BOS/EOS strings come from tokenizer_config.json. Without any
+    template there, the default (ChatML). Several templates and none named default is refused (transformers
+    refuses it too), naming the folder and the names; so is a tokenizer_config.json that is not JSON."""
+    if tokenizer_path is None:
+        return ChatTemplate(DEFAULT_TEMPLATE)
+    folder = Path(tokenizer_path).parent
+    config_path = folder / "tokenizer_config.json"
+    config: dict[str, Any] = {}
+    if config_path.is_file():
+        try:
             config = json.loads(config_path.read_text(encoding="utf-8"))
-            template = config.get("chat_template")
-            if isinstance(template, list):  # transformers' named templates: take "default"
-                template = next((t["template"] for t in template if t.get("name") == "default"), None)
-            if isinstance(template, str):
-                return ChatTemplate(template, bos_token=_token_text(config.get("bos_token")),
-                                    eos_token=_token_text(config.get("eos_token")))
-    return ChatTemplate(DEFAULT_TEMPLATE)
+        except ValueError as err:
+            raise UserInputError(f"{config_path}: not valid JSON ({err})") from None
+        if not isinstance(config, dict):
+            raise UserInputError(f"{config_path}: expected a JSON object")
+    templates = {path.stem: path for path in sorted((folder / "additional_chat_templates").glob("*.jinja"))}
+    if (folder / "chat_template.jinja").is_file():
+        templates["default"] = folder / "chat_template.jinja"
+    named: dict[str, str] = {name: path.read_text(encoding="utf-8") for name, path in templates.items()}
+    if not named:  # the files take priority over the config's entries, as in transformers
+        template = config.get("chat_template")
+        if isinstance(template, list):
+            named = {t["name"]: t["template"] for t in template
+                     if isinstance(t, dict) and isinstance(t.get("name"), str) and isinstance(t.get("template"), str)}
+        elif isinstance(template, str):
+            named = {"default": template}
+    if not named:
+        return ChatTemplate(DEFAULT_TEMPLATE)
+    if "default" not in named:
+        raise UserInputError(f"{folder}: the tokenizer has chat templates {', '.join(sorted(named))} and none named "
+                             "default: write the one to train with as chat_template.jinja there")
+    chat = ChatTemplate(named["default"], bos_token=_token_text(config.get("bos_token")),
+                        eos_token=_token_text(config.get("eos_token")))
+    try:  # a template that does not compile is said before prepare cleans and deduplicates the corpus
+        ChatRenderer(None, template=chat, eos_id=0)
+    except UserInputError as err:
+        source = templates.get("default", config_path)
+        raise UserInputError(f"{source}: {err}") from None
+    return chat
 
 
 # Private-use code points that wrap the output of a `{% generation %}` block while the mask is computed.
@@ -154,16 +183,22 @@ class ChatRenderer:
                                             extensions=[_GenerationBlocks, loopcontrols])
         env.filters["tojson"] = lambda value, indent=None: json.dumps(value, ensure_ascii=False, indent=indent)
         env.globals.update(raise_exception=raise_exception, strftime_now=strftime_now)
-        self.template = env.from_string(chat.template)
+        try:
+            self.template = env.from_string(chat.template)
+        except TemplateSyntaxError as err:
+            raise UserInputError(f"chat template: line {err.lineno}: {err.message}") from None
         self.marks_generation = "{% generation" in chat.template or "{%- generation" in chat.template
         self.bos_token, self.eos_token = chat.bos_token, chat.eos_token
         self.tokenizer, self.eos_id = tokenizer, eos_id
 
     def render(self, messages: list[dict[str, str]], *, add_generation_prompt: bool = False,
                mark_generation: bool = False) -> str:
-        return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                    bos_token=self.bos_token, eos_token=self.eos_token,
-                                    leantrain_mark_generation=mark_generation)
+        try:
+            return self.template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                        bos_token=self.bos_token, eos_token=self.eos_token,
+                                        leantrain_mark_generation=mark_generation)
+        except (TemplateError, TypeError, ValueError, KeyError, AttributeError) as err:  # the template's own code
+            raise UserInputError(f"chat template: failed on this record: {type(err).__name__}: {err}") from None
 
     def segments(self, messages: list[dict[str, str]]) -> list[tuple[str, bool]]:
         """The rendered text cut into (text, is_assistant) pieces, in order."""

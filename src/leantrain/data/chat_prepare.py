@@ -75,12 +75,15 @@ def encode_rows(rows: list[dict[str, Any]], *, renderer: ChatRenderer, pad_multi
     padding); a preference row is its pair laid out for that seq_len (data/preference.py)."""
     out = []
     for row in rows:
-        if "pair_sizes" in row:
-            pair = pair_from_messages(row["messages"], sizes=tuple(row["pair_sizes"]))
-            out.append(encode_pair(renderer, pair, seq_len=pad_multiple))
-        else:
-            out.append(pad_to_multiple(*renderer.encode(row["messages"]), multiple=pad_multiple,
-                                       pad_id=renderer.eos_id))
+        try:
+            if "pair_sizes" in row:
+                pair = pair_from_messages(row["messages"], sizes=tuple(row["pair_sizes"]))
+                out.append(encode_pair(renderer, pair, seq_len=pad_multiple))
+            else:
+                out.append(pad_to_multiple(*renderer.encode(row["messages"]), multiple=pad_multiple,
+                                           pad_id=renderer.eos_id))
+        except UserInputError as err:  # the template refused the record (raise_exception) or failed on it
+            raise UserInputError(f"{row.get('id', 'a record')}: {err}") from None
     return out
 
 

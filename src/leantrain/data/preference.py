@@ -102,8 +102,10 @@ def parse_preference(record: Any, *, where: str) -> Pair:
     else:
         full_chosen = _messages(record["chosen"], where=where, field="chosen", role=None)
         full_rejected = _messages(record["rejected"], where=where, field="rejected", role=None)
-        shared = 0
-        while shared < min(len(full_chosen), len(full_rejected)) and full_chosen[shared] == full_rejected[shared]:
+        # The common first messages are the prompt, but each side keeps at least its last message: a pair whose
+        # conversations are equal is a tie (dropped as tied_pair when prepared), not a pair without responses.
+        shared, limit = 0, min(len(full_chosen), len(full_rejected)) - 1
+        while shared < limit and full_chosen[shared] == full_rejected[shared]:
             shared += 1
         if shared == 0:
             raise UserInputError(f"{where}: fields 'chosen' and 'rejected' share no prompt (no common first "
