@@ -96,6 +96,9 @@ def test_sharded_load_and_lora_match_one_process(tmp_path: Path) -> None:
                        for name, (kind, parallelism) in RUNS.items()}, tmp_path)
     for name, (kind, _) in RUNS.items():
         assert losses(tmp_path / name / "metrics.jsonl") == pytest.approx(reference[kind], rel=1e-4), name
+        # base_model.json: the two ranks hashed the base's files between them; the record is one process's
+        base = json.loads((tmp_path / name / "base_model.json").read_text())
+        assert base == json.loads((tmp_path / kind / "base_model.json").read_text()) and len(base["files"]) >= 2
         info = json.loads((tmp_path / name / "train_info.json").read_text())
         single = json.loads((tmp_path / kind / "train_info.json").read_text())
         if "pp" not in name:  # a pipeline rank counts its own stages only

@@ -183,3 +183,35 @@ def test_a_lora_run_resumes_its_adapters_on_the_same_base(hf_dir: Path, data_dir
         assert all(torch.equal(p.detach(), original[to_hf_name(n)]) for n, p in params.items() if not is_adapter(n))
     finally:
         resumed.close()
+
+
+def test_the_ranks_hash_the_base_between_them_and_a_changed_base_is_refused(
+    hf_dir: Path, data_dir: Path, tmp_path: Path
+) -> None:
+    """Rank 0 alone hashed every file of the base before the first collective (a 405B base: ~10 minutes, past
+    the collective timeout at every start). Each rank now hashes every world_size-th file; the shares together
+    are the whole record, each file hashed once; a resume onto a base whose files changed is refused."""
+    import shutil
+
+    from leantrain.ckpt import base_ref
+    from leantrain.errors import UserInputError
+    from leantrain.train.run_setup import record_ranks_joined
+
+    base = tmp_path / "base"
+    shutil.copytree(hf_dir, base)
+    for i in range(3):  # a sharded checkpoint's files
+        (base / f"model-0000{i}-of-00003.safetensors").write_bytes(bytes([i]) * 100)
+    spec = ft_spec(base, data_dir, tmp_path / "run")
+    whole = base_ref.base_share(spec, rank=0, world_size=1)
+    shares = [base_ref.base_share(spec, rank=r, world_size=3) for r in range(3)]
+    assert len(whole) >= 5 and sum(len(s) for s in shares) == len(whole)
+    assert {k: v for s in shares for k, v in s.items()} == whole and all(shares)
+    run_dir = tmp_path / "run"
+    record_ranks_joined(run_dir, rank=0, world_size=1, distributed=False, spec=spec)
+    record = json.loads((run_dir / base_ref.BASE_FILE).read_text())
+    assert record["files"] == whole and record["init_from"] == str(base.resolve())
+    record_ranks_joined(run_dir, rank=0, world_size=1, distributed=False, spec=spec)  # a resume: kept
+    (base / "model-00001-of-00003.safetensors").write_bytes(b"other")
+    with pytest.raises(UserInputError, match="started from other weights"):
+        record_ranks_joined(run_dir, rank=0, world_size=1, distributed=False, spec=spec)
+    assert json.loads((run_dir / base_ref.BASE_FILE).read_text()) == record

@@ -7,10 +7,11 @@ The trainer calls three hooks, in its setup order:
   4. `weights_loader(spec)` is handed to `ParallelModel.initialize`: after `to_empty` every rank fills its
      own shards from `model.init_from`'s safetensors (model/hf_load.py), the adapters get their init by name
      (same values whatever the layout), and QLoRA quantises the frozen base to NF4;
-  after setup, `record_base(run_dir, spec)` (ckpt/base_ref.py) writes `base_model.json`: the init_from path and
-     the sha256 of each of its files. A LoRA checkpoint holds only the adapters and their optimizer state
-     (frozen parameters are left out of DCP's state dict, ckpt/dcp_io.py), so the base is referenced by these
-     hashes, not copied; export checks them.
+  when training starts, the ranks hash the base's files together (each file by one rank, `base_share`) and rank 0
+     writes `base_model.json` (`record_base`, ckpt/base_ref.py, from train/run_setup.py's `record_ranks_joined`):
+     the init_from path and the sha256 of each of its files. A LoRA checkpoint holds only the adapters and their
+     optimizer state (frozen parameters are left out of DCP's state dict, ckpt/dcp_io.py), so the base is
+     referenced by these hashes, not copied; export checks them.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from leantrain.ckpt.base_ref import record_base  # noqa: F401 (re-exported: the trainer calls finetune.record_base)
 from leantrain.errors import UserInputError
 from leantrain.model.hf_load import check_hf_dir, fill_from_hf
 from leantrain.model.init import fill_parameter, param_seed

@@ -141,22 +141,28 @@ def finish_run(context: RunContext, *, status: str) -> None:
         )
 
 
-def record_ranks_joined(run_dir: Path, *, rank: int, world_size: int, distributed: bool) -> None:
+def record_ranks_joined(run_dir: Path, *, rank: int, world_size: int, distributed: bool,
+                        spec: JobSpec | None = None) -> None:
     """Every rank's host reaches rank 0, which writes `start` and one `rank_joined` event per rank (validate's
-    "every rank reported", doctor's "ranks stuck at start")."""
+    "every rank reported", doctor's "ranks stuck at start"). With a `spec` that starts from `model.init_from`,
+    each rank brings the sha256 of its share of the base's files in the same gather, and rank 0 records them
+    (`base_model.json`, ckpt/base_ref.py) before the events: a base changed since the run started is refused."""
     import socket
 
     import torch.distributed as dist
 
+    from leantrain.ckpt.base_ref import base_share, record_base
     from leantrain.observe.report_data import append_event
 
-    hosts: list[Any] = [socket.gethostname()]
+    joined: list[Any] = [(socket.gethostname(), base_share(spec, rank=rank, world_size=world_size) if spec else {})]
     if distributed:
-        hosts = [None] * world_size
-        dist.all_gather_object(hosts, socket.gethostname())
+        mine, joined = joined[0], [None] * world_size
+        dist.all_gather_object(joined, mine)
     if rank == 0:
+        if spec is not None:
+            record_base(run_dir, spec, digests={name: sha for _, share in joined for name, sha in share.items()})
         append_event(run_dir, "start", world_size=world_size)
-        for joined_rank, host in enumerate(hosts):
+        for joined_rank, (host, _) in enumerate(joined):
             append_event(run_dir, "rank_joined", rank=joined_rank, host=host)
 
 

@@ -304,7 +304,7 @@ class Trainer:
         self._write_train_info()
         runtime = self.runtime
         record_ranks_joined(self.run_dir, rank=runtime.rank, world_size=runtime.world_size,
-                            distributed=runtime.distributed)
+                            distributed=runtime.distributed, spec=self.spec)  # and base_model.json
         self.record_model_ready()
         records: list[dict[str, Any]] = []
         window = LogWindow()
@@ -453,7 +453,6 @@ class Trainer:
             "data_parallel": self.dims.dp, "task": self.spec.task, **self.param_counts,
         }
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        finetune.record_base(self.run_dir, self.spec)
         (self.run_dir / TRAIN_INFO_FILE).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
 
     # ----- state for checkpoints -----------------------------------------------------------------------
