@@ -54,6 +54,18 @@ def test_counts_are_exact_and_not_doubled_by_recompute() -> None:
     assert model.moe_layers()[0].tokens_per_expert.sum() == 0  # reset after the update
 
 
+def test_a_no_grad_pass_in_train_mode_adds_no_counts() -> None:
+    """LoRA DPO's reference pass runs the policy in train mode with its adapters off, under no_grad: its tokens
+    were added to the balance counts (the expert-load metric and the aux-free bias update saw each token twice)."""
+    model = build_model(moe_args(balance="aux_free"), device=torch.device("cpu"), seed=0).train()
+    tokens = torch.randint(0, 50, (2, 8))
+    with torch.no_grad():
+        model(tokens)
+    assert all(m.tokens_per_expert.sum() == 0 for m in model.moe_layers())
+    model(tokens).sum().backward()
+    assert all(m.tokens_per_expert.sum() == 2 * 8 * 2 for m in model.moe_layers())
+
+
 def test_aux_free_bias_moves_towards_underloaded_experts() -> None:
     model = build_model(moe_args(balance="aux_free", bias_update_rate=0.01), device=torch.device("cpu"), seed=0)
     layer = model.moe_layers()[0]

@@ -161,10 +161,12 @@ class Transformer(nn.Module):
         return F.linear(h, self.tok_embeddings.weight)
 
     def _collect_moe_stats(self) -> None:
-        """After the forward (not inside a block, which recompute may rerun): add counts, sum aux losses."""
+        """After the forward (not inside a block, which recompute may rerun): add counts, sum aux losses. Counts
+        come from training forwards only: not evaluation, nor a no-grad pass in train mode (LoRA DPO's reference
+        pass, the policy with its adapters off), whose tokens would add to the balance statistics."""
         aux_losses = []
         for moe in self.moe_layers():
-            if self.training and moe.last_counts is not None:
+            if self.training and torch.is_grad_enabled() and moe.last_counts is not None:
                 moe.tokens_per_expert += moe.last_counts
             if moe.last_aux_loss is not None:
                 aux_losses.append(moe.last_aux_loss)
