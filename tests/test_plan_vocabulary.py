@@ -63,10 +63,11 @@ def test_every_recompute_mode_the_planner_prices_is_written_in_the_spec_and_run_
 # Each example at GPU counts whose factors differ from its batch's and its shape's (120 = 8 × 15 against batches of
 # 2^k sequences), seed-10b.yaml at the count its own plan chooses (120: until 2026-12-06 it chose dp120 for a batch of
 # 1,024 sequences, which the trainer refuses), shapes whose KV heads or FFN do not divide every tp (the search
-# replicated the one and padded the other), and QLoRA (the search pipelined it).
+# replicated the one and padded the other), and QLoRA (the search pipelined it, then spread it over data-parallel
+# ranks, which the trainer refuses: its NF4 base is not sharded).
 WALKS = [("llama3-8b-h100.yaml", 64, ()), ("moe-small-cpu.yaml", 4, ()), ("llama3-405b.yaml", 512, ()),
          ("seed-10b.yaml", 120, ()), ("llama3-8b-h100.yaml", 120, ()), ("gpu-1b-bench.yaml", 120, ()),
-         ("deepseek-v3.yaml", 2048, ()), ("qlora-70b.yaml", 16, ()), ("qlora-70b.yaml", 8, ()),
+         ("deepseek-v3.yaml", 2048, ()), ("qlora-70b.yaml", 1, ()),
          ("llama3-8b-h100.yaml", 64, ("model.n_kv_heads=2",)), ("llama3-8b-h100.yaml", 64, ("model.ffn_hidden=14340",))]
 
 
@@ -82,6 +83,17 @@ def test_every_search_result_passes_the_spec_rules(example: str, gpus: int, shap
             load_spec(EXAMPLES / example, overrides=overrides)
         except SpecError as err:
             pytest.fail(f"{example} {shape}: searched {cand.layout.describe()} is refused by the spec rules: {err}")
+
+
+def test_qlora_is_searched_and_checked_as_the_one_process_job_the_trainer_runs() -> None:
+    """The trainer runs QLoRA in one process; `check` accepted data_parallel 8 and the search returned dp 8 and
+    dp 16 layouts, which train refused only after building the model."""
+    for gpus in (8, 16):
+        found = search_layouts(plan_inputs(load_spec(EXAMPLES / "qlora-70b.yaml")), gpus, top_k=1000, suggest=False)
+        assert not found.ranked and any("qlora runs in one process" in reason for reason in found.rejected), gpus
+    with pytest.raises(SpecError, match="qlora runs in one process"):
+        load_spec(EXAMPLES / "qlora-70b.yaml", overrides=layout_overrides(
+            Layout(dp=8, tp=1, pp=1, micro_batch=1), gpus_per_node=8))
 
 
 @pytest.mark.parametrize(("example", "overrides", "op"), [

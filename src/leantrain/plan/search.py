@@ -149,7 +149,7 @@ def candidate_layouts(inputs: PlanInputs, num_gpus: int, *, max_micro_batch: int
                     skipped[key] = skipped.get(key, 0) + 1
                 continue
             if _refused(skipped, finetune_layout_problems(dpo=dpo, weights=inputs.finetune, tensor_parallel=tp,
-                                                          pipeline_parallel=pp)):
+                                                          pipeline_parallel=pp, data_parallel=dp)):
                 continue
             micro_batches = [b for b in _powers_of_two(max_micro_batch)
                              if batch_divides(global_batch_tokens=inputs.global_batch_tokens, micro_batch=b,

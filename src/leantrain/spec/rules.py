@@ -123,7 +123,8 @@ def _finetune_problems(spec: JobSpec) -> list[str]:
                             f"{spec.model.init_from}/config.json: this model attends over the full sequence, so "
                             f"train with seq_len ≤ {window}")
     problems += finetune_layout_problems(dpo=spec.finetune.method == "dpo", weights=method,
-                                         tensor_parallel=par.tensor_parallel, pipeline_parallel=par.pipeline_parallel)
+                                         tensor_parallel=par.tensor_parallel, pipeline_parallel=par.pipeline_parallel,
+                                         data_parallel=par.data_parallel)
     if method == "full":
         return problems
     if spec.task != "finetune":
@@ -134,9 +135,10 @@ def _finetune_problems(spec: JobSpec) -> list[str]:
     return problems
 
 
-def finetune_layout_problems(*, dpo: bool, weights: str, tensor_parallel: int, pipeline_parallel: int) -> list[str]:
-    """The tp / pp degrees a fine-tuning method runs with (the layout search filters with it too): DPO with
-    data parallelism / FSDP only, LoRA/QLoRA without TP, QLoRA without a pipeline."""
+def finetune_layout_problems(*, dpo: bool, weights: str, tensor_parallel: int, pipeline_parallel: int,
+                             data_parallel: int = 1) -> list[str]:
+    """The dp / tp / pp degrees a fine-tuning method runs with (the layout search filters with it too): DPO with
+    data parallelism / FSDP only, LoRA/QLoRA without TP, QLoRA in one process (train/finetune.py)."""
     problems = []
     if dpo and (tensor_parallel > 1 or pipeline_parallel > 1):
         problems.append("finetune.method dpo runs with data parallelism / FSDP: set parallelism.tensor_parallel "
@@ -146,6 +148,9 @@ def finetune_layout_problems(*, dpo: bool, weights: str, tensor_parallel: int, p
                         "plans shard the base weight, not the adapters): use data_parallel/FSDP or pipeline_parallel")
     if weights == "qlora" and pipeline_parallel > 1:
         problems.append("finetune.method qlora runs without pipeline parallelism (parallelism.pipeline_parallel: 1)")
+    if weights == "qlora" and data_parallel > 1:
+        problems.append("finetune.method qlora runs in one process (the NF4 base is not sharded across ranks): set "
+                        "parallelism.data_parallel to 1, or use method lora with FSDP for several GPUs")
     return problems
 
 
