@@ -463,7 +463,9 @@ def test_leantrain_eval_scores_held_out_pairs_as_the_trainer_does(tmp_path: Path
     assert main(["prepare", str(tmp_path / "spec.yaml")]) == 0
     assert main(["train", str(tmp_path / "spec.yaml")]) == 0
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
-    trained = [json.loads(line) for line in lines if "eval_loss" in line][-1]["eval_loss"]
+    evals = [json.loads(line) for line in lines if "eval_loss" in line]
+    assert evals and not any("eval_perplexity" in r for r in evals)  # exp(a DPO loss) is no perplexity
+    trained = evals[-1]["eval_loss"]
     held_out = evaluate(tmp_path / "run", tasks=[])["held_out"]["prefs"]
     assert held_out["loss"] == pytest.approx(trained, abs=1e-5) and held_out["pairs"] == 2 * 2
     assert held_out["loss"] < math.log(2) - 0.01 and 0 <= held_out["rewards/accuracy"] <= 1

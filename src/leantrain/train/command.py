@@ -243,7 +243,8 @@ def summary(records: list[dict[str, Any]]) -> str:
     line = f"{last['step']} steps, loss {first['loss']:.3f} (step {first['step']}) → {last['loss']:.3f}"
     evals = [r for r in records if "eval_loss" in r]
     if evals:
-        line += f", held-out loss {evals[-1]['eval_loss']:.3f} (ppl {evals[-1]['eval_perplexity']:.1f})"
+        ppl = f" (ppl {evals[-1]['eval_perplexity']:.1f})" if "eval_perplexity" in evals[-1] else ""
+        line += f", held-out loss {evals[-1]['eval_loss']:.3f}{ppl}"
     return line + f", {last['tokens_per_s']:,.0f} tok/s"
 
 

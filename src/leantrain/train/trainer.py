@@ -416,7 +416,9 @@ class Trainer:
         total = self.parallel.sum_over_ranks(torch.cat([sums, recorder.loss_sum, recorder.tokens]) if by_source
                                              else sums).tolist()
         eval_loss = total[0] / total[1]
-        out: dict[str, Any] = {"eval_loss": eval_loss, "eval_perplexity": math.exp(min(eval_loss, 50.0))}
+        out: dict[str, Any] = {"eval_loss": eval_loss}  # a DPO loss has no perplexity
+        if self.objective is None:
+            out["eval_perplexity"] = math.exp(min(eval_loss, 50.0))
         if by_source:
             n, names = recorder.num_sources, self.eval_sampler.source_names
             out["eval_loss_by_source"] = {name: total[2 + i] / total[2 + n + i] for i, name in enumerate(names)
@@ -431,10 +433,9 @@ class Trainer:
         record["eval_s"] = time.perf_counter() - start_s
         self.metrics.log(record)
         if self.console is not None:
-            self.console.print(
-                f"eval   step {self.step:>6}  loss {record['eval_loss']:8.4f}  ppl {record['eval_perplexity']:9.2f}",
-                highlight=False, markup=False,
-            )
+            ppl = f"  ppl {record['eval_perplexity']:9.2f}" if "eval_perplexity" in record else ""
+            self.console.print(f"eval   step {self.step:>6}  loss {record['eval_loss']:8.4f}{ppl}", markup=False,
+                               highlight=False)
         return record
 
     def _write_train_info(self) -> None:
