@@ -213,6 +213,12 @@ def test_env_interpolation(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = spec_from_dict(raw)
     assert spec.data.seq_len == 256
     assert str(spec.run.dir) == "/tmp/somewhere/run-a"
+    # Empty is unset for a default, as in the shell: a pod whose Secret was templated from an unset variable
+    # holds "", and `${VAR:-default}` lost its default there (a whole-value reference loaded as null).
+    monkeypatch.setenv("LT_EMPTY", "")
+    raw["run"] = {"dir": "${LT_EMPTY:-/tmp/default}", "name": "x${LT_EMPTY}y"}
+    spec = spec_from_dict(raw)
+    assert str(spec.run.dir) == "/tmp/default" and spec.run.name == "xy"
 
 
 def test_env_interpolation_missing_names_field(monkeypatch: pytest.MonkeyPatch) -> None:

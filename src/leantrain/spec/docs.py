@@ -25,7 +25,8 @@ A job spec is one YAML file. Unknown keys are errors. Loading order: YAML (dupli
 levels deep and 200,000 nodes counting every use of an alias, else exit 2 naming the line; each alias becomes its
 own copy, and a cyclic alias like `&s [*s]` is refused) → refuse literal secrets →
 `--profile NAME` overlay (scale and resources only) → `--set a.b=c` overrides → `${VAR}` / `${VAR:-default}`
-interpolation (secret-named keys keep the reference; it is read from the environment only when used) →
+interpolation (the default when VAR is unset or empty, as in the shell; secret-named keys keep the reference;
+it is read from the environment only when used) →
 validation, including the cross-field rules at the end of this page. Relative paths resolve against the
 spec file's folder.
 """

@@ -83,11 +83,11 @@ def _interpolate(node: Any, path: str, problems: list[str]) -> Any:
     def replace(match: re.Match[str]) -> str:
         name, default = match.group(1), match.group(2)
         value = os.environ.get(name)
+        if default is not None and not value:  # as the shell's ${VAR:-default}: unset or empty (a job file's
+            return default                       # Secret templated from an unset variable holds "")
         if value is None:
-            if default is None:
-                problems.append(f"{path}: environment variable {name} is not set (or write ${{{name}:-default}})")
-                return match.group(0)
-            return default
+            problems.append(f"{path}: environment variable {name} is not set (or write ${{{name}:-default}})")
+            return match.group(0)
         return value
 
     replaced = ENV_RE.sub(replace, node)
