@@ -301,3 +301,62 @@ def test_every_emitted_object_passes_its_schema(tmp_path: Path, overrides: list[
     assert {d["kind"] for d in docs} >= {"ConfigMap", "PyTorchJob", "DaemonSet", "PersistentVolumeClaim"}
     for doc in docs:
         assert schema_errors(doc) == [], doc["kind"]
+
+
+def test_auto_restart_off_gives_the_job_no_restarts(tmp_path: Path) -> None:
+    """`fault.auto_restart: false` was ignored: `maxRestarts` and `backoffLimit` stayed fault.max_restarts. Both
+    are 0 then, and torchrun in the pod gets `--max-restarts=0`, as for a local launch."""
+    for overrides, expected in ((["fault.auto_restart=false"], 0), ([], 10)):
+        _, job_doc, _ = emitted(tmp_path, "fault.max_restarts=10", *overrides)
+        job = roundtrip(job_doc, "KubeflowOrgV1PyTorchJob")
+        assert job.spec.elastic_policy.max_restarts == expected and job.spec.run_policy.backoff_limit == expected
+        script = job.spec.pytorch_replica_specs["Worker"].template.spec.containers[0].command[-1]
+        assert f"--max-restarts={expected} -m leantrain.cli train" in script
+
+
+DNS_1035 = r"[a-z]([-a-z0-9]*[a-z0-9])?"
+
+
+@pytest.mark.parametrize(("run_name", "label"), [
+    ("405b-ablation", "run-405b-ablation"),  # a leading digit: rejected by the training-operator's webhook
+    ("Llama_3 Ünïcode", "llama-3-unicode"),  # str.isalnum() let `ü`, `ï` through
+    ("x" * 70, "x" * 50),
+    ("--", "leantrain"),
+])
+def test_job_names_are_dns_1035_labels(tmp_path: Path, run_name: str, label: str) -> None:
+    import re
+
+    config_map, job, _ = emitted(tmp_path, f"run.name={run_name}")
+    name = job["metadata"]["name"]
+    assert re.fullmatch(DNS_1035, name) and len(name) <= 63 and name.startswith(label[:43] + "-"), name
+    assert re.fullmatch(DNS_1035, config_map["metadata"]["name"]) and len(config_map["metadata"]["name"]) <= 63
+    assert yaml.safe_load(config_map["data"]["spec.yaml"])["run"]["dir"] == f"/mnt/runs/{label}"
+
+
+def test_different_specs_at_the_default_run_dir_get_their_own_cluster_run_dir(tmp_path: Path) -> None:
+    """The cluster run dir (and the job's name) came from run.dir's name, `run` for every spec that keeps the
+    default runs/run: two different jobs wrote to /mnt/runs/run. The spec file's stem names them then; run.name,
+    or a run.dir that is not the default, still wins. The Slurm job name follows."""
+    from leantrain.cli import main
+
+    specs = {}
+    for stem in ("ablation-a", "ablation-b"):
+        specs[stem] = tmp_path / f"{stem}.yaml"
+        specs[stem].write_text(SEED.read_text())  # the same spec under two names: two jobs
+
+    def emit(spec_path: Path, kind: str, *overrides: str) -> str:
+        out = tmp_path / f"job-{kind}"
+        args = ["launch", str(spec_path), "--profile", "rehearsal", "--set", IMAGE, "--emit", kind, "--dry-run"]
+        for item in overrides:
+            args += ["--set", item]
+        assert main([*args, "--out", str(out)]) == 0
+        return out.read_text()
+
+    def run_dir(text: str) -> str:
+        config_map = next(yaml.safe_load_all(text))
+        return yaml.safe_load(config_map["data"]["spec.yaml"])["run"]["dir"]
+
+    assert [run_dir(emit(p, "k8s")) for p in specs.values()] == ["/mnt/runs/ablation-a", "/mnt/runs/ablation-b"]
+    assert "#SBATCH --job-name=ablation-b\n" in emit(specs["ablation-b"], "slurm")
+    assert run_dir(emit(specs["ablation-a"], "k8s", "run.dir=/shared/runs/lr-sweep-3")) == "/mnt/runs/lr-sweep-3"
+    assert run_dir(emit(specs["ablation-a"], "k8s", "run.name=Long Run")) == "/mnt/runs/long-run"

@@ -280,14 +280,16 @@ def test_elastic_job_survives_a_node_loss_and_failures_requeue(tmp_path: Path) -
                          command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
     assert "--no-kill" not in sbatch_options(fixed)
     assert all("--kill-on-bad-exit=1" in words for words in srun_torchrun_lines(fixed))
-    assert '"${SLURM_RESTART_COUNT:-0}" -lt 3 ]' in text
+    assert '[ "$FAILED" -lt 3 ]' in text
 
 
-@pytest.mark.parametrize(("restart_count", "requeued"), [("0", True), ("3", False)])
-def test_failed_training_requeues_until_max_requeues(tmp_path: Path, restart_count: str, requeued: bool) -> None:
+@pytest.mark.parametrize(("failed_before", "requeued"), [("0", True), ("3", False)])
+def test_failed_training_requeues_until_max_requeues(tmp_path: Path, failed_before: str, requeued: bool) -> None:
     spec = load_spec(SEED, profile="rehearsal", overrides=[env_hook(tmp_path), "cluster.preflight=false"])
     script = tmp_path / "job.sbatch"
     script.write_text(slurm_script(spec, command=TrainCommand(spec_path=SEED), run_dir=tmp_path / "run"))
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "slurm-7.failure-requeues").write_text(f"{failed_before}\n")  # failure requeues so far
     bin_dir, log = tmp_path / "bin", tmp_path / "calls.log"
     bin_dir.mkdir()
     (bin_dir / "scontrol").write_text(
@@ -298,7 +300,7 @@ def test_failed_training_requeues_until_max_requeues(tmp_path: Path, restart_cou
     for tool in bin_dir.iterdir():
         tool.chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
-           "SLURM_JOB_NODELIST": "n1", "SLURM_RESTART_COUNT": restart_count}
+           "SLURM_JOB_NODELIST": "n1", "SLURM_RESTART_COUNT": failed_before}
     proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 1, proc.stdout + proc.stderr
     assert ("scontrol requeue 7" in log.read_text()) is requeued
@@ -403,3 +405,96 @@ def test_an_elastic_floor_above_the_jobs_count_is_left_to_check_layout_and_lost_
     assert "re-form at any node count in 8..16" in err and "runs at 8, 16 node(s)" in err and "16..16" not in err
     assert main(base) == 0
     assert "note: fault.elasticity is on, but the job is not elastic" in capsys.readouterr().out.replace("\n", " ")
+
+
+def _run_with_fake_slurm(tmp_path: Path, script: Path, *, train: str = "exit 0", **env: str) -> tuple[int, str]:
+    """Run a job file against fake `scontrol` (one node; records updates and requeues) and `srun` (records its
+    words, shell-quoted, and the APPTAINERENV_ variables it got; the train step runs `train`). Returns (exit code,
+    the log)."""
+    bin_dir, log = tmp_path / "fake-bin", tmp_path / "fake-slurm.log"
+    bin_dir.mkdir(exist_ok=True)
+    (bin_dir / "scontrol").write_text(
+        f'#!/bin/bash\nif [ "$1" = show ]; then echo n1; else echo "scontrol $*" >> {log}; fi\n')
+    (bin_dir / "srun").write_text(
+        f'#!/bin/bash\n(printf srun; printf " %q" "$@"; echo) >> {log}\n'
+        f'(env | grep ^APPTAINERENV_ | sort) >> {log} || true\n'
+        f'case "$*" in *leantrain.cli*) {train};; esac\n')
+    (bin_dir / "python").write_text("#!/bin/bash\nexit 0\n")  # the health file reader: no host to exclude
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    full_env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7",
+                "SLURM_JOB_NODELIST": "n1", **env}
+    proc = subprocess.run(["bash", str(script)], env=full_env, capture_output=True, text=True, timeout=60)
+    return proc.returncode, (log.read_text() if log.exists() else "") + proc.stdout + proc.stderr
+
+
+def test_apptainer_passes_the_specs_secret_variables_by_name(tmp_path: Path) -> None:
+    """`--cleanenv` dropped every variable the spec references (`${AWS_ACCESS_KEY_ID}`, the webhook's, ...): the
+    ranks and the staging step got none. They are passed by name; no value is written into the file."""
+    out = tmp_path / "job.sbatch"
+    assert main(["launch", str(SEED), "--profile", "rehearsal", "--set", "cluster.slurm_runtime=apptainer",
+                 "--set", IMAGE, "--set", "cluster.preflight=false", "--set", "cluster.data_url=s3://bucket/data",
+                 "--set", "monitoring.webhook_url_env=ALERT_URL", "--emit", "slurm", "--out", str(out),
+                 "--run-dir", str(tmp_path / "run")]) == 0
+    secrets = {"AWS_ACCESS_KEY_ID": "AKIA-test-id", "AWS_SECRET_ACCESS_KEY": "s3cr3t-value",
+               "ALERT_URL": "https://hooks.example/x"}
+    code, log = _run_with_fake_slurm(tmp_path, out, **secrets)
+    assert code == 0, log
+    text = out.read_text()
+    for name, value in secrets.items():
+        assert value not in text and name in text
+        assert f"APPTAINERENV_{name}={value}" in log  # every srun step (staging, training) gets it
+    assert "APPTAINERENV_AWS_SESSION_TOKEN" not in log  # unset in the job: not passed as an empty value
+    stage = next(line for line in log.splitlines() if "leantrain.launch.staging" in line)
+    assert "--cleanenv" in stage
+
+
+def test_a_dollar_or_quote_in_a_path_or_value_is_written_literally(tmp_path: Path) -> None:
+    """Values with `$` went into double quotes: `--run-dir '/shared/my runs/l8$x'` became RUN_DIR="…/l8$x", which
+    bash expanded. Literal values are single-quoted; only the script's own variables ($HEAD_NODE, …) expand."""
+    out, run_dir = tmp_path / "job.sbatch", tmp_path / "my runs" / "l8$x it's"
+    assert main(["launch", str(SEED), "--profile", "rehearsal", "--set", env_hook(tmp_path), "--set",
+                 "cluster.preflight=false", "--set", "cluster.nccl_env={NCCL_SOCKET_IFNAME: '$eth0'}",
+                 "--emit", "slurm", "--out", str(out), "--run-dir", str(run_dir)]) == 0
+    code, log = _run_with_fake_slurm(tmp_path, out, x="EXPANDED", eth0="EXPANDED",
+                                     train='echo "IF=$NCCL_SOCKET_IFNAME"')
+    assert code == 0, log
+    assert (run_dir / "slurm-7.out").is_file() and (run_dir / "job-spec.yaml").is_file()
+    assert "EXPANDED" not in log and "IF=$eth0" in log
+    (train,) = [shlex.split(line) for line in log.splitlines() if line.startswith("srun") and "leantrain.cli" in line]
+    assert train[train.index("--run-dir") + 1] == str(run_dir.resolve())
+    assert "--rdzv-endpoint=n1:29500" in train and "--rdzv-id=7" in train  # the script's own variables expand
+
+
+def test_auto_restart_off_gives_torchrun_no_restarts(tmp_path: Path) -> None:
+    """`fault.auto_restart: false` was ignored: the job file still gave torchrun `--max-restarts=fault.max_restarts`.
+    It is 0 then, as for a local launch (torchrun.restarts); an explicit --max-restarts still wins."""
+    off = load_spec(SEED, profile="rehearsal", overrides=[VENV, "fault.auto_restart=false", "fault.max_restarts=10"])
+    for restarts, expected in ((None, 0), (2, 2)):
+        text = slurm_script(off, command=TrainCommand(spec_path=SEED), run_dir=tmp_path, max_restarts=restarts)
+        preflight, train = srun_torchrun_lines(text)
+        assert torchrun_parsed(train).max_restarts == expected and torchrun_parsed(preflight).max_restarts == 0
+    on = load_spec(SEED, profile="rehearsal", overrides=[VENV, "fault.max_restarts=10"])
+    (_, train) = srun_torchrun_lines(slurm_script(on, command=TrainCommand(spec_path=SEED), run_dir=tmp_path))
+    assert torchrun_parsed(train).max_restarts == 10
+
+
+def test_time_limit_requeues_do_not_use_up_the_failure_requeue_budget(tmp_path: Path) -> None:
+    """SLURM_RESTART_COUNT counts every requeue, the script's own checkpoint-then-requeue at the time limit too:
+    after max_requeues time limits no crash was requeued. Failure requeues are counted on their own, in the run
+    dir; the time-limit path (USR1, here sent by the fake train step) does not count."""
+    run_dir = tmp_path / "run"
+    spec = load_spec(SEED, profile="rehearsal", overrides=[env_hook(tmp_path), "cluster.preflight=false"])
+    script = tmp_path / "job.sbatch"
+    script.write_text(slurm_script(spec, command=TrainCommand(spec_path=SEED), run_dir=run_dir))
+    request = f'"$RUN_DIR/{CHECKPOINT_REQUEST_NAME}"'
+    time_limit = f"kill -USR1 $PPID; while [ ! -e {request} ]; do sleep 0.1; done; rm -f {request}; exit 0"
+    env = {"RUN_DIR": str(run_dir), "SLURM_RESTART_COUNT": "5"}  # five time-limit requeues so far
+    code, log = _run_with_fake_slurm(tmp_path, script, train=time_limit, **env)
+    assert code == 0 and log.count("scontrol requeue 7") == 1, log
+    assert not (run_dir / "slurm-7.failure-requeues").exists()
+    for attempt in range(1, 5):  # crashes: requeued max_requeues (3) times, whatever SLURM_RESTART_COUNT says
+        (tmp_path / "fake-slurm.log").unlink()
+        code, log = _run_with_fake_slurm(tmp_path, script, train="exit 1", **env)
+        assert code == 1 and ("scontrol requeue 7" in log) is (attempt <= 3), log
+        assert (run_dir / "slurm-7.failure-requeues").read_text().strip() == str(min(attempt, 3))

@@ -69,12 +69,13 @@ def emit_job_file(
         # submit host's file (which may change or be absent).
         command = TrainCommand(spec_path=job_spec_path(run_dir))
         text = slurm_script(spec, command=command, run_dir=run_dir, nnodes=nnodes, nproc=nproc,
-                            max_restarts=max_restarts, job_spec=job_spec_text(spec, env_refs=refs), dry_run=dry_run)
+                            max_restarts=max_restarts, job_spec=job_spec_text(spec, env_refs=refs), dry_run=dry_run,
+                            env_refs=refs, source=spec_path)
     elif kind == "k8s":
         from leantrain.launch.k8s import k8s_documents, k8s_yaml, setup_documents
 
         text = k8s_yaml(k8s_documents(spec, run_dir=run_dir, nnodes=nnodes, nproc=nproc, max_restarts=max_restarts,
-                                      env_refs=refs, dry_run=dry_run))
+                                      env_refs=refs, dry_run=dry_run, source=spec_path))
         write_job_file(k8s_yaml(setup_documents(spec, env_refs=refs, dry_run=dry_run)), setup_path(out))
     else:
         raise UserInputError(f"--emit {kind!r}: allowed: {', '.join(EMIT_KINDS)}")

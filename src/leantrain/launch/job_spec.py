@@ -7,6 +7,7 @@ file), so the job does not depend on the submit host's checkout or later edits t
 
 from __future__ import annotations
 
+import json
 import re
 from pathlib import Path
 from typing import Any
@@ -17,7 +18,9 @@ from leantrain.errors import UserInputError
 from leantrain.spec import JobSpec
 
 ENV_REF_RE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?::-[^}]*)?\}")
+ENV_NAME_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 JOB_SPEC_NAME = "job-spec.yaml"
+S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")  # what staging from s3:// may use
 
 
 def raw_env_references(spec_path: Path, *, profile: str | None, overrides: list[str]) -> dict[str, str]:
@@ -38,6 +41,19 @@ def raw_env_references(spec_path: Path, *, profile: str | None, overrides: list[
         if isinstance(node, str) and ENV_REF_RE.search(node):
             found[dotted] = node
     return found
+
+
+def referenced_env_names(spec: JobSpec, env_refs: dict[str, str] | None = None) -> set[str]:
+    """Every env var the spec needs on the nodes: `${VAR}` anywhere in a value (also in the spec file's text,
+    `env_refs`), secret_env, the webhook URL's. Names only: a job file never holds their values."""
+    from leantrain.security import spec_secret_env_names
+
+    names = set(spec_secret_env_names(spec))
+    names |= {n for text in (env_refs or {}).values() for n in ENV_REF_RE.findall(text)}
+    names |= set(ENV_REF_RE.findall(json.dumps(spec.model_dump(mode="json", exclude={"profiles"}))))
+    if spec.monitoring.webhook_url_env:
+        names.add(spec.monitoring.webhook_url_env)
+    return names
 
 
 def _restore_references(doc: dict[str, Any], refs: dict[str, str]) -> None:

@@ -22,7 +22,6 @@ One multi-document YAML file:
 
 from __future__ import annotations
 
-import json
 import secrets
 import shlex
 from pathlib import Path
@@ -32,10 +31,10 @@ import yaml
 
 from leantrain.launch.fabric import nccl_env
 from leantrain.launch.health import excluded_hosts
-from leantrain.launch.job_spec import ENV_REF_RE, frozen_spec_document, job_image
+from leantrain.launch.job_spec import S3_ENV, frozen_spec_document, job_image, referenced_env_names
 from leantrain.launch.resources import TORCHRUN_ENV, JobResources, TrainCommand, job_name, job_resources, torchrun_args
 from leantrain.launch.staging import is_remote
-from leantrain.security import spec_secret_env_names
+from leantrain.launch.torchrun import restarts as torchrun_restarts
 from leantrain.spec import JobSpec
 
 SPEC_MOUNT = "/etc/leantrain"
@@ -44,7 +43,6 @@ RUNS_MOUNT = "/mnt/runs"
 LOCAL_MOUNT = "/mnt/local"
 SCHEDULERS = {"volcano": "volcano", "scheduler-plugins": "scheduler-plugins-scheduler"}
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
-S3_ENV = ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_SESSION_TOKEN")
 RUN_AS_UID = 1000  # the image's non-root `leantrain` user (docker/Dockerfile)
 METRICS_PORT = 9464  # rank 0's Prometheus endpoint in the pod when the spec sets none (or 0: any free port)
 
@@ -65,17 +63,6 @@ def pod_spec_document(
         doc["run"]["registry"] = f"{RUNS_MOUNT}/runs.db"
     doc.setdefault("monitoring", {})["prometheus_port"] = metrics_port(spec)  # a fixed port the scraper knows
     return doc
-
-
-def referenced_env_names(spec: JobSpec, env_refs: dict[str, str] | None = None) -> set[str]:
-    """Every env var the spec needs in the pod: `${VAR}` anywhere in a value (also in the spec file's text,
-    `env_refs`), secret_env, the webhook URL's."""
-    names = set(spec_secret_env_names(spec))
-    names |= {n for text in (env_refs or {}).values() for n in ENV_REF_RE.findall(text)}
-    names |= set(ENV_REF_RE.findall(json.dumps(spec.model_dump(mode="json", exclude={"profiles"}))))
-    if spec.monitoring.webhook_url_env:
-        names.add(spec.monitoring.webhook_url_env)
-    return names
 
 
 def _secret_env(spec: JobSpec, env_refs: dict[str, str] | None = None) -> list[dict[str, Any]]:
@@ -202,21 +189,22 @@ def _pod_spec(
     return pod_spec
 
 
-def unique_job_name(spec: JobSpec, *, job_id: str | None = None) -> str:
+def unique_job_name(spec: JobSpec, *, job_id: str | None = None, source: Path | None = None) -> str:
     """The run's name plus a short random suffix: every submission is its own PyTorchJob (a second `kubectl
-    apply` of the same run would otherwise collide with, or silently reconfigure, the first)."""
-    return f"{job_name(spec)[:43]}-{job_id or secrets.token_hex(3)}"
+    apply` of the same run would otherwise collide with, or silently reconfigure, the first). A DNS-1035 label of
+    at most 50 characters (63 allowed)."""
+    return f"{job_name(spec, source=source)[:43].rstrip('-')}-{job_id or secrets.token_hex(3)}"
 
 
 def pytorch_job(
     spec: JobSpec, *, res: JobResources, max_restarts: int, run_dir: Path | None = None, job_id: str | None = None,
-    env_refs: dict[str, str] | None = None, image: str | None = None,
+    env_refs: dict[str, str] | None = None, image: str | None = None, source: Path | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """(ConfigMap, PyTorchJob) for this spec. The run dir on the PVC is named after the run, not the job, so a
     resubmitted job resumes from the same checkpoints."""
     cluster = spec.cluster
-    run_name = job_name(spec)
-    name = unique_job_name(spec, job_id=job_id)
+    run_name = job_name(spec, source=source)
+    name = unique_job_name(spec, job_id=job_id, source=source)
     data_dir = f"{LOCAL_MOUNT}/data" if is_remote(cluster.data_url) else DATA_MOUNT
     pod_document = pod_spec_document(spec, data_dir=data_dir, run_dir=f"{RUNS_MOUNT}/{run_name}", env_refs=env_refs)
     config_map = {
@@ -373,15 +361,15 @@ def prepull_daemonset(
 def k8s_documents(
     spec: JobSpec, *, run_dir: Path | None = None, nnodes: str | None = None, nproc: int | None = None,
     max_restarts: int | None = None, job_id: str | None = None, env_refs: dict[str, str] | None = None,
-    dry_run: bool = False,
+    dry_run: bool = False, source: Path | None = None,
 ) -> list[dict[str, Any]]:
     """[ConfigMap, PyTorchJob, DaemonSet] and, with cluster.k8s_pod_monitor, a PodMonitor. `cluster.image` is
     required (with `dry_run`, a placeholder stands in)."""
     res = job_resources(spec, nnodes=nnodes, nproc=nproc)
-    restarts = spec.fault.max_restarts if max_restarts is None else max_restarts
+    restarts = torchrun_restarts(spec, max_restarts)  # 0 when fault.auto_restart is off, as for a local launch
     image = job_image(spec, dry_run=dry_run, why="a Kubernetes job")
     config_map, job = pytorch_job(spec, res=res, max_restarts=restarts, run_dir=run_dir, job_id=job_id,
-                                  env_refs=env_refs, image=image)
+                                  env_refs=env_refs, image=image, source=source)
     daemonset = prepull_daemonset(image=image, namespace=spec.cluster.k8s_namespace,
                                   gpu_resource=res.gpu_resource)
     docs = [config_map, job, daemonset]

@@ -9,7 +9,9 @@ otherwise from the spec. The Slurm script is written by `launch/slurm.py`, the K
 from __future__ import annotations
 
 import math
+import re
 import shlex
+import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -20,6 +22,7 @@ from leantrain.parallel.dims import ParallelDims, resolve_parallelism
 from leantrain.plan.budget import HOST_MEMORY_GB_PER_GPU
 from leantrain.spec import JobSpec
 from leantrain.spec.rules import batch_fix_hint
+from leantrain.spec.schema import RunSpec
 from leantrain.spec.shapes import resolve_shape
 
 DEFAULT_CPUS_PER_GPU = 8
@@ -157,11 +160,36 @@ def job_resources(spec: JobSpec, *, nnodes: str | None = None, nproc: int | None
     )
 
 
-def job_name(spec: JobSpec) -> str:
-    """A DNS-1123 name (Kubernetes) that is also a fine Slurm job name."""
-    raw = spec.run.name or Path(spec.run.dir).name or "leantrain"
-    name = "".join(c if c.isalnum() else "-" for c in raw.lower()).strip("-")
-    return (name or "leantrain")[:50]
+DEFAULT_RUN_DIR_NAME = Path(RunSpec.model_fields["dir"].default).name  # `run`, of runs/run
+JOB_NAME_MAX = 50  # a Kubernetes name is ≤ 63 characters: room for the job's suffix and `-spec`
+
+
+def dns_label(raw: str, *, max_len: int = JOB_NAME_MAX) -> str:
+    """`raw` as a DNS-1035 label, which Kubernetes requires of a job's name: ASCII lower case, digits and `-`,
+    starting with a letter (`run-` is put before a leading digit), ending with a letter or digit. Accents are
+    dropped (`Ü` → `u`), every other run of characters becomes one `-`; nothing left gives `leantrain`."""
+    text = unicodedata.normalize("NFKD", raw).encode("ascii", "ignore").decode("ascii").lower()
+    name = re.sub(r"[^a-z0-9]+", "-", text).strip("-")
+    if not name:
+        return "leantrain"
+    if not name[0].isalpha():
+        name = f"run-{name}"
+    return name[:max_len].rstrip("-")
+
+
+def job_name(spec: JobSpec, *, source: Path | None = None) -> str:
+    """The run's name as a DNS-1035 label (dns_label): the Kubernetes job's name before its suffix, the run dir's
+    name on the PVC, and the Slurm job name. `run.name`, else the run dir's name unless it is the default's
+    (`runs/run`), then the stem of the spec file the job comes from (`source`), so that jobs from different
+    specs left at the default do not share one cluster run dir or job name."""
+    dir_name = Path(spec.run.dir).name
+    if spec.run.name:
+        raw = spec.run.name
+    elif dir_name != DEFAULT_RUN_DIR_NAME or source is None:
+        raw = dir_name
+    else:
+        raw = Path(source).stem
+    return dns_label(raw or "leantrain")
 
 
 @dataclass(frozen=True)
@@ -183,22 +211,34 @@ class TrainCommand:
         return [*args, "--run-dir", run_dir]
 
 
+class ShellRef(str):
+    """A word of a job script whose `$VAR`s are variables the script itself sets ($RUN_DIR, $HEAD_NODE,
+    $SLURM_JOB_ID, ...): `quote_arg` leaves them for bash to expand. Every other word is written literally."""
+
+
+def _flag(flag: str, value: str) -> str:
+    """`flag=value`, still a ShellRef when the value is one."""
+    text = f"{flag}={value}"
+    return ShellRef(text) if isinstance(value, ShellRef) else text
+
+
 def torchrun_args(res: JobResources, *, max_restarts: int, rdzv_endpoint: str | None, rdzv_id: str | None) -> list[str]:
     """torchrun flags for an elastic c10d job; None endpoint/id leave them to the environment (PET_*)."""
     nnodes = f"{res.min_nodes}:{res.max_nodes}" if res.elastic else str(res.num_nodes)
     args = [f"--nnodes={nnodes}", f"--nproc-per-node={res.gpus_per_node}", f"--max-restarts={max_restarts}"]
     if rdzv_endpoint:
-        args += ["--rdzv-backend=c10d", f"--rdzv-endpoint={rdzv_endpoint}"]
+        args += ["--rdzv-backend=c10d", _flag("--rdzv-endpoint", rdzv_endpoint)]
     if rdzv_id:
-        args.append(f"--rdzv-id={rdzv_id}")
+        args.append(_flag("--rdzv-id", rdzv_id))
     return args
 
 
 def quote_arg(value: str | Path) -> str:
-    """Quote for bash, leaving $VARS inside double quotes expandable."""
+    """Quote for bash: literally (single quotes; a path or value with `$`, a quote or a space stays as it is),
+    except a ShellRef, whose $VARS stay expandable inside double quotes."""
     text = str(value)
-    if "$" in text:
-        return '"' + text.replace('"', '\\"') + '"'
+    if isinstance(value, ShellRef):
+        return '"' + "".join("\\" + c if c in '"\\`' else c for c in text) + '"'
     return shlex.quote(text)
 
 

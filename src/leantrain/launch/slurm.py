@@ -21,10 +21,11 @@ from leantrain.ckpt.control import CHECKPOINT_REQUEST_NAME
 from leantrain.errors import UserInputError
 from leantrain.launch.fabric import nccl_env
 from leantrain.launch.health import HEALTH_FILE_NAME, excluded_hosts
-from leantrain.launch.job_spec import NO_RUNTIME, job_image
+from leantrain.launch.job_spec import ENV_NAME_RE, NO_RUNTIME, S3_ENV, job_image, referenced_env_names
 from leantrain.launch.resources import (
     TORCHRUN_ENV,
     JobResources,
+    ShellRef,
     TrainCommand,
     job_name,
     job_resources,
@@ -33,6 +34,7 @@ from leantrain.launch.resources import (
     torchrun_args,
 )
 from leantrain.launch.staging import is_remote
+from leantrain.launch.torchrun import restarts as torchrun_restarts
 from leantrain.spec import JobSpec
 
 
@@ -86,10 +88,13 @@ def _requeue_trap(*, signal_s: int, health_cmd: str) -> list[str]:
     ]
 
 
+FAILURE_REQUEUES_SUFFIX = "failure-requeues"  # RUN_DIR/slurm-<job id>.failure-requeues: this job's failure requeues
+
 # Bash keeps a background job's exit status until `wait` reports it; a trapped signal makes `wait` return
 # early with a status > 128, and 127 means the status was already reported.
 def _wait_for_training(*, max_requeues: int, health_cmd: str) -> list[str]:
-    """Wait for torchrun's exit status; after a failure, requeue (bad hosts excluded) up to max_requeues times."""
+    """Wait for torchrun's exit status; after a failure, requeue (bad hosts excluded) up to max_requeues times,
+    counted in RUN_DIR/slurm-<job id>.failure-requeues (the time-limit trap does not count)."""
     return [
         "TRAIN_PID=$!",
         "STATUS=0",
@@ -100,9 +105,15 @@ def _wait_for_training(*, max_requeues: int, health_cmd: str) -> list[str]:
         '  if [ "$CODE" -le 128 ]; then break; fi',
         "done",
         "# A failed run (beyond torchrun's own restarts) is requeued; the next allocation resumes from the newest",
-        "# valid checkpoint. SLURM_RESTART_COUNT counts the requeues so far.",
-        f'if [ "$STATUS" -ne 0 ] && [ "${{SLURM_RESTART_COUNT:-0}}" -lt {max_requeues} ]; then',
-        f'  echo "leantrain: training exited $STATUS; requeue ${{SLURM_RESTART_COUNT:-0}} of {max_requeues}"',
+        "# valid checkpoint. The failure requeues are counted in the run dir, not by SLURM_RESTART_COUNT: that also",
+        "# counts the time-limit and preemption requeues, which must not use up this budget.",
+        f'FAILED_FILE="$RUN_DIR/slurm-$SLURM_JOB_ID.{FAILURE_REQUEUES_SUFFIX}"',
+        'FAILED=$(cat "$FAILED_FILE" 2>/dev/null || true)',
+        'case "$FAILED" in ""|*[!0-9]*) FAILED=0;; esac',
+        f'if [ "$STATUS" -ne 0 ] && [ "$FAILED" -lt {max_requeues} ]; then',
+        '  FAILED=$((FAILED + 1))',
+        '  echo "$FAILED" > "$FAILED_FILE"',
+        f'  echo "leantrain: training exited $STATUS; failure requeue $FAILED of {max_requeues}"',
         f"  EXCLUDE=$({health_cmd} || true)",
         '  if [ -n "$EXCLUDE" ]; then scontrol update JobId="$SLURM_JOB_ID" ExcNodeList="$EXCLUDE" || true; fi',
         '  scontrol requeue "$SLURM_JOB_ID"',
@@ -124,8 +135,27 @@ def _runtime_prefix(spec: JobSpec, *, mounts: list[str], image: str | None) -> t
     return [], []
 
 
-def _environment_lines(spec: JobSpec, *, image: str | None, dry_run: bool) -> list[str]:
-    """How the nodes find leantrain (the image, the env hook or the shared venv) and the fabric variables."""
+def _secret_pass_through(spec: JobSpec, env_refs: dict[str, str] | None) -> list[str]:
+    """Apptainer's --cleanenv drops the job's environment: pass each variable the spec references (its secrets,
+    and S3 credentials for staging from s3://) by name, when the job has it. Names only, never values."""
+    names = referenced_env_names(spec, env_refs)
+    if spec.cluster.data_url and spec.cluster.data_url.startswith("s3://"):
+        names |= set(S3_ENV)
+    names = {n for n in names if ENV_NAME_RE.fullmatch(n)}
+    if not names:
+        return []
+    return ["# The spec's variables (secrets), from the job's environment (sbatch exports the submitting shell's);",
+            "# by name only: their values are never written here.",
+            f"for name in {' '.join(sorted(names))}; do",
+            '  if [ -n "${!name+x}" ]; then export "APPTAINERENV_$name=${!name}"; fi',
+            "done"]
+
+
+def _environment_lines(
+    spec: JobSpec, *, image: str | None, dry_run: bool, env_refs: dict[str, str] | None = None
+) -> list[str]:
+    """How the nodes find leantrain (the image, the env hook or the shared venv), the fabric variables and,
+    under apptainer, the spec's variables."""
     cluster = spec.cluster
     lines = [f"export {k}={quote_arg(v)}" for k, v in TORCHRUN_ENV.items()]
     if cluster.nccl_preset != "none" or cluster.nccl_env:
@@ -137,6 +167,7 @@ def _environment_lines(spec: JobSpec, *, image: str | None, dry_run: bool) -> li
         if cluster.slurm_runtime == "apptainer":  # --cleanenv drops the host env: pass what the job sets
             names = [*TORCHRUN_ENV, *nccl_env(spec), "LEANTRAIN_IMAGE"]
             lines += [f"export APPTAINERENV_{n}=\"${n}\"" for n in names]
+            lines += _secret_pass_through(spec, env_refs)
     elif cluster.env_hook:
         lines += ["# The env hook sets up leantrain on the node (modules, a venv on shared storage); srun steps "
                   "inherit it.", f"source {quote_arg(cluster.env_hook)}"]
@@ -168,7 +199,8 @@ def _stage_step(spec: JobSpec, *, srun: list[str], name: str) -> tuple[tuple[str
 
 def _preflight_step(spec: JobSpec, *, res: JobResources, srun: list[str], spec_args: list[str]) -> list[str]:
     """Preflight under torchrun on every node, with its own rendezvous id."""
-    rdzv = torchrun_args(res, max_restarts=0, rdzv_endpoint="$HEAD_NODE:$RDZV_PORT", rdzv_id="preflight-$SLURM_JOB_ID")
+    rdzv = torchrun_args(res, max_restarts=0, rdzv_endpoint=ShellRef("$HEAD_NODE:$RDZV_PORT"),
+                         rdzv_id=ShellRef("preflight-$SLURM_JOB_ID"))
     worker = ["-m", "leantrain.launch.preflight_worker", *spec_args,
               "--expected-world-size", str(res.min_nodes * res.gpus_per_node),
               "--timeout-s", str(int(spec.cluster.preflight_timeout_s))]
@@ -189,16 +221,20 @@ def slurm_script(
     max_restarts: int | None = None,
     job_spec: str | None = None,
     dry_run: bool = False,
+    env_refs: dict[str, str] | None = None,
+    source: Path | None = None,
 ) -> str:
     """The sbatch file's text. Pure: reads the health file, writes nothing. `job_spec`: the frozen spec's text,
     which the job writes to `command.spec_path` when it starts. `dry_run`: a missing image or node set-up becomes
-    a placeholder (the job file is for reading) instead of an error."""
+    a placeholder (the job file is for reading) instead of an error. `env_refs`: the spec file's `${VAR}`
+    values (job_spec.raw_env_references), whose variables an apptainer job passes into the image. `source`: the
+    spec file, whose stem names the job when neither run.name nor run.dir does (resources.job_name)."""
     res = job_resources(spec, nnodes=nnodes, nproc=nproc)
     cluster = spec.cluster
     run_dir = Path(run_dir).resolve()
-    restarts = spec.fault.max_restarts if max_restarts is None else max_restarts
+    restarts = torchrun_restarts(spec, max_restarts)  # 0 when fault.auto_restart is off, as for a local launch
     exclude = excluded_hosts(run_dir, crash_threshold=cluster.unhealthy_after_crashes)
-    name = job_name(spec)
+    name = job_name(spec, source=source)
     sbatch = _sbatch_options(spec, res=res, run_dir=run_dir, name=name, exclude=exclude)
 
     # Inside the image the job needs the run dir, the spec's folder and the data (or the node-local stage).
@@ -211,16 +247,17 @@ def slurm_script(
     kill = ["--kill-on-bad-exit=0", "--no-kill"] if res.elastic else ["--kill-on-bad-exit=1"]
     srun = ["srun", "--ntasks-per-node=1", *kill, f"--cpus-per-task={res.cpus_per_node}", *container, *prefix]
     extra_sets, stage_lines = _stage_step(spec, srun=srun, name=name)
-    rdzv = torchrun_args(res, max_restarts=restarts, rdzv_endpoint="$HEAD_NODE:$RDZV_PORT", rdzv_id="$SLURM_JOB_ID")
+    rdzv = torchrun_args(res, max_restarts=restarts, rdzv_endpoint=ShellRef("$HEAD_NODE:$RDZV_PORT"),
+                         rdzv_id=ShellRef("$SLURM_JOB_ID"))
     train = ["train", *command.spec_args(run_dir=str(run_dir), extra_sets=extra_sets)]
     preflight_lines = _preflight_step(spec, res=res, srun=srun, spec_args=command.spec_args(
         run_dir=str(run_dir), extra_sets=extra_sets)) if cluster.preflight else []
-    health = [*prefix, "python", "-m", "leantrain.launch.health", "$RUN_DIR", "--crash-threshold",
+    health = [*prefix, "python", "-m", "leantrain.launch.health", ShellRef("$RUN_DIR"), "--crash-threshold",
               str(cluster.unhealthy_after_crashes)]
     if cluster.slurm_runtime != "host":  # the batch shell runs outside the image: read the file inside it
         health = ["srun", "--overlap", "--nodes=1", "--ntasks=1", *container, *health]
     health_cmd = join_args(health)
-    env_lines = _environment_lines(spec, image=image, dry_run=dry_run)
+    env_lines = _environment_lines(spec, image=image, dry_run=dry_run, env_refs=env_refs)
     spec_lines = [] if job_spec is None else [
         "# The spec this job runs, frozen when the job file was written (`${VAR}` values resolve on the nodes).",
         f"cat > {quote_arg(command.spec_path)} <<'LEANTRAIN_JOB_SPEC'", job_spec.rstrip("\n"), "LEANTRAIN_JOB_SPEC"]
