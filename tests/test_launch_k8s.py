@@ -73,7 +73,8 @@ def test_pytorchjob_matches_operator_schema_gang_elastic_volumes_secrets_resourc
     claims = {v.name: v.persistent_volume_claim.claim_name for v in pod.volumes if v.persistent_volume_claim}
     assert claims == {"runs": "leantrain-checkpoints", "data": "leantrain-data"}
     assert any(v.empty_dir and v.empty_dir.medium == "Memory" for v in pod.volumes)
-    secret_refs = {e.name: e.value_from.secret_key_ref.name for e in container.env if e.value_from}
+    secret_refs = {e.name: e.value_from.secret_key_ref.name for e in container.env
+                   if e.value_from and e.value_from.secret_key_ref}
     assert secret_refs == {"AWS_ACCESS_KEY_ID": "leantrain-secrets", "AWS_SECRET_ACCESS_KEY": "leantrain-secrets"}
     script = container.command[-1]
     assert "leantrain.launch.preflight_worker" in script and "leantrain.cli train /etc/leantrain/spec.yaml" in script
@@ -103,6 +104,10 @@ def test_staged_data_uses_init_container_and_excluded_hosts_get_anti_affinity(tm
     term = pod.affinity.node_affinity.required_during_scheduling_ignored_during_execution.node_selector_terms[0]
     expr = term.match_expressions[0]
     assert (expr.key, expr.operator, expr.values) == ("kubernetes.io/hostname", "NotIn", ["gpu-node-3"])
+    # ... and what fails in a pod is recorded under its node's name, which that rule matches (a pod's hostname
+    # is the pod's name: preflight recorded pods, and no node was ever kept away)
+    (node,) = [e for e in pod.containers[0].env if e.name == "LEANTRAIN_NODE_NAME"]
+    assert node.value_from.field_ref.field_path == "spec.nodeName"
 
 
 def test_shipped_prepull_daemonset_is_what_the_code_emits() -> None:

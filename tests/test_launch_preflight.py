@@ -44,6 +44,23 @@ def test_analysis_names_the_odd_rank_by_majority() -> None:
     assert list(report["bad_hosts"]) == ["b"]
 
 
+def test_a_pods_failure_is_recorded_under_its_nodes_name(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """In a Kubernetes pod the hostname is the pod's name; node affinity excludes nodes by their name, so preflight
+    blamed names no rule could match. The node's name ($LEANTRAIN_NODE_NAME, from spec.nodeName) is recorded."""
+    from leantrain.launch.preflight_report import record_unhealthy
+    from leantrain.launch.preflight_worker import collect_facts
+
+    monkeypatch.setenv("LEANTRAIN_NODE_NAME", "gpu-node-7")
+    reported = collect_facts(load_spec(TINY), tmp_path / "run", fakes={})
+    assert reported["node"] == "gpu-node-7" and reported["host"] != "gpu-node-7"
+    joined = {r: {**facts(f"job-worker-{r}"), "node": f"gpu-node-{r}"} for r in range(4)}
+    joined[1]["torch"] = "2.12.0"
+    probes, coll = ok_results(list(joined), 4)
+    report = analyze(joined=joined, expected_world_size=4, world_size=4, probes=probes, collectives=coll)
+    assert record_unhealthy(report, run_dir=tmp_path) == ["gpu-node-1"]
+    assert excluded_hosts(tmp_path, crash_threshold=2) == ["gpu-node-1"]
+
+
 def test_a_failure_on_every_rank_is_the_jobs_problem_not_a_bad_host() -> None:
     joined = {0: facts("a", data_ok=False), 1: facts("b", data_ok=False), 2: facts("c")}
     probes, coll = ok_results([0, 1, 2], 4)

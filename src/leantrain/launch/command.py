@@ -16,7 +16,6 @@ import contextlib
 import dataclasses
 import os
 import signal
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -27,7 +26,7 @@ from rich.table import Table
 from leantrain.ckpt.lease import inherit_env, run_lease
 from leantrain.errors import CheckFailed, Interrupted, UserInputError
 from leantrain.launch import torchrun
-from leantrain.launch.health import excluded_hosts, health_path, record_failure
+from leantrain.launch.health import excluded_hosts, health_path, node_name, record_failure
 from leantrain.launch.job_spec import job_spec_path, job_spec_text, raw_env_references
 from leantrain.launch.resources import TrainCommand, describe, job_resources, parse_nnodes, write_job_file
 from leantrain.launch.slurm import slurm_script
@@ -174,7 +173,7 @@ def launch(
         from leantrain.provenance.registry import check_registry
 
         check_registry(spec.run.registry, run_dir=run_dir)
-    host = socket.gethostname()
+    host = node_name()
     excluded = excluded_hosts(run_dir, crash_threshold=spec.cluster.unhealthy_after_crashes)
     if host in excluded:
         raise UserInputError(

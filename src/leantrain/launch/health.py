@@ -8,7 +8,9 @@
 A host is excluded when it failed preflight or crashed `cluster.unhealthy_after_crashes` times. The Slurm job
 passes the excluded hosts to `--exclude` (and refreshes it before a requeue with
 `python -m leantrain.launch.health RUN_DIR`); the Kubernetes job keeps its pods off them by node affinity; a local
-launch refuses to start on an excluded host. `clear_host` takes a repaired host back.
+launch refuses to start on an excluded host. `clear_host` takes a repaired host back. A host is recorded by the
+name the scheduler knows it by (`node_name`): in a Kubernetes pod the node's name (the job file sets
+$LEANTRAIN_NODE_NAME from the pod's spec.nodeName), not the pod's hostname, which no node affinity matches.
 """
 
 from __future__ import annotations
@@ -27,8 +29,16 @@ from typing import Any, Literal
 from leantrain.security import private_opener, redact
 
 HEALTH_FILE_NAME = "node_health.json"
+NODE_NAME_ENV = "LEANTRAIN_NODE_NAME"  # set in Kubernetes pods from spec.nodeName (the downward API)
 MAX_EVENTS_PER_HOST = 50  # the file stays small however long a host keeps failing
 EventKind = Literal["preflight", "crash"]
+
+
+def node_name() -> str:
+    """This machine as the scheduler names it: $LEANTRAIN_NODE_NAME (a pod's node), else the hostname."""
+    import socket
+
+    return os.environ.get(NODE_NAME_ENV) or socket.gethostname()
 
 
 def health_path(run_dir: Path) -> Path:

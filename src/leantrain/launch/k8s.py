@@ -30,7 +30,7 @@ from typing import Any
 import yaml
 
 from leantrain.launch.fabric import nccl_env
-from leantrain.launch.health import excluded_hosts
+from leantrain.launch.health import NODE_NAME_ENV, excluded_hosts
 from leantrain.launch.job_spec import S3_ENV, frozen_spec_document, job_image, referenced_env_names
 from leantrain.launch.resources import TORCHRUN_ENV, JobResources, TrainCommand, job_name, job_resources, torchrun_args
 from leantrain.launch.staging import is_remote
@@ -156,7 +156,8 @@ def _pod_spec(
     data_dir = f"{LOCAL_MOUNT}/data" if is_remote(cluster.data_url) else DATA_MOUNT
     volumes, mounts, init_containers = _storage(spec, name=name, data_dir=data_dir, image=image, env_refs=env_refs)
     env = [{"name": k, "value": v} for k, v in {**TORCHRUN_ENV, **nccl_env(spec)}.items()]
-    env += [{"name": "LEANTRAIN_IMAGE", "value": image}, *_secret_env(spec, env_refs)]
+    env += [{"name": "LEANTRAIN_IMAGE", "value": image}, *_secret_env(spec, env_refs),
+            {"name": NODE_NAME_ENV, "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}}]  # node_health.json
     container = {
         "name": "pytorch",  # the operator looks for this container name
         "image": image,

@@ -85,7 +85,7 @@ def analyze(
     bad_hosts: dict[str, dict[str, list[Any]]] = {}
 
     def blame(rank: int, reason: str) -> None:
-        entry = bad_hosts.setdefault(joined[rank]["host"], {"ranks": [], "reasons": []})
+        entry = bad_hosts.setdefault(joined[rank].get("node") or joined[rank]["host"], {"ranks": [], "reasons": []})
         entry["ranks"] = sorted({*entry["ranks"], rank})
         entry["reasons"].append(f"rank {rank}: {reason}")
 

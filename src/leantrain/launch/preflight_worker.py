@@ -25,6 +25,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from leantrain.launch.health import node_name
 from leantrain.launch.preflight_report import COMPARED_FIELDS
 
 FAKE_PREFIX = "LEANTRAIN_PREFLIGHT_FAKE_"
@@ -169,7 +170,9 @@ def collect_facts(spec: Any, run_dir: Path, *, fakes: dict[str, str]) -> dict[st
     from leantrain.provenance.lineage import code_info, packages_info, software_versions
 
     host = fakes.get("hostname") or socket.gethostname()
-    facts: dict[str, Any] = {**software_versions(), "host": host, "pid": os.getpid()}
+    # `node`: the name a failure is recorded under (node_health.json), the pod's node in Kubernetes
+    facts: dict[str, Any] = {**software_versions(), "host": host, "node": fakes.get("hostname") or node_name(),
+                             "pid": os.getpid()}
     facts["leantrain"] = code_info()["package_version"]
     facts["packages_sha256"] = packages_info()["sha256"]
     try:
