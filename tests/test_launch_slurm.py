@@ -280,6 +280,7 @@ def test_elastic_job_survives_a_node_loss_and_failures_requeue(tmp_path: Path) -
                          command=TrainCommand(spec_path=SEED), run_dir=tmp_path)
     assert "--no-kill" not in sbatch_options(fixed)
     assert all("--kill-on-bad-exit=1" in words for words in srun_torchrun_lines(fixed))
+    assert all("--label" in words for words in srun_torchrun_lines(fixed))  # each line names its node's task
     assert '[ "$FAILED" -lt 3 ]' in text
 
 

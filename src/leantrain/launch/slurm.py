@@ -245,7 +245,9 @@ def slurm_script(
     container, prefix = _runtime_prefix(spec, mounts=mounts, image=image)
     # Elastic: a failed node's step must not take the others down (torchrun re-forms the group without it).
     kill = ["--kill-on-bad-exit=0", "--no-kill"] if res.elastic else ["--kill-on-bad-exit=1"]
-    srun = ["srun", "--ntasks-per-node=1", *kill, f"--cpus-per-task={res.cpus_per_node}", *container, *prefix]
+    # --label: each output line starts with its node's task number (16,384 ranks' lines share slurm-<id>.out)
+    srun = ["srun", "--ntasks-per-node=1", "--label", *kill, f"--cpus-per-task={res.cpus_per_node}", *container,
+            *prefix]
     extra_sets, stage_lines = _stage_step(spec, srun=srun, name=name)
     rdzv = torchrun_args(res, max_restarts=restarts, rdzv_endpoint=ShellRef("$HEAD_NODE:$RDZV_PORT"),
                          rdzv_id=ShellRef("$SLURM_JOB_ID"))
