@@ -158,3 +158,26 @@ def test_a_cpu_shard_is_encoded_without_a_copy() -> None:
     assert views[1].data_ptr() != moment.data_ptr()  # made contiguous (the module docstring says so)
     whole = hashlib.sha256(encoded.prefix + b"".join(v.numpy().tobytes() for v in views)).hexdigest()
     assert encoded.digest() == whole
+
+
+def test_a_shard_of_another_layout_is_never_loaded(tmp_path: Path) -> None:
+    """The fast tier kept no layout: a job re-formed at another world size (or started again on another layout
+    on the same node) found its ranks' old `rank-R/step-S.pt` and copied them into other shapes: a traceback on
+    every restart, or, where the shapes broadcast, wrong weights without a word. Each layout has its own folder
+    (the others' are removed when a tier starts), and a shard whose shapes do not fit is refused on every rank."""
+    from leantrain.ckpt.memory_format import encode
+    from leantrain.ckpt.memory_tier import forget_other_layouts
+
+    two = memory_root(tmp_path / "shm", tmp_path / "run", layout="dp 2")
+    one = memory_root(tmp_path / "shm", tmp_path / "run", layout="dp 1")
+    assert two != one and two.parent == one.parent == memory_root(tmp_path / "shm", tmp_path / "run")
+    for rank in (0, 1):  # two ranks' FSDP shards of w[2, 3]: rank r holds row r
+        old = MemoryTier(root=two, rank=rank, world_size=2, peer_offset=2, process_group=None)
+        old._write(old._own(rank), 40, encode(step=40, meta={}, state={"w": torch.full((1, 3), rank + 1.0)}).chunks())
+    # the same files read by one rank whose w is the whole [2, 3]: broadcast into it before, now refused
+    stale = MemoryTier(root=two, rank=0, world_size=1, peer_offset=1, process_group=None)
+    live = {"w": torch.zeros(2, 3)}
+    assert stale.best_step() == 40 and stale.load(40, live) is None and torch.equal(live["w"], torch.zeros(2, 3))
+    forget_other_layouts(one)  # the tier of the new layout starts: the old layout's snapshots go
+    assert not two.exists() and MemoryTier(root=one, rank=0, world_size=1, peer_offset=1,
+                                           process_group=None).best_step() is None

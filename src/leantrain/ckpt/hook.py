@@ -50,7 +50,13 @@ from leantrain.ckpt.errors import CheckpointLoadError
 from leantrain.ckpt.fault import FaultInjector, FaultPlan, read_marker
 from leantrain.ckpt.identity import MODEL_KEY, model_identity
 from leantrain.ckpt.manager import CheckpointManager, CheckpointSaveError
-from leantrain.ckpt.memory_tier import MemoryTier, capacity_problem, estimate_shard_bytes, memory_root
+from leantrain.ckpt.memory_tier import (
+    MemoryTier,
+    capacity_problem,
+    estimate_shard_bytes,
+    forget_other_layouts,
+    memory_root,
+)
 from leantrain.ckpt.provenance import CheckpointProvenance
 from leantrain.ckpt.resume import (
     SCHEDULE_KEY,
@@ -472,8 +478,10 @@ def _memory_tier(trainer: Any, manager: CheckpointManager) -> MemoryTier | None:
         manager.adopt_group(group)
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     offset = ck.memory_peer_offset or local_ranks
-    tier = MemoryTier(root=memory_root(ck.memory_dir, trainer.run_dir), rank=int(trainer.runtime.rank),
-                      world_size=world, peer_offset=offset, process_group=group)
+    layout = f"world {world} {trainer.spec.parallelism.model_dump_json()}"  # what a shard is a piece of
+    forget_other_layouts(root := memory_root(ck.memory_dir, trainer.run_dir, layout=layout))
+    tier = MemoryTier(root=root, rank=int(trainer.runtime.rank), world_size=world, peer_offset=offset,
+                      process_group=group)
     # Sized before the first step, on every rank, and agreed: the tier is on everywhere or nowhere.
     shard_bytes = estimate_shard_bytes(trainer.model)
     problem = capacity_problem(ck.memory_dir, shard_bytes=shard_bytes, local_ranks=min(local_ranks, world))

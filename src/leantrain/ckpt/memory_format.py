@@ -174,13 +174,33 @@ def read_verified(path: Path, digest: str) -> bytearray | None:
     return buffer if hashlib.sha256(buffer).hexdigest() == digest else None
 
 
-def fill_tree(template: Any, saved: Any) -> Any:
-    """Copy `saved` (decoded, same layout) into the live tensors of `template`; the filled tree."""
-    if isinstance(template, DTensor):
-        template.to_local().copy_(saved)
-        return template
+def tree_mismatch(template: Any, saved: Any, where: str = "state") -> str | None:
+    """Where `saved` (decoded) does not fit the live tensors of `template` (another shape: a shard of another
+    layout), or None; checked on every rank before any is filled."""
     if isinstance(template, torch.Tensor):
-        template.copy_(saved)
+        local = template.to_local() if isinstance(template, DTensor) else template
+        shape = tuple(saved.shape) if isinstance(saved, torch.Tensor) else None
+        return None if shape == tuple(local.shape) else f"{where}: saved {shape}, live {tuple(local.shape)}"
+    if isinstance(template, dict) and isinstance(saved, dict):
+        return next((m for k in saved if k in template
+                     if (m := tree_mismatch(template[k], saved[k], f"{where}.{k}"))), None)
+    if isinstance(template, list) and isinstance(saved, list):
+        if len(template) != len(saved):
+            return f"{where}: {len(saved)} saved items, {len(template)} live"
+        return next((m for i, (t, v) in enumerate(zip(template, saved, strict=True))
+                     if (m := tree_mismatch(t, v, f"{where}.{i}"))), None)
+    return None
+
+
+def fill_tree(template: Any, saved: Any) -> Any:
+    """Copy `saved` (decoded, same layout) into the live tensors of `template`; the filled tree. A saved tensor
+    of another shape than the live one is a ValueError: `copy_` would broadcast it without a word."""
+    if isinstance(template, torch.Tensor):
+        local = template.to_local() if isinstance(template, DTensor) else template
+        if not isinstance(saved, torch.Tensor) or tuple(saved.shape) != tuple(local.shape):
+            shape = tuple(saved.shape) if isinstance(saved, torch.Tensor) else type(saved).__name__
+            raise ValueError(f"a saved shard of shape {shape} for a live one of {tuple(local.shape)}")
+        local.copy_(saved)
         return template
     if isinstance(template, dict) and isinstance(saved, dict):
         return {k: fill_tree(template[k], saved[k]) if k in template else saved[k] for k in saved}

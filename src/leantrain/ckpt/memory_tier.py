@@ -3,10 +3,10 @@ state on node-local storage (`checkpoint.memory_dir`, tmpfs by default: host mem
 `checkpoint.memory_peer_offset` ranks on (by default one node on: the same shard of the next node's ranks),
 besides the durable tier on the store every `interval_steps`.
 
-Layout, per run (`<memory_dir>/<run id>/`): `rank-R/step-S.pt` (R's own shard) and `peer-of-R/step-S.pt` (the
-copy R sent to the rank that holds it), each with a `.sha256` sidecar written after it, so a file without
-its sidecar is never trusted. The format is ckpt/memory_format.py: a JSON header and raw tensor bytes, never
-a pickle, so nothing a peer sends can run code here.
+Layout, per run and parallel layout (`<memory_dir>/<run id>/layout-<hash>/`): `rank-R/step-S.pt` (R's own shard) and
+`peer-of-R/step-S.pt` (the copy R sent to the rank that holds it), each with a `.sha256` sidecar written after it,
+so a file without its sidecar is never trusted. The format is ckpt/memory_format.py: a JSON header and raw tensor
+bytes, never a pickle, so nothing a peer sends can run code here.
 
 A save, on every rank together (the hook decides to save from the step number and agreed flags only, never
 from state a background thread writes): the previous step's files go first (the node never holds two steps:
@@ -25,6 +25,7 @@ against the hash the holder announces. Another world size or layout uses the dur
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -40,7 +41,16 @@ import torch
 import torch.distributed as dist
 
 from leantrain.ckpt.errors import one_line
-from leantrain.ckpt.memory_format import MAGIC, Encoded, decode, encode, fill_tree, read_verified, write_chunks
+from leantrain.ckpt.memory_format import (
+    MAGIC,
+    Encoded,
+    decode,
+    encode,
+    fill_tree,
+    read_verified,
+    tree_mismatch,
+    write_chunks,
+)
 from leantrain.plan.budget import FAST_TIER_COPIES
 
 log = logging.getLogger("leantrain.ckpt")
@@ -48,10 +58,24 @@ STEP_FILE_RE = re.compile(r"^step-(\d{8})\.pt$")
 FILES_PER_SHARD = FAST_TIER_COPIES  # its own shard and the copy it holds for a peer (the plan counts the same)
 
 
-def memory_root(memory_dir: Path, run_dir: Path) -> Path:
-    """This run's folder in the node-local memory dir: the same across restarts, another for another run dir."""
+def memory_root(memory_dir: Path, run_dir: Path, *, layout: str | None = None) -> Path:
+    """This run's folder in the node-local memory dir: the same across restarts, another for another run dir;
+    with `layout` (the world size and the parallel layout), the folder of that layout inside it. A rank's shard
+    is its piece of the state in one layout only: an elastic job re-formed at another size, or the run started
+    again on another layout, must not see it (copied into other shapes it crashed every restart, or broadcast
+    into a larger tensor without a word)."""
     resolved = str(Path(run_dir).resolve())
-    return Path(memory_dir) / f"{Path(resolved).name}-{hashlib.sha256(resolved.encode()).hexdigest()[:12]}"
+    root = Path(memory_dir) / f"{Path(resolved).name}-{hashlib.sha256(resolved.encode()).hexdigest()[:12]}"
+    return root if layout is None else root / f"layout-{hashlib.sha256(layout.encode()).hexdigest()[:12]}"
+
+
+def forget_other_layouts(root: Path) -> None:
+    """Remove the snapshots of the run's other layouts on this node (`root` is this layout's folder): they can
+    never be loaded, and they hold the node's memory. Local ranks may race here; what one removes the others skip."""
+    if root.parent.is_dir():
+        for other in root.parent.iterdir():
+            if other != root and other.name.startswith("layout-"):
+                shutil.rmtree(other, ignore_errors=True)
 
 
 def estimate_shard_bytes(model: torch.nn.Module, *, optimizer_bytes_per_param: int = 8) -> int:
@@ -128,8 +152,10 @@ class MemoryTier:
         """Remove what this rank keeps (at the end of a run whose last step is on the durable tier)."""
         for folder in self.node_folders():
             shutil.rmtree(folder, ignore_errors=True)
-        if self.root.is_dir() and not any(self.root.iterdir()):
-            self.root.rmdir()
+        for folder in (self.root, self.root.parent) if self.root.name.startswith("layout-") else (self.root,):
+            with contextlib.suppress(OSError):  # another local rank's files may still be there
+                if folder.is_dir() and not any(folder.iterdir()):
+                    folder.rmdir()
 
     @staticmethod
     def _path(folder: Path, step: int) -> Path:
@@ -304,13 +330,16 @@ class MemoryTier:
         buffer = None if found is None else found[0]
         if self.peer is not None and self.holds_for is not None and any(need):
             buffer = self._restore_from_peer(step, buffer, need)
-        decoded = None
+        decoded, problem = None, "no usable shard"
         if buffer is not None:
             try:
                 decoded = decode(buffer)
+                problem = tree_mismatch(template, decoded.state)  # a shard of another layout: never filled in
             except (ValueError, KeyError, TypeError, struct.error) as err:
                 log.error("fast tier: rank %d: %s is unreadable: %s", self.rank, self._own(self.rank), err)
-        if self.agree_failures(None if decoded is not None else "no usable shard"):
+            if problem is not None and decoded is not None:
+                log.error("fast tier: rank %d: step %d does not fit this layout: %s", self.rank, step, problem)
+        if self.agree_failures(problem):
             return None
         assert decoded is not None
         refusal = check(decoded.meta) if check is not None else None
