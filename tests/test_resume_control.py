@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -202,6 +203,36 @@ def test_a_restart_before_the_first_save_repeats_the_first_attempts_request(
     empty.mkdir()
     assert main(argv(data_dir, tmp_path / "again", 8, "--resume", str(empty))) == 2
     assert not (tmp_path / "again" / "checkpoints").exists() or not any((tmp_path / "again" / "checkpoints").iterdir())
+
+
+def test_a_restart_counts_only_the_checkpoints_its_job_saved_as_its_own(
+    data_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`--resume none` into a run dir that holds checkpoints is refused; torchrun restarts the refused worker, and
+    the restart took those older checkpoints for the job's own and resumed them, exit 0, against the user's
+    request. Now only checkpoints committed after the job's first start count (RUN_DIR/job_start.json); a job
+    that saved its own goes on from them."""
+    run = tmp_path / "run"
+    assert main(argv(data_dir, run, 8)) == 0
+    before = digests(run / "checkpoints")
+    job = uuid.uuid4().hex  # torchrun's job id (agent notes are kept per job in the node's temp dir)
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"{job}-a")
+    for count in ("0", "1", "2"):  # the first start and two restarts: each refused, nothing written
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", count)
+        assert main(argv(data_dir, run, 12, "--resume", "none")) == 2, count
+        assert "already holds this run's checkpoints" in capsys.readouterr().err
+    assert digests(run / "checkpoints") == before and steps_logged(run)[-1] == 8
+    # a job that committed a checkpoint of its own goes on from it when restarted
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", f"{job}-b")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    fresh = argv(data_dir, tmp_path / "fresh", 8, "--resume", "none")
+    killed = subprocess.run([sys.executable, "-m", "leantrain.cli", *fresh], capture_output=True, text=True,
+                            env=os.environ | {"LEANTRAIN_FAULT_KILL_AT_STEP": "5", "OMP_NUM_THREADS": "1"})
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]  # after its save at step 4
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "1")
+    capsys.readouterr()
+    assert main(fresh) == 0
+    assert "resuming from step 4" in capsys.readouterr().out and steps_logged(tmp_path / "fresh") == [2, 4, 6, 8]
 
 
 def test_a_restart_goes_on_from_the_fast_tier_and_ignores_a_save_cut_short(

@@ -22,9 +22,11 @@ import contextlib
 import json
 import os
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from leantrain.ckpt.fault import restart_attempt
 
@@ -105,3 +107,65 @@ def agree_job_attempt(all_max: Callable[[list[int]], list[int]] | None = None) -
                          membership_change=membership)
     write_agent_note(attempt, count=highest_count)
     return attempt
+
+
+JOB_START_FILE = "job_start.json"  # RUN_DIR/job_start.json: {"job": TORCHELASTIC_RUN_ID, "time": unix s}
+
+
+def record_job_start(run_dir: Path) -> None:
+    """Rank 0, at its torchrun job's first start (attempt 0): when the job started. A restart goes on from the
+    run's newest checkpoint only when this job committed one (`own_good_steps`): checkpoints the run dir held
+    before are not the job's own, so a first start refused (`--resume none` into a run dir with checkpoints, an
+    unreadable source) is refused again on restart instead of resuming them."""
+    job = os.environ.get(JOB_ENV, "")
+    if not job:
+        return
+    path = Path(run_dir) / JOB_START_FILE
+    with contextlib.suppress(OSError):  # without it a restart counts every committed checkpoint as its own
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"job": job, "time": time.time()}) + "\n", encoding="utf-8")
+        os.replace(tmp, path)
+
+
+def _job_started(run_dir: Path) -> float | None:
+    try:
+        note = json.loads((Path(run_dir) / JOB_START_FILE).read_text(encoding="utf-8"))
+        return float(note["time"]) if note.get("job") == os.environ.get(JOB_ENV, "") else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def _split_by_job(store: Any, run_dir: Path) -> tuple[list[int], list[int]] | None:
+    """(committed, uncondemned checkpoints this torchrun job saved, those that predate it), by their manifests'
+    creation time against the job's start (`record_job_start`); None when the start is unknown."""
+    import leantrain.ckpt.integrity as integ
+
+    since = _job_started(run_dir)
+    if since is None:
+        return None
+    own: list[int] = []
+    older: list[int] = []
+    for entry in (e for e in integ.list_steps(store) if e.good_candidate):
+        try:
+            mine = float(integ.read_manifest(store, entry.name)["created"]) >= since
+        except (integ.IntegrityError, OSError, ValueError, TypeError, KeyError):
+            continue  # unreadable: neither to go on from nor to protect (loading would condemn it)
+        (own if mine else older).append(entry.step)
+    return own, older
+
+
+def own_good_steps(store: Any, run_dir: Path) -> list[int]:
+    """The good checkpoints this job saved (a restart goes on from them); every good one when its start is
+    unknown (no note, or another job's)."""
+    import leantrain.ckpt.integrity as integ
+
+    split = _split_by_job(store, run_dir)
+    return [e.step for e in integ.list_steps(store) if e.good_candidate] if split is None else split[0]
+
+
+def steps_before_job(store: Any, run_dir: Path) -> list[int]:
+    """The good checkpoints that predate this job: a restart refuses to overwrite them as its first start did
+    (`--resume none`, another run's `--resume PATH`); none when the job's start is unknown."""
+    split = _split_by_job(store, run_dir)
+    return [] if split is None else split[1]

@@ -11,10 +11,11 @@ Restarts: a worker that torchrun restarted (the job's attempt > 0, agreed once p
 ckpt/attempt.py: `leantrain train` agrees on it before the lease and passes it in as `attempt`) records a
 `restart` event after its resume (rank 0): the attempt, the step it resumed from, its cause (`hang`, `drill`,
 `membership change` or `worker failure`) and `recovery_s`, the wall time from the failure to the end of the
-load. The failure time is the kill time a drill's fault marker recorded (then `planned`), or
-else the last sign of life in the run dir (the newest write to metrics.jsonl / events.jsonl), which bounds
-it from below. Every successful resume also records a `resume` event (`from_step`).
-The drill hook (ckpt/fault.py) is armed from the environment; without its variables it costs nothing.
+load. The failure time is the kill time a drill's fault marker recorded (then `planned`), or else the last sign
+of life in the run dir (the newest write to metrics.jsonl / events.jsonl), which bounds it from below. Every
+successful resume records a `resume` event (`from_step`). A restart goes on from a checkpoint the job committed
+(`record_job_start`), else repeats the first start's request. The drill hook (ckpt/fault.py) is armed from the
+environment; without its variables it costs nothing.
 
 Checkpoint requests (Slurm's time limit, launch/slurm.py): the batch shell's USR1 trap creates
 RUN_DIR/checkpoint.request, waits until it is gone, then runs `scontrol requeue`, which ends this allocation.
@@ -28,9 +29,8 @@ Failures: every failed save goes to the trainer's metrics logger as {"event": "c
 {"event": "checkpoint_saved"} to resolve the alert. After `checkpoint.max_consecutive_failures` failed saves
 in a row the run stops with CheckpointSaveError (exit 1): training on without a way back is worse.
 
-Lineage: each checkpoint carries lineage.json (ckpt/provenance.py) and, on local storage, rank 0 indexes it
-in the run registry after the commit, so `leantrain runs RUN_DIR` lists it.
-"""
+Lineage: each checkpoint carries lineage.json (ckpt/provenance.py); on local storage rank 0 indexes it in the
+run registry after the commit (`leantrain runs RUN_DIR`)."""
 
 from __future__ import annotations
 
@@ -43,20 +43,14 @@ from pathlib import Path
 from typing import Any
 
 import leantrain.ckpt.integrity as integ
-from leantrain.ckpt.attempt import JobAttempt, agree_job_attempt
+import leantrain.ckpt.memory_tier as fast_tier
+from leantrain.ckpt.attempt import JobAttempt, agree_job_attempt, own_good_steps, steps_before_job
 from leantrain.ckpt.control import checkpoint_requested, clear_checkpoint_request
 from leantrain.ckpt.dcp_io import apply_state_dict, build_state_dict
 from leantrain.ckpt.errors import CheckpointLoadError
 from leantrain.ckpt.fault import FaultInjector, FaultPlan, read_marker
 from leantrain.ckpt.identity import MODEL_KEY, model_identity
 from leantrain.ckpt.manager import CheckpointManager, CheckpointSaveError
-from leantrain.ckpt.memory_tier import (
-    MemoryTier,
-    capacity_problem,
-    estimate_shard_bytes,
-    forget_other_layouts,
-    memory_root,
-)
 from leantrain.ckpt.provenance import CheckpointProvenance
 from leantrain.ckpt.resume import (
     SCHEDULE_KEY,
@@ -175,6 +169,8 @@ class TrainerCheckpointer:
         short does not count) repeats the first attempt's request: it resumes (or takes the weights of) the other
         run's checkpoint again, or is refused again, never starts over silently."""
         request = self.resume
+        if not self.attempt:  # the job's first start: what is there now is not the job's own (restarts below)
+            self._first_start(request)
         if self.attempt > 0 and self._restart_has_own_state():  # the first attempt chose; a restart goes on
             request = ResumeRequest(extend_schedule=request.extend_schedule)  # (its newest may predate the new one)
         step = self._load_weights(trainer, request) if request.weights_only else self._load_full(trainer, request)
@@ -196,8 +192,7 @@ class TrainerCheckpointer:
             source, step = source_location(trainer.spec, str(request.path))
             if same_store(source, self.manager.store):
                 source = None
-        # The first attempt's refusal; a restart's folders are this run's own (a save cut short by the failure)
-        own_steps = self._own_steps() if (request.mode == "none" or source is not None) and not self.attempt else []
+        own_steps = self._own_steps() if request.mode == "none" or source is not None else []  # refused again
         if own_steps:
             what = "--resume none starts over" if request.mode == "none" else f"--resume {request.path} is another run"
             raise CheckpointLoadError(
@@ -236,7 +231,7 @@ class TrainerCheckpointer:
     def _load_weights(self, trainer: Any, request: ResumeRequest) -> int | None:
         """--weights-only: the model's weights from another run's checkpoint; None (this run starts at step 0)."""
         source, step = source_location(trainer.spec, str(request.path))
-        own_steps = self._own_steps() if not self.attempt else []  # a restart's folders are this run's own
+        own_steps = self._own_steps()
         if same_store(source, self.manager.store) or own_steps:
             raise CheckpointLoadError(
                 f"--weights-only starts a new run, but {self.manager.store.url} holds checkpoints (steps "
@@ -295,17 +290,24 @@ class TrainerCheckpointer:
                                  durable_step=durable[-1] if durable else None, folder=self.manager.loaded_from)
         return fast
 
+    def _first_start(self, request: ResumeRequest) -> None:  # the run's snapshots are not the job's own
+        if self.memory is not None and (request.weights_only or request.mode not in ("auto", "latest")):
+            self.memory.clear()
+
     def _restart_has_own_state(self) -> bool:
-        """Whether this run has state of its own to go on from: a committed, uncondemned checkpoint in its store
+        """Whether this job has state of its own to go on from: a committed, uncondemned checkpoint it saved
         (agreed), else a snapshot in the fast tier every rank can restore (agreed by `best_step`)."""
-        good = [e.step for e in integ.list_steps(self.manager.store) if e.good_candidate] \
-            if self.manager.rank == 0 else None
+        good = own_good_steps(self.manager.store, self.manager.run_dir) if self.manager.rank == 0 else None
         if self.manager.agree(good):
             return True
         return self.memory is not None and self.memory.best_step() is not None
 
     def _own_steps(self) -> list[int]:
-        steps = [e.step for e in integ.list_steps(self.manager.store)] if self.manager.rank == 0 else None
+        """The run's step folders a first start will not overwrite; on a restart the good checkpoints older than
+        the job (its own, and its saves cut short, it goes on over)."""
+        store, older = self.manager.store, self.attempt > 0
+        steps = (steps_before_job(store, self.manager.run_dir) if older else [e.step for e in integ.list_steps(store)]
+                 ) if self.manager.rank == 0 else None
         return list(self.manager.agree(steps))
 
     def _say(self, trainer: Any, line: str) -> None:
@@ -460,7 +462,7 @@ def _apply_new_lr(trainer: Any) -> None:
     scheduler.base_lrs = [lr * ratio for lr in saved]
 
 
-def _memory_tier(trainer: Any, manager: CheckpointManager) -> MemoryTier | None:
+def _memory_tier(trainer: Any, manager: CheckpointManager) -> fast_tier.MemoryTier | None:
     """The fast tier when checkpoint.memory_interval_steps is set (its own gloo group: saves may overlap an
     async durable save on the manager's groups)."""
     import os
@@ -479,12 +481,12 @@ def _memory_tier(trainer: Any, manager: CheckpointManager) -> MemoryTier | None:
     local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", world))
     offset = ck.memory_peer_offset or local_ranks
     layout = f"world {world} {trainer.spec.parallelism.model_dump_json()}"  # what a shard is a piece of
-    forget_other_layouts(root := memory_root(ck.memory_dir, trainer.run_dir, layout=layout))
-    tier = MemoryTier(root=root, rank=int(trainer.runtime.rank), world_size=world, peer_offset=offset,
+    fast_tier.forget_other_layouts(root := fast_tier.memory_root(ck.memory_dir, trainer.run_dir, layout=layout))
+    tier = fast_tier.MemoryTier(root=root, rank=int(trainer.runtime.rank), world_size=world, peer_offset=offset,
                       process_group=group)
     # Sized before the first step, on every rank, and agreed: the tier is on everywhere or nowhere.
-    shard_bytes = estimate_shard_bytes(trainer.model)
-    problem = capacity_problem(ck.memory_dir, shard_bytes=shard_bytes, local_ranks=min(local_ranks, world))
+    shard_bytes = fast_tier.estimate_shard_bytes(trainer.model)
+    problem = fast_tier.capacity_problem(ck.memory_dir, shard_bytes=shard_bytes, local_ranks=min(local_ranks, world))
     short = tier.agree_failures(problem)
     if short:
         reason = problem or f"checkpoint.memory_dir {ck.memory_dir} is too small on rank(s) {short}"

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.markup import escape
 
-from leantrain.ckpt.attempt import JobAttempt, agree_job_attempt
+from leantrain.ckpt.attempt import JOB_START_FILE, JobAttempt, agree_job_attempt, record_job_start
 from leantrain.ckpt.integrity import step_dir
 from leantrain.ckpt.resume import ResumeRequest, precheck
 from leantrain.errors import Interrupted, LeantrainError, UserInputError
@@ -102,6 +102,8 @@ def _train(
     lease = acquire_lease(target, command="train", owner_only=spec.security.owner_only, attempt=attempt.number)
     signals.on_stuck = lease.release  # a signal the blocked main thread cannot take still frees the run dir
     try:
+        if attempt.number == 0:  # before any refusal: a restart of a refused start must be refused again
+            record_job_start(target)
         preflight_storage(spec, run_dir=target)
         return _train_leased(spec, run_dir=run_dir, max_steps=max_steps, console=console, resume=resume,
                              attempt=attempt, signals=signals)
@@ -109,6 +111,7 @@ def _train(
         if not existed:  # a start refused before it wrote anything leaves no empty run dir behind
             lease.release()
             with contextlib.suppress(OSError):
+                (target / JOB_START_FILE).unlink(missing_ok=True)
                 target.rmdir()
         raise
     finally:
@@ -151,9 +154,9 @@ def _train_leased(
     check_trainable(spec)
     _check_data_dir(spec)
     target = Path(run_dir or spec.run.dir)
-    if attempt.number == 0:  # refusals that need no model come before anything is written (the agreed attempt)
-        precheck(spec, run_dir=target, request=resume or ResumeRequest(), max_steps=max_steps)
     rank = int(os.environ.get("RANK", "0"))
+    if attempt.number == 0 and rank == 0:  # refusals that need no model, before anything is written; rank 0 alone
+        precheck(spec, run_dir=target, request=resume or ResumeRequest(), max_steps=max_steps)  # lists the store
     before = description_snapshot(target) if rank == 0 else {}
     context = prepare_run(spec, run_dir=target, rank=rank, console=console)
     status = "failed"
