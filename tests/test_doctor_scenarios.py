@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -128,3 +129,55 @@ def test_a_folder_that_is_not_a_run_dir_is_refused_but_a_run_that_crashed_at_sta
         assert "no metric records" in stuck.evidence
         assert main(["doctor", str(run_dir)]) == 0
     assert "Connection refused" in next(f for f in doctor(tmp_path / "launched") if f.area == "start").evidence
+
+
+def test_a_gap_across_a_preemption_or_a_resume_from_an_earlier_step_is_not_a_problem(tmp_path: Path) -> None:
+    """The `hang` run's 1,000 s gap, explained by a preemption and its resume, is no stall; steps going back to
+    an earlier checkpoint (its loss higher again) are no divergence."""
+    run_dir = make_run(tmp_path, "hang")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    gap_start, gap_end = records[30]["time"], records[31]["time"]
+    with (run_dir / "events.jsonl").open("a") as handle:
+        for event in ({"time": gap_start + 1, "kind": "preempted", "step": records[30]["step"]},
+                      {"time": gap_end - 5, "kind": "resume", "from_step": records[30]["step"]}):
+            handle.write(json.dumps(event) + "\n")
+    assert "run stalled" in _problems(tmp_path / "before", "hang")
+    assert "run stalled" not in {f.title for f in diagnose_run(load_run(run_dir))}
+    resumed = records[:40] + [{**r, "time": r["time"] + 2000} for r in records[5:]]  # back to step 12
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in resumed))
+    assert "divergence" not in {f.title for f in diagnose_run(load_run(run_dir))}
+
+
+def _edit(run_dir: Path, name: str, change: str) -> None:
+    if name == "metrics.jsonl":
+        records = [json.loads(line) for line in (run_dir / name).read_text().splitlines()]
+        records[-1].update(json.loads(change))
+        (run_dir / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+    elif name.endswith(".jsonl"):
+        with (run_dir / name).open("a") as handle:
+            handle.write(change + "\n")
+    else:
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(change)
+
+
+@pytest.mark.parametrize(("name", "change"), [
+    ("hang/rank-0-attempt-0.json", '{"idle_s": "long"}'),
+    ("node_health.json", '{"hosts": {"n1": {"crashes": null}}}'),
+    ("events.jsonl", '{"time": 1.8e9, "kind": "oom", "rank": 0, "step": 3}'),  # with plan.json's per_gpu a list
+    ("metrics.jsonl", '{"rank_step_time_s": [null, null]}'),
+    ("metrics.jsonl", '{"world_size": 10000000000}'),
+    ("alerts.jsonl", '{"rule": "hang", "state": "resolved", "severity": "critical", "first_seen": 1e20}'),
+    ("events.jsonl", '{"time": 1e20, "kind": "finish"}'),
+])
+def test_odd_values_in_best_effort_run_files_are_read_past(tmp_path: Path, name: str, change: str) -> None:
+    """Doctor and report read such a value as absent, without a traceback."""
+    from leantrain.observe.report import write_report
+
+    run_dir = make_run(tmp_path, "healthy")
+    plan = json.loads((run_dir / "plan.json").read_text())
+    (run_dir / "plan.json").write_text(json.dumps({**plan, "memory": {"per_gpu": [1, 2]}}))
+    _edit(run_dir, name, change)
+    assert diagnose_run(load_run(run_dir))
+    write_report(run_dir, tmp_path / "report.html")
+    assert (tmp_path / "report.html").is_file()

@@ -296,3 +296,85 @@ def test_eval_records_and_torn_lines_are_kept_apart(tmp_path: Path) -> None:
     assert len(run.metrics) == 50 and [e["step"] for e in run.evals] == [100]
     assert len(run.bad_lines) == 1 and run.bad_lines[0].startswith("metrics.jsonl:52: not JSON")
     assert _fired(run_dir) == set()  # the eval record at the same step is not a resume
+
+
+def _slow_records(n: int, *, log_every: int, step_s: float, t0: float = T0, start: int = 0) -> list[dict[str, Any]]:
+    return [{"time": t0 + (i + 1) * log_every * step_s, "step": start + (i + 1) * log_every, "loss": 3.0,
+             "step_time_s": step_s} for i in range(n)]
+
+
+def test_hang_rule_waits_for_the_first_step_and_the_logging_window() -> None:
+    """No hang before the first step's record; a record due every log_every × step time (100 s here, longer than
+    the 90 s timeout) is not a hang; one that is 90 s overdue is, once, and resolves once."""
+    engine = AlertEngine(hang_timeout_s=90, clock=lambda: 0.0)
+    engine.check_idle(T0 + 10_000)  # model build, checkpoint load: no step yet
+    assert not engine.history
+    alerts = replay(_slow_records(30, log_every=10, step_s=10.0), hang_timeout_s=90)
+    assert not [a for a in alerts if a.rule == "hang"]
+    records = _slow_records(30, log_every=10, step_s=10.0)
+    for record in records[20:]:
+        record["time"] += 195.0  # the 21st record comes 195 s late: a stall
+    hangs = [(a.state, a.step) for a in replay(records, hang_timeout_s=90) if a.rule == "hang"]
+    assert hangs == [("firing", 200), ("resolved", 200)]  # last step before the stall
+
+
+def test_hang_clock_pauses_during_checkpoint_saves(tmp_path: Path) -> None:
+    """A save between two records (checkpoint_save_started … checkpoint_saved) is not a stall: in the replay, and
+    live, where the engine reads the save events from events.jsonl."""
+    records = _slow_records(10, log_every=1, step_s=1.0)
+    for record in records[5:]:
+        record["time"] += 300.0
+    save = [{"time": records[4]["time"] + 0.5, "kind": "checkpoint_save_started", "step": 5},
+            {"time": records[4]["time"] + 300.5, "kind": "checkpoint_saved", "step": 5}]
+    assert not [a for a in replay(records, events=save, hang_timeout_s=60) if a.rule == "hang"]
+    assert [a.state for a in replay(records, hang_timeout_s=60) if a.rule == "hang"] == ["firing", "resolved"]
+    events = tmp_path / "events.jsonl"
+    events.write_text(json.dumps({"time": 1.0, "kind": "start"}) + "\n")
+    engine = AlertEngine(hang_timeout_s=60, events_path=events, clock=lambda: 0.0)
+    engine.write(records[4])
+    _jsonl(events, [{"time": 1.0, "kind": "start"}, save[0]])
+    engine.check_idle(records[4]["time"] + 200)
+    assert "hang" not in engine.firing
+    with events.open("a") as handle:
+        handle.write(json.dumps(save[1]) + "\n")
+    engine.check_idle(records[4]["time"] + 340)
+    assert "hang" not in engine.firing
+    engine.check_idle(records[4]["time"] + 370)  # 69 s after the save ended, 1 s step due: a hang
+    assert "hang" in engine.firing
+
+
+def test_replay_does_not_call_a_preemption_a_hang() -> None:
+    before = _slow_records(50, log_every=10, step_s=1.0)
+    pre_t = before[-1]["time"]
+    after = _slow_records(50, log_every=10, step_s=1.0, t0=pre_t + 3600, start=500)
+    events = [{"time": pre_t + 1, "kind": "preempted", "step": 500},
+              {"time": pre_t + 3590, "kind": "resume", "from_step": 500}]
+    assert not [a for a in replay(before + after, events=events, hang_timeout_s=90) if a.rule == "hang"]
+    assert [a.rule for a in replay(before + after, hang_timeout_s=90)] == ["hang", "hang"]  # without the events
+
+
+def test_replay_restarts_the_loss_history_where_the_step_goes_back() -> None:
+    """A resume from an earlier checkpoint: the loss is back where it was at that step, not a spike."""
+    def loss(step: int) -> float:
+        return 3 + 6 * math.exp(-step / 100) + 0.01 * ((step // 5) % 3)
+    records = [{"time": T0 + s, "step": s, "loss": loss(s)} for s in range(5, 405, 5)]
+    records += [{"time": T0 + 1000 + s, "step": s, "loss": loss(s)} for s in range(55, 505, 5)]
+    assert not [a for a in replay(records) if a.rule == "loss_spike"]
+    records[100]["loss"] *= 3  # a real spike after the resume still counts
+    assert [a.step for a in replay(records) if a.rule == "loss_spike" and a.state == "firing"] == [records[100]["step"]]
+
+
+def test_load_run_keeps_per_rank_lists_on_the_newest_record_only(tmp_path: Path) -> None:
+    records = healthy_records(5)
+    for record in records:
+        record["rank_mem_bytes"] = [1, 2]
+    _jsonl(tmp_path / "metrics.jsonl", records)
+    for rank in (1, 2):
+        _jsonl(tmp_path / f"metrics-rank{rank}.jsonl", healthy_records(5))
+    run = load_run(tmp_path)
+    assert run.metrics[-1]["rank_step_time_s"] == records[-1]["rank_step_time_s"]
+    assert run.metrics[-1]["rank_mem_bytes"] == [1, 2]
+    assert all("rank_mem_bytes" not in r for r in run.metrics[:-1])
+    slow = records[0]["rank_step_time_s"][1]
+    assert run.metrics[0]["rank_step_time_s"] == {1: slow, -1: records[0]["rank_step_time_s"][0]}
+    assert {rank: len(rows) for rank, rows in run.rank_metrics.items()} == {1: 1, 2: 1}

@@ -113,3 +113,39 @@ def test_engine_from_spec_delivers_alerts_to_file_and_webhook(
     assert receiver.received[0][0]["rule"] == "nonfinite_loss"
     lines = (tmp_path / "alerts.jsonl").read_text().splitlines()
     assert json.loads(lines[0])["rule"] == "nonfinite_loss"
+
+
+def test_a_url_that_cannot_be_posted_to_is_said_once_and_the_sender_lives_on(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with pytest.raises(UserInputError, match="80x"):
+        WebhookSender("http://hooks.example:80x/alert")  # caught at start: a port that is not a number
+    sender = WebhookSender("http://127.0.0.1:9/a b", backoff_s=0.01)  # http.client refuses the space: InvalidURL
+    for i in range(3):
+        sender.send({"rule": "hang", "n": i})
+    sender.close(timeout_s=10)
+    assert sender.num_failed == 3 and "InvalidURL" in (sender.unusable or "")
+    assert [r.levelname for r in caplog.records if "cannot be posted to" in r.getMessage()] == ["ERROR"]
+
+
+def test_retries_back_off_between_attempts_only() -> None:
+    class Stop:
+        def __init__(self) -> None:
+            self.waits: list[float] = []
+            self.stopped = False
+
+        def wait(self, seconds: float) -> bool:
+            self.waits.append(seconds)
+            return False
+
+        def is_set(self) -> bool:
+            return self.stopped
+
+        def set(self) -> None:
+            self.stopped = True
+
+    sender = WebhookSender("http://127.0.0.1:9/unreachable", max_attempts=4, backoff_s=0.5, timeout_s=2)
+    stop = Stop()
+    sender._stop = stop  # type: ignore[assignment]
+    assert sender._post({"rule": "hang"}) is False
+    assert stop.waits == [0.5, 1.0, 2.0]  # after attempts 1-3; none after the 4th
+    sender.close(timeout_s=5)

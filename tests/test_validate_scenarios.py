@@ -310,3 +310,31 @@ def test_a_folder_whose_metrics_file_holds_nothing_a_run_writes_is_exit_2(
     crashed = make_run(tmp_path / "crashed", "healthy")
     (crashed / "metrics.jsonl").write_text(content)
     assert main(["validate", str(crashed)]) == 1 and "verdict: FAIL" in capsys.readouterr().out
+
+
+def test_a_critical_alert_an_earlier_attempt_left_firing_does_not_fail_once_cleared(tmp_path: Path) -> None:
+    """Attempt 0's checkpoint_failure alert never resolved (the process ended); later saves succeeded, so the
+    replay of the events clears it. A failure with no good save after it still fails."""
+    run_dir = make_run(tmp_path, "healthy")
+    first = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[5])["time"]
+    alert = {"time": first, "rule": "checkpoint_failure", "severity": "critical", "state": "firing",
+             "message": "checkpoint write failed at step 12: EIO", "first_seen": first, "last_seen": first}
+    (run_dir / "alerts.jsonl").write_text(json.dumps(alert) + "\n")
+    with (run_dir / "events.jsonl").open("a") as handle:
+        handle.write(json.dumps({"time": first, "kind": "checkpoint_failed", "step": 12, "error": "EIO"}) + "\n")
+    assert _by_name(run_dir)["no errors"][0] == "PASS"
+    late = {**alert, "time": first + 1e6, "first_seen": first + 1e6, "last_seen": first + 1e6}
+    (run_dir / "alerts.jsonl").write_text(json.dumps(late) + "\n")
+    with (run_dir / "events.jsonl").open("a") as handle:
+        handle.write(json.dumps({"time": first + 1e6, "kind": "checkpoint_failed", "step": 99, "error": "EIO"}) + "\n")
+    status, evidence = _by_name(run_dir)["no errors"]
+    assert status == "FAIL" and "alert still firing: checkpoint_failure" in evidence
+
+
+def test_a_huge_world_size_in_a_record_is_judged_without_listing_every_rank(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path, "healthy")
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    lines[-1]["world_size"] = 10**10
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    status, evidence = _by_name(run_dir)["every rank reported"]
+    assert status == "FAIL" and evidence == f"missing ranks {list(range(2, 12))} and {10**10 - 12} more of {10**10}"

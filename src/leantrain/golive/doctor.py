@@ -9,6 +9,7 @@ metrics' time stamps.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import os
@@ -167,13 +168,11 @@ def _data_finding(run: RunData | None) -> Finding:
 
 # -- run diagnosis --------------------------------------------------------------------------------------------
 def stuck_findings(run: RunData) -> list[Finding]:
-    out = []
-    world = run.world_size()
-    joined = {e.get("rank") for e in run.events_of("rank_joined")}
+    out, world, joined = [], run.world_size(), {e.get("rank") for e in run.events_of("rank_joined")}
     log_hits = [f"{log.label}: {line.strip()[:160]}" for log in run.logs for line in log.tail
                 if STUCK_RE.search(line)]
     if not run.metrics or (joined and len(joined) < world and world > 1):
-        missing = sorted(set(range(world)) - {r for r in joined if isinstance(r, int)}) if joined else []
+        missing = _absent(world, joined) if joined else []
         evidence = "no metric records" if not run.metrics else f"ranks {missing} never joined"
         if log_hits:
             evidence += "; " + "; ".join(log_hits[:3])
@@ -184,7 +183,7 @@ def stuck_findings(run: RunData) -> list[Finding]:
             "node, set NCCL_SOCKET_IFNAME/GLOO_SOCKET_IFNAME to the right interface; `leantrain launch --preflight` "
             "names the rank that cannot join"))
     out += watchdog_hang_findings(run)
-    hangs = [a for a in replay(run.metrics, rules=AlertRules(), hang_timeout_s=_hang_timeout(run))
+    hangs = [a for a in replay(run.metrics, rules=AlertRules(), events=run.events, hang_timeout_s=_hang_timeout(run))
              if a.rule == "hang" and a.state == "firing"]
     for alert in hangs[:3]:
         out.append(Finding("problem", "hang", "run stalled", alert.message,
@@ -198,14 +197,14 @@ def watchdog_hang_findings(run: RunData) -> list[Finding]:
     """One finding per attempt the hang watchdog aborted, from the ranks' own records (ckpt/rank_records.py)."""
     by_attempt: dict[int, list[dict[str, Any]]] = {}
     for record in read_rank_records(run.run_dir, HANG):
-        by_attempt.setdefault(int(record.get("attempt", 0)), []).append(record)
+        by_attempt.setdefault(_count(record.get("attempt")), []).append(record)
     out = []
     world = run.world_size()
     for attempt, records in sorted(by_attempt.items()):
-        aborted = sorted({int(r["rank"]) for r in records})
-        suspects = sorted(set(range(world)) - set(aborted)) if world > 1 else []
-        idle = max(float(r.get("idle_s") or 0.0) for r in records)
-        step = max(int(r.get("last_step") or 0) for r in records)
+        aborted = sorted({_count(r.get("rank")) for r in records if math.isfinite(as_float(r.get("rank")))})
+        suspects = _absent(world, set(aborted)) if world > 1 else []
+        idle = max(_count(r.get("idle_s"), float) for r in records)  # a value that is no number reads as 0
+        step = max(_count(r.get("last_step")) for r in records)
         out.append(Finding(
             "problem", "hang", "hang (watchdog abort)",
             f"attempt {attempt}: ranks {aborted} saw no step for {idle:.0f} s after step {step} and aborted "
@@ -216,9 +215,18 @@ def watchdog_hang_findings(run: RunData) -> list[Finding]:
     return out
 
 
+def _absent(world: int, present: set[Any]) -> list[int]:
+    """The first ten ranks below `world` not in `present` (a world size read from a file may be huge)."""
+    return list(itertools.islice((r for r in range(world) if r not in present), 10))
+
+
+def _count(value: Any, kind: type = int) -> Any:
+    """A number from a best-effort run record (hang records, node_health.json); 0 when it is none."""
+    return kind(as_float(value)) if math.isfinite(as_float(value)) else kind(0)
+
+
 def _hang_timeout(run: RunData) -> float:
-    value = as_float(run.spec_get("monitoring.hang_timeout_s"))
-    return value if math.isfinite(value) else 600.0
+    return value if math.isfinite(value := as_float(run.spec_get("monitoring.hang_timeout_s"))) else 600.0
 
 
 def utilisation_findings(run: RunData) -> list[Finding]:
@@ -240,10 +248,9 @@ def utilisation_findings(run: RunData) -> list[Finding]:
                            "the layout sends too much over slow links (TP across nodes, small buckets)",
                            "keep tensor parallel inside a node, use HSDP (data_parallel_replicate), overlap "
                            "communication, compare layouts with `leantrain plan --top 5`"))
-    last = run.metrics[-1] if run.metrics else {}
-    per_rank = last.get("rank_step_time_s")
-    if isinstance(per_rank, list) and len(per_rank) >= 2:
-        times = np.array([as_float(v) for v in per_rank])
+    per_rank = (run.metrics[-1] if run.metrics else {}).get("rank_step_time_s")
+    times = np.array([as_float(v) for v in per_rank] if isinstance(per_rank, list) else [])
+    if np.isfinite(times).sum() >= 2:
         slow = int(np.nanargmax(times))
         median = float(np.nanmedian(np.delete(times, slow)))
         if median > 0 and times[slow] / median > STRAGGLER_RATIO:
@@ -279,7 +286,8 @@ def oom_findings(run: RunData) -> list[Finding]:
         return []
     evidence = [f"{len(events)} oom event(s)" + (f" (steps {[e.get('step') for e in events][:5]})" if events else "")]
     evidence += lines[:2]
-    per_gpu = run.plan_get("memory.per_gpu") or {}
+    per_gpu = run.plan_get("memory.per_gpu")
+    per_gpu = per_gpu if isinstance(per_gpu, dict) else {}  # plan.json is a best-effort record here
     limit, source = run.memory_limit_bytes()
     parts = {k: as_float(v) for k, v in per_gpu.items() if k != "total" and math.isfinite(as_float(v))}
     if parts:
@@ -389,7 +397,7 @@ def flapping_findings(run: RunData) -> list[Finding]:
         try:
             hosts = json.loads(health.read_text(encoding="utf-8")).get("hosts", {})
             for host, info in hosts.items():
-                counts[str(host)] = max(counts[str(host)], int(info.get("crashes", 0)))
+                counts[str(host)] = max(counts[str(host)], _count(info.get("crashes")))
         except (ValueError, AttributeError):
             pass
     return [Finding("problem", "nodes", f"flapping node {host}", f"{host} failed {n} times in this run",

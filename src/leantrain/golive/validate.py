@@ -10,9 +10,11 @@ with headroom), communication share, fault drill. Spikes and grad-norm explosion
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
+from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -21,7 +23,7 @@ import numpy as np
 
 from leantrain.ckpt.rank_records import HANG, OOM, merged_events, read_rank_records
 from leantrain.errors import NUMBER, CheckFailed, UserInputError, json_field, read_json_object
-from leantrain.observe.alerts import AlertRules, load_rules, replay
+from leantrain.observe.alerts import AlertRules, load_rules, replay, replay_engine
 from leantrain.observe.logs import log_errors
 from leantrain.observe.report_data import (
     COMM_BOUND_SHARE,
@@ -128,10 +130,8 @@ def bound_diagnosis(run: RunData) -> str:
     return f"neither data nor communication ({shown or 'not measured'}): compute, kernel or batch size"
 
 
-def health_checks(run: RunData) -> list[Check]:
-    checks = []
-    world = run.world_size()
-    last = run.metrics[-1] if run.metrics else {}
+def health_checks(run: RunData, rules: AlertRules | None = None) -> list[Check]:
+    checks, world, last = [], run.world_size(), (run.metrics[-1] if run.metrics else {})
     seen: set[int] = set(run.rank_metrics) | {int(e["rank"]) for e in run.events_of("rank_joined")
                                               if isinstance(e.get("rank"), int)}
     if isinstance(last.get("rank_step_time_s"), list):
@@ -143,9 +143,11 @@ def health_checks(run: RunData) -> list[Check]:
                             f"world size {world}, but no per-rank records (rank_step_time_s, metrics-rankN.jsonl, "
                             "rank_joined events) to tell"))
     else:
-        missing = sorted(set(range(world)) - seen)
-        checks.append(Check("health", "every rank reported", "FAIL" if missing else "PASS",
-                            f"missing ranks {missing} of {world}" if missing else f"all {world} ranks reported"))
+        missing = world - len({r for r in seen if 0 <= r < world})  # a world size read from a file may be huge
+        first, more = list(itertools.islice((r for r in range(world) if r not in seen), 10)), max(0, missing - 10)
+        checks.append(Check("health", "every rank reported", "FAIL" if missing else "PASS", f"missing ranks {first}"
+                            + (f" and {more} more" if more else "") + f" of {world}" if missing
+                            else f"all {world} ranks reported"))
     restarts = run.events_of("restart")
     jumps = resume_points(run)
     planned = planned_events = sum(1 for e in restarts if e.get("planned") or e.get("cause") == "drill")
@@ -163,7 +165,7 @@ def health_checks(run: RunData) -> list[Check]:
                         + restart_causes(restarts, read_rank_records(run.run_dir, HANG))))
     errors = [f"{e.get('kind')} at step {e.get('step')}: {e.get('message', e.get('error', ''))}"
               for e in run.events_of("error", "oom", "node_lost")]
-    errors += [f"alert still firing: {a.get('rule')} ({a.get('message')})" for a in _still_firing(run)]
+    errors += [f"alert still firing: {a.get('rule')} ({a.get('message')})" for a in _still_firing(run, rules)]
     # Only a fault that happened in this run (its planned restart events) explains this run's log lines.
     checks.append(_log_check(run, errors=errors, planned=planned_events))
     if run.bad_lines:
@@ -186,10 +188,7 @@ def restart_causes(restarts: list[dict[str, Any]], hangs: list[dict[str, Any]]) 
             cause += (f" (ranks {ranks} aborted after step {event.get('last_step', '?')}, suspect frozen: "
                       f"{event.get('frozen_ranks', '?')})")
         labels.append(cause)
-    counts: dict[str, int] = {}
-    for label in labels:
-        counts[label] = counts.get(label, 0) + 1
-    return ("; causes: " + ", ".join(f"{n} {label}" for label, n in counts.items())) if counts else ""
+    return ("; causes: " + ", ".join(f"{n} {label}" for label, n in Counter(labels).items())) if labels else ""
 
 
 def _log_check(run: RunData, *, errors: list[str], planned: int) -> Check:
@@ -206,11 +205,15 @@ def _log_check(run: RunData, *, errors: list[str], planned: int) -> Check:
     return Check("health", "no errors", "PASS", f"no error events, log errors or firing critical alerts ({named})")
 
 
-def _still_firing(run: RunData) -> list[dict[str, Any]]:
-    state: dict[str, dict[str, Any]] = {}
-    for alert in run.alerts:
-        state[str(alert.get("rule"))] = alert
-    return [a for a in state.values() if a.get("state") == "firing" and a.get("severity") == "critical"]
+def _still_firing(run: RunData, rules: AlertRules | None) -> list[dict[str, Any]]:
+    """Critical alerts whose last record fires, unless the replay of the metrics and events saw the condition clear
+    later (e.g. in a later attempt, whose engine never knew the earlier one's alert) and not return."""
+    state = {str(alert.get("rule")): alert for alert in run.alerts}
+    firing = [a for a in state.values() if a.get("state") == "firing" and a.get("severity") == "critical"]
+    replayed = replay_engine(run.metrics, rules=rules, events=run.events) if firing else None
+    return [a for a in firing if replayed is None or a.get("rule") in replayed.firing or not any(
+        h.rule == a.get("rule") and h.state == "resolved" and h.last_seen >= as_float(a.get("first_seen"))
+        for h in replayed.history)]
 
 
 def convergence_checks(run: RunData, baseline: RunData | None, rules: AlertRules) -> list[Check]:
@@ -281,9 +284,7 @@ def _thresholds(values: np.ndarray, pass_at: float, warn_at: float) -> tuple[flo
 
 
 def throughput_checks(run: RunData, plan: PlanTargets) -> list[Check]:
-    checks = []
-    _, tokens = run.series("tokens_per_s")
-    _, mfus = run.series("mfu")
+    checks, (_, tokens), (_, mfus) = [], run.series("tokens_per_s"), run.series("mfu")
     tokens_s = float(np.median(steady(tokens))) if steady(tokens).size else math.nan
     mfu = float(np.median(steady(mfus))) if steady(mfus).size else math.nan
     plan_tokens, plan_mfu, plan_gpus = plan.tokens_per_s, plan.mfu, plan.gpus
@@ -431,7 +432,7 @@ def validate_run(
                 f" ({len(run.bad_lines)} unreadable: {line})" for line in run.bad_lines[:1]))
         raise UserInputError(f"{what}: validate needs a run dir written by train/launch")
     plan = load_plan_targets(run, plan_file)
-    base = None
+    base, rules = None, rules or AlertRules()
     if baseline is not None:
         if not (Path(baseline) / METRICS_FILE).is_file():
             raise UserInputError(f"--baseline {baseline}: no {METRICS_FILE} there")
@@ -439,9 +440,8 @@ def validate_run(
         if not np.isfinite(base.series("loss")[1]).any():  # nothing to compare with: an input error, not a FAIL
             raise UserInputError(f"--baseline {baseline}: {Path(baseline) / METRICS_FILE} holds no metric records "
                                  "with a loss; give the run dir of a run that logged training steps")
-    rules = rules or AlertRules()
     return [
-        *health_checks(run),
+        *health_checks(run, rules),
         *convergence_checks(run, base, rules),
         *throughput_checks(run, plan),
         memory_check(run, plan),

@@ -9,6 +9,7 @@ judge a run by exactly the rules that watched it.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import threading
@@ -17,126 +18,35 @@ from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
-import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
-
-from leantrain.errors import UserInputError
+from leantrain.observe.alert_rules import (
+    AlertRules,
+    CheckpointFailureRule,
+    DataWaitRule,
+    GradNormRule,
+    HangRule,
+    LossSpikeRule,
+    LowDiskRule,
+    LowMfuRule,
+    NonFiniteRule,
+    Rule,
+    Severity,
+    StragglerRule,
+    ThroughputDropRule,
+    load_rules,
+)
 from leantrain.observe.disk import disk_report, watched_dirs
-from leantrain.observe.report_data import ALERTS_FILE, append_jsonl, as_float
+from leantrain.observe.report_data import ALERTS_FILE, EVENTS_FILE, append_jsonl, as_float
 
-Severity = Literal["info", "warning", "critical"]
 AlertOutput = Callable[[dict[str, Any]], None]
 # (condition holds, message, rank, clear: past the threshold by the resolve margin; None: not condition)
 Verdict = tuple[bool, str, "int | None", "bool | None"]
-
-
-class Rule(BaseModel):
-    """Common switches of every rule."""
-
-    model_config = ConfigDict(extra="forbid")
-    enabled: bool = Field(True, description="Evaluate this rule.")
-    severity: Severity = Field("warning", description="info, warning or critical.")
-    for_s: float = Field(0.0, ge=0, description="The condition must hold this long (record time) before the alert "
-                         "fires; the Prometheus rule's `for`.")
-    resolve_margin: float = Field(0.0, ge=0, lt=1, description="A firing alert resolves only once the value is "
-                                  "this far (relative) on the good side of the threshold.")
-
-
-class NonFiniteRule(Rule):
-    severity: Severity = "critical"
-
-
-class LossSpikeRule(Rule):
-    # Short on purpose: early in training the loss falls fast, and a long window's spread hides spikes.
-    window: int = Field(20, ge=3, description="Recent finite losses the spike is measured against.")
-    min_history: int = Field(5, ge=2, description="Losses needed before the rule judges.")
-    z: float = Field(6.0, gt=0, description="Robust z-score (median/MAD) above which a loss is a spike.")
-    min_rel_increase: float = Field(0.1, ge=0, description="And at least this much above the median (relative).")
-
-
-class GradNormRule(Rule):
-    window: int = Field(50, ge=3, description="Recent grad norms for the running median.")
-    min_history: int = Field(5, ge=2, description="Grad norms needed before the rule judges.")
-    factor: float = Field(10.0, gt=1, description="Fire when grad_norm exceeds factor × running median.")
-
-
-class ThroughputDropRule(Rule):
-    for_s: float = 20.0
-    resolve_margin: float = 0.1
-    window: int = Field(500, ge=3, description="Post-warm-up tokens/s values the run's own baseline (median) "
-                        "is taken over.")
-    warmup_records: int = Field(5, ge=0, description="Records left out of the baseline (compile, warm caches).")
-    min_history: int = Field(5, ge=2, description="Baseline values needed before the rule judges.")
-    drop_fraction: float = Field(0.3, gt=0, lt=1, description="Fire below (1 - drop_fraction) × the baseline.")
-
-
-class LowMfuRule(Rule):
-    for_s: float = 30.0
-    resolve_margin: float = 0.1
-    fraction_of_plan: float = Field(0.5, gt=0, le=1, description="Fire when MFU < this × plan throughput.mfu.")
-    skip_first: int = Field(3, ge=0, description="Records ignored at start (compile, warm caches).")
-
-
-class DataWaitRule(Rule):
-    for_s: float = 20.0
-    resolve_margin: float = 0.1
-    max_share: float = Field(0.2, gt=0, lt=1, description="Fire when data_wait_s / step_time_s exceeds this.")
-
-
-class HangRule(Rule):
-    severity: Severity = "critical"
-    timeout_s: float | None = Field(None, gt=0, description="No step for this long; default monitoring.hang_timeout_s.")
-    check_every_s: float = Field(5.0, gt=0, description="Watchdog period.")
-
-
-class StragglerRule(Rule):
-    for_s: float = 20.0
-    resolve_margin: float = 0.1
-    max_ratio: float = Field(1.5, gt=1, description="Fire when the slowest rank's step time / others' median > this.")
-
-
-class CheckpointFailureRule(Rule):
-    severity: Severity = "critical"
-
-
-class LowDiskRule(Rule):
-    min_free_bytes: float = Field(5 * 2**30, ge=0, description="Fire when the run dir's disk has less free.")
-    min_free_fraction: float = Field(0.02, ge=0, lt=1, description="Or less than this share free.")
-    check_every_s: float = Field(60.0, gt=0, description="Disk check period.")
-
-
-class AlertRules(BaseModel):
-    """The rules file (YAML): every key optional; what is absent keeps its default."""
-
-    model_config = ConfigDict(extra="forbid")
-    nonfinite_loss: NonFiniteRule = Field(default_factory=NonFiniteRule)
-    loss_spike: LossSpikeRule = Field(default_factory=LossSpikeRule)
-    grad_norm_explosion: GradNormRule = Field(default_factory=GradNormRule)
-    throughput_drop: ThroughputDropRule = Field(default_factory=ThroughputDropRule)
-    low_mfu: LowMfuRule = Field(default_factory=LowMfuRule)
-    data_wait: DataWaitRule = Field(default_factory=DataWaitRule)
-    hang: HangRule = Field(default_factory=HangRule)
-    straggler: StragglerRule = Field(default_factory=StragglerRule)
-    checkpoint_failure: CheckpointFailureRule = Field(default_factory=CheckpointFailureRule)
-    low_disk: LowDiskRule = Field(default_factory=LowDiskRule)
-
-
-def load_rules(path: Path | None) -> AlertRules:
-    """Defaults, overlaid with a YAML rules file; errors name the file and the key."""
-    if path is None:
-        return AlertRules()
-    if not Path(path).is_file():
-        raise UserInputError(f"monitoring.alert_rules: {path} does not exist")
-    try:
-        raw = yaml.safe_load(Path(path).read_text(encoding="utf-8")) or {}
-        return AlertRules.model_validate(raw)
-    except yaml.YAMLError as err:
-        raise UserInputError(f"alert rules {path}: YAML syntax error: {err}") from None
-    except ValidationError as err:
-        lines = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in err.errors())
-        raise UserInputError(f"alert rules {path}: {lines} (rules: {', '.join(AlertRules.model_fields)})") from None
+__all__ = [  # the rules file's models live in observe/alert_rules.py; importers keep finding them here
+    "AlertRules", "CheckpointFailureRule", "DataWaitRule", "GradNormRule", "HangRule", "LossSpikeRule", "LowDiskRule",
+    "LowMfuRule", "NonFiniteRule", "Rule", "Severity", "StragglerRule", "ThroughputDropRule", "load_rules",
+    "Alert", "AlertEngine", "JsonlAlertOutput", "ConsoleAlertOutput", "engine_from_spec", "replay", "replay_engine",
+]
 
 
 @dataclass
@@ -180,6 +90,7 @@ class AlertEngine:
         disk_paths: Sequence[Path] = (),
         clock: Callable[[], float] = time.time,
         on_close: Sequence[Callable[[], None]] = (),
+        events_path: Path | None = None,
     ) -> None:
         self.rules = rules or AlertRules()
         self.outputs = list(outputs)
@@ -198,7 +109,15 @@ class AlertEngine:
         self._pending: dict[str, float] = {}  # rule → since when its condition holds (not yet firing)
         self._num_records = 0
         self._last_step: int | None = None
-        self._last_record_s = clock()
+        # The hang clock: armed by the first step's record (model build and checkpoint load are not steps); the
+        # next record is due `_due_s` later (steps per record × step time); checkpoint saves do not count.
+        self._last_record_s: float | None = None
+        self._due_s = 0.0
+        self._paused_s = 0.0
+        self._save_started_s: float | None = None
+        # The live engine learns of saves from events.jsonl (the checkpoint manager writes there, not here).
+        self.events_path = events_path
+        self._events_offset = events_path.stat().st_size if events_path is not None and events_path.is_file() else 0
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
         self._last_disk_check_s = -math.inf
@@ -213,17 +132,66 @@ class AlertEngine:
             return  # a held-out evaluation, not a training step
         now = self._now(record)
         with self._lock:
-            self._last_record_s = now
-            self._last_step = record.get("step", self._last_step)
+            self._arm_hang_clock(record, now)
             self._update("hang", False, "", now, record)
             for name, (condition, message, rank, clear) in self._evaluate(record).items():
                 self._update(name, condition, message, now, record, rank=rank, clear=clear)
             self._num_records += 1
 
+    def _arm_hang_clock(self, record: dict[str, Any], now: float) -> None:
+        """A step record: restart the hang clock; the next record is due after its steps at this step time."""
+        step, last = as_float(record.get("step")), as_float(self._last_step)
+        steps = step - last if math.isfinite(step) and math.isfinite(last) and step > last else 1.0
+        step_s = as_float(record.get("step_time_s"))
+        self._due_s = steps * step_s if math.isfinite(step_s) and step_s > 0 else 0.0
+        self._last_record_s, self._paused_s = now, 0.0
+        self._last_step = record.get("step", self._last_step)
+
+    def new_process(self) -> None:
+        """A new process (restart, resume, preemption): fresh histories, no hang clock until its first step."""
+        with self._lock:
+            self._last_record_s, self._last_step, self._save_started_s = None, None, None
+            for history in (self._losses, self._grad_norms, self._tokens_per_s):
+                history.clear()
+            self._pending.clear()
+            self._num_records = 0
+
+    def _note_save(self, kind: str, now: float) -> None:
+        """checkpoint_save_started … checkpoint_saved/failed: the time between is not counted toward a hang."""
+        if kind == "checkpoint_save_started":
+            self._save_started_s = now
+        elif kind in ("checkpoint_saved", "checkpoint_failed") and self._save_started_s is not None:
+            if self._last_record_s is not None:
+                self._paused_s += max(0.0, now - max(self._save_started_s, self._last_record_s))
+            self._save_started_s = None
+
+    def _poll_events(self) -> None:
+        """Read the save events appended to events.jsonl since the last poll (whole lines only)."""
+        if self.events_path is None:
+            return
+        try:
+            with self.events_path.open("rb") as handle:
+                if handle.seek(0, 2) < self._events_offset:
+                    self._events_offset = 0  # the file was replaced
+                handle.seek(self._events_offset)
+                chunk = handle.read()
+        except OSError:
+            return
+        chunk = chunk[:chunk.rfind(b"\n") + 1]
+        self._events_offset += len(chunk)
+        for line in chunk.splitlines():
+            try:
+                event = json.loads(line)
+            except ValueError:
+                continue
+            if isinstance(event, dict):
+                self._note_save(str(event.get("kind")), self._now(event))
+
     def event(self, kind: str, **fields: Any) -> None:
-        """A run event (checkpoint saved/failed, ...); only checkpoint events drive a rule."""
+        """A run event: checkpoint saves pause the hang clock; checkpoint_failed/saved drive checkpoint_failure."""
         now = self._now(fields)
         with self._lock:
+            self._note_save(kind, now)
             if kind == "checkpoint_failed":
                 error = fields.get("error", "unknown error")
                 message = f"checkpoint write failed at step {fields.get('step')}: {error}"
@@ -253,13 +221,21 @@ class AlertEngine:
         self._watchdog = threading.Thread(target=loop, name="leantrain-alert-watchdog", daemon=True)
         self._watchdog.start()
 
+    def hang_idle_s(self, now: float) -> float:
+        """Seconds past the next record's due time, saves not counted; -inf before the first step."""
+        if self._last_record_s is None:
+            return -math.inf
+        saving = now - max(self._save_started_s, self._last_record_s) if self._save_started_s is not None else 0.0
+        return now - self._last_record_s - self._paused_s - max(0.0, saving) - self._due_s
+
     def check_idle(self, now: float) -> None:
-        """Fire `hang` when no record came for the timeout, and `low_disk` when space is short."""
+        """Fire `hang` when no step came for the timeout, and `low_disk` when space is short."""
         with self._lock:
-            idle_s = now - self._last_record_s
+            self._poll_events()
+            idle_s = self.hang_idle_s(now)
             if self.rules.hang.enabled and idle_s > self.hang_timeout_s:
-                message = (f"no step for {idle_s:.0f} s (last step {self._last_step}; "
-                           f"timeout {self.hang_timeout_s:.0f} s)")
+                message = (f"no step for {idle_s:.0f} s after the next record was due (last step {self._last_step}; "
+                           f"timeout {self.hang_timeout_s:.0f} s, checkpoint saves not counted)")
                 self._update("hang", True, message, now, {"step": self._last_step})
             if self.disk_paths and now - self._last_disk_check_s >= self.rules.low_disk.check_every_s:
                 self._last_disk_check_s = now
@@ -451,11 +427,15 @@ def engine_from_spec(
     engine = AlertEngine(
         rules=load_rules(monitoring.alert_rules), outputs=outputs, plan_mfu=plan_mfu,
         hang_timeout_s=monitoring.hang_timeout_s, disk_paths=watched_dirs(spec, run_dir=Path(run_dir)),
-        on_close=[sender.close] if sender is not None else [],
+        on_close=[sender.close] if sender is not None else [], events_path=Path(run_dir) / EVENTS_FILE,
     )
     if watchdog:
         engine.start_watchdog()
     return engine
+
+
+# Events the replay interleaves with the records: saves (the checkpoint rule, hang pauses) and new processes.
+REPLAY_EVENTS = ("checkpoint_save_started", "checkpoint_saved", "checkpoint_failed", "preempted", "restart", "resume")
 
 
 def replay(
@@ -466,25 +446,50 @@ def replay(
     events: Iterable[dict[str, Any]] = (),
     hang_timeout_s: float = 600.0,
 ) -> list[Alert]:
-    """Run the rules over a finished run (metrics + checkpoint events, in time order); returns every alert.
+    """Run the rules over a finished run (metrics + events, in time order); returns every alert."""
+    return replay_engine(records, rules=rules, plan_mfu=plan_mfu, events=events, hang_timeout_s=hang_timeout_s).history
 
-    Hangs are found from gaps between record `time` stamps, since no watchdog ran over the files.
+
+def replay_engine(
+    records: Iterable[dict[str, Any]],
+    *,
+    rules: AlertRules | None = None,
+    plan_mfu: float | None = None,
+    events: Iterable[dict[str, Any]] = (),
+    hang_timeout_s: float = 600.0,
+) -> AlertEngine:
+    """`replay`, returning the engine: its `history`, and in `firing` what still fires at the end of the run.
+
+    Hangs are found from gaps between record `time` stamps, since no watchdog ran over the files, as the live
+    engine judges them: from the first step on, past the next record's due time, checkpoint saves not counted.
+    A new process (a `restart`, `resume` or `preempted` event, or the step going back: a resume from an earlier
+    checkpoint) starts its histories (loss, grad norm, tokens/s) and its hang clock afresh, as the live engine of
+    the new process does; alerts that fire stay firing until the new process's records clear them.
     """
     engine = AlertEngine(rules=rules, plan_mfu=plan_mfu, hang_timeout_s=hang_timeout_s, clock=lambda: 0.0)
     stream: list[tuple[float, int, dict[str, Any]]] = []
     for order, record in enumerate(records):
         stream.append((as_float(record.get("time")), order, record))
     for order, event in enumerate(events):
-        if event.get("kind") in ("checkpoint_saved", "checkpoint_failed"):
-            stream.append((as_float(event.get("time")), order, {"event": event["kind"], **event}))
+        if isinstance(event, dict) and event.get("kind") in REPLAY_EVENTS:
+            stream.append((as_float(event.get("time")), order, {**event, "event": event["kind"]}))
     timed = all(math.isfinite(t) for t, _, _ in stream)
     if timed:
         stream.sort(key=lambda item: (item[0], item[1]))
-    previous: float | None = None
+    last_step = math.nan
     for stamp, _, record in stream:
-        if timed and previous is not None and "event" not in record:
+        kind = record.get("event")
+        if kind in ("preempted", "restart", "resume"):
+            if timed and kind == "preempted":
+                engine.check_idle(stamp)  # a stall before the preemption is still one
+            engine.new_process()
+            continue
+        step = as_float(record.get("step"))
+        if kind is None and step <= last_step:
+            engine.new_process()  # the step went back: a resume from an earlier checkpoint
+        if timed and kind is None:
             engine.check_idle(stamp - 1e-6)  # the gap before this record, seen just before it ends it
         engine.write(record)
-        if "event" not in record:
-            previous = stamp
-    return engine.history
+        if kind is None and math.isfinite(step):
+            last_step = step
+    return engine

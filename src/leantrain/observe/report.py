@@ -137,8 +137,7 @@ def _alerts_section(run: RunData) -> str:
         css = "resolved" if state == "resolved" else severity
         first, last = as_float(alert.get("first_seen")), as_float(alert.get("last_seen"))
         duration = f"{last - first:.0f} s" if math.isfinite(first) and math.isfinite(last) else "—"
-        when = dt.datetime.fromtimestamp(first, tz=dt.UTC).strftime("%Y-%m-%d %H:%M:%S") if math.isfinite(first) \
-            else "—"
+        when = _utc(first, "%Y-%m-%d %H:%M:%S")
         rows.append([f"<span class='{css}'>{html.escape(severity)}</span>", html.escape(state),
                      html.escape(str(alert.get("rule", ""))), html.escape(str(alert.get("step", "—"))),
                      html.escape(when), duration, html.escape(str(alert.get("message", "")))])
@@ -185,11 +184,19 @@ def describe_event(event: dict[str, Any]) -> str:
     return fields_text(f)
 
 
+def _utc(stamp: float, layout: str) -> str:
+    """A Unix time from a run file as UTC text; "—" when it is not one (NaN, or out of the calendar's range)."""
+    try:
+        return dt.datetime.fromtimestamp(stamp, tz=dt.UTC).strftime(layout)
+    except (ValueError, OverflowError, OSError):
+        return "—"
+
+
 def _events_table(run: RunData) -> str:
     rows = []
     for event in run.events:
         stamp = as_float(event.get("time"))
-        when = dt.datetime.fromtimestamp(stamp, tz=dt.UTC).strftime("%H:%M:%S") if math.isfinite(stamp) else "—"
+        when = _utc(stamp, "%H:%M:%S")
         rows.append([when, str(event.get("kind", "?")), str(event.get("step", "—")), describe_event(event)])
     checkpoints = [[f"step-{c.step:08d}", "committed" if c.committed else "NOT committed",
                     "yes" if c.has_manifest else "no"] for c in run.checkpoints]

@@ -73,10 +73,30 @@ def _step_problem(record: dict[str, Any]) -> str | None:
     return "no step" if "step" not in record else f"step is not a number ({json.dumps(step)[:40]})"
 
 
-def _read_jsonl(path: Path, bad_lines: list[str], *, metrics: bool = False) -> list[dict[str, Any]]:
+# World-size-long lists on every metrics record; only the newest record's are read whole (validate, doctor), so
+# the reader keeps them there alone: 4,096 ranks × 90k records would otherwise be tens of GB. Earlier records keep
+# `rank_step_time_s` as {slowest rank: its time, -1: the other ranks' median}, all the straggler rule reads.
+PER_RANK_KEYS = ("rank_step_time_s", "rank_mem_bytes")
+
+
+def slowest_rank(value: Any) -> dict[int, float]:
+    """Per-rank step times (a list by rank or a {rank: seconds} mapping) as {slowest rank: seconds, -1: the median
+    of the others}; {} when fewer than two ranks have a number."""
+    pairs = enumerate(value) if isinstance(value, list) else value.items() if isinstance(value, dict) else ()
+    times = {int(r): v for r, v in ((as_float(r), as_float(s)) for r, s in pairs) if math.isfinite(r + v)}
+    if len(times) < 2:
+        return {}
+    slow = max(times, key=lambda r: times[r])
+    return {slow: times[slow], -1: float(np.median([v for r, v in times.items() if r != slow]))}
+
+
+def _read_jsonl(path: Path, bad_lines: list[str], *, metrics: bool = False, limit: int | None = None
+                ) -> list[dict[str, Any]]:
     """The JSON objects of a JSONL file; a line that is not one is named in `bad_lines` and left out, and so is
-    (with `metrics`) a record whose step is not a number."""
+    (with `metrics`) a record whose step is not a number. With `metrics` the per-rank lists (PER_RANK_KEYS) stay
+    on the newest record that has them only; with `limit`, reading stops after that many records."""
     records: list[dict[str, Any]] = []
+    newest: tuple[dict[str, Any], dict[str, Any]] | None = None  # (record, its per-rank lists)
     if not path.is_file():
         return records
     with path.open(encoding="utf-8", errors="replace") as handle:
@@ -95,7 +115,16 @@ def _read_jsonl(path: Path, bad_lines: list[str], *, metrics: bool = False) -> l
             elif metrics and (problem := _step_problem(record)):
                 bad_lines.append(f"{path.name}:{number}: {problem}; left out")
             else:
+                lists = {key: record.pop(key) for key in PER_RANK_KEYS if metrics and key in record}
+                if lists:
+                    newest = (record, lists)
+                    if summary := slowest_rank(lists.get("rank_step_time_s")):
+                        record["rank_step_time_s"] = summary
                 records.append(record)
+                if limit is not None and len(records) >= limit:
+                    break
+    if newest is not None:
+        newest[0].update(newest[1])
     return records
 
 
@@ -164,8 +193,8 @@ class RunData:
     """Everything a run dir holds that observe/validate/doctor read; missing files are empty, not errors."""
 
     run_dir: Path
-    metrics: list[dict[str, Any]]
-    rank_metrics: dict[int, list[dict[str, Any]]]
+    metrics: list[dict[str, Any]]  # the per-rank lists (PER_RANK_KEYS) only on the newest record that had them
+    rank_metrics: dict[int, list[dict[str, Any]]]  # each rank's first record: only who reported is read
     alerts: list[dict[str, Any]]
     events: list[dict[str, Any]]
     plan: dict[str, Any] | None
@@ -271,7 +300,8 @@ def _split_by_rank(
     # Several ranks in one file: the main stream is the lowest rank (rank 0 logs the global view).
     main_rank = min(ranks)
     for record in ranked:
-        by_rank.setdefault(record["rank"], []).append(record)
+        if not by_rank.get(record["rank"]):
+            by_rank[record["rank"]] = [record]
     main = [r for r in records if r.get("rank") in (None, main_rank)]
     return main, by_rank
 
@@ -284,7 +314,7 @@ def load_run(run_dir: Path) -> RunData:
     for path in sorted(run_dir.glob("metrics-rank*.jsonl")):
         match = RANK_METRICS_RE.match(path.name)
         if match:
-            rank_files[int(match.group(1))] = _read_jsonl(path, bad, metrics=True)
+            rank_files[int(match.group(1))] = _read_jsonl(path, bad, metrics=True, limit=1)
     records = _read_jsonl(run_dir / METRICS_FILE, bad, metrics=True)
     # Held-out evaluation records share the file ({"step", "eval_loss", ...}); they are not training steps.
     evals = [r for r in records if "eval_loss" in r and "loss" not in r]

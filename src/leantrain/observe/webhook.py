@@ -8,17 +8,22 @@ the spec, a log or the run dir. The standard library's urllib is enough for one 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
+import logging
 import os
 import queue
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from typing import Any
 
 from leantrain.errors import UserInputError
 from leantrain.spec import resolve_secret
+
+log = logging.getLogger("leantrain.observe")
 
 
 class WebhookSender:
@@ -36,6 +41,10 @@ class WebhookSender:
     ) -> None:
         if not url.startswith(("http://", "https://")):
             raise UserInputError(f"alert webhook URL must start with http:// or https:// (got {url[:40]!r})")
+        try:
+            urllib.parse.urlsplit(url).port  # noqa: B018 - a port that is not a number raises here, not in the thread
+        except ValueError as err:
+            raise UserInputError(f"alert webhook URL {url[:40]!r} is not a URL: {err}") from None
         self.url = url
         self._token = token
         self.max_attempts = max_attempts
@@ -46,6 +55,7 @@ class WebhookSender:
         self.num_sent = 0
         self.num_failed = 0
         self.num_dropped = 0
+        self.unusable: str | None = None  # why the URL cannot be posted to (said once); later alerts are dropped
         self._thread = threading.Thread(target=self._loop, name="leantrain-webhook", daemon=True)
         self._thread.start()
 
@@ -101,17 +111,25 @@ class WebhookSender:
         if self._token:
             headers["Authorization"] = f"Bearer {self._token}"
         for attempt in range(self.max_attempts):
-            request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
+            if self.unusable is not None:
+                return False
             try:
+                request = urllib.request.Request(self.url, data=body, headers=headers, method="POST")
                 with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
                     if 200 <= response.status < 300:
                         return True
             except urllib.error.HTTPError as err:
                 if 400 <= err.code < 500 and err.code not in (408, 429):
                     return False  # the receiver refuses this payload; retrying will not change that
-            except (urllib.error.URLError, OSError):
+            except (ValueError, http.client.InvalidURL) as err:  # a URL urllib cannot post to: no retry will help
+                self.unusable = f"{type(err).__name__}: {err}"
+                log.error("alert webhook %s cannot be posted to (%s); alerts are not delivered to it",
+                          self.url[:40], self.unusable)
+                return False
+            except (urllib.error.URLError, OSError, http.client.HTTPException):
                 pass
-            # Exponential back-off; waiting on the stop event lets close() cut it short.
-            if self._stop.wait(self.backoff_s * 2**attempt):
+            # Exponential back-off (0.5, 1, 2 s) between attempts, none after the last; waiting on the stop event
+            # lets close() cut it short.
+            if attempt + 1 == self.max_attempts or self._stop.wait(self.backoff_s * 2**attempt):
                 return False
         return False
