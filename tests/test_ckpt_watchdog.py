@@ -72,3 +72,13 @@ def test_shipped_defaults_find_a_frozen_rank_before_the_collective_timeout_and_w
         spec_from_dict({**raw, "monitoring": {"hang_timeout_s": 600}})
     relaxed = spec_from_dict({**raw, "monitoring": {"hang_timeout_s": 600}, "fault": {"hang_action": "alert"}})
     assert relaxed.monitoring.hang_timeout_s == 600
+
+
+def test_a_hand_edited_rank_record_takes_its_rank_and_attempt_from_its_name(tmp_path: Path) -> None:
+    """`{"attempt": null}` (or no rank) in RUN_DIR/hang/rank-R-attempt-A.json raised a TypeError in validate and
+    doctor; the file name, which the writer chose, says whose record it is and from which attempt."""
+    (tmp_path / "hang").mkdir()
+    (tmp_path / "hang" / "rank-3-attempt-1.json").write_text('{"attempt": null, "idle_s": "long"}')
+    (tmp_path / "hang" / "rank-0-attempt-1.json").write_text('{"rank": "x"}')
+    records = read_hangs(tmp_path, attempt=1)
+    assert [(r["rank"], r["attempt"]) for r in records] == [(0, 1), (3, 1)]

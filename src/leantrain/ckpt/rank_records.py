@@ -46,13 +46,13 @@ def read_rank_records(run_dir: Path, kind: str) -> list[dict[str, Any]]:
     if not folder.is_dir():
         return out
     for path in folder.iterdir():
-        if not RECORD_RE.match(path.name):
+        if not (match := RECORD_RE.match(path.name)):
             continue
         with contextlib.suppress(OSError, ValueError):
             record = json.loads(path.read_text(encoding="utf-8"))
-            if isinstance(record, dict):
-                out.append(record)
-    return sorted(out, key=lambda r: (int(r.get("attempt", 0)), int(r.get("rank", 0))))
+            if isinstance(record, dict):  # the file's name says whose and when, whatever its fields were made
+                out.append({**record, "rank": int(match.group(1)), "attempt": int(match.group(2))})
+    return sorted(out, key=lambda r: (r["attempt"], r["rank"]))
 
 
 def merged_events(events: list[dict[str, Any]], records: list[dict[str, Any]]) -> list[dict[str, Any]]:
