@@ -265,6 +265,41 @@ def test_failing_store_loses_nothing_and_run_continues(run_dir: Path, blocking: 
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000006"]
 
 
+def test_a_retry_after_a_commit_that_failed_in_place_keeps_that_checkpoint(run_dir: Path) -> None:
+    """The commit renamed step 4 into place, then the fsync of the checkpoints folder failed (EIO): the save
+    failed, and its retry deleted the committed step 4 as "another timeline's checkpoint" before writing again; a
+    retry that failed too left nothing of step 4. The retry now keeps it (and syncs the folder again)."""
+    spec = make_spec(checkpoint={"keep_last": 3, "save_retries": 1, "retry_backoff_s": 0})
+    ckpt = CheckpointManager(spec, run_dir=run_dir)
+    app = make_app()
+    train(app, 2)
+    ckpt.save(2, app, blocking=True)
+    store, real_sync, real_open = ckpt.store, ckpt.store.sync_dir, ckpt.store.open_write
+    failures = {"sync": 1}
+
+    def sync_dir(rel: str) -> None:
+        if rel == "" and failures["sync"]:
+            failures["sync"] -= 1
+            raise OSError(errno.EIO, "Input/output error")
+        real_sync(rel)
+
+    def open_write(rel: str) -> Any:
+        if not failures["sync"] and rel.endswith(".distcp"):  # the retry's write would fail as well
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_open(rel)
+
+    store.sync_dir, store.open_write = sync_dir, open_write  # type: ignore[method-assign]
+    train(app, 2)
+    expected = snapshot(app)
+    ckpt.save(4, app, blocking=True)
+    ckpt.close()
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["step-00000002", "step-00000004"]
+    assert "checkpoint_deleted" not in names(run_dir) and "checkpoint_failed" not in names(run_dir)
+    fresh = make_app(seed=2)
+    assert resume(spec, run_dir, fresh) == 4
+    assert_same(snapshot(fresh), expected)
+
+
 def test_retention_never_deletes_the_newest_good() -> None:
     entries = [
         StepEntry(step=2, name="step-00000002", committed=True, corrupt=False),

@@ -123,6 +123,7 @@ class CheckpointManager:
         self.foreign: dict[str, str] = {}
         self.save_requested = False  # the ranks agreed on an outside request (should_save's `requested`)
         self.last_saved_step: int | None = None
+        self._committed_step: int | None = None  # rank 0: the step whose commit marker this process wrote last
         self._last_attempted_step: int | None = None
         self._last_save_clock = clock()
         ck = spec.checkpoint
@@ -324,7 +325,10 @@ class CheckpointManager:
                         self.events.emit("checkpoint_moved_aside", folder=self.store.describe(entry.name),
                                          to=self.store.describe(aside), reason=self.foreign.pop(entry.name))
                     continue
-                if entry.step == step and entry.good_candidate and step in (self.loaded_step, self.last_saved_step):
+                if entry.step == step and entry.good_candidate and step in (
+                        self.loaded_step, self.last_saved_step, self._committed_step):
+                    if step == self._committed_step:  # a retry after a commit that failed once in place (its
+                        self.store.sync_dir("")      # last fsync): that checkpoint is this save's, keep it
                     return "exists"
                 if entry.step == step and entry.good_candidate:
                     integ.remove_checkpoint(self.store, entry.name)
@@ -352,6 +356,7 @@ class CheckpointManager:
             point = self.commit_point
             integ.write_commit(self.store, folder, manifest,
                                before_marker=None if point is None else lambda: point(step, "before_marker"))
+            self._committed_step = step
             integ.publish(self.store, step=step)
         except Exception as err:  # noqa: BLE001 - any storage error: the save fails cleanly
             return f"committing {self.store.describe(folder)}: {one_line(err)}"
