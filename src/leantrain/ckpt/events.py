@@ -47,6 +47,7 @@ class EventLog:
         self.audit = audit  # e.g. security.AuditLog(...).append
         self._lock = threading.Lock()
         self._held: tuple[int, list[str]] | None = None  # (thread, warnings) while console_held() holds them
+        self._write_error = ""  # the last append error said (each said once)
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
 
@@ -55,9 +56,15 @@ class EventLog:
             return
         record = {"time": time.time(), "event": event, "kind": event, **fields}
         line = json.dumps(record, default=str)
-        with self._lock, open(self.path, "a", encoding="utf-8") as out:
-            out.write(line + "\n")
-            out.flush()
+        try:
+            with self._lock, open(self.path, "a", encoding="utf-8") as out:
+                out.write(line + "\n")
+                out.flush()
+        except OSError as err:  # a full or read-only run dir: the record is lost, never the save it reports
+            # (rank 0 raising here inside a save left the other ranks in its collectives); said once per error
+            if str(err) != self._write_error:
+                self._write_error = str(err)
+                log.warning("events.jsonl: cannot append (%s); %s and later events are not recorded", err, event)
         if self.audit is not None and event in AUDIT_EVENTS:
             try:
                 self.audit(event.replace("_", ".", 1), **fields)
