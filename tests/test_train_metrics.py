@@ -109,3 +109,20 @@ def test_cpu_peak_is_measured_once_per_cpu_and_thread_count(tmp_path: Path, monk
     finally:
         torch.set_num_threads(threads)
         hardware.host_cpu_peak_flops.cache_clear()
+
+
+def test_the_records_train_returns_are_bounded_and_leave_the_per_rank_lists_out() -> None:
+    """Every rank kept every logged record for train()'s return value, each with the world-size-long per-rank
+    lists: at 16,384 ranks 256 KB a record, GBs per rank over a long run. The first record (the summary's start)
+    and the newest are kept, without those lists; metrics.jsonl keeps everything."""
+    from leantrain.train.step_metrics import KEPT_RECORDS, keep_record
+
+    records: list[dict] = []
+    world = 16_384
+    for step in range(1, 3 * KEPT_RECORDS + 1):
+        logged = {"step": step, "loss": 1.0 / step, "rank_step_time_s": [0.5] * world, "rank_mem_bytes": [1] * world}
+        keep_record(records, logged)
+        assert "rank_step_time_s" in logged  # what was logged is not changed
+    assert len(records) == KEPT_RECORDS and records[0]["step"] == 1 and records[-1]["step"] == 3 * KEPT_RECORDS
+    assert [r["step"] for r in records[1:]] == list(range(2 * KEPT_RECORDS + 2, 3 * KEPT_RECORDS + 1))
+    assert not any("rank_step_time_s" in r or "rank_mem_bytes" in r for r in records)

@@ -175,3 +175,16 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work, so a wall-clock interval measures what ran in it (no-op on a CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+KEPT_RECORDS = 1000  # Trainer.train() returns at most the first and the newest 999 records; metrics.jsonl has all
+PER_RANK_KEYS = ("rank_step_time_s", "rank_mem_bytes")  # world-size-long lists: in metrics.jsonl, not kept here
+
+
+def keep_record(records: list[dict[str, Any]], record: dict[str, Any]) -> None:
+    """Keep a logged record for `Trainer.train()`'s return value: without its per-rank lists, and at most
+    KEPT_RECORDS of them (the first, for the summary's starting loss, and the newest). Every rank keeps them: at
+    16,384 ranks the lists alone grew by 256 KB a record, GBs per rank over a long run."""
+    records.append({key: value for key, value in record.items() if key not in PER_RANK_KEYS})
+    if len(records) > KEPT_RECORDS:
+        del records[1]

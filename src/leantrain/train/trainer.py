@@ -63,6 +63,7 @@ from leantrain.train.step_metrics import (
     LogWindow,
     SourceLoss,
     StepResult,
+    keep_record,
     moe_balance,
     synchronize,
     valid_target_count,
@@ -296,7 +297,7 @@ class Trainer:
 
     # ----- the loop ------------------------------------------------------------------------------------
     def train(self) -> list[dict[str, Any]]:
-        """Run to max_steps; returns the metrics records this process logged (rank 0) or built.
+        """Run to max_steps; returns the records this process logged (rank 0) or built (`keep_record`: bounded).
 
         Evaluation and checkpoint saves are timed on their own and kept out of the window's throughput
         (train/step_metrics.py); with `max_steps` 0 only `model_ready` is recorded.
@@ -319,12 +320,12 @@ class Trainer:
             window.add(result)
             last = self.step == self.max_steps
             if self.step % self.log_every == 0 or last:
-                records.append(self._log(window, result))
+                keep_record(records, self._log(window, result))
                 window = LogWindow()
             if self.eval_sampler is not None and (self.step % eval_every == 0 or last):
                 eval_record = self._log_eval()
                 window.eval_s += eval_record["eval_s"]
-                records.append(eval_record)
+                keep_record(records, eval_record)
             if self.checkpointer is not None:
                 start_s = time.perf_counter()
                 self.checkpointer.maybe_save(self, force=last)
