@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from rich.console import Console
 
@@ -169,6 +170,7 @@ def _edit(run_dir: Path, name: str, change: str) -> None:
     ("metrics.jsonl", '{"world_size": 10000000000}'),
     ("alerts.jsonl", '{"rule": "hang", "state": "resolved", "severity": "critical", "first_seen": 1e20}'),
     ("events.jsonl", '{"time": 1e20, "kind": "finish"}'),
+    ("plan.json", '{"layout": "dp2"}'),
 ])
 def test_odd_values_in_best_effort_run_files_are_read_past(tmp_path: Path, name: str, change: str) -> None:
     """Doctor and report read such a value as absent, without a traceback."""
@@ -181,3 +183,19 @@ def test_odd_values_in_best_effort_run_files_are_read_past(tmp_path: Path, name:
     assert diagnose_run(load_run(run_dir))
     write_report(run_dir, tmp_path / "report.html")
     assert (tmp_path / "report.html").is_file()
+
+
+def test_a_spec_with_an_odd_virtual_stage_count_is_priced_as_one(tmp_path: Path) -> None:
+    """The report's pipeline-bubble estimate (no measured bubble_s) divided by a spec.yaml's virtual_stages as it
+    stood: "two" was a TypeError."""
+    from leantrain.observe.report_cost import bubble_seconds
+
+    run_dir = make_run(tmp_path, "healthy")
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps({k: v for k, v in r.items() if k != "bubble_s"}) + "\n"
+                                                   for r in records))
+    (run_dir / "plan.json").unlink()
+    (run_dir / "spec.yaml").write_text("parallelism: {pipeline_parallel: 2, virtual_stages: two}\n"
+                                       "training: {global_batch_tokens: 4096, micro_batch: 1}\ndata: {seq_len: 512}\n")
+    seconds, how = bubble_seconds(load_run(run_dir), 100.0, np.ones(len(records)))
+    assert seconds == pytest.approx(100.0 / 9) and "v=1" in how  # (pp-1)/(m+pp-1) with m = 8

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 
@@ -72,9 +73,14 @@ def _weighted_sum(run: RunData, key: str, weights: np.ndarray) -> float:
     return float(np.sum(values[mask] * weights[mask])) if values.size else 0.0
 
 
+def _plan_layout(run: RunData) -> dict[str, Any]:
+    layout = run.plan_get("layout")
+    return layout if isinstance(layout, dict) else {}  # absent, or not an object in a hand-edited plan.json
+
+
 def num_microbatches(run: RunData) -> int | None:
     """Micro-batches per step per pipeline: plan layout, else spec batch / (seq_len × micro_batch × dp)."""
-    layout = run.plan_get("layout") or {}
+    layout = _plan_layout(run)
     if isinstance(layout.get("num_microbatches"), int):
         return int(layout["num_microbatches"])
     batch, seq_len = run.spec_get("training.global_batch_tokens"), run.spec_get("data.seq_len")
@@ -88,14 +94,15 @@ def num_microbatches(run: RunData) -> int | None:
 def bubble_seconds(run: RunData, compute_s: float, weights: np.ndarray) -> tuple[float, str]:
     if run.has("bubble_s"):
         return _weighted_sum(run, "bubble_s", weights), "measured (metrics bubble_s)"
-    layout = run.plan_get("layout") or {}
+    layout = _plan_layout(run)
     pp = layout.get("pp") or run.spec_get("parallelism.pipeline_parallel") or 1
     if not isinstance(pp, int) or pp <= 1:
         return 0.0, "no pipeline parallelism (pp = 1)"
     m = num_microbatches(run)
     if m is None:
         return 0.0, f"pp = {pp} but the micro-batch count is unknown (no plan layout or spec in the run dir)"
-    virtual = run.spec_get("parallelism.virtual_stages") or 1
+    virtual = run.spec_get("parallelism.virtual_stages")
+    virtual = virtual if isinstance(virtual, int) and virtual > 0 else 1
     fraction = (pp - 1) / virtual / (m + (pp - 1) / virtual)
     return fraction * compute_s, f"(pp−1)/(m+pp−1) with pp={pp}, m={m}, v={virtual}: {fraction:.1%} of compute"
 
