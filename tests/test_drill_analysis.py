@@ -170,6 +170,15 @@ def test_a_finished_run_of_the_same_training_can_be_the_reference(tmp_path: Path
     restarted = _finished_run(tmp_path / "restarted", spec, losses=REFERENCE, events=[RESTART])
     assert "restarted" in reusable_reference(restarted, spec=spec, nproc=2, max_steps=6)
     assert "no finished run" in reusable_reference(tmp_path / "nothing", spec=spec, nproc=2, max_steps=6)
+    # a damaged run dir is no reference, said so (an AttributeError or ValueError before)
+    for name, text in (("spec.yaml", "[]"), ("train_info.json", "[1]")):
+        broken = _finished_run(tmp_path / f"broken-{name}", spec, losses=REFERENCE)
+        (broken / name).write_text(text)
+        assert "not a mapping" in reusable_reference(broken, spec=spec, nproc=2, max_steps=6)
+    odd = _finished_run(tmp_path / "odd", spec, losses=REFERENCE)
+    with (odd / "metrics.jsonl").open("a") as handle:
+        handle.write('{"step": "x", "loss": 1}\n[1]\n{"step": 7}\n')
+    assert reusable_reference(odd, spec=spec, nproc=2, max_steps=6) is None
 
 
 @pytest.mark.parametrize("reusable", [True, False])

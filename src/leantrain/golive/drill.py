@@ -311,6 +311,8 @@ def reusable_reference(run_dir: Path, *, spec: JobSpec, nproc: int, max_steps: i
         info = json.loads((run_dir / "train_info.json").read_text(encoding="utf-8"))
     except (OSError, ValueError, yaml.YAMLError) as err:
         return f"no finished run there: {type(err).__name__}: {err}"
+    if not isinstance(recorded, dict) or not isinstance(info, dict):
+        return "no finished run there: its spec.yaml or train_info.json is not a mapping"
     mine = spec.model_dump(mode="json")
     differs = [name for name in LOSS_SECTIONS if recorded.get(name) != mine.get(name)]
     if differs:
@@ -372,8 +374,11 @@ def losses_by_step(metrics: list[dict[str, Any]]) -> dict[int, list[float]]:
     """Every logged training loss per step, in order (a redone step appears once per attempt)."""
     out: dict[int, list[float]] = {}
     for record in metrics:
-        if "loss" in record and record.get("loss") is not None:
-            out.setdefault(int(record["step"]), []).append(float(record["loss"]))
+        try:  # a line that is no training record (an event, a hand-edited step) is not a loss
+            step, loss = int(record["step"]), float(record["loss"])
+        except (KeyError, TypeError, ValueError, OverflowError):
+            continue
+        out.setdefault(step, []).append(loss)
     return out
 
 
