@@ -49,9 +49,9 @@ class PrometheusSink:
         self.last_step_time = Gauge(
             "leantrain_last_step_timestamp_seconds", "Unix time of the last logged step (hang detection).",
             LABELS, registry=self.registry)
-        self.rank_step_time = Gauge(
+        self.rank_step_time = Gauge(  # labelled by rank alone: the exporter (rank 0) does not know each rank's host
             "leantrain_rank_step_time_seconds", "Step time per rank, as gathered by rank 0 (stragglers).",
-            LABELS, registry=self.registry)
+            ("rank",), registry=self.registry)
         self.nonfinite = Counter(
             "leantrain_nonfinite_steps", "Logged steps with a non-finite loss or gradient norm.",
             LABELS, registry=self.registry)
@@ -91,7 +91,7 @@ class PrometheusSink:
         per_rank = record.get("rank_step_time_s")
         if isinstance(per_rank, list):
             for rank, seconds in enumerate(per_rank):
-                self.rank_step_time.labels(rank=str(rank), host=labels["host"]).set(as_float(seconds))
+                self.rank_step_time.labels(rank=str(rank)).set(as_float(seconds))
         if record.get("loss") is not None and not math.isfinite(as_float(record.get("loss"))) or (
             record.get("grad_norm") is not None and not math.isfinite(as_float(record.get("grad_norm")))
         ):
