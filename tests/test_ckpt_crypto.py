@@ -50,6 +50,52 @@ def test_chunked_round_trip(size: int) -> None:
     assert len(data) < 8 or data not in blob  # short strings can occur in ciphertext by chance
 
 
+class _CountingBytes(io.BytesIO):
+    read_bytes = 0
+
+    def read(self, size: int | None = -1) -> bytes:
+        data = super().read(size)
+        self.read_bytes += len(data)
+        return data
+
+
+@pytest.mark.parametrize("size", [0, 1, 16, 32, 37, 100])
+def test_a_slice_of_an_encrypted_file_is_read_from_its_chunks_alone(size: int) -> None:
+    """DCP loads a rank's slices of a file by seeking; a read decrypted the whole file into memory, so every rank
+    read all of the shard file that holds the run's replicated state (one rank's, GBs at 405B). The reader fetches
+    and authenticates only the chunks a slice covers, and still finds a changed or missing byte."""
+    from leantrain.ckpt.crypto import HEADER_BYTES, NONCE_BYTES, TAG_BYTES, SealedRandomReader
+
+    data = os.urandom(size)
+    blob = seal(data)
+    cipher = ChunkCipher(KEY, chunk_bytes=16)
+    reader = SealedRandomReader(io.BytesIO(blob), cipher, name="step-00000001/a")
+    assert reader.size == size and reader.read() == data and reader.read(5) == b""
+    for offset, length in ((0, 3), (5, 20), (15, 2), (size - 7, 7), (40, 60)):
+        offset = max(0, min(offset, size))
+        assert reader.seek(offset) == offset and reader.read(length) == data[offset:offset + length]
+    if size >= 4:
+        assert reader.seek(-4, io.SEEK_END) == size - 4 and reader.read() == data[-4:]
+    if size >= 100:
+        counted = _CountingBytes(blob)
+        slice_reader = SealedRandomReader(counted, cipher, name="step-00000001/a")
+        counted.read_bytes = 0
+        slice_reader.seek(70)
+        assert slice_reader.read(8) == data[70:78]  # inside chunk 4: one record read, not the file
+        assert counted.read_bytes == NONCE_BYTES + 16 + TAG_BYTES < len(blob) - HEADER_BYTES
+        damaged = bytearray(blob)
+        damaged[HEADER_BYTES + 2 * (NONCE_BYTES + 16 + TAG_BYTES) + NONCE_BYTES] ^= 1  # chunk 2
+        tampered = SealedRandomReader(io.BytesIO(bytes(damaged)), cipher, name="step-00000001/a")
+        assert tampered.read(16) == data[:16]
+        with pytest.raises(TamperError, match="chunk 2"):
+            tampered.seek(33)
+            tampered.read(4)
+        cut = SealedRandomReader(io.BytesIO(blob[:-3]), cipher, name="step-00000001/a")  # the end cut off
+        with pytest.raises(TamperError):
+            cut.seek(cut.size - 1)
+            cut.read(1)
+
+
 def test_any_change_is_detected() -> None:
     data = b"x" * 100  # 7 chunks of 16 bytes
     blob = seal(data)

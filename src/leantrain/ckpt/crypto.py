@@ -15,10 +15,11 @@ import base64
 import binascii
 import hashlib
 import hmac
+import io
 import os
 import struct
 from collections.abc import Iterator
-from typing import IO
+from typing import IO, Any
 
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
@@ -80,6 +81,13 @@ class ChunkCipher:
         nonce = os.urandom(NONCE_BYTES)
         return nonce + self._aead.encrypt(nonce, plaintext, self._aad(name, index, last=last))
 
+    def open_chunk(self, record: bytes, *, name: str, index: int, last: bool) -> bytes:
+        """The plaintext of one sealed record; TamperError when it does not authenticate."""
+        try:
+            return self._aead.decrypt(record[:NONCE_BYTES], record[NONCE_BYTES:], self._aad(name, index, last=last))
+        except InvalidTag as err:
+            raise TamperError(f"{name}: authentication failed at chunk {index} (tampered or wrong key)") from err
+
     def open_stream(self, stream: IO[bytes], *, name: str) -> Iterator[bytes]:
         """Yield the plaintext chunks of an encrypted file; raise TamperError on any inconsistency."""
         header = stream.read(HEADER_BYTES)
@@ -95,10 +103,7 @@ class ChunkCipher:
             last = not following
             if len(record) < NONCE_BYTES + TAG_BYTES or (not last and len(record) != record_bytes):
                 raise TamperError(f"{name}: truncated encrypted record {index}")
-            try:
-                yield self._aead.decrypt(record[:NONCE_BYTES], record[NONCE_BYTES:], self._aad(name, index, last=last))
-            except InvalidTag as err:
-                raise TamperError(f"{name}: authentication failed at chunk {index} (tampered or wrong key)") from err
+            yield self.open_chunk(record, name=name, index=index, last=last)
             if last:
                 return
             record, index = following, index + 1
@@ -127,3 +132,64 @@ class EncryptingWriter:
         record = self._cipher.seal_chunk(bytes(self._buffer), name=self._name, index=self._index, last=True)
         self._raw.write(record)
         self._buffer.clear()
+
+
+class SealedRandomReader(io.RawIOBase):
+    """The plaintext of an encrypted file read at any offset (seek, read): only the chunks a read touches are
+    fetched and authenticated (each bound to its index, the file's last one to the last flag), the newest kept.
+    DCP reads a rank's slices of a file by seeking; decrypting whole files made every rank read all of a file
+    whose replicated entries it loads (the run's counters, held in one rank's shard file)."""
+
+    def __init__(self, raw: IO[bytes], cipher: ChunkCipher, *, name: str) -> None:
+        super().__init__()
+        self._raw, self._cipher, self._name = raw, cipher, name
+        raw.seek(0)
+        header = raw.read(HEADER_BYTES)
+        if len(header) != HEADER_BYTES or not header.startswith(MAGIC):
+            raise TamperError(f"{name}: not an encrypted checkpoint file (bad header)")
+        (self._chunk_bytes,) = struct.unpack(">I", header[len(MAGIC):])
+        self._record_bytes = NONCE_BYTES + self._chunk_bytes + TAG_BYTES
+        body = raw.seek(0, io.SEEK_END) - HEADER_BYTES
+        self._chunks = max(1, -(-body // self._record_bytes))
+        self._last_record = body - (self._chunks - 1) * self._record_bytes
+        if self._last_record < NONCE_BYTES + TAG_BYTES:
+            raise TamperError(f"{name}: truncated encrypted record {self._chunks - 1}")
+        self.size = (self._chunks - 1) * self._chunk_bytes + self._last_record - NONCE_BYTES - TAG_BYTES
+        self._pos = 0
+        self._cached: tuple[int, bytes] = (-1, b"")
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence]
+        if base + offset < 0:
+            raise ValueError(f"{self._name}: seek before the start")
+        self._pos = base + offset
+        return self._pos
+
+    def _chunk(self, index: int) -> bytes:
+        if self._cached[0] != index:
+            last = index == self._chunks - 1
+            self._raw.seek(HEADER_BYTES + index * self._record_bytes)
+            record = self._raw.read(self._last_record if last else self._record_bytes)
+            if len(record) != (self._last_record if last else self._record_bytes):
+                raise TamperError(f"{self._name}: truncated encrypted record {index}")
+            self._cached = (index, self._cipher.open_chunk(record, name=self._name, index=index, last=last))
+        return self._cached[1]
+
+    def readinto(self, buffer: Any) -> int:
+        view, done = memoryview(buffer).cast("B"), 0
+        while done < len(view) and self._pos < self.size:
+            index, start = divmod(self._pos, self._chunk_bytes)
+            piece = self._chunk(index)[start:start + len(view) - done]
+            view[done:done + len(piece)] = piece
+            done += len(piece)
+            self._pos += len(piece)
+        return done

@@ -11,7 +11,6 @@ Per-rank values (RNG) must sit under a key per rank: DCP saves a plain tensor or
 from __future__ import annotations
 
 import copy
-import io
 import threading
 import warnings
 from collections.abc import Iterator
@@ -27,7 +26,7 @@ from torch.distributed.checkpoint.filesystem import FileSystemBase
 from torch.distributed.checkpoint.staging import BlockingAsyncStager
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
-from leantrain.ckpt.crypto import ChunkCipher
+from leantrain.ckpt.crypto import ChunkCipher, SealedRandomReader
 from leantrain.ckpt.integrity import FileRecord, SealedWriter, step_name
 from leantrain.ckpt.storage import Store
 
@@ -86,10 +85,8 @@ class SealedFileSystem(FileSystemBase):
             with self.store.open_read(rel) as raw:
                 if self.cipher is None:
                     yield raw
-                else:
-                    # GCM authenticates whole chunks and DCP seeks inside files, so a read decrypts into memory.
-                    plain = io.BytesIO(b"".join(self.cipher.open_stream(raw, name=f"{step_name(folder)}/{name}")))
-                    yield plain
+                else:  # DCP seeks to each slice it loads: only the chunks under a slice are read and decrypted
+                    yield SealedRandomReader(raw, self.cipher, name=f"{step_name(folder)}/{name}")
         else:
             raise ValueError(f"unsupported mode {mode!r}")
 

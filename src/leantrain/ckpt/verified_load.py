@@ -12,8 +12,8 @@ file) and a resume must not train on a flipped bit. A separate hashing pass befo
 file once front to back, hands DCP its slices and hashes the rest (`integrity.OnePassReader`); the other ranks
 read only their slices. A mismatch fails DCP's read step, which DCP reports on every rank, so all ranks fall back
 together. In the usual resume (same layout) each rank is the checker of the files it wrote, and reads nothing
-but them plus the slices of replicated state; encrypted files are read whole anyway (GCM authenticates chunks,
-`dcp_io.SealedFileSystem`), so their checker hashes them in the same pass.
+but them plus the slices of replicated state; of an encrypted file the other ranks read and authenticate only
+the 4 MiB chunks under their slices (`crypto.SealedRandomReader`).
 """
 
 from __future__ import annotations
