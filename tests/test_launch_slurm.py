@@ -284,9 +284,14 @@ def test_elastic_job_survives_a_node_loss_and_failures_requeue(tmp_path: Path) -
     assert '[ "$FAILED" -lt 3 ]' in text
 
 
-@pytest.mark.parametrize(("failed_before", "requeued"), [("0", True), ("3", False)])
-def test_failed_training_requeues_until_max_requeues(tmp_path: Path, failed_before: str, requeued: bool) -> None:
-    spec = load_spec(SEED, profile="rehearsal", overrides=[env_hook(tmp_path), "cluster.preflight=false"])
+@pytest.mark.parametrize(("failed_before", "requeued", "auto_restart"),
+                         [("0", True, "true"), ("3", False, "true"), ("0", False, "false")])
+def test_failed_training_requeues_until_max_requeues(tmp_path: Path, failed_before: str, requeued: bool,
+                                                    auto_restart: str) -> None:
+    """After a failure the job requeues itself up to cluster.max_requeues times; with fault.auto_restart: false
+    never (it requeued anyway)."""
+    spec = load_spec(SEED, profile="rehearsal", overrides=[env_hook(tmp_path), "cluster.preflight=false",
+                                                          f"fault.auto_restart={auto_restart}"])
     script = tmp_path / "job.sbatch"
     script.write_text(slurm_script(spec, command=TrainCommand(spec_path=SEED), run_dir=tmp_path / "run"))
     (tmp_path / "run").mkdir()

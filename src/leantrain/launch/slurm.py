@@ -293,6 +293,8 @@ def slurm_script(
         *preflight_lines,
         "# Train: torchrun's elastic agent on every node, c10d rendezvous on the first node.",
         join_args([*srun, "torchrun", *rdzv, "-m", "leantrain.cli", *train]) + " &",
-        *_wait_for_training(max_requeues=cluster.max_requeues, health_cmd=health_cmd),
+        # fault.auto_restart: false is no restart at all, torchrun's (above) nor Slurm's requeue after a failure
+        *_wait_for_training(max_requeues=cluster.max_requeues if spec.fault.auto_restart else 0,
+                            health_cmd=health_cmd),
     ]
     return "\n".join(header + body)

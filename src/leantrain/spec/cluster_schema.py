@@ -54,7 +54,8 @@ class ClusterSpec(Section):
         "shared storage); the job file's env hook instead of the submit host's venv."
     )
     max_requeues: int = Field(
-        3, ge=0, description="Slurm: requeue the job after a failed training step at most this many times."
+        3, ge=0, description="Slurm: requeue the job after a failed training step at most this many times "
+        "(never with fault.auto_restart: false)."
     )
     nccl_preset: Literal["none", "infiniband", "roce", "efa", "tcp"] = Field(
         "none", description="The cluster's fabric: NCCL settings for job files (launch/fabric.py: InfiniBand, RoCE "
