@@ -90,7 +90,7 @@ def full_model(spec: JobSpec) -> Transformer:
 
 def make_optimizer(spec: JobSpec, params: Any) -> torch.optim.Optimizer:
     """torch's AdamW, or for `optimizer_state: bf16` AdamWBf16States with round-to-nearest: its stochastic
-    rounding draws from a generator seeded per rank, so a sharded run would round differently from one process."""
+    rounding draws its noise shard by shard, so a sharded run would round differently from one process."""
     if spec.precision.optimizer_state == "bf16":
         return AdamWBf16States(params, lr=LR, weight_decay=0.0, stochastic_rounding=False)
     return torch.optim.AdamW(params, lr=LR, weight_decay=0.0)

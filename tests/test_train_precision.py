@@ -340,3 +340,28 @@ def test_the_trainer_and_the_plan_read_one_autocast_rule(compute: str, master: s
             "parallelism": {"fsdp_single_rank": single}}))
         assert inputs.autocast_casts(Layout(dp=dp, tp=tp, pp=1, zero=0)) == trainer, (dp, tp, single)
         assert trainer == (compute == "bf16" and master == "fp32" and dp == 1 and tp == 1 and not single)
+
+
+def test_stochastic_rounding_keeps_the_copies_of_a_parameter_on_several_ranks_equal(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A parameter held whole on several ranks (data-parallel replicas at ZeRO-0 or under HSDP, a norm on
+    tensor-parallel peers) gets the same gradient on each; the rounding noise was seeded per rank, so the copies'
+    moments and weights drifted apart step by step. Seeded without the rank, they stay equal."""
+    import torch.distributed as dist
+
+    from leantrain.train.optim import AdamWBf16States
+
+    def run(rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+        monkeypatch.setattr(dist, "is_initialized", lambda: True)
+        monkeypatch.setattr(dist, "get_rank", lambda *a, **k: rank)
+        torch.manual_seed(0)
+        param = torch.nn.Parameter(torch.randn(4096))
+        opt = AdamWBf16States([param], lr=1e-3, weight_decay=0.1)
+        for step in range(5):
+            param.grad = torch.randn(4096, generator=torch.Generator().manual_seed(100 + step))
+            opt.step()
+        return param.detach().clone(), opt.state[param]["exp_avg"].float()
+
+    (param0, moment0), (param1, moment1) = run(0), run(1)
+    assert torch.equal(param0, param1) and torch.equal(moment0, moment1)

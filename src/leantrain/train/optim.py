@@ -16,7 +16,6 @@ from collections.abc import Iterable
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
@@ -108,8 +107,11 @@ class AdamWBf16States(Optimizer):
     One step runs torch's multi-tensor (`torch._foreach_*`) kernels on the local shards, per (device, dtype)
     bucket, as torch's own `foreach` AdamW does: no per-parameter DTensor dispatch. With `stochastic_rounding`
     (the default) every bf16 value written (moments; parameters when they are bf16) is rounded stochastically
-    (`stochastic_round_bf16`); the noise comes from a generator seeded from (`seed`, the step number, the rank,
-    the group), so a run is reproducible and resumes exactly (the step number is saved with the group).
+    (`stochastic_round_bf16`); the noise comes from a generator seeded from (`seed`, the step number, the group),
+    so a run is reproducible and resumes exactly (the step number is saved with the group). Not from the rank: the
+    copies of a parameter on several ranks (data-parallel replicas at ZeRO-0 and under HSDP, norms and routers on
+    tensor-parallel peers) hold the same tensors in the same order, so they draw the same noise and stay equal;
+    seeded per rank they drifted apart (rounded differently from the same gradients).
     torchao's `_AdamW(bf16_stochastic_round=True)` does not fit here: its states take the parameter's dtype
     (fp32 with fp32 masters), it compiles one function per parameter, and it has no `found_inf`.
     """
@@ -134,8 +136,7 @@ class AdamWBf16States(Optimizer):
         generator = self._generators.get(device)
         if generator is None:
             generator = self._generators[device] = torch.Generator(device=device)
-        rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-        generator.manual_seed(hash((self.seed, step, rank, group_index)) & (2**63 - 1))  # ints: same everywhere
+        generator.manual_seed(hash((self.seed, step, group_index)) & (2**63 - 1))  # ints: the same on every rank
         return generator
 
     def _bf16(self, values: list[torch.Tensor], generator: torch.Generator | None) -> list[torch.Tensor]:
