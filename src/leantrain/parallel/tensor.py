@@ -115,7 +115,7 @@ def _styles(block: nn.Module, *, float8_collectives: bool) -> tuple[type[Paralle
 def _block_plan(block: nn.Module, *, sequence_parallel: bool, float8_collectives: bool) -> dict[str, ParallelStyle]:
     seq_layout = Shard(1) if sequence_parallel else Replicate()
     colwise, rowwise, prepare_input = _styles(block, float8_collectives=float8_collectives)
-    if hasattr(block.attention, "wkv_a"):
+    if hasattr(block.attention, "wkv_a"):  # noqa: SIM102 - see `mla` below
         # Multi-head latent attention (torchtitan's deepseek_v3 plan): the latents (wq_a, wkv_a and their norms)
         # are computed whole on every rank, the up-projections split by heads, the output row-wise. The latents'
         # gradients come back whole from the column-wise inputs' backward all-reduce, so every rank holds the same.
@@ -132,11 +132,17 @@ def _block_plan(block: nn.Module, *, sequence_parallel: bool, float8_collectives
             "attention.wv": colwise(),
             "attention.wo": rowwise(output_layouts=seq_layout),
         }
+    # Sequence parallelism gathers a sub-block's input once. Handed on as a DTensor (use_local_output False, as
+    # torchtitan does), the column-wise Linears share it, and its gradient comes back in one reduce-scatter; as a
+    # plain tensor each of them wrapped it anew and all-reduced its own whole-sequence gradient in backward (five
+    # all-reduces a dense layer instead of two reduce-scatters). MLA's latents are plain Linears on the whole
+    # input, which a DTensor would not pass through: its attention keeps the local tensor.
+    mla = hasattr(block.attention, "wkv_a")
     if sequence_parallel:
         plan["attention_norm"] = SequenceParallel()
         plan["ffn_norm"] = SequenceParallel()
         plan["attention"] = prepare_input(
-            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=True
+            input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None), use_local_output=mla
         )
     if getattr(block, "is_moe", False):
         if sequence_parallel:
@@ -155,7 +161,7 @@ def _block_plan(block: nn.Module, *, sequence_parallel: bool, float8_collectives
     })
     if sequence_parallel:
         plan["feed_forward"] = prepare_input(
-            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+            input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=False
         )
     return plan
 
