@@ -56,3 +56,19 @@ def test_prepare_twice_with_absolute_then_relative_paths_is_up_to_date(
     capsys.readouterr()
     assert main(["prepare", str(spec), "--out", "data"]) == 0, capsys.readouterr().err
     assert (tmp_path / "data" / "manifest.json").read_bytes() == manifest
+
+
+def test_the_task_split_is_in_the_fingerprint(tmp_path: Path) -> None:
+    """Task folders are named by their place in the plan (t000000, ...): a resume after another `task_bytes`
+    reused the old split's finished folders for other byte ranges (one file's second range stood in for another
+    file, ~200 of 500 documents gone, exit 0). Another split is another fingerprint: prepare starts over."""
+    from leantrain.data.pipeline import fingerprint
+    from leantrain.spec.data_schema import DataSource, DataSpec
+
+    data = tmp_path / "a.jsonl"
+    data.write_text('{"text": "hello"}\n')
+    source = DataSource(name="a", path=data)
+    specs = [DataSpec(tokens_total=1e5, seq_len=16, dir=tmp_path / "out", sources=[source], task_bytes=size)
+             for size in (20_000, 1_000_000)]
+    first, second = (fingerprint(spec, [source], {"a": [str(data)]}) for spec in specs)
+    assert first != second

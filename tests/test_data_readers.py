@@ -33,6 +33,20 @@ def test_jsonl_counts_and_skips_bad_lines(tmp_path: Path) -> None:
     assert stats.examples["invalid_utf8"] == [f"{tmp_path / 'a.jsonl'}:3"]
 
 
+def test_well_formed_json_python_cannot_take_is_counted_not_a_traceback(tmp_path: Path) -> None:
+    """Rows that stopped `prepare` with a traceback (exit 1, even with on_bad_input: skip): a lone surrogate
+    escape (common in web crawls; UnicodeEncodeError when the cleaned text was written), nesting past Python's
+    recursion limit (RecursionError), an integer of 5,000 digits (ValueError). Each is a counted problem naming
+    its line; an escaped surrogate pair (an emoji) is a valid character and reads as one."""
+    lines = [r'{"text": "a \ud800 b"}', "[" * 200_000 + "]" * 200_000, '{"text": "x", "n": ' + "1" * 5000 + "}",
+             r'{"text": "smile \ud83d\ude00"}', '{"text": "fine"}']
+    (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
+    docs, stats = _read(path=tmp_path / "a.jsonl")
+    assert docs == ["smile \U0001F600", "fine"]
+    assert stats.problems == {"invalid_utf8": 1, "broken_json": 2}
+    assert stats.examples["invalid_utf8"] == [f"{tmp_path / 'a.jsonl'}:1"]
+
+
 def test_compressed_folder_in_sorted_order_with_empty_file(tmp_path: Path) -> None:
     row = lambda t: (json.dumps({"content": t}) + "\n").encode()  # noqa: E731
     (tmp_path / "b.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(row("zst") * 2))

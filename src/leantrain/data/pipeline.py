@@ -84,9 +84,12 @@ def resolve_sources(spec: DataSpec, *, data_dir: Path) -> list[DataSource]:
 
 
 def fingerprint(spec: DataSpec, sources: list[DataSource], files: dict[str, list[str]]) -> str:
-    """Hash of everything that changes the cleaned text or the shards (not weights, stages, seq_len, workers)."""
+    """Hash of everything that changes the cleaned text or the shards (not weights, stages, seq_len, workers), and
+    of `task_bytes`: finished task folders are named by their place in the task plan, so another split of the
+    input files must not reuse them (it took one file's second range for another file's work)."""
     settings = spec.model_dump(mode="json", include={"cleaning", "dedup", "pii", "tokenizer", "shard_size_tokens",
-                                                     "valid_fraction", "on_bad_input", "max_doc_bytes"})
+                                                     "valid_fraction", "on_bad_input", "max_doc_bytes",
+                                                     "task_bytes"})
     settings["sources"] = [s.model_dump(mode="json", exclude={"weight", "path"}) for s in sources]
     versions = [content_version(path) for s in sources for path in files[s.name]]  # resolved path + content
     if spec.tokenizer.kind == "file" and spec.tokenizer.path is not None and Path(spec.tokenizer.path).is_file():

@@ -16,6 +16,7 @@ format adds one entry there (and its name to the spec's `format` literal).
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -218,15 +219,29 @@ def line_spans(path: str, *, task_bytes: int) -> list[tuple[int, int | None, int
     return spans
 
 
+SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")  # a UTF-16 surrogate written as a JSON escape
+
+
 def _json_rows(path: str, stats: ReadStats, span: tuple[int, int | None, int]) -> Iterator[tuple[int, Any]]:
-    """(line number, parsed row) per non-blank JSONL line; broken JSON is counted and skipped."""
+    """(line number, parsed row) per non-blank JSONL line; broken JSON is counted and skipped, and so is JSON
+    that Python's parser refuses though it is well formed (nested past the recursion limit, an integer of more
+    than 4,300 digits), and a row whose strings hold a lone surrogate escape (`\\ud800`: no Unicode text, like a
+    line that is no UTF-8; it would stop the pipeline when written)."""
     for number, line in _lines(path, stats, span):
         if not line.strip():
             continue
         try:
-            yield number, json.loads(line)
-        except json.JSONDecodeError:
+            row = json.loads(line)
+        except (ValueError, RecursionError):  # JSONDecodeError is a ValueError
             stats.problem("broken_json", f"{path}:{number}")
+            continue
+        if SURROGATE_ESCAPE.search(line):  # rare: checked only then (a pair of them is a valid character)
+            try:
+                json.dumps(row, ensure_ascii=False).encode("utf-8")
+            except UnicodeEncodeError:
+                stats.problem("invalid_utf8", f"{path}:{number}")
+                continue
+        yield number, row
 
 
 def _doc_id(row: Any, source: DataSource, path: str, number: int) -> str:
