@@ -58,17 +58,25 @@ def test_prepare_twice_with_absolute_then_relative_paths_is_up_to_date(
     assert (tmp_path / "data" / "manifest.json").read_bytes() == manifest
 
 
-def test_the_task_split_is_in_the_fingerprint(tmp_path: Path) -> None:
+def test_unfinished_work_of_another_task_split_is_not_reused(tmp_path: Path) -> None:
     """Task folders are named by their place in the plan (t000000, ...): a resume after another `task_bytes`
     reused the old split's finished folders for other byte ranges (one file's second range stood in for another
-    file, ~200 of 500 documents gone, exit 0). Another split is another fingerprint: prepare starts over."""
-    from leantrain.data.pipeline import fingerprint
-    from leantrain.spec.data_schema import DataSource, DataSpec
+    file, ~200 of 500 documents gone, exit 0). Unfinished work of another split is cleared; of the same, kept."""
+    import json
 
-    data = tmp_path / "a.jsonl"
-    data.write_text('{"text": "hello"}\n')
-    source = DataSource(name="a", path=data)
-    specs = [DataSpec(tokens_total=1e5, seq_len=16, dir=tmp_path / "out", sources=[source], task_bytes=size)
-             for size in (20_000, 1_000_000)]
-    first, second = (fingerprint(spec, [source], {"a": [str(data)]}) for spec in specs)
-    assert first != second
+    from leantrain.data.pipeline import _start
+    from leantrain.spec.data_schema import DataSpec
+
+    def spec(task_bytes: int) -> DataSpec:
+        return DataSpec(tokens_total=1e5, seq_len=16, dir=tmp_path / "out", task_bytes=task_bytes,
+                        sources=[{"name": "a", "path": tmp_path / "a.jsonl"}])
+
+    data_dir = tmp_path / "out"
+    _start(spec(20_000), data_dir=data_dir, inputs="abc", force=False)
+    done = data_dir / "_work" / "clean" / "t000001"
+    done.mkdir(parents=True)
+    _start(spec(20_000), data_dir=data_dir, inputs="abc", force=False)  # the same split: resumed
+    assert done.is_dir()
+    _start(spec(1_000_000), data_dir=data_dir, inputs="abc", force=False)  # another split: started over
+    assert not done.exists()
+    assert json.loads((data_dir / "_work" / "inputs.json").read_text()) == {"sha256": "abc", "task_bytes": 1_000_000}

@@ -84,12 +84,9 @@ def resolve_sources(spec: DataSpec, *, data_dir: Path) -> list[DataSource]:
 
 
 def fingerprint(spec: DataSpec, sources: list[DataSource], files: dict[str, list[str]]) -> str:
-    """Hash of everything that changes the cleaned text or the shards (not weights, stages, seq_len, workers), and
-    of `task_bytes`: finished task folders are named by their place in the task plan, so another split of the
-    input files must not reuse them (it took one file's second range for another file's work)."""
+    """Hash of everything that changes the cleaned text or the shards (not weights, stages, seq_len, workers)."""
     settings = spec.model_dump(mode="json", include={"cleaning", "dedup", "pii", "tokenizer", "shard_size_tokens",
-                                                     "valid_fraction", "on_bad_input", "max_doc_bytes",
-                                                     "task_bytes"})
+                                                     "valid_fraction", "on_bad_input", "max_doc_bytes"})
     settings["sources"] = [s.model_dump(mode="json", exclude={"weight", "path"}) for s in sources]
     versions = [content_version(path) for s in sources for path in files[s.name]]  # resolved path + content
     if spec.tokenizer.kind == "file" and spec.tokenizer.path is not None and Path(spec.tokenizer.path).is_file():
@@ -266,10 +263,18 @@ def _shard_stage(spec: DataSpec, sources: list[DataSource], tasks: list[InputTas
 
 
 def _start(spec: DataSpec, *, data_dir: Path, inputs: str, force: bool) -> None:
-    """Start over (clearing only our own files) unless `_work/` belongs to the same inputs."""
+    """Start over (clearing only our own files) unless `_work/` belongs to the same inputs and the same task split
+    (`task_bytes`: finished task folders are named by their place in the plan, so another split must not reuse
+    them; it took one file's second byte range for another file's work, documents lost without a word)."""
     work = data_dir / WORK
-    previous = json.loads((work / "inputs.json").read_text())["sha256"] if (work / "inputs.json").is_file() else None
-    if previous == inputs:
+    noted = json.loads((work / "inputs.json").read_text()) if (work / "inputs.json").is_file() else {}
+    previous = noted.get("sha256")
+    if previous == inputs and noted.get("task_bytes", spec.task_bytes) == spec.task_bytes:
+        return
+    if previous == inputs:  # the same output, planned in other tasks: the unfinished work cannot be reused
+        _reset(data_dir)
+        work.mkdir(parents=True)
+        atomic_write_bytes(work / "inputs.json", json.dumps({"sha256": inputs, "task_bytes": spec.task_bytes}).encode())
         return
     ours = previous is not None or (data_dir / MANIFEST).is_file()
     if not ours and any((data_dir / split).exists() for split in SPLITS):
@@ -284,7 +289,7 @@ def _start(spec: DataSpec, *, data_dir: Path, inputs: str, force: bool) -> None:
         )
     _reset(data_dir)
     work.mkdir(parents=True)
-    atomic_write_bytes(work / "inputs.json", json.dumps({"sha256": inputs}).encode())
+    atomic_write_bytes(work / "inputs.json", json.dumps({"sha256": inputs, "task_bytes": spec.task_bytes}).encode())
 
 
 def prepare_data(
@@ -292,7 +297,7 @@ def prepare_data(
     on_shard: Callable[[ShardInfo], None] | None = None, force: bool = False,
 ) -> PrepareResult:
     """Build (or resume, or confirm up to date) the data dir for `spec`. See the module docstring."""
-    data_dir = Path(data_dir)
+    data_dir = Path(data_dir).absolute()  # tasks on a Ray cluster run in the workers' own folders
     data_dir.mkdir(parents=True, exist_ok=True)
     sources = resolve_sources(spec, data_dir=data_dir)
     listed = {s.name: list_source(s) for s in sources}
