@@ -191,12 +191,19 @@ def _components(edges: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _exact_duplicates(steps: list[MergeStep], edge_dir: Path) -> np.ndarray:
-    """Sorted documents with an exact-key edge from an earlier one, merged one edge file at a time."""
+    """Sorted documents with an exact-key edge from an earlier one. Edge files are merged in batches that grow
+    with the result (each at least as large as the duplicates so far), so the sorting stays O(n log n) in all:
+    a merge per file re-sorted every duplicate found so far, once per file (quadratic in the corpus)."""
     dups = np.zeros(0, dtype=np.int64)
+    batch: list[np.ndarray] = []
+    pending = 0
     for step in steps:
         if step.space == "exact":
-            dups = np.union1d(dups, np.load(edge_dir / step.file_name)[:, 1])
-    return dups
+            batch.append(np.load(edge_dir / step.file_name)[:, 1])
+            pending += len(batch[-1])
+            if pending >= max(len(dups), 1 << 20):
+                dups, batch, pending = np.unique(np.concatenate([dups, *batch])), [], 0
+    return np.unique(np.concatenate([dups, *batch])).astype(np.int64, copy=False)
 
 
 def _near_forest(steps: list[MergeStep], edge_dir: Path, *, batch_edges: int) -> tuple[np.ndarray, np.ndarray]:
