@@ -238,3 +238,26 @@ def test_a_registry_that_fails_at_the_end_does_not_fail_the_trained_run(
     assert [r["step"] for r in records if "loss" in r][-1] == 2
     (warning,) = [r.getMessage() for r in caplog.records if "run registry" in r.getMessage()]
     assert "as finished" in warning and "database is locked" in warning and str(tmp_path / "run") in warning
+
+
+def test_a_held_out_index_one_rank_cannot_read_fails_that_rank_not_its_evaluation(
+    demo_data: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Evaluation was turned off on a rank whose held-out index read failed (a stale view of a shared file
+    system) while the other ranks evaluated and waited for it in their collectives. Whether a run evaluates comes
+    from the manifest every rank shares; a read error on one rank is that rank's error, named."""
+    from leantrain.data import sampler as sampler_module
+    from leantrain.errors import UserInputError
+
+    real = sampler_module.load_index
+
+    def stale(data_dir: Path, *, split: str, **kwargs: Any) -> Any:
+        if split == "valid":
+            raise UserInputError(f"{data_dir}/index/valid: cannot be read (stale file handle)")
+        return real(data_dir, split=split, **kwargs)
+
+    monkeypatch.setattr(sampler_module, "load_index", stale)
+    argv = ["train", str(EXAMPLES / "tiny-cpu.yaml"), "--set", f"data.dir={demo_data}", "--run-dir",
+            str(tmp_path / "run"), "--max-steps", "2"]
+    assert main(argv) == 2
+    assert "stale file handle" in capsys.readouterr().err

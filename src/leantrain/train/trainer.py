@@ -199,12 +199,12 @@ class Trainer:
         )
 
     def _eval_sampler(self) -> PackedBatchSampler | None:
-        if not self.spec.training.eval_every:
+        # Decided from the manifest every rank shares (a rank-local read error must fail that rank, not turn its
+        # evaluation off while the others evaluate and wait for it); train_info.json says when it is off.
+        if not self.spec.training.eval_every or not any(s.split == "valid" and s.num_tokens for s in
+                                                        self._manifest.shards):
             return None
-        try:
-            return self._sampler(split="valid")
-        except UserInputError:
-            return None  # the data dir has no held-out split; train_info.json says evaluation is off
+        return self._sampler(split="valid")
 
     # ----- the step ------------------------------------------------------------------------------------
     def _micro_batch(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
