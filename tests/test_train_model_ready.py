@@ -46,3 +46,35 @@ def test_two_rank_zero3_build_holds_only_its_shard(tmp_path: Path) -> None:
         assert 0.9 * rank["param_bytes_local"] < grown < 0.8 * total, f"rank {rank['rank']} grew {grown / 1e6:.0f} MB"
     assert not (tmp_path / "run" / "metrics.jsonl").exists() or '"loss"' not in (
         tmp_path / "run" / "metrics.jsonl").read_text()
+
+
+def test_the_start_records_are_gathered_on_rank_0_alone(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """model_ready and the ranks' join (hosts, base hashes) went through all_gather_object: every rank received
+    every rank's entry, world² objects at start (16,384² at 16,384 ranks) for records only rank 0 writes."""
+    import torch.distributed as dist
+
+    from leantrain.train.model_ready import record_model_ready
+    from leantrain.train.run_setup import record_ranks_joined
+
+    calls: list[tuple[str, int, bool]] = []
+
+    def gather_object(obj: object, object_gather_list: list | None = None, dst: int = 0, **_: object) -> None:
+        calls.append(("gather_object", dst, object_gather_list is not None))
+        if object_gather_list is not None:
+            object_gather_list[:] = [obj, obj]
+
+    def all_gather_object(*args: object, **kwargs: object) -> None:
+        raise AssertionError("an all-gather of start records")
+
+    monkeypatch.setattr(dist, "gather_object", gather_object)
+    monkeypatch.setattr(dist, "all_gather_object", all_gather_object)
+    entry = {"rank": 1, "host_rss_peak_bytes": 1, "host_rss_base_bytes": 1, "device_mem_peak_bytes": 0,
+             "param_bytes_local": 8}
+    assert record_model_ready(tmp_path, entry=entry, world_size=2, distributed=True) is None
+    record_ranks_joined(tmp_path, rank=1, world_size=2, distributed=True)
+    assert calls == [("gather_object", 0, False), ("gather_object", 0, False)]
+    assert record_model_ready(tmp_path, entry={**entry, "rank": 0}, world_size=2, distributed=True) is not None
+    record_ranks_joined(tmp_path, rank=0, world_size=2, distributed=True)
+    assert calls[2:] == [("gather_object", 0, True), ("gather_object", 0, True)]
+    kinds = [json.loads(line)["kind"] for line in (tmp_path / "events.jsonl").read_text().splitlines()]
+    assert kinds == ["model_ready", "start", "rank_joined", "rank_joined"]

@@ -53,9 +53,9 @@ def record_model_ready(
 ) -> dict[str, Any] | None:
     """Gather every rank's entry on rank 0 and append the event there; returns the record on rank 0, else None."""
     entries: list[Any] = [entry]
-    if distributed:
-        entries = [None] * world_size
-        dist.all_gather_object(entries, entry)
+    if distributed:  # to rank 0 alone: an all-gather handed every rank every rank's entry (world² at 16,384 ranks)
+        entries = [None] * world_size if entry["rank"] == 0 else None  # type: ignore[assignment]
+        dist.gather_object(entry, entries, dst=0)
     if entry["rank"] != 0:
         return None
     return append_event(run_dir, MODEL_READY, world_size=world_size, ranks=entries, **fields)

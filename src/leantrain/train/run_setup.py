@@ -155,9 +155,9 @@ def record_ranks_joined(run_dir: Path, *, rank: int, world_size: int, distribute
     from leantrain.observe.report_data import append_event
 
     joined: list[Any] = [(socket.gethostname(), base_share(spec, rank=rank, world_size=world_size) if spec else {})]
-    if distributed:
-        mine, joined = joined[0], [None] * world_size
-        dist.all_gather_object(joined, mine)
+    if distributed:  # to rank 0 alone: an all-gather handed every rank every rank's entry (world² at 16,384 ranks)
+        mine, joined = joined[0], [None] * world_size if rank == 0 else []
+        dist.gather_object(mine, joined if rank == 0 else None, dst=0)
     if rank == 0:
         if spec is not None:
             record_base(run_dir, spec, digests={name: sha for _, share in joined for name, sha in share.items()})
