@@ -438,16 +438,10 @@ def engine_from_spec(
 REPLAY_EVENTS = ("checkpoint_save_started", "checkpoint_saved", "checkpoint_failed", "preempted", "restart", "resume")
 
 
-def replay(
-    records: Iterable[dict[str, Any]],
-    *,
-    rules: AlertRules | None = None,
-    plan_mfu: float | None = None,
-    events: Iterable[dict[str, Any]] = (),
-    hang_timeout_s: float = 600.0,
-) -> list[Alert]:
-    """Run the rules over a finished run (metrics + events, in time order); returns every alert."""
-    return replay_engine(records, rules=rules, plan_mfu=plan_mfu, events=events, hang_timeout_s=hang_timeout_s).history
+def replay(records: Iterable[dict[str, Any]], **options: Any) -> list[Alert]:
+    """Run the rules over a finished run (metrics + events, in time order); returns every alert. `options`: those
+    of `replay_engine` (rules, plan_mfu, events, hang_timeout_s)."""
+    return replay_engine(records, **options).history
 
 
 def replay_engine(
