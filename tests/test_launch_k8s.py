@@ -110,6 +110,17 @@ def test_staged_data_uses_init_container_and_excluded_hosts_get_anti_affinity(tm
     assert node.value_from.field_ref.field_path == "spec.nodeName"
 
 
+def test_each_run_has_its_own_prepull_daemonset(tmp_path: Path) -> None:
+    """Every job file named the same DaemonSet: applying a second run's file changed the first run's pre-pulled
+    image, and deleting one run's file took it from all. It is the run's own, named and selected by the run."""
+    first = emitted(tmp_path, "run.name=alpha")[2]
+    second = emitted(tmp_path, "run.name=beta", "cluster.image=registry.example/other:2")[2]
+    assert first["metadata"]["name"] == "alpha-prepull" and second["metadata"]["name"] == "beta-prepull"
+    assert first["spec"]["selector"]["matchLabels"] != second["spec"]["selector"]["matchLabels"]
+    assert first["spec"]["template"]["metadata"]["labels"] == first["spec"]["selector"]["matchLabels"]
+    roundtrip(second, "V1DaemonSet")
+
+
 def test_shipped_prepull_daemonset_is_what_the_code_emits() -> None:
     shipped = yaml.safe_load((REPO / "docker" / "prepull-daemonset.yaml").read_text())
     assert shipped == prepull_daemonset(image=PLACEHOLDER_IMAGE)  # the image to put in: docker/README.md

@@ -332,11 +332,13 @@ def setup_documents(
 
 
 def prepull_daemonset(
-    *, image: str, namespace: str = "default", gpu_resource: str | None = "nvidia.com/gpu"
+    *, image: str, namespace: str = "default", gpu_resource: str | None = "nvidia.com/gpu", run: str | None = None
 ) -> dict[str, Any]:
     """A DaemonSet whose init container pulls `image` on every (GPU) node and exits; a pause container keeps
-    the pod alive at ~no cost, so the image stays cached and a restarted training pod starts at once."""
-    labels = {"app.kubernetes.io/name": "leantrain-image-prepull"}
+    the pod alive at ~no cost, so the image stays cached and a restarted training pod starts at once. With `run`
+    (the run's name) it is the run's own (`<run>-prepull`, selected by its run label): one name for every job
+    made the last job applied set every job's image, and deleting one job's file took it from all of them."""
+    labels = {"app.kubernetes.io/name": "leantrain-image-prepull", **({"leantrain.io/run": run} if run else {})}
     pod_spec: dict[str, Any] = {
         "initContainers": [{"name": "prepull", "image": image, "imagePullPolicy": "IfNotPresent",
                             "command": ["true"], "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}}}],
@@ -350,7 +352,8 @@ def prepull_daemonset(
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
-        "metadata": {"name": "leantrain-image-prepull", "namespace": namespace, "labels": labels},
+        "metadata": {"name": f"{run[:48].rstrip('-')}-prepull" if run else "leantrain-image-prepull",
+                     "namespace": namespace, "labels": labels},
         "spec": {
             "selector": {"matchLabels": labels},
             "updateStrategy": {"type": "RollingUpdate"},
@@ -372,7 +375,7 @@ def k8s_documents(
     config_map, job = pytorch_job(spec, res=res, max_restarts=restarts, run_dir=run_dir, job_id=job_id,
                                   env_refs=env_refs, image=image, source=source)
     daemonset = prepull_daemonset(image=image, namespace=spec.cluster.k8s_namespace,
-                                  gpu_resource=res.gpu_resource)
+                                  gpu_resource=res.gpu_resource, run=job_name(spec, source=source))
     docs = [config_map, job, daemonset]
     if spec.cluster.k8s_pod_monitor:
         docs.append(pod_monitor(spec, name=job["metadata"]["name"]))
