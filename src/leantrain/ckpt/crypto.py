@@ -60,6 +60,15 @@ def parse_key(value: str, *, var_name: str = "the encryption key variable") -> b
     return key
 
 
+def read_header(stream: IO[bytes], *, name: str) -> int:
+    """The chunk size an encrypted file's header states (read from the stream's position); TamperError when the
+    header is not one."""
+    header = stream.read(HEADER_BYTES)
+    if len(header) != HEADER_BYTES or not header.startswith(MAGIC):
+        raise TamperError(f"{name}: not an encrypted checkpoint file (bad header)")
+    return int(struct.unpack(">I", header[len(MAGIC):])[0])
+
+
 class ChunkCipher:
     """Seals and opens checkpoint files with one key."""
 
@@ -90,10 +99,7 @@ class ChunkCipher:
 
     def open_stream(self, stream: IO[bytes], *, name: str) -> Iterator[bytes]:
         """Yield the plaintext chunks of an encrypted file; raise TamperError on any inconsistency."""
-        header = stream.read(HEADER_BYTES)
-        if len(header) != HEADER_BYTES or not header.startswith(MAGIC):
-            raise TamperError(f"{name}: not an encrypted checkpoint file (bad header)")
-        (chunk_bytes,) = struct.unpack(">I", header[len(MAGIC):])
+        chunk_bytes = read_header(stream, name=name)
         record_bytes = NONCE_BYTES + chunk_bytes + TAG_BYTES
         index = 0
         record = stream.read(record_bytes)
@@ -144,10 +150,7 @@ class SealedRandomReader(io.RawIOBase):
         super().__init__()
         self._raw, self._cipher, self._name = raw, cipher, name
         raw.seek(0)
-        header = raw.read(HEADER_BYTES)
-        if len(header) != HEADER_BYTES or not header.startswith(MAGIC):
-            raise TamperError(f"{name}: not an encrypted checkpoint file (bad header)")
-        (self._chunk_bytes,) = struct.unpack(">I", header[len(MAGIC):])
+        self._chunk_bytes = read_header(raw, name=name)
         self._record_bytes = NONCE_BYTES + self._chunk_bytes + TAG_BYTES
         body = raw.seek(0, io.SEEK_END) - HEADER_BYTES
         self._chunks = max(1, -(-body // self._record_bytes))

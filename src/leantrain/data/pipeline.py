@@ -271,22 +271,18 @@ def _start(spec: DataSpec, *, data_dir: Path, inputs: str, force: bool) -> None:
     previous = noted.get("sha256")
     if previous == inputs and noted.get("task_bytes", spec.task_bytes) == spec.task_bytes:
         return
-    if previous == inputs:  # the same output, planned in other tasks: the unfinished work cannot be reused
-        _reset(data_dir)
-        work.mkdir(parents=True)
-        atomic_write_bytes(work / "inputs.json", json.dumps({"sha256": inputs, "task_bytes": spec.task_bytes}).encode())
-        return
-    ours = previous is not None or (data_dir / MANIFEST).is_file()
-    if not ours and any((data_dir / split).exists() for split in SPLITS):
-        raise UserInputError(f"{data_dir} already has {'/'.join(SPLITS)} folders that prepare did not write; "
-                             "choose an empty or new folder with --out")
-    if (data_dir / MANIFEST).is_file() and not force:
-        # A finished data dir may be what a run (and its checkpoints' data position) depends on.
-        raise UserInputError(
-            f"{data_dir} is a finished data dir built from other inputs (sources, cleaning, dedup, PII or "
-            "tokenizer settings changed); write the new one elsewhere with --out, or rebuild it in place "
-            "with --force (runs that read it will then see different tokens)"
-        )
+    if previous != inputs:  # other inputs (the same ones planned in other tasks: only the work is redone)
+        ours = previous is not None or (data_dir / MANIFEST).is_file()
+        if not ours and any((data_dir / split).exists() for split in SPLITS):
+            raise UserInputError(f"{data_dir} already has {'/'.join(SPLITS)} folders that prepare did not write; "
+                                 "choose an empty or new folder with --out")
+        if (data_dir / MANIFEST).is_file() and not force:
+            # A finished data dir may be what a run (and its checkpoints' data position) depends on.
+            raise UserInputError(
+                f"{data_dir} is a finished data dir built from other inputs (sources, cleaning, dedup, PII or "
+                "tokenizer settings changed); write the new one elsewhere with --out, or rebuild it in place "
+                "with --force (runs that read it will then see different tokens)"
+            )
     _reset(data_dir)
     work.mkdir(parents=True)
     atomic_write_bytes(work / "inputs.json", json.dumps({"sha256": inputs, "task_bytes": spec.task_bytes}).encode())

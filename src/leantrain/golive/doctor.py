@@ -9,7 +9,6 @@ metrics' time stamps.
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import os
@@ -32,6 +31,7 @@ from leantrain.observe.report_data import (
     COMM_BOUND_SHARE,
     DATA_BOUND_SHARE,
     RunData,
+    absent_ranks,
     as_float,
     is_run_dir,
     load_run,
@@ -172,7 +172,7 @@ def stuck_findings(run: RunData) -> list[Finding]:
     log_hits = [f"{log.label}: {line.strip()[:160]}" for log in run.logs for line in log.tail
                 if STUCK_RE.search(line)]
     if not run.metrics or (joined and len(joined) < world and world > 1):
-        missing = _absent(world, joined) if joined else []
+        missing = absent_ranks(world, joined) if joined else []
         evidence = "no metric records" if not run.metrics else f"ranks {missing} never joined"
         if log_hits:
             evidence += "; " + "; ".join(log_hits[:3])
@@ -202,7 +202,7 @@ def watchdog_hang_findings(run: RunData) -> list[Finding]:
     world = run.world_size()
     for attempt, records in sorted(by_attempt.items()):
         aborted = sorted({_count(r.get("rank")) for r in records if math.isfinite(as_float(r.get("rank")))})
-        suspects = _absent(world, set(aborted)) if world > 1 else []
+        suspects = absent_ranks(world, set(aborted)) if world > 1 else []
         idle = max(_count(r.get("idle_s"), float) for r in records)  # a value that is no number reads as 0
         step = max(_count(r.get("last_step")) for r in records)
         out.append(Finding(
@@ -213,11 +213,6 @@ def watchdog_hang_findings(run: RunData) -> list[Finding]:
             "check the suspect ranks' hosts (dmesg, nvidia-smi, py-spy dump); the job restarted from its newest "
             "checkpoint, see the `restart` event with cause hang"))
     return out
-
-
-def _absent(world: int, present: set[Any]) -> list[int]:
-    """The first ten ranks below `world` not in `present` (a world size read from a file may be huge)."""
-    return list(itertools.islice((r for r in range(world) if r not in present), 10))
 
 
 def _count(value: Any, kind: type = int) -> Any:

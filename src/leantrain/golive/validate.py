@@ -10,7 +10,6 @@ with headroom), communication share, fault drill. Spikes and grad-norm explosion
 
 from __future__ import annotations
 
-import itertools
 import json
 import math
 import re
@@ -32,6 +31,7 @@ from leantrain.observe.report_data import (
     METRICS_FILE,
     PLAN_FILE,
     RunData,
+    absent_ranks,
     as_float,
     load_plan_file,
     load_run,
@@ -144,7 +144,7 @@ def health_checks(run: RunData, rules: AlertRules | None = None) -> list[Check]:
                             "rank_joined events) to tell"))
     else:
         missing = world - len({r for r in seen if 0 <= r < world})  # a world size read from a file may be huge
-        first, more = list(itertools.islice((r for r in range(world) if r not in seen), 10)), max(0, missing - 10)
+        first, more = absent_ranks(world, seen), max(0, missing - 10)
         checks.append(Check("health", "every rank reported", "FAIL" if missing else "PASS", f"missing ranks {first}"
                             + (f" and {more} more" if more else "") + f" of {world}" if missing
                             else f"all {world} ranks reported"))

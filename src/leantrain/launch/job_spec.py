@@ -56,6 +56,12 @@ def referenced_env_names(spec: JobSpec, env_refs: dict[str, str] | None = None) 
     return names
 
 
+def staging_env_names(spec: JobSpec) -> tuple[str, ...]:
+    """The credentials staging `cluster.data_url` may read on the nodes: S3's for an s3:// URL, else none."""
+    url = spec.cluster.data_url
+    return S3_ENV if url and url.startswith("s3://") else ()
+
+
 def _restore_references(doc: dict[str, Any], refs: dict[str, str]) -> None:
     for dotted, text in refs.items():
         *parents, leaf = dotted.split(".")

@@ -31,7 +31,7 @@ import yaml
 
 from leantrain.launch.fabric import nccl_env
 from leantrain.launch.health import NODE_NAME_ENV, excluded_hosts
-from leantrain.launch.job_spec import S3_ENV, frozen_spec_document, job_image, referenced_env_names
+from leantrain.launch.job_spec import frozen_spec_document, job_image, referenced_env_names, staging_env_names
 from leantrain.launch.resources import TORCHRUN_ENV, JobResources, TrainCommand, job_name, job_resources, torchrun_args
 from leantrain.launch.staging import is_remote
 from leantrain.launch.torchrun import restarts as torchrun_restarts
@@ -68,12 +68,10 @@ def pod_spec_document(
 def _secret_env(spec: JobSpec, env_refs: dict[str, str] | None = None) -> list[dict[str, Any]]:
     names = sorted(referenced_env_names(spec, env_refs))
     env = [{"name": n, "valueFrom": {"secretKeyRef": {"name": spec.cluster.k8s_secret_name, "key": n}}} for n in names]
-    if spec.cluster.data_url and spec.cluster.data_url.startswith("s3://"):
-        env += [
-            {"name": n, "valueFrom": {"secretKeyRef": {"name": spec.cluster.k8s_secret_name, "key": n,
-                                                       "optional": True}}}
-            for n in S3_ENV if n not in names
-        ]
+    env += [
+        {"name": n, "valueFrom": {"secretKeyRef": {"name": spec.cluster.k8s_secret_name, "key": n, "optional": True}}}
+        for n in staging_env_names(spec) if n not in names
+    ]
     return env
 
 

@@ -21,7 +21,13 @@ from leantrain.ckpt.control import CHECKPOINT_REQUEST_NAME
 from leantrain.errors import UserInputError
 from leantrain.launch.fabric import nccl_env
 from leantrain.launch.health import HEALTH_FILE_NAME, excluded_hosts
-from leantrain.launch.job_spec import ENV_NAME_RE, NO_RUNTIME, S3_ENV, job_image, referenced_env_names
+from leantrain.launch.job_spec import (
+    ENV_NAME_RE,
+    NO_RUNTIME,
+    job_image,
+    referenced_env_names,
+    staging_env_names,
+)
 from leantrain.launch.resources import (
     TORCHRUN_ENV,
     JobResources,
@@ -138,10 +144,8 @@ def _runtime_prefix(spec: JobSpec, *, mounts: list[str], image: str | None) -> t
 def _secret_pass_through(spec: JobSpec, env_refs: dict[str, str] | None) -> list[str]:
     """Apptainer's --cleanenv drops the job's environment: pass each variable the spec references (its secrets,
     and S3 credentials for staging from s3://) by name, when the job has it. Names only, never values."""
-    names = referenced_env_names(spec, env_refs)
-    if spec.cluster.data_url and spec.cluster.data_url.startswith("s3://"):
-        names |= set(S3_ENV)
-    names = {n for n in names if ENV_NAME_RE.fullmatch(n)}
+    names = {n for n in referenced_env_names(spec, env_refs) | set(staging_env_names(spec))
+             if ENV_NAME_RE.fullmatch(n)}
     if not names:
         return []
     return ["# The spec's variables (secrets), from the job's environment (sbatch exports the submitting shell's);",

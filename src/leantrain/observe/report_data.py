@@ -7,6 +7,7 @@ in one place, and a malformed line is counted and shown instead of crashing a di
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import re
@@ -77,6 +78,11 @@ def _step_problem(record: dict[str, Any]) -> str | None:
 # the reader keeps them there alone: 4,096 ranks × 90k records would otherwise be tens of GB. Earlier records keep
 # `rank_step_time_s` as {slowest rank: its time, -1: the other ranks' median}, all the straggler rule reads.
 PER_RANK_KEYS = ("rank_step_time_s", "rank_mem_bytes")
+
+
+def absent_ranks(world: int, present: set[Any], limit: int = 10) -> list[int]:
+    """The first `limit` ranks below `world` not in `present` (a world size read from a file may be huge)."""
+    return list(itertools.islice((r for r in range(world) if r not in present), limit))
 
 
 def slowest_rank(value: Any) -> dict[int, float]:

@@ -65,6 +65,7 @@ CREATE TABLE IF NOT EXISTS checkpoints (
 
 
 REGISTRY_NAME = "runs.db"
+DEFAULT_RUNS_ROOT = Path("runs")  # the parent of the spec's default run.dir (runs/run)
 LOCK_TIMEOUT_S = 30.0  # how long a connection waits for another process's lock on the registry
 
 
@@ -72,7 +73,6 @@ class RegistryBusy(LeantrainError):
     """The registry stayed locked by another process past LOCK_TIMEOUT_S: try again (exit 1, not an input error)."""
 
     exit_code = 1
-DEFAULT_RUNS_ROOT = Path("runs")  # the parent of the spec's default run.dir (runs/run)
 
 
 def default_registry_path(configured: Path | None = None, *, run_dir: Path | str | None = None) -> Path:

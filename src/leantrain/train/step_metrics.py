@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from leantrain.observe.report_data import PER_RANK_KEYS  # world-size-long lists: in metrics.jsonl, not kept here
+
 
 @dataclass
 class StepResult:
@@ -178,7 +180,6 @@ def synchronize(device: torch.device) -> None:
 
 
 KEPT_RECORDS = 1000  # Trainer.train() returns at most the first and the newest 999 records; metrics.jsonl has all
-PER_RANK_KEYS = ("rank_step_time_s", "rank_mem_bytes")  # world-size-long lists: in metrics.jsonl, not kept here
 
 
 def keep_record(records: list[dict[str, Any]], record: dict[str, Any]) -> None:
