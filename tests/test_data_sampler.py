@@ -92,7 +92,7 @@ def test_samples_are_windows_of_the_packed_epoch_stream(data_dir: Path) -> None:
     readers = [ShardReader(data_dir / s.path) for s in load_manifest(data_dir).shards_for(
         split="train", source=sampler.source_names[0])]
     docs = [reader.doc(i).tolist() for reader in readers for i in range(reader.num_docs)]
-    epochs = [stream._epoch(e)[0] for e in range(3)]
+    epochs = [stream._epoch(e).order() for e in range(3)]
     flat = [token for order in epochs for doc in order for token in docs[int(doc)]]
     out = np.empty(SEQ_LEN + 1, dtype=np.int64)
     for local in (0, 1, 5, stream.tokens_per_epoch // SEQ_LEN, stream.tokens_per_epoch // SEQ_LEN + 3):
@@ -262,3 +262,36 @@ def test_a_truncated_shard_or_mask_is_refused_when_first_opened_naming_it(tmp_pa
     mask.write_bytes(b"\x01" * (shard.num_tokens - 1))
     with pytest.raises(UserInputError, match=f"{mask}: .* expected one per token of the shard"):
         _sampler(tmp_path / "c").next_batch()
+
+
+def test_the_trainer_start_refuses_a_damaged_shard_that_no_batch_has_touched(tmp_path: Path) -> None:
+    """Rank 0 stats every shard and mask while it reads the manifest for the others (`shared_manifest`): one rank
+    meeting the damage mid-run would fail alone while the others wait in the step's collectives."""
+    import json
+    import os
+
+    from leantrain.data.chat import mask_path
+    from leantrain.data.layout import load_manifest
+    from leantrain.train.shared_reads import shared_manifest
+
+    write_token_data_dir(tmp_path / "d", {"web": _docs(4, low=1, high=100, num_docs=64)}, vocab_size=128, eos_id=0,
+                         shard_size_tokens=64)
+    shards = load_manifest(tmp_path / "d").shards
+    assert len(shards) > 2
+    shared_manifest(tmp_path / "d")  # intact: passes
+    os.truncate(tmp_path / "d" / shards[-1].path, shards[-1].num_bytes - 2)
+    with pytest.raises(UserInputError, match=f"{tmp_path / 'd' / shards[-1].path}: .* bytes, expected"):
+        shared_manifest(tmp_path / "d")
+    (tmp_path / "d" / shards[-1].path).unlink()
+    with pytest.raises(UserInputError, match="missing"):
+        shared_manifest(tmp_path / "d")
+    write_token_data_dir(tmp_path / "c", {"chat": _docs(5, low=1, high=100, num_docs=8)}, vocab_size=128, eos_id=0)
+    raw = json.loads((tmp_path / "c" / "manifest.json").read_text())
+    raw["sources"][0].update(loss_mask=True, pad_multiple=SEQ_LEN)
+    (tmp_path / "c" / "manifest.json").write_text(json.dumps(raw))
+    shard = load_manifest(tmp_path / "c").shards[0]
+    with pytest.raises(UserInputError, match="this shard's .mask is missing"):
+        shared_manifest(tmp_path / "c")
+    mask_path(tmp_path / "c" / shard.path).write_bytes(b"\x01" * (shard.num_tokens + 3))
+    with pytest.raises(UserInputError, match="expected one per token"):
+        shared_manifest(tmp_path / "c")

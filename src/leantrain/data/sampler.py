@@ -1,8 +1,9 @@
 """The training sampler: a deterministic sequence of packed samples over a GLOBAL sample index.
 
 Definitions (docs/data.md has the worked example):
-- Source stream. Per source, each epoch is a seeded permutation of its documents (EOS-terminated), laid end
-  to end; epochs follow each other without a gap. Sample k of the source is the window
+- Source stream. Per source, each epoch is a seeded permutation of its documents (EOS-terminated; a keyed
+  permutation evaluated pointwise, data.shuffle, so no rank holds a per-document order), laid end to end;
+  epochs follow each other without a gap. Sample k of the source is the window
   [k·seq_len, k·seq_len + seq_len + 1) of that endless stream (inputs `[:-1]`, targets `[1:]`; neighbouring
   samples share one token, as in Megatron's GPTDataset). Documents are packed: a window may hold the end of
   one document, EOS, and the start of the next.
@@ -18,6 +19,7 @@ dir's memory-mapped `index/` (data.sample_index). The only Python loop is over t
 
 from __future__ import annotations
 
+import os
 import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
@@ -29,7 +31,8 @@ import torch
 from leantrain.data.chat import load_mask, mask_path
 from leantrain.data.layout import MANIFEST, Manifest, MixtureStage, load_manifest
 from leantrain.data.sample_index import load_index
-from leantrain.data.shards import ShardInfo, map_tokens
+from leantrain.data.shards import ShardInfo, check_token_file, map_tokens
+from leantrain.data.shuffle import EpochOrder
 from leantrain.errors import UserInputError
 
 BLOCK_SAMPLES = 1024  # granularity of the mixture: weights are honoured exactly per block, to 1/1024
@@ -76,7 +79,7 @@ class SourceStream:
         self._seed = [seed, zlib.crc32(name.encode("utf-8"))]
         self.doc_shard, self.doc_start, self.doc_len = index[0], index[1], index[2]
         self.tokens_per_epoch = int(self.doc_len.sum())
-        self._epochs: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
+        self._epochs: OrderedDict[int, EpochOrder] = OrderedDict()
 
     def _shard_tokens(self, shard: int) -> np.ndarray:
         if shard not in self._tokens:
@@ -85,21 +88,15 @@ class SourceStream:
 
     def _shard_mask(self, shard: int) -> np.ndarray:
         if shard not in self._masks:
-            mask = load_mask(self._paths[shard])
-            if mask is None:
-                raise UserInputError(f"{self._paths[shard]}: the source {self.name!r} has a loss mask but this "
-                                     "shard's .mask is missing; prepare the data dir again")
-            if len(mask) != self._num_tokens[shard]:
-                raise UserInputError(f"{mask_path(self._paths[shard])}: {len(mask):,} bytes, expected one per token "
-                                     f"of the shard ({self._num_tokens[shard]:,}); prepare the data dir again")
-            self._masks[shard] = mask
+            check_mask_file(self._paths[shard], num_tokens=self._num_tokens[shard], source=self.name)
+            self._masks[shard] = load_mask(self._paths[shard])
         return self._masks[shard]
 
-    def _epoch(self, epoch: int) -> tuple[np.ndarray, np.ndarray]:
-        """(document order, end offset of each document in that order) for one epoch, cached (two newest)."""
+    def _epoch(self, epoch: int) -> EpochOrder:
+        """One epoch's document order (data.shuffle: a keyed permutation and one offset per block of documents,
+        not a per-document array), cached (two newest)."""
         if epoch not in self._epochs:
-            order = np.random.default_rng([*self._seed, epoch]).permutation(len(self.doc_len))
-            self._epochs[epoch] = (order, np.cumsum(self.doc_len[order]))
+            self._epochs[epoch] = EpochOrder(self.doc_len, [*self._seed, epoch])
             while len(self._epochs) > 2:
                 self._epochs.popitem(last=False)
         return self._epochs[epoch]
@@ -112,22 +109,25 @@ class SourceStream:
         filled = 0
         need = len(out)
         while filled < need:
-            order, ends = self._epoch(epoch)
-            pos = int(np.searchsorted(ends, within, side="right"))
-            while pos < len(order) and filled < need:
-                doc = int(order[pos])
-                doc_begin = int(ends[pos]) - int(self.doc_len[doc])
-                skip = within - doc_begin
-                take = min(int(self.doc_len[doc]) - skip, need - filled)
-                start = int(self.doc_start[doc]) + skip
-                shard = int(self.doc_shard[doc])
-                out[filled : filled + take] = self._shard_tokens(shard)[start : start + take]
-                if mask_out is not None:
-                    mask_out[filled : filled + take] = self._shard_mask(shard)[start : start + take] if (
-                        self._masked) else 1
-                filled += take
-                within += take
-                pos += 1
+            order = self._epoch(epoch)
+            block, pos = order.find(within)
+            while block < len(order.block_ends) and filled < need:
+                docs, ends = order.block(block)
+                while pos < len(docs) and filled < need:
+                    doc = int(docs[pos])
+                    length = int(self.doc_len[doc])
+                    skip = within - (int(ends[pos]) - length)
+                    take = min(length - skip, need - filled)
+                    start = int(self.doc_start[doc]) + skip
+                    shard = int(self.doc_shard[doc])
+                    out[filled : filled + take] = self._shard_tokens(shard)[start : start + take]
+                    if mask_out is not None:
+                        mask_out[filled : filled + take] = self._shard_mask(shard)[start : start + take] if (
+                            self._masked) else 1
+                    filled += take
+                    within += take
+                    pos += 1
+                block, pos = block + 1, 0
             epoch, within = epoch + 1, 0
 
 
@@ -284,6 +284,32 @@ def check_token_ids(manifest: Manifest, data_dir: Path, *, model_vocab_size: int
             f"model.vocab_size is {model_vocab_size} and every id must be below it: the data was tokenized with a "
             f"larger vocabulary than the model has (the manifest's vocab_size: {manifest.vocab_size}). Raise "
             f"model.vocab_size to at least {top + 1}, or prepare the data with the model's tokenizer")
+
+
+def check_mask_file(bin_path: Path, *, num_tokens: int, source: str) -> None:
+    """A chat shard's `.mask` exists and holds one byte per token (one stat); else a user error naming it."""
+    path = mask_path(bin_path)
+    try:
+        size = os.stat(path).st_size
+    except FileNotFoundError:
+        raise UserInputError(f"{bin_path}: the source {source!r} has a loss mask but this shard's .mask is missing; "
+                             "prepare the data dir again") from None
+    if size != num_tokens:
+        raise UserInputError(f"{path}: {size:,} bytes, expected one per token of the shard ({num_tokens:,}); prepare "
+                             "the data dir again")
+
+
+def check_shard_files(manifest: Manifest, data_dir: Path) -> None:
+    """One stat of every shard (and loss mask) the manifest lists, against its counts: what the trainer's rank 0
+    runs once at start beside reading the manifest (`train.shared_reads`), so that a damaged shard fails every
+    rank there with its name, instead of the one rank whose batch first touches it mid-run while the others
+    wait in the step's collectives. Nothing is opened or read; the sampler repeats the check when it maps a shard."""
+    masked = {s["name"] for s in manifest.sources if s.get("loss_mask")}
+    for shard in manifest.shards:
+        bin_path = Path(data_dir) / shard.path
+        check_token_file(bin_path, dtype=np.dtype(manifest.dtype), num_tokens=shard.num_tokens)
+        if shard.source in masked:
+            check_mask_file(bin_path, num_tokens=shard.num_tokens, source=shard.source)
 
 
 def has_loss_mask(manifest: Manifest, *, name: str, seq_len: int, data_dir: Path) -> bool:

@@ -112,8 +112,8 @@ class ShardInfo:
         return ShardInfo(**raw)
 
 
-def map_tokens(bin_path: Path, *, dtype: np.dtype, num_tokens: int) -> np.ndarray:
-    """A shard's tokens, memory-mapped after one stat (nothing is read): a missing `.bin`, or one whose size is not
+def check_token_file(bin_path: Path, *, dtype: np.dtype, num_tokens: int) -> int:
+    """The size of a shard's `.bin` after one stat (nothing is read); a missing file, or one whose size is not
     `num_tokens` (the manifest's count) in `dtype` (truncated, replaced, or the manifest's dtype is wrong), is a
     user error naming the file."""
     itemsize = np.dtype(dtype).itemsize
@@ -127,6 +127,12 @@ def map_tokens(bin_path: Path, *, dtype: np.dtype, num_tokens: int) -> np.ndarra
             f"{bin_path}: {size:,} bytes, expected {num_tokens * itemsize:,} (manifest.json lists {num_tokens:,} "
             f"tokens of dtype {np.dtype(dtype).name}, {itemsize} bytes each); the shard is truncated or is not the "
             "one the manifest describes: re-run `leantrain prepare`")
+    return size
+
+
+def map_tokens(bin_path: Path, *, dtype: np.dtype, num_tokens: int) -> np.ndarray:
+    """A shard's tokens, memory-mapped after `check_token_file`'s stat."""
+    size = check_token_file(bin_path, dtype=dtype, num_tokens=num_tokens)
     return np.memmap(bin_path, dtype=dtype, mode="r") if size else np.zeros(0, dtype=dtype)
 
 

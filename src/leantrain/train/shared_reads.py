@@ -7,15 +7,18 @@ from pathlib import Path
 
 from leantrain.data.layout import SPLITS, Manifest, load_manifest
 from leantrain.data.sample_index import ensure_sample_index
+from leantrain.data.sampler import check_shard_files
 from leantrain.rank0 import from_rank0
 
 
 def shared_manifest(data_dir: Path) -> Manifest:
-    """The data dir's manifest on every rank; rank 0 also writes any missing sampler index (`data.sample_index`)
-    before the others can map it (the broadcast is the barrier)."""
+    """The data dir's manifest on every rank; rank 0 also checks every shard's size (one stat each: a damaged
+    shard fails every rank here, `data.sampler.check_shard_files`) and writes any missing sampler index
+    (`data.sample_index`) before the others can map it (the broadcast is the barrier)."""
 
     def read() -> Manifest:
         manifest = load_manifest(Path(data_dir))
+        check_shard_files(manifest, Path(data_dir))
         for split in SPLITS:
             ensure_sample_index(Path(data_dir), manifest, split=split)
         return manifest

@@ -1,0 +1,95 @@
+"""A source's per-epoch document order without a per-document array: a keyed permutation evaluated pointwise.
+
+The sampler needs, for an epoch, the document at any position of a seeded shuffle and the token offset where
+each position starts. A full permutation and its cumulative lengths are two int64 arrays of the corpus's size on
+every rank (16 B per document and epoch: 16 GB per rank at a billion documents). Here the order is a keyed
+bijection of [0, n) computed position by position: a balanced Feistel network over the smallest even number
+of bits that covers n, with cycle-walking to stay inside [0, n) (Black and Rogaway, "Ciphers with arbitrary
+finite domains", CT-RSA 2002, §3). Offsets are kept per block of `BLOCK_DOCS` positions only (one int64 per
+block: 8 MB at a billion documents); within a block they are recomputed from the block's documents when a
+window lands there. Every rank computes the same order from (seed, source, epoch) alone: nothing is read or
+exchanged.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+BLOCK_DOCS = 1024  # positions per stored offset; a window's lookup permutes and sums one such block
+ROUNDS = 6
+_CHUNK = 1 << 18  # positions per pass when an epoch's block offsets are computed (bounded temporary memory)
+_M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)  # splitmix64's finaliser (Steele et al. 2014)
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    x = x ^ (x >> np.uint64(30))
+    x = x * _M1
+    x = x ^ (x >> np.uint64(27))
+    x = x * _M2
+    return x ^ (x >> np.uint64(31))
+
+
+class KeyedPermutation:
+    """A seeded bijection of [0, n), evaluated on arrays of positions (`perm(positions) -> documents`)."""
+
+    def __init__(self, n: int, key: list[int]) -> None:
+        if n < 1:
+            raise ValueError("a permutation needs at least one element")
+        self.n = n
+        bits = max(2, int(n - 1).bit_length())
+        self._half = np.uint64((bits + 1) // 2)
+        self._mask = np.uint64((1 << int(self._half)) - 1)
+        self._keys = np.random.default_rng(key).integers(0, 2**63, size=ROUNDS, dtype=np.uint64)
+
+    def _feistel(self, x: np.ndarray) -> np.ndarray:
+        left, right = x >> self._half, x & self._mask
+        for k in self._keys:
+            left, right = right, left ^ (_mix(right ^ k) & self._mask)
+        return (left << self._half) | right
+
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        out = self._feistel(np.asarray(positions, dtype=np.uint64))
+        outside = np.flatnonzero(out >= np.uint64(self.n))
+        while outside.size:  # cycle-walk: the domain is < 4n, so few passes
+            out[outside] = self._feistel(out[outside])
+            outside = outside[out[outside] >= np.uint64(self.n)]
+        return out.astype(np.int64)
+
+
+class EpochOrder:
+    """One epoch of a source: its document order and where each position starts in the epoch's token stream."""
+
+    def __init__(self, doc_len: np.ndarray, key: list[int]) -> None:
+        self.doc_len = doc_len
+        self.n = len(doc_len)
+        self.perm = KeyedPermutation(self.n, key)
+        blocks = -(-self.n // BLOCK_DOCS)
+        sums = np.zeros(blocks, dtype=np.int64)
+        for start in range(0, self.n, _CHUNK):
+            stop = min(self.n, start + _CHUNK)
+            lengths = np.asarray(doc_len[self.perm(np.arange(start, stop, dtype=np.int64))], dtype=np.int64)
+            first = start // BLOCK_DOCS
+            padded = np.zeros(-(-len(lengths) // BLOCK_DOCS) * BLOCK_DOCS, dtype=np.int64)
+            padded[:len(lengths)] = lengths
+            sums[first:first + len(padded) // BLOCK_DOCS] = padded.reshape(-1, BLOCK_DOCS).sum(axis=1)
+        self.block_ends = np.cumsum(sums)  # token offset where each block of positions ends
+        self._block: tuple[int, np.ndarray, np.ndarray] | None = None
+
+    def block(self, number: int) -> tuple[np.ndarray, np.ndarray]:
+        """(documents, end offset of each in the epoch) of one block of positions; the last one is kept."""
+        if self._block is None or self._block[0] != number:
+            first = number * BLOCK_DOCS
+            docs = self.perm(np.arange(first, min(self.n, first + BLOCK_DOCS), dtype=np.int64))
+            begin = int(self.block_ends[number - 1]) if number else 0
+            self._block = (number, docs, begin + np.cumsum(np.asarray(self.doc_len[docs], dtype=np.int64)))
+        return self._block[1], self._block[2]
+
+    def find(self, offset: int) -> tuple[int, int]:
+        """(block, position within it) of the document holding token `offset` of the epoch."""
+        number = int(np.searchsorted(self.block_ends, offset, side="right"))
+        _, ends = self.block(number)
+        return number, int(np.searchsorted(ends, offset, side="right"))
+
+    def order(self) -> np.ndarray:
+        """The whole epoch's document order (O(documents): for tests and tools, never the sampler)."""
+        return self.perm(np.arange(self.n, dtype=np.int64))
