@@ -52,6 +52,10 @@ def test_an_epoch_keeps_one_integer_per_block_of_documents_not_per_document() ->
     tracemalloc.start()
     try:
         epoch = stream._epoch(0)  # what the sampler keeps for an epoch
+        assert epoch._done == 0  # nothing read at the epoch's start
+        epoch.find(0)
+        assert epoch._done == 256  # one chunk of 262,144 documents: the offsets follow the reading
+        epoch.find(int(lengths.sum()) - 1)  # the epoch's last token: every block's offset
         kept, peak = tracemalloc.get_traced_memory()
     finally:
         tracemalloc.stop()

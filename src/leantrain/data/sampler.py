@@ -111,7 +111,7 @@ class SourceStream:
         while filled < need:
             order = self._epoch(epoch)
             block, pos = order.find(within)
-            while block < len(order.block_ends) and filled < need:
+            while block < order.blocks and filled < need:
                 docs, ends = order.block(block)
                 while pos < len(docs) and filled < need:
                     doc = int(docs[pos])

@@ -6,9 +6,9 @@ every rank (16 B per document and epoch: 16 GB per rank at a billion documents).
 bijection of [0, n) computed position by position: a balanced Feistel network over the smallest even number
 of bits that covers n, with cycle-walking to stay inside [0, n) (Black and Rogaway, "Ciphers with arbitrary
 finite domains", CT-RSA 2002, §3). Offsets are kept per block of `BLOCK_DOCS` positions only (one int64 per
-block: 8 MB at a billion documents); within a block they are recomputed from the block's documents when a
-window lands there. Every rank computes the same order from (seed, source, epoch) alone: nothing is read or
-exchanged.
+block: 8 MB at a billion documents), computed as the epoch is read; within a block they are recomputed from the
+block's documents when a window lands there. Every rank computes the same order from (seed, source, epoch)
+alone: nothing is read or exchanged.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 
 BLOCK_DOCS = 1024  # positions per stored offset; a window's lookup permutes and sums one such block
 ROUNDS = 6
-_CHUNK = 1 << 18  # positions per pass when an epoch's block offsets are computed (bounded temporary memory)
+_CHUNK = 1 << 18  # positions per pass of the block offsets (bounded temporary memory, a short read at a time)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)  # splitmix64's finaliser (Steele et al. 2014)
 
 
@@ -57,26 +57,36 @@ class KeyedPermutation:
 
 
 class EpochOrder:
-    """One epoch of a source: its document order and where each position starts in the epoch's token stream."""
+    """One epoch of a source: its document order and where each position starts in the epoch's token stream.
+
+    The block offsets are computed as the stream is consumed, a chunk of `_CHUNK` positions at a time (a
+    source's samples are read roughly in order), so no rank stalls at an epoch's start to read every
+    document's length at once."""
 
     def __init__(self, doc_len: np.ndarray, key: list[int]) -> None:
         self.doc_len = doc_len
         self.n = len(doc_len)
         self.perm = KeyedPermutation(self.n, key)
-        blocks = -(-self.n // BLOCK_DOCS)
-        sums = np.zeros(blocks, dtype=np.int64)
-        for start in range(0, self.n, _CHUNK):
-            stop = min(self.n, start + _CHUNK)
-            lengths = np.asarray(doc_len[self.perm(np.arange(start, stop, dtype=np.int64))], dtype=np.int64)
-            first = start // BLOCK_DOCS
-            padded = np.zeros(-(-len(lengths) // BLOCK_DOCS) * BLOCK_DOCS, dtype=np.int64)
-            padded[:len(lengths)] = lengths
-            sums[first:first + len(padded) // BLOCK_DOCS] = padded.reshape(-1, BLOCK_DOCS).sum(axis=1)
-        self.block_ends = np.cumsum(sums)  # token offset where each block of positions ends
+        self.blocks = -(-self.n // BLOCK_DOCS)
+        self.block_ends = np.zeros(self.blocks, dtype=np.int64)  # token offset where each block of positions ends
+        self._done = 0  # blocks whose end is known
         self._block: tuple[int, np.ndarray, np.ndarray] | None = None
+
+    def _extend(self) -> None:
+        """Compute the next chunk of block ends."""
+        start = self._done * BLOCK_DOCS
+        stop = min(self.n, start + _CHUNK)
+        lengths = np.zeros(-(-(stop - start) // BLOCK_DOCS) * BLOCK_DOCS, dtype=np.int64)
+        lengths[:stop - start] = self.doc_len[self.perm(np.arange(start, stop, dtype=np.int64))]
+        sums = lengths.reshape(-1, BLOCK_DOCS).sum(axis=1)
+        before = int(self.block_ends[self._done - 1]) if self._done else 0
+        self.block_ends[self._done:self._done + len(sums)] = before + np.cumsum(sums)
+        self._done += len(sums)
 
     def block(self, number: int) -> tuple[np.ndarray, np.ndarray]:
         """(documents, end offset of each in the epoch) of one block of positions; the last one is kept."""
+        while self._done <= number:
+            self._extend()
         if self._block is None or self._block[0] != number:
             first = number * BLOCK_DOCS
             docs = self.perm(np.arange(first, min(self.n, first + BLOCK_DOCS), dtype=np.int64))
@@ -85,8 +95,10 @@ class EpochOrder:
         return self._block[1], self._block[2]
 
     def find(self, offset: int) -> tuple[int, int]:
-        """(block, position within it) of the document holding token `offset` of the epoch."""
-        number = int(np.searchsorted(self.block_ends, offset, side="right"))
+        """(block, position within it) of the document holding token `offset` of the epoch (< the epoch's tokens)."""
+        while self._done < self.blocks and (self._done == 0 or self.block_ends[self._done - 1] <= offset):
+            self._extend()
+        number = int(np.searchsorted(self.block_ends[:self._done], offset, side="right"))
         _, ends = self.block(number)
         return number, int(np.searchsorted(ends, offset, side="right"))
 
