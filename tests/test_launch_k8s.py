@@ -376,3 +376,16 @@ def test_different_specs_at_the_default_run_dir_get_their_own_cluster_run_dir(tm
     assert "#SBATCH --job-name=ablation-b\n" in emit(specs["ablation-b"], "slurm")
     assert run_dir(emit(specs["ablation-a"], "k8s", "run.dir=/shared/runs/lr-sweep-3")) == "/mnt/runs/lr-sweep-3"
     assert run_dir(emit(specs["ablation-a"], "k8s", "run.name=Long Run")) == "/mnt/runs/long-run"
+
+
+def test_the_prepull_daemonset_and_the_pods_go_to_gpu_nodes_only(tmp_path: Path) -> None:
+    """The DaemonSet had no node selector, so it pulled the multi-GB image onto every CPU node of the cluster."""
+    _, job, daemonset = emitted(tmp_path)[:3]
+    assert daemonset["spec"]["template"]["spec"]["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert "nodeSelector" not in job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]
+    chosen = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    _, job, daemonset = emitted(tmp_path, f"cluster.k8s_node_selector={chosen}")[:3]
+    assert daemonset["spec"]["template"]["spec"]["nodeSelector"] == chosen
+    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["nodeSelector"] == chosen
+    roundtrip(daemonset, "V1DaemonSet")
+    roundtrip(job, "KubeflowOrgV1PyTorchJob")

@@ -185,6 +185,8 @@ def _pod_spec(
         pod_spec["affinity"] = affinity
     if cluster.k8s_priority_class:
         pod_spec["priorityClassName"] = cluster.k8s_priority_class
+    if cluster.k8s_node_selector:
+        pod_spec["nodeSelector"] = dict(cluster.k8s_node_selector)
     return pod_spec
 
 
@@ -330,12 +332,15 @@ def setup_documents(
 
 
 def prepull_daemonset(
-    *, image: str, namespace: str = "default", gpu_resource: str | None = "nvidia.com/gpu", run: str | None = None
+    *, image: str, namespace: str = "default", gpu_resource: str | None = "nvidia.com/gpu", run: str | None = None,
+    node_selector: dict[str, str] | None = None,
 ) -> dict[str, Any]:
     """A DaemonSet whose init container pulls `image` on every (GPU) node and exits; a pause container keeps
     the pod alive at ~no cost, so the image stays cached and a restarted training pod starts at once. With `run`
     (the run's name) it is the run's own (`<run>-prepull`, selected by its run label): one name for every job
-    made the last job applied set every job's image, and deleting one job's file took it from all of them."""
+    made the last job applied set every job's image, and deleting one job's file took it from all of them.
+    It runs on the nodes `node_selector` names (`cluster.k8s_node_selector`, the training pods' too), else with
+    NVIDIA GPUs on those GPU feature discovery labels `nvidia.com/gpu.present` (not every CPU node)."""
     labels = {"app.kubernetes.io/name": "leantrain-image-prepull", **({"leantrain.io/run": run} if run else {})}
     pod_spec: dict[str, Any] = {
         "initContainers": [{"name": "prepull", "image": image, "imagePullPolicy": "IfNotPresent",
@@ -347,6 +352,10 @@ def prepull_daemonset(
     }
     if gpu_resource:
         pod_spec["tolerations"] = [{"key": gpu_resource, "operator": "Exists", "effect": "NoSchedule"}]
+    if node_selector:
+        pod_spec["nodeSelector"] = dict(node_selector)
+    elif gpu_resource == "nvidia.com/gpu":
+        pod_spec["nodeSelector"] = {"nvidia.com/gpu.present": "true"}
     return {
         "apiVersion": "apps/v1",
         "kind": "DaemonSet",
@@ -373,7 +382,8 @@ def k8s_documents(
     config_map, job = pytorch_job(spec, res=res, max_restarts=restarts, run_dir=run_dir, job_id=job_id,
                                   env_refs=env_refs, image=image, source=source)
     daemonset = prepull_daemonset(image=image, namespace=spec.cluster.k8s_namespace,
-                                  gpu_resource=res.gpu_resource, run=job_name(spec, source=source))
+                                  gpu_resource=res.gpu_resource, run=job_name(spec, source=source),
+                                  node_selector=spec.cluster.k8s_node_selector)
     docs = [config_map, job, daemonset]
     if spec.cluster.k8s_pod_monitor:
         docs.append(pod_monitor(spec, name=job["metadata"]["name"]))

@@ -87,6 +87,12 @@ class ClusterSpec(Section):
     )
     k8s_queue: str | None = Field(None, description="Scheduler queue (volcano) for the job's pod group.")
     k8s_priority_class: str | None = Field(None, description="PriorityClass of the pods.")
+    k8s_node_selector: dict[str, str] = Field(
+        default_factory=dict, description="Node labels the training pods and the image pre-pull DaemonSet require "
+        "(e.g. `{nvidia.com/gpu.product: NVIDIA-H100-80GB-HBM3}`). Empty: the pods go where their GPU request fits, "
+        "and with `nvidia.com/gpu` the DaemonSet runs on nodes labelled `nvidia.com/gpu.present: \"true\"` (NVIDIA "
+        "GPU feature discovery, part of the GPU operator) instead of pulling the image onto every node."
+    )
     k8s_restart_policy: Literal["OnFailure", "ExitCode", "Always", "Never"] = Field(
         "OnFailure", description="Pod restart policy of the training replicas."
     )
