@@ -277,3 +277,34 @@ def test_a_tasks_signatures_and_hash_files_stay_near_the_signatures_own_size(tmp
         tracemalloc.stop()
     assert held < rows.nbytes + 2 * SIGNATURE_BLOCK_ROWS * width * 4, held / rows.nbytes
     assert extra < 1.5 * rows.nbytes, extra / rows.nbytes
+
+
+def test_a_merge_group_maps_each_folders_files_once_with_the_same_decisions(tmp_path: Path, monkeypatch) -> None:
+    """A merge step per task mapped every task folder's hash files at every step: hash ranges × folders opens
+    per space, quadratic in the corpus. A group of steps maps each file once; the decisions do not change."""
+    from collections import Counter
+
+    from leantrain.data import clusters
+
+    docs, _, _ = _corpus(random.Random(3))
+    docs += docs[:20]
+    tiny = DedupSpec(bucket_records=40)
+    steps = clusters.plan_merges(tiny, num_records=len(docs))
+    groups = clusters.group_merges(steps, tasks=8)
+    assert [s for g in groups for s in g] == steps  # in order, nothing dropped
+    assert all(len({s.space for s in g}) == 1 for g in groups) and len(groups) <= 8 + 1 + tiny.num_bands
+    opened: Counter[str] = Counter()
+    load = np.load
+    monkeypatch.setattr(np, "load", lambda path, *a, **k: (opened.update([str(path)]), load(path, *a, **k))[1])
+
+    def hash_file_opens() -> dict[str, int]:
+        return {p: n for p, n in opened.items() if p.endswith(("exact_keys.npy", "bands.npy", "sigs.npy"))}
+
+    with monkeypatch.context() as held_nothing:  # past MAX_HELD_FOLDERS: mapped at each use, as before
+        held_nothing.setattr(clusters, "MAX_HELD_FOLDERS", 0)
+        reference, _ = deduplicate(docs, spec=tiny, work=tmp_path / "ref", shard_docs=50)
+    assert max(hash_file_opens().values()) >= len(steps) // (1 + tiny.num_bands)  # once per step
+    opened.clear()
+    decisions, _ = deduplicate(docs, spec=tiny, work=tmp_path / "held", shard_docs=50)
+    assert np.array_equal(decisions, reference)
+    assert len(steps) > 10 * (1 + tiny.num_bands) and max(hash_file_opens().values()) == 1, hash_file_opens()

@@ -34,6 +34,7 @@ from leantrain.spec.schema import DedupSpec
 
 HASH_SPACE = 1 << 64
 VERIFY_BLOCK_EDGES = 1 << 13
+MAX_HELD_FOLDERS = 8192  # up to 3 maps a folder (hashes, documents, signatures): 24,576, under vm.max_map_count
 KEEP, EXACT_DUP, NEAR_DUP = 0, 1, 2
 
 
@@ -86,13 +87,52 @@ def plan_merges(spec: DedupSpec, *, num_records: int) -> list[MergeStep]:
     return [MergeStep(space, i, bounds[i], bounds[i + 1]) for space in spaces for i in range(parts)]
 
 
+def group_merges(steps: list[MergeStep], *, tasks: int) -> list[list[MergeStep]]:
+    """Consecutive merge steps of one space, about `tasks` groups in all: one task runs a group with every task
+    folder's files mapped once (`merge_steps`). One task per step opened every folder's files at every step:
+    ceil(records / bucket_records) × folders × 2 opens per space, quadratic in the corpus (at a billion
+    documents in 10,000 folders, 3,815 steps a space: 76 million opens of the shared file system per space)."""
+    size = max(1, -(-len(steps) // max(1, tasks)))
+    groups: list[list[MergeStep]] = []
+    for step in steps:
+        if groups and len(groups[-1]) < size and groups[-1][-1].space == step.space:
+            groups[-1].append(step)
+        else:
+            groups.append([step])
+    return groups
+
+
+class HeldMaps:
+    """The task folders' hash and signature files, memory-mapped once for a group of merge steps (or, past
+    MAX_HELD_FOLDERS folders, at each use: a process may hold about 65,000 maps, vm.max_map_count)."""
+
+    def __init__(self, *, hold: bool) -> None:
+        self._hold = hold
+        self._maps: dict[Path, np.ndarray] = {}
+
+    def load(self, path: Path) -> np.ndarray:
+        if not self._hold:
+            return np.load(path, mmap_mode="r")
+        if path not in self._maps:
+            self._maps[path] = np.load(path, mmap_mode="r")
+        return self._maps[path]
+
+
+def merge_steps(group: list[MergeStep], folders: list[Path], offsets: np.ndarray, out_dir: Path, spec: DedupSpec
+                ) -> list[dict[str, Any]]:
+    """`merge_step` for each step of a group (`group_merges`), each folder's files mapped once for all of them."""
+    maps = HeldMaps(hold=len(folders) <= MAX_HELD_FOLDERS)
+    return [merge_step(step, folders, offsets, out_dir, spec, maps=maps) for step in group]
+
+
 def _slice(sorted_hashes: np.ndarray, lo: int, hi: int) -> tuple[int, int]:
     start = int(np.searchsorted(sorted_hashes, np.uint64(lo), side="left"))
     end = len(sorted_hashes) if hi >= HASH_SPACE else int(np.searchsorted(sorted_hashes, np.uint64(hi), side="left"))
     return start, end
 
 
-def _gather(step: MergeStep, folders: list[Path], offsets: np.ndarray) -> tuple[list[np.ndarray], np.ndarray]:
+def _gather(step: MergeStep, folders: list[Path], offsets: np.ndarray, maps: HeldMaps
+            ) -> tuple[list[np.ndarray], np.ndarray]:
     """The records of every task inside the step's range: sort columns (most significant first) and doc ids."""
     columns: list[list[np.ndarray]] = []
     docs: list[np.ndarray] = []
@@ -100,16 +140,16 @@ def _gather(step: MergeStep, folders: list[Path], offsets: np.ndarray) -> tuple[
         if offsets[index + 1] == offsets[index]:
             continue
         if step.space == "exact":
-            keys = np.load(folder / "exact_keys.npy", mmap_mode="r")  # (n, 2) sorted
+            keys = maps.load(folder / "exact_keys.npy")  # (n, 2) sorted
             start, end = _slice(keys[:, 0], step.lo, step.hi)
             columns.append([np.array(keys[start:end, 0]), np.array(keys[start:end, 1])])
-            local = np.load(folder / "exact_docs.npy", mmap_mode="r")[start:end]
+            local = maps.load(folder / "exact_docs.npy")[start:end]
         else:
             band = int(step.space[4:])
-            hashes = np.load(folder / "bands.npy", mmap_mode="r")[band]
+            hashes = maps.load(folder / "bands.npy")[band]
             start, end = _slice(hashes, step.lo, step.hi)
             columns.append([np.array(hashes[start:end])])
-            local = np.load(folder / "band_docs.npy", mmap_mode="r")[band, start:end]
+            local = maps.load(folder / "band_docs.npy")[band, start:end]
         docs.append(offsets[index] + np.asarray(local, dtype=np.int64))
     if not docs:
         width = 2 if step.space == "exact" else 1
@@ -132,11 +172,11 @@ def _run_edges(columns: list[np.ndarray], docs: np.ndarray) -> np.ndarray:
     return np.stack([first[~new_run], docs[~new_run]], axis=1)
 
 
-def _signatures(docs: np.ndarray, folders: list[Path], offsets: np.ndarray) -> np.ndarray:
+def _signatures(docs: np.ndarray, folders: list[Path], offsets: np.ndarray, maps: HeldMaps) -> np.ndarray:
     owner = np.searchsorted(offsets, docs, side="right") - 1
     out: np.ndarray | None = None
     for index in np.unique(owner):
-        sigs = np.load(folders[index] / "sigs.npy", mmap_mode="r")
+        sigs = maps.load(folders[index] / "sigs.npy")
         if out is None:
             out = np.empty((len(docs), sigs.shape[1]), dtype=np.uint32)
         mask = owner == index
@@ -145,23 +185,24 @@ def _signatures(docs: np.ndarray, folders: list[Path], offsets: np.ndarray) -> n
     return out
 
 
-def merge_step(step: MergeStep, folders: list[Path], offsets: np.ndarray, out_dir: Path, spec: DedupSpec
-               ) -> dict[str, Any]:
+def merge_step(step: MergeStep, folders: list[Path], offsets: np.ndarray, out_dir: Path, spec: DedupSpec, *,
+               maps: HeldMaps | None = None) -> dict[str, Any]:
     """Edges of one hash range, verified for bands; written to `out_dir/<space>_<n>.npy`."""
+    maps = maps if maps is not None else HeldMaps(hold=False)
     final = out_dir / step.file_name
     if final.is_file():
         edges = np.load(final)
         return {"records": -1, "edges": len(edges), "candidates": -1, "rejected": -1}
     out_dir.mkdir(parents=True, exist_ok=True)
-    columns, docs = _gather(step, folders, offsets)
+    columns, docs = _gather(step, folders, offsets, maps)
     edges = _run_edges(columns, docs)
     candidates, rejected = len(edges), 0
     if step.space != "exact" and len(edges) and spec.verify_jaccard > 0:
         kept = []
         for i in range(0, len(edges), VERIFY_BLOCK_EDGES):
             block = edges[i : i + VERIFY_BLOCK_EDGES]
-            left = _signatures(block[:, 0], folders, offsets)
-            right = _signatures(block[:, 1], folders, offsets)
+            left = _signatures(block[:, 0], folders, offsets, maps)
+            right = _signatures(block[:, 1], folders, offsets, maps)
             kept.append(block[np.mean(left == right, axis=1) >= spec.verify_jaccard])
         edges = np.concatenate(kept)
         rejected = candidates - len(edges)
@@ -277,7 +318,7 @@ def deduplicate(texts: Iterable[str], *, spec: DedupSpec, work: Path, shard_docs
         counts.append(counts[-1] + len(keys))
     offsets = np.asarray(counts, dtype=np.int64)
     steps = plan_merges(spec, num_records=int(offsets[-1]))
-    merged = [merge_step(step, folders, offsets, work / "edges", spec) for step in steps]
+    merged = merge_steps(steps, folders, offsets, work / "edges", spec)
     resolve(steps, folders, offsets, work / "edges")
     decisions = [np.load(folder / "keep.npy") for folder in folders]
     return (np.concatenate(decisions) if decisions else np.zeros(0, dtype=np.uint8)), merged

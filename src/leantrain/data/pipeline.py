@@ -34,7 +34,7 @@ from rich.console import Console
 from leantrain.data import demo_corpus
 from leantrain.data.chat import MASKED_FORMATS, template_for
 from leantrain.data.chat_prepare import task_masked_docs, write_masked_split_shards
-from leantrain.data.clusters import merge_step, plan_merges, resolve
+from leantrain.data.clusters import group_merges, merge_steps, plan_merges, resolve
 from leantrain.data.dedup import s_curve
 from leantrain.data.executor import Executor, make_executor
 from leantrain.data.fingerprint import content_version
@@ -156,8 +156,10 @@ def _dedup_stage(spec: DataSpec, *, executor: Executor, progress: StageProgress,
         return done
     steps = plan_merges(spec.dedup, num_records=int(offsets[-1]))
     folders = [task_dir(work, t) for t in tasks]
-    merged = _run_stage(executor, progress, "dedup merge", merge_step, steps,
-                        (folders, offsets, work / "dedup", spec.dedup), sizes=[1] * len(steps), docs=lambda r: 0)
+    groups = group_merges(steps, tasks=4 * executor.num_workers)  # each folder's files mapped once a group
+    merged = [result for group in _run_stage(executor, progress, "dedup merge", merge_steps, groups,
+                                             (folders, offsets, work / "dedup", spec.dedup),
+                                             sizes=[len(g) for g in groups], docs=lambda r: 0) for result in group]
     counts = resolve(steps, folders, offsets, work / "dedup")
     band_steps = [m for s, m in zip(steps, merged, strict=True) if s.space != "exact"]
     result = {"exact": spec.dedup.exact, "near": spec.dedup.near, "bands": spec.dedup.num_bands,
