@@ -15,8 +15,16 @@ each rank sends its shard to its peer (its sha256 and sizes first, then the byte
 tensors) and checks what it received against the sender's hash before keeping it, and the ranks agree again.
 Any failure (ENOSPC on tmpfs, a bad transfer) is caught, agreed (every rank learns which ranks failed), and
 returned as a failed `SaveOutcome`: that step is not a fast checkpoint anywhere and the job goes on with the
-durable tier. An exception inside a collective (a peer gone) disables the tier on the rank that saw it.
-Agreements are tensors (all_gather of flags and steps), never pickled objects.
+durable tier. Agreements are tensors (all_gather of flags and steps), never pickled objects.
+
+An exception inside one of the tier's collectives (a peer gone, a timeout) never turns the tier off on that rank
+alone: its peers would enter the next save's collectives without it and wait out the group's timeout. The rank
+marks itself broken, still joins the rest of that save's collectives (so no peer waits for it), and reports
+BROKEN in the next save's first agreement, which every rank makes before any other collective of that save:
+every rank sees it and the tier stops everywhere at that save, logged once by rank 0 naming the ranks. Only a
+rank whose first agreement itself fails stops there, naming itself: the group is unusable (gloo closes the
+connections of a collective that timed out, so every rank's next agreement fails too), or, not seen, the
+agreement completed on its peers, whose next collective on the group then fails within its timeout.
 
 Restart (same world size and layout): the ranks agree on the newest step every rank can restore, its own file
 or the copy its peer holds; a rank that lost its own (a replaced node) gets it back from the peer, checked
@@ -56,6 +64,8 @@ from leantrain.plan.budget import FAST_TIER_COPIES
 log = logging.getLogger("leantrain.ckpt")
 STEP_FILE_RE = re.compile(r"^step-(\d{8})\.pt$")
 FILES_PER_SHARD = FAST_TIER_COPIES  # its own shard and the copy it holds for a peer (the plan counts the same)
+OK, FAILED, BROKEN = 0, 1, 2  # what a rank reports in a save's first agreement (BROKEN: a collective failed on it)
+COLLECTIVE_ERRORS = (RuntimeError, dist.DistBackendError)  # what a failed or timed-out collective raises
 
 
 def memory_root(memory_dir: Path, run_dir: Path, *, layout: str | None = None) -> Path:
@@ -112,7 +122,8 @@ def capacity_problem(memory_dir: Path, *, shard_bytes: int, local_ranks: int) ->
 
 @dataclass
 class SaveOutcome:
-    """What one fast-tier save did, the same on every rank (the failure flags are agreed)."""
+    """What one fast-tier save did, the same on every rank (the failure flags are agreed), except after a
+    collective that failed on some ranks only: those report a failed step, and the next save stops the tier."""
 
     step: int
     num_bytes: int = 0
@@ -135,7 +146,8 @@ class MemoryTier:
         self.peer = (rank + self.offset) % world_size if self.offset else None  # who holds my copy
         self.holds_for = (rank - self.offset) % world_size if self.offset else None  # whose copy I hold
         self.last_step: int | None = None
-        self.disabled: str | None = None  # why this rank stopped using the tier (a failed collective)
+        self.disabled: str | None = None  # why the tier stopped (agreed by every rank; see the module docstring)
+        self.broken: str | None = None  # a collective of the tier failed on this rank: reported at the next save
 
     # ---- files ----------------------------------------------------------------------------------------
     def _own(self, rank: int) -> Path:
@@ -203,11 +215,7 @@ class MemoryTier:
         if self.disabled:
             return SaveOutcome(step=step, error=self.disabled)
         outcome = SaveOutcome(step=step)
-        try:
-            self._save_agreed(step, state, meta=meta, outcome=outcome)
-        except (RuntimeError, dist.DistBackendError) as err:  # a collective failed: the peers may be gone
-            self.disabled = f"the fast tier stopped on rank {self.rank} after a failed collective: {one_line(err)}"
-            outcome.error = self.disabled
+        self._save_agreed(step, state, meta=meta, outcome=outcome)
         if not outcome.ok:
             for folder in self.node_folders():
                 self._forget(folder)  # a step that is not complete everywhere is no fast checkpoint
@@ -218,15 +226,17 @@ class MemoryTier:
     def _save_agreed(self, step: int, state: dict[str, Any], *, meta: dict[str, Any], outcome: SaveOutcome) -> None:
         error = None
         encoded = None
-        try:
-            encoded = encode(step=step, meta=meta, state=state)
-            for folder in self.node_folders():
-                self._forget(folder)  # never two steps in memory at once
-            encoded.sha256 = self._write(self._own(self.rank), step, encoded.chunks())  # hashed once, as written
-            outcome.num_bytes = encoded.num_bytes
-        except (OSError, TypeError, ValueError) as err:
-            error = f"rank {self.rank}: writing {self._own(self.rank)}: {one_line(err)}"
-        outcome.failed_ranks = self.agree_failures(error)
+        if self.broken is None:  # a broken rank writes nothing: this save only tells the others to stop
+            try:
+                encoded = encode(step=step, meta=meta, state=state)
+                for folder in self.node_folders():
+                    self._forget(folder)  # never two steps in memory at once
+                encoded.sha256 = self._write(self._own(self.rank), step, encoded.chunks())  # hashed once, as written
+                outcome.num_bytes = encoded.num_bytes
+            except (OSError, TypeError, ValueError, RuntimeError) as err:  # local: no collective has run yet
+                error = f"rank {self.rank}: writing {self._own(self.rank)}: {one_line(err)}"
+        if not self._first_agreement(step, error, outcome):
+            return
         if outcome.failed_ranks or self.peer is None or self.holds_for is None:
             outcome.error = error or (f"writing the shards failed on rank(s) {outcome.failed_ranks}"
                                       if outcome.failed_ranks else None)
@@ -240,9 +250,48 @@ class MemoryTier:
             self._write(self._copy(self.holds_for), step, iter([received]))
         except (OSError, ValueError) as err:
             error = f"rank {self.rank}: keeping rank {self.holds_for}'s copy: {one_line(err)}"
-        outcome.failed_ranks = self.agree_failures(error)
+        except COLLECTIVE_ERRORS as err:  # still joins the agreement below: no peer waits there for this rank
+            error = self._break(step, "the peer transfer", err)
+        try:
+            outcome.failed_ranks = self.agree_failures(error, logged=self.broken is not None)
+        except COLLECTIVE_ERRORS as err:
+            error = self._break(step, "the agreement after the peer transfer", err)
+            outcome.failed_ranks = [self.rank]
         if outcome.failed_ranks:
             outcome.error = error or f"the peer copy failed on rank(s) {outcome.failed_ranks}"
+
+    def _first_agreement(self, step: int, error: str | None, outcome: SaveOutcome) -> bool:
+        """The save's first collective: every rank's OK/FAILED/BROKEN. Whether the save goes on; when a rank is
+        BROKEN the tier stops here on every rank, before any other collective of the save."""
+        if error is not None:
+            log.error("fast tier: %s", error)
+        try:
+            reports = [status for (status,) in self._all_gather(
+                [BROKEN if self.broken is not None else FAILED if error is not None else OK])]
+        except COLLECTIVE_ERRORS as err:  # nothing can be agreed on this group any more: this rank stops
+            self.disabled = (f"the fast tier stopped on rank {self.rank} at step {step}: its agreement collective "
+                             f"failed ({one_line(err)})" + (f", after {self.broken}" if self.broken else ""))
+            log.error("fast tier: %s; this rank goes on with the durable tier only", self.disabled)
+            outcome.failed_ranks, outcome.error = [self.rank], self.disabled
+            return False
+        broken = [rank for rank, status in enumerate(reports) if status == BROKEN]
+        if broken:
+            names = f"rank {broken[0]}" if len(broken) == 1 else f"ranks {', '.join(map(str, broken))}"
+            self.disabled = (f"the fast tier stopped on every rank at step {step}: a collective of the tier failed "
+                             f"on {names} (the error is in that rank's log)")
+            if self.rank == 0:
+                log.warning("fast tier: %s; the job goes on with the durable tier only", self.disabled)
+            outcome.failed_ranks, outcome.error = broken, self.disabled
+            return False
+        outcome.failed_ranks = [rank for rank, status in enumerate(reports) if status != OK]
+        return True
+
+    def _break(self, step: int, stage: str, err: BaseException) -> str:
+        """This rank saw a collective fail: it reports BROKEN at the next save's first agreement."""
+        error = f"rank {self.rank}: {stage} at step {step} failed: {one_line(err)}"
+        log.error("fast tier: %s; the tier stops on every rank at the next save", error)
+        self.broken = self.broken or error
+        return error
 
     def _exchange(self, outgoing: Encoded | None, *, to: int, source: int) -> bytearray | None:
         """Send `outgoing` to `to` and receive `source`'s stream: its sha256 and sizes first, then the header and
@@ -299,9 +348,9 @@ class MemoryTier:
         dist.all_gather(out, mine, group=self.group)
         return [t.tolist() for t in out]
 
-    def agree_failures(self, error: str | None) -> list[int]:
+    def agree_failures(self, error: str | None, *, logged: bool = False) -> list[int]:
         """The ranks whose step failed (every rank gets the same list); this rank's error goes to its log."""
-        if error is not None:
+        if error is not None and not logged:
             log.error("fast tier: %s", error)
         return [r for r, (flag,) in enumerate(self._all_gather([int(error is not None)])) if flag]
 
