@@ -150,7 +150,14 @@ def _finished_run(run_dir: Path, spec: Any, *, losses: list[tuple[int, float]], 
     write_run(run_dir, losses, events=events)
     (run_dir / "spec.yaml").write_text(yaml.safe_dump(spec.model_dump(mode="json"), sort_keys=False))
     (run_dir / "train_info.json").write_text(json.dumps({"world_size": world_size, "max_steps": losses[-1][0]}))
+    (run_dir / "lineage.json").write_text(json.dumps({"run_id": "r", "attempt": 0, "code": _code()}))
     return run_dir
+
+
+def _code() -> dict[str, Any]:
+    from leantrain.provenance.lineage import code_info
+
+    return code_info()
 
 
 def test_a_finished_run_of_the_same_training_can_be_the_reference(tmp_path: Path) -> None:
@@ -175,6 +182,16 @@ def test_a_finished_run_of_the_same_training_can_be_the_reference(tmp_path: Path
         broken = _finished_run(tmp_path / f"broken-{name}", spec, losses=REFERENCE)
         (broken / name).write_text(text)
         assert "not a mapping" in reusable_reference(broken, spec=spec, nproc=2, max_steps=6)
+    # a run that other code trained, or that was started again after it finished, may hold other code's losses
+    # (make demo run again after an upgrade drilled against the old version's losses and failed)
+    for name, lineage in (("upgraded", {"run_id": "r", "code": {"package_version": "0.0.1", "git": None}}),
+                          ("again", {"run_id": "r", "code": _code(), "previous_attempts": [{"attempt": 0}]})):
+        old_code = _finished_run(tmp_path / name, spec, losses=REFERENCE)
+        (old_code / "lineage.json").write_text(json.dumps(lineage))
+        assert "other code" in reusable_reference(old_code, spec=spec, nproc=2, max_steps=6) or \
+            "another version" in reusable_reference(old_code, spec=spec, nproc=2, max_steps=6)
+    (old_code / "lineage.json").unlink()
+    assert "is missing" in reusable_reference(old_code, spec=spec, nproc=2, max_steps=6)
     odd = _finished_run(tmp_path / "odd", spec, losses=REFERENCE)
     with (odd / "metrics.jsonl").open("a") as handle:
         handle.write('{"step": "x", "loss": 1}\n[1]\n{"step": 7}\n')

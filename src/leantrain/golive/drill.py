@@ -52,6 +52,7 @@ from leantrain.ckpt.fault import MARKER_FILE, FaultPlan
 from leantrain.errors import CheckFailed, UserInputError
 from leantrain.launch.resources import TrainCommand
 from leantrain.launch.torchrun import launch_local
+from leantrain.provenance.lineage import trained_by_other_code
 from leantrain.spec.schema import JobSpec
 
 if TYPE_CHECKING:
@@ -302,8 +303,9 @@ def reusable_reference(run_dir: Path, *, spec: JobSpec, nproc: int, max_steps: i
                        log_every: int | None = None) -> str | None:
     """Why the finished run in `run_dir` cannot be the drill's reference, or None when it can: its spec.yaml
     equals `spec` in every LOSS_SECTIONS section, it ran on `nproc` ranks for `max_steps` steps, logged every
-    `log_every` steps (when given) and a loss at the last one, and it had no restart and no injected fault. (A
-    reference that still differed would fail the drill on the loss comparison, never pass it.)"""
+    `log_every` steps (when given) and a loss at the last one, it had no restart and no injected fault, and this
+    code trained it in one attempt (`trained_by_other_code`). (A reference that still differed would fail the
+    drill on the loss comparison, never pass it.)"""
     import yaml
 
     try:
@@ -329,7 +331,7 @@ def reusable_reference(run_dir: Path, *, spec: JobSpec, nproc: int, max_steps: i
     if (run_dir / MARKER_FILE).exists() or any(e.get("kind") == "restart"
                                                for e in _read_jsonl(run_dir / "events.jsonl")):
         return "it restarted or had a fault injected"
-    return None
+    return trained_by_other_code(run_dir)
 
 
 # ---- judging --------------------------------------------------------------------------------------------------

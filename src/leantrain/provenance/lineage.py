@@ -230,6 +230,25 @@ def read_lineage(directory: Path) -> dict[str, Any] | None:
     return lineage
 
 
+def trained_by_other_code(run_dir: Path) -> str | None:
+    """Why a finished run's losses may come from other code than this process's, or None: it was started more
+    than once (a finished run started again records an attempt but keeps the first attempt's losses), or by
+    another leantrain (commit and uncommitted diff, else the package version), or its lineage is missing. The
+    fault drill reuses a run as its reference only when this is None: a data order or kernel changed since
+    would fail the drill on the comparison, not on the fault."""
+    try:
+        lineage = read_lineage(run_dir)
+    except UserInputError as err:
+        return str(err)
+    if lineage is None:
+        return f"{Path(run_dir) / LINEAGE_FILE_NAME} is missing, so the code that trained it is unknown"
+    if lineage.get("previous_attempts"):
+        return "it was started more than once (lineage.json lists earlier attempts), maybe by other code"
+    if lineage.get("code") != code_info():
+        return "another version of leantrain trained it (lineage.json's code differs from this one's)"
+    return None
+
+
 def _attempt_summary(lineage: dict[str, Any]) -> dict[str, Any]:
     git = lineage.get("code", {}).get("git") or {}
     return {
