@@ -3,9 +3,9 @@
 The sampler needs, for an epoch, the document at any position of a seeded shuffle and the token offset where
 each position starts. A full permutation and its cumulative lengths are two int64 arrays of the corpus's size on
 every rank (16 B per document and epoch: 16 GB per rank at a billion documents). Here the order is a keyed
-bijection of [0, n) computed position by position: a balanced Feistel network over the smallest even number
-of bits that covers n, with cycle-walking to stay inside [0, n) (Black and Rogaway, "Ciphers with arbitrary
-finite domains", CT-RSA 2002, §3). Offsets are kept per block of `BLOCK_DOCS` positions only (one int64 per
+bijection of [0, n) computed position by position: a Feistel network over the smallest number of bits that
+covers n, with cycle-walking to stay inside [0, n) (Black and Rogaway, "Ciphers with arbitrary finite
+domains", CT-RSA 2002). Offsets are kept per block of `BLOCK_DOCS` positions only (one int64 per
 block: 8 MB at a billion documents), computed as the epoch is read; within a block they are recomputed from the
 block's documents when a window lands there. Every rank computes the same order from (seed, source, epoch)
 alone: nothing is read or exchanged.
@@ -16,7 +16,7 @@ from __future__ import annotations
 import numpy as np
 
 BLOCK_DOCS = 1024  # positions per stored offset; a window's lookup permutes and sums one such block
-ROUNDS = 6
+ROUNDS = 4  # Luby-Rackoff: four rounds of a pseudorandom function give a strong pseudorandom permutation
 _CHUNK = 1 << 18  # positions per pass of the block offsets (bounded temporary memory, a short read at a time)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)  # splitmix64's finaliser (Steele et al. 2014)
 
@@ -30,32 +30,39 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 class KeyedPermutation:
-    """A seeded bijection of [0, n), evaluated on arrays of positions (`perm(positions) -> documents`)."""
+    """A seeded bijection of [0, n), evaluated on arrays of positions (`perm(positions) -> documents`).
+
+    An alternating (unbalanced) Feistel network over the smallest number of bits b with 2^b ≥ n, split into
+    halves of ⌈b/2⌉ and ⌊b/2⌋ bits: each round XORs the one half with a keyed hash of the other and swaps them,
+    so every round can be undone and the whole is a bijection of [0, 2^b) for any b (Black and Rogaway 2002);
+    4 rounds of a strong round function make a pseudorandom permutation (Luby and Rackoff 1988). Positions that
+    land at n or above are walked on through the permutation until they land below n (fewer than 2 passes on
+    average, since 2^b < 2n)."""
 
     def __init__(self, n: int, key: list[int]) -> None:
         if n < 1:
             raise ValueError("a permutation needs at least one element")
         self.n = n
         bits = max(2, int(n - 1).bit_length())
-        self._half = np.uint64((bits + 1) // 2)
-        self._mask = np.uint64((1 << int(self._half)) - 1)
+        self._a = (bits + 1) // 2  # the first half's bits; after an even number of rounds the halves are back
+        self._b = bits - self._a
         self._keys = np.random.default_rng(key).integers(0, 2**63, size=ROUNDS, dtype=np.uint64)
 
     def _feistel(self, x: np.ndarray) -> np.ndarray:
-        left, right = x >> self._half, x & self._mask
+        a, b = self._a, self._b
+        left, right = x >> np.uint64(b), x & np.uint64((1 << b) - 1)  # (a bits, b bits)
         for k in self._keys:
-            left, right = right, left ^ (_mix(right ^ k) & self._mask)
-        return (left << self._half) | right
+            left = left ^ (_mix(right ^ k) & np.uint64((1 << a) - 1))
+            left, right, a, b = right, left, b, a
+        return (left << np.uint64(b)) | right
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
         out = self._feistel(np.asarray(positions, dtype=np.uint64))
         outside = np.flatnonzero(out >= np.uint64(self.n))
-        while outside.size:  # cycle-walk: the domain is < 4n, so few passes
+        while outside.size:  # cycle-walk: the domain is < 2n, so few passes
             out[outside] = self._feistel(out[outside])
             outside = outside[out[outside] >= np.uint64(self.n)]
         return out.astype(np.int64)
-
-
 class EpochOrder:
     """One epoch of a source: its document order and where each position starts in the epoch's token stream.
 
