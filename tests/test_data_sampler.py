@@ -144,7 +144,8 @@ def test_the_document_index_is_built_once_and_memory_mapped(tmp_path: Path, monk
     import sys
 
     from leantrain.data.layout import load_manifest, write_token_data_dir
-    from leantrain.data.sample_index import INDEX_DIR, ensure_sample_index, index_path
+    from leantrain.data.sample_index import INDEX_DIR, buckets_path, ensure_sample_index, index_path
+    from leantrain.data.shuffle import bucket_totals
 
     rng = np.random.default_rng(0)
     docs = {"web": [rng.integers(1, 100, 30).tolist() for _ in range(64)]}
@@ -166,6 +167,16 @@ def test_the_document_index_is_built_once_and_memory_mapped(tmp_path: Path, monk
     opened.clear()
     assert not [name for name in seen if name.endswith(".idx")], seen
     assert len([name for name in seen if name.endswith(".bin")]) <= 4, seen  # two windows of 17 tokens
+    # the epoch order's bucket totals lie beside the index (data.shuffle): read, not recomputed from every length
+    index = index_path(tmp_path / "d", split="train", shards=shards)
+    assert sorted(p.name for p in (tmp_path / "d" / INDEX_DIR).iterdir()) == sorted(
+        [index.name, buckets_path(index).name])
+    assert np.array_equal(np.load(buckets_path(index)), bucket_totals(np.load(index)[2]))
+    # an index written before the bucket totals were: they are added on first use, same samples
+    buckets_path(index).unlink()
+    assert ensure_sample_index(tmp_path / "d", manifest, split="train") and buckets_path(index).is_file()
+    again = PackedBatchSampler(tmp_path / "d", seq_len=SEQ_LEN, micro_batch=2, dp_rank=0, dp_size=1, seed=0)
+    assert np.array_equal(again.next_batch().tokens.numpy(), first.numpy())
     # an older data dir without the index: built on first use, same samples
     for path in (tmp_path / "d" / INDEX_DIR).iterdir():
         path.unlink()

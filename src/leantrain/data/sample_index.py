@@ -7,7 +7,9 @@ GPTDataset caches its document and sample indices as `.npy` files next to the da
 (megatron/core/datasets/gpt_dataset.py, `_build_document_sample_shuffle_indices`), the data dir holds
 `index/<split>-<fingerprint>.npy` per source: an int64 array (3, documents) = (shard number within the
 source's shard list, first token, length). The fingerprint is a hash of the source's shard hashes, so a data
-dir prepared again gets a new file and a stale one is never read.
+dir prepared again gets a new file and a stale one is never read. Beside it, `<split>-<fingerprint>.buckets.npy`
+holds the token total of each fixed bucket of 1,024 documents (`data.shuffle`): what an epoch's order sums,
+so that no rank reads every document's length (8 GB at a billion documents) at each epoch.
 
 `prepare` (every writer of a manifest) writes the index; a data dir without one (written by an older version)
 gets it from the first process that needs it (the trainer's rank 0 before the other ranks open it), written
@@ -24,6 +26,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from leantrain.data.shards import ShardIndex, ShardInfo, read_index
+from leantrain.data.shuffle import BLOCK_DOCS, bucket_totals
 
 if TYPE_CHECKING:  # the manifest's writer calls this module: no import back at run time
     from leantrain.data.layout import Manifest
@@ -88,6 +91,29 @@ def write_index(data_dir: Path, *, split: str, shards: list[ShardInfo]) -> Path:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+    write_buckets(path)
+    return path
+
+
+def buckets_path(index_file: Path) -> Path:
+    """Where the bucket totals of an index live: beside it, named after it (`<split>-<hash>.buckets.npy`)."""
+    return index_file.with_name(index_file.name.removesuffix(".npy") + ".buckets.npy")
+
+
+def write_buckets(index_file: Path) -> Path:
+    """The index's bucket totals (`data.shuffle.bucket_totals`: the tokens of each fixed bucket of 1,024
+    documents), written atomically beside it: what an epoch's order sums instead of every document's length."""
+    try:
+        index = np.load(index_file, mmap_mode="r")
+    except ValueError:  # an index of no documents cannot be mapped
+        index = np.zeros((3, 0), np.int64)
+    path = buckets_path(index_file)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "wb") as f:
+        np.save(f, bucket_totals(index[2]))
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
     return path
 
 
@@ -100,6 +126,7 @@ def write_sample_index(data_dir: Path, manifest: Manifest) -> None:
             shards = manifest.shards_for(split=split, source=name)
             if shards:
                 keep.add(write_index(data_dir, split=split, shards=shards).name)
+    keep |= {buckets_path(Path(name)).name for name in keep}
     for old in (data_dir / INDEX_DIR).glob("*.npy") if (data_dir / INDEX_DIR).is_dir() else ():
         if old.name not in keep:
             old.unlink(missing_ok=True)
@@ -111,11 +138,29 @@ def ensure_sample_index(data_dir: Path, manifest: Manifest, *, split: str) -> bo
     try:
         for name in manifest.source_names:
             shards = manifest.shards_for(split=split, source=name)
-            if shards and not index_path(data_dir, split=split, shards=shards).is_file():
+            path = index_path(data_dir, split=split, shards=shards)
+            if shards and not path.is_file():
                 write_index(data_dir, split=split, shards=shards)
+            elif shards and not buckets_path(path).is_file():  # an index written before the buckets were
+                write_buckets(path)
     except OSError:
         return False
     return True
+
+
+def load_buckets(data_dir: Path, *, split: str, shards: list[ShardInfo], index: np.ndarray) -> np.ndarray:
+    """One source's bucket totals (`data.shuffle`): from the data dir, else computed from `index` (every length
+    read: a read-only data dir prepared before the totals were written)."""
+    path = buckets_path(index_path(data_dir, split=split, shards=shards))
+    blocks = -(-index.shape[1] // BLOCK_DOCS)
+    if path.is_file():
+        try:
+            totals = np.load(path)
+        except ValueError:
+            totals = None
+        if totals is not None and totals.shape == (blocks,) and totals.dtype == np.int64:
+            return totals
+    return bucket_totals(index[2])
 
 
 def load_index(data_dir: Path, *, split: str, shards: list[ShardInfo]) -> np.ndarray:

@@ -30,9 +30,9 @@ import torch
 
 from leantrain.data.chat import load_mask, mask_path
 from leantrain.data.layout import MANIFEST, Manifest, MixtureStage, load_manifest
-from leantrain.data.sample_index import load_index
+from leantrain.data.sample_index import load_buckets, load_index
 from leantrain.data.shards import ShardInfo, check_token_file, map_tokens
-from leantrain.data.shuffle import EpochOrder
+from leantrain.data.shuffle import EpochOrder, bucket_totals
 from leantrain.errors import UserInputError
 
 BLOCK_SAMPLES = 1024  # granularity of the mixture: weights are honoured exactly per block, to 1/1024
@@ -67,7 +67,8 @@ class SourceStream:
     """
 
     def __init__(self, data_dir: Path, shards: list[ShardInfo], index: np.ndarray, *, name: str, seed: int,
-                 seq_len: int, dtype: np.dtype, masked: bool = False) -> None:
+                 seq_len: int, dtype: np.dtype, masked: bool = False, totals: np.ndarray | None = None) -> None:
+        """`totals`: the index's bucket totals (`data.sample_index.load_buckets`); None: computed from it."""
         self.name = name
         self.seq_len = seq_len
         self._paths = [Path(data_dir) / s.path for s in shards]
@@ -78,7 +79,8 @@ class SourceStream:
         self._masks: dict[int, np.ndarray] = {}
         self._seed = [seed, zlib.crc32(name.encode("utf-8"))]
         self.doc_shard, self.doc_start, self.doc_len = index[0], index[1], index[2]
-        self.tokens_per_epoch = int(self.doc_len.sum())
+        self._totals = bucket_totals(self.doc_len) if totals is None else totals
+        self.tokens_per_epoch = int(self._totals.sum())
         self._epochs: OrderedDict[int, EpochOrder] = OrderedDict()
 
     def _shard_tokens(self, shard: int) -> np.ndarray:
@@ -96,7 +98,7 @@ class SourceStream:
         """One epoch's document order (data.shuffle: a keyed permutation and one offset per block of documents,
         not a per-document array), cached (two newest)."""
         if epoch not in self._epochs:
-            self._epochs[epoch] = EpochOrder(self.doc_len, [*self._seed, epoch])
+            self._epochs[epoch] = EpochOrder(self.doc_len, self._totals, [*self._seed, epoch])
             while len(self._epochs) > 2:
                 self._epochs.popitem(last=False)
         return self._epochs[epoch]
@@ -217,9 +219,12 @@ class PackedBatchSampler:
             shards = manifest.shards_for(split=split, source=name)
             masked = has_loss_mask(manifest, name=name, seq_len=seq_len, data_dir=self.data_dir)
             self.has_loss_mask = self.has_loss_mask or masked
-            stream = SourceStream(
-                self.data_dir, shards, load_index(self.data_dir, split=split, shards=shards), name=name, seed=seed,
-                seq_len=seq_len, dtype=dtype, masked=masked) if shards else None
+            stream = None
+            if shards:
+                index = load_index(self.data_dir, split=split, shards=shards)
+                stream = SourceStream(self.data_dir, shards, index, name=name, seed=seed, seq_len=seq_len,
+                                      dtype=dtype, masked=masked, totals=load_buckets(
+                                          self.data_dir, split=split, shards=shards, index=index))
             self._streams.append(stream if stream is not None and stream.tokens_per_epoch > 0 else None)
         available = np.array([s is not None for s in self._streams], dtype=np.float64)
         if not available.any():

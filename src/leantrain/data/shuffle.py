@@ -1,23 +1,32 @@
-"""A source's per-epoch document order without a per-document array: a keyed permutation evaluated pointwise.
+"""A source's per-epoch document order without a per-document array, and without reading every length per epoch.
 
 The sampler needs, for an epoch, the document at any position of a seeded shuffle and the token offset where
 each position starts. A full permutation and its cumulative lengths are two int64 arrays of the corpus's size on
-every rank (16 B per document and epoch: 16 GB per rank at a billion documents). Here the order is a keyed
-bijection of [0, n) computed position by position: a Feistel network over the smallest number of bits that
-covers n, with cycle-walking to stay inside [0, n) (Black and Rogaway, "Ciphers with arbitrary finite
-domains", CT-RSA 2002). Offsets are kept per block of `BLOCK_DOCS` positions only (one int64 per
-block: 8 MB at a billion documents), computed as the epoch is read; within a block they are recomputed from the
-block's documents when a window lands there. Every rank computes the same order from (seed, source, epoch)
-alone: nothing is read or exchanged.
+every rank (16 B per document and epoch: 16 GB per rank at a billion documents), and computing them reads every
+document's length on every rank, each epoch (8 GB of the shared index per rank at a billion).
+
+Here documents fall into fixed buckets of `BLOCK_DOCS`: bucket b holds the documents σ(q) for q in [b·BLOCK_DOCS,
+(b+1)·BLOCK_DOCS), σ a keyed permutation of [0, n) with a fixed key, so each bucket is a random sample of the
+corpus. Each bucket's token total is computed once, when the data dir's index is written (`data.sample_index`: 8 B
+per bucket, 8 MB at a billion documents). An epoch is a seeded order of the buckets (a permutation of n / 1,024
+buckets) and, inside each, a seeded order of its documents (the same permutation of 1,024 positions for every
+bucket, whose members differ): its block offsets are a cumulative sum over the buckets' totals, and a window's
+lookup permutes the one bucket it lands in. Every rank computes the same order from (seed, source, epoch) alone. The
+buckets keep their members across epochs (their order and the order inside them change), which a shuffle of a
+billion documents does not show within one global batch.
+
+The permutations are Feistel networks over the smallest number of bits that covers the domain, with
+cycle-walking to stay inside it (Black and Rogaway, "Ciphers with arbitrary finite domains", CT-RSA 2002).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-BLOCK_DOCS = 1024  # positions per stored offset; a window's lookup permutes and sums one such block
+BLOCK_DOCS = 1024  # documents per bucket; a window's lookup permutes one bucket
 ROUNDS = 4  # Luby-Rackoff: four rounds of a pseudorandom function give a strong pseudorandom permutation
-_CHUNK = 1 << 18  # positions per pass of the block offsets (bounded temporary memory, a short read at a time)
+BUCKET_KEY = [0x1EA7, 0xB0C5]  # σ's key: fixed, so that the bucket totals written with the index serve every seed
+_CHUNK = 1 << 18  # positions per pass when the bucket totals are computed (bounded temporary memory)
 _M1, _M2 = np.uint64(0xBF58476D1CE4E5B9), np.uint64(0x94D049BB133111EB)  # splitmix64's finaliser (Steele et al. 2014)
 
 
@@ -30,14 +39,14 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 class KeyedPermutation:
-    """A seeded bijection of [0, n), evaluated on arrays of positions (`perm(positions) -> documents`).
+    """A seeded bijection of [0, n), evaluated on arrays of positions (`perm(positions, tweak) -> elements`);
+    each tweak gives another permutation of the same domain.
 
     An alternating (unbalanced) Feistel network over the smallest number of bits b with 2^b ≥ n, split into
     halves of ⌈b/2⌉ and ⌊b/2⌋ bits: each round XORs the one half with a keyed hash of the other and swaps them,
-    so every round can be undone and the whole is a bijection of [0, 2^b) for any b (Black and Rogaway 2002);
-    4 rounds of a strong round function make a pseudorandom permutation (Luby and Rackoff 1988). Positions that
-    land at n or above are walked on through the permutation until they land below n (fewer than 2 passes on
-    average, since 2^b < 2n)."""
+    so every round can be undone and the whole is a bijection of [0, 2^b) for any b; 4 rounds of a strong round
+    function make a pseudorandom permutation (Luby and Rackoff 1988). Positions that land at n or above are
+    walked on through the permutation until they land below n (fewer than 2 passes on average: 2^b < 2n)."""
 
     def __init__(self, n: int, key: list[int]) -> None:
         if n < 1:
@@ -48,67 +57,100 @@ class KeyedPermutation:
         self._b = bits - self._a
         self._keys = np.random.default_rng(key).integers(0, 2**63, size=ROUNDS, dtype=np.uint64)
 
-    def _feistel(self, x: np.ndarray) -> np.ndarray:
+    def _feistel(self, x: np.ndarray, keys: np.ndarray) -> np.ndarray:
         a, b = self._a, self._b
         left, right = x >> np.uint64(b), x & np.uint64((1 << b) - 1)  # (a bits, b bits)
-        for k in self._keys:
+        for k in keys:
             left = left ^ (_mix(right ^ k) & np.uint64((1 << a) - 1))
             left, right, a, b = right, left, b, a
         return (left << np.uint64(b)) | right
 
-    def __call__(self, positions: np.ndarray) -> np.ndarray:
-        out = self._feistel(np.asarray(positions, dtype=np.uint64))
+    def one(self, position: int) -> int:
+        """The permutation of one position, in Python integers (a 1-element array costs 10x more in numpy)."""
+        mask64 = (1 << 64) - 1
+        keys = [int(k) for k in self._keys]
+        while True:
+            a, b = self._a, self._b
+            left, right = position >> b, position & ((1 << b) - 1)
+            for k in keys:
+                x = right ^ k
+                x ^= x >> 30
+                x = (x * 0xBF58476D1CE4E5B9) & mask64
+                x ^= x >> 27
+                x = (x * 0x94D049BB133111EB) & mask64
+                x ^= x >> 31
+                left ^= x & ((1 << a) - 1)
+                left, right, a, b = right, left, b, a
+            position = (left << b) | right
+            if position < self.n:
+                return position
+
+    def __call__(self, positions: np.ndarray, tweak: int = 0) -> np.ndarray:
+        keys = self._keys if not tweak else _mix(self._keys ^ np.uint64(tweak))
+        out = self._feistel(np.asarray(positions, dtype=np.uint64), keys)
         outside = np.flatnonzero(out >= np.uint64(self.n))
-        while outside.size:  # cycle-walk: the domain is < 2n, so few passes
-            out[outside] = self._feistel(out[outside])
+        while outside.size:  # cycle-walk
+            out[outside] = self._feistel(out[outside], keys)
             outside = outside[out[outside] >= np.uint64(self.n)]
         return out.astype(np.int64)
+
+
+def bucket_members(n: int, bucket: int, sigma: KeyedPermutation | None = None) -> np.ndarray:
+    """The documents of one bucket, in σ's order."""
+    sigma = sigma or KeyedPermutation(n, BUCKET_KEY)
+    return sigma(np.arange(bucket * BLOCK_DOCS, min(n, (bucket + 1) * BLOCK_DOCS), dtype=np.int64))
+
+
+def bucket_totals(doc_len: np.ndarray) -> np.ndarray:
+    """Each bucket's tokens (int64, one per BLOCK_DOCS documents): what the index writer stores beside the index.
+    Reads every length once, `_CHUNK` documents at a time."""
+    n = len(doc_len)
+    totals = np.zeros(-(-n // BLOCK_DOCS), dtype=np.int64)
+    if n == 0:
+        return totals
+    sigma = KeyedPermutation(n, BUCKET_KEY)
+    for start in range(0, n, _CHUNK):
+        stop = min(n, start + _CHUNK)
+        lengths = np.zeros(-(-(stop - start) // BLOCK_DOCS) * BLOCK_DOCS, dtype=np.int64)
+        lengths[:stop - start] = doc_len[sigma(np.arange(start, stop, dtype=np.int64))]
+        totals[start // BLOCK_DOCS:start // BLOCK_DOCS + len(lengths) // BLOCK_DOCS] = \
+            lengths.reshape(-1, BLOCK_DOCS).sum(axis=1)
+    return totals
+
+
 class EpochOrder:
     """One epoch of a source: its document order and where each position starts in the epoch's token stream.
+    Kept per epoch: one int64 per bucket (the epoch's block offsets) and the last bucket looked up."""
 
-    The block offsets are computed as the stream is consumed, a chunk of `_CHUNK` positions at a time (a
-    source's samples are read roughly in order), so no rank stalls at an epoch's start to read every
-    document's length at once."""
-
-    def __init__(self, doc_len: np.ndarray, key: list[int]) -> None:
+    def __init__(self, doc_len: np.ndarray, totals: np.ndarray, key: list[int]) -> None:
         self.doc_len = doc_len
         self.n = len(doc_len)
-        self.perm = KeyedPermutation(self.n, key)
-        self.blocks = -(-self.n // BLOCK_DOCS)
-        self.block_ends = np.zeros(self.blocks, dtype=np.int64)  # token offset where each block of positions ends
-        self._done = 0  # blocks whose end is known
+        self.blocks = len(totals)
+        self._sigma = KeyedPermutation(self.n, BUCKET_KEY)
+        self._buckets = KeyedPermutation(self.blocks, key)  # block j of this epoch is bucket π(j)
+        # the order inside a bucket this epoch (the last bucket may be smaller): the members differ from bucket to
+        # bucket (σ), the order of positions inside them from epoch to epoch
+        last = self.n - (self.blocks - 1) * BLOCK_DOCS
+        self._inside = KeyedPermutation(BLOCK_DOCS, [*key, 1])(np.arange(BLOCK_DOCS, dtype=np.int64))
+        self._inside_last = KeyedPermutation(last, [*key, 2])(np.arange(last, dtype=np.int64))
+        self.block_ends = np.cumsum(np.asarray(totals, dtype=np.int64)[self._buckets(np.arange(self.blocks))])
         self._block: tuple[int, np.ndarray, np.ndarray] | None = None
-
-    def _extend(self) -> None:
-        """Compute the next chunk of block ends."""
-        start = self._done * BLOCK_DOCS
-        stop = min(self.n, start + _CHUNK)
-        lengths = np.zeros(-(-(stop - start) // BLOCK_DOCS) * BLOCK_DOCS, dtype=np.int64)
-        lengths[:stop - start] = self.doc_len[self.perm(np.arange(start, stop, dtype=np.int64))]
-        sums = lengths.reshape(-1, BLOCK_DOCS).sum(axis=1)
-        before = int(self.block_ends[self._done - 1]) if self._done else 0
-        self.block_ends[self._done:self._done + len(sums)] = before + np.cumsum(sums)
-        self._done += len(sums)
 
     def block(self, number: int) -> tuple[np.ndarray, np.ndarray]:
         """(documents, end offset of each in the epoch) of one block of positions; the last one is kept."""
-        while self._done <= number:
-            self._extend()
         if self._block is None or self._block[0] != number:
-            first = number * BLOCK_DOCS
-            docs = self.perm(np.arange(first, min(self.n, first + BLOCK_DOCS), dtype=np.int64))
+            bucket = self._buckets.one(number)
+            docs = self._sigma(bucket * BLOCK_DOCS + (self._inside if bucket < self.blocks - 1 else self._inside_last))
             begin = int(self.block_ends[number - 1]) if number else 0
             self._block = (number, docs, begin + np.cumsum(np.asarray(self.doc_len[docs], dtype=np.int64)))
         return self._block[1], self._block[2]
 
     def find(self, offset: int) -> tuple[int, int]:
         """(block, position within it) of the document holding token `offset` of the epoch (< the epoch's tokens)."""
-        while self._done < self.blocks and (self._done == 0 or self.block_ends[self._done - 1] <= offset):
-            self._extend()
-        number = int(np.searchsorted(self.block_ends[:self._done], offset, side="right"))
+        number = int(np.searchsorted(self.block_ends, offset, side="right"))
         _, ends = self.block(number)
         return number, int(np.searchsorted(ends, offset, side="right"))
 
     def order(self) -> np.ndarray:
         """The whole epoch's document order (O(documents): for tests and tools, never the sampler)."""
-        return self.perm(np.arange(self.n, dtype=np.int64))
+        return np.concatenate([self.block(number)[0] for number in range(self.blocks)])
