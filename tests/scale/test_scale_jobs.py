@@ -146,5 +146,6 @@ def test_startup_opens_the_files_a_rank_reads(tmp_path: Path) -> None:
         # where documents lie comes from the data dir's one memory-mapped sample index
         assert len(data_files) <= 8, (rank["rank"], data_files)
         assert not [f for f in data_files if f.endswith(".idx")], data_files
-        # the manifest is read by rank 0 alone and broadcast
+        # the manifest is read by rank 0 alone and broadcast, with the sampler index's bucket totals (data.shuffle)
         assert any(f.endswith("manifest.json") for f in files) == (rank["rank"] == 0), files
+        assert any(f.endswith(".buckets.npy") for f in files) == (rank["rank"] == 0), files

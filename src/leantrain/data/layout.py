@@ -54,6 +54,9 @@ class Manifest:
     stages: list[MixtureStage]
     tokenizer: dict[str, Any] = field(default_factory=dict)
     extra: dict[str, Any] = field(default_factory=dict)
+    # "<split>/<source>" → the sampler index's bucket totals (data.sample_index), when the reader of the manifest
+    # loaded them for the ranks it hands the manifest to; not part of manifest.json
+    bucket_totals: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def source_names(self) -> list[str]:

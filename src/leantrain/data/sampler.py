@@ -32,7 +32,7 @@ from leantrain.data.chat import load_mask, mask_path
 from leantrain.data.layout import MANIFEST, Manifest, MixtureStage, load_manifest
 from leantrain.data.sample_index import load_buckets, load_index
 from leantrain.data.shards import ShardInfo, check_token_file, map_tokens
-from leantrain.data.shuffle import EpochOrder, bucket_totals
+from leantrain.data.shuffle import BLOCK_DOCS, EpochOrder, bucket_totals
 from leantrain.errors import UserInputError
 
 BLOCK_SAMPLES = 1024  # granularity of the mixture: weights are honoured exactly per block, to 1/1024
@@ -222,9 +222,11 @@ class PackedBatchSampler:
             stream = None
             if shards:
                 index = load_index(self.data_dir, split=split, shards=shards)
+                totals = manifest.bucket_totals.get(f"{split}/{name}")  # rank 0's, with the manifest
+                if totals is None or len(totals) != -(-index.shape[1] // BLOCK_DOCS):
+                    totals = load_buckets(self.data_dir, split=split, shards=shards, index=index)
                 stream = SourceStream(self.data_dir, shards, index, name=name, seed=seed, seq_len=seq_len,
-                                      dtype=dtype, masked=masked, totals=load_buckets(
-                                          self.data_dir, split=split, shards=shards, index=index))
+                                      dtype=dtype, masked=masked, totals=totals)
             self._streams.append(stream if stream is not None and stream.tokens_per_epoch > 0 else None)
         available = np.array([s is not None for s in self._streams], dtype=np.float64)
         if not available.any():
