@@ -44,3 +44,18 @@ def test_a_run_dir_argument_that_is_a_file_is_exit_2_saying_so(
     if command == ["runs"]:  # a registry file given where the run dir goes: the flag that takes it
         assert f"--registry {path}" in err
     assert not (tmp_path / "hf").exists()
+
+
+@pytest.mark.parametrize("kind", ["slurm", "k8s"])
+def test_an_emit_out_that_is_a_folder_is_refused_before_any_file_is_written(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    """`launch --emit k8s --out FOLDER` wrote FOLDER.setup.yaml, then failed naming a hidden temp file
+    (`.FOLDER.tmp-PID → FOLDER: Is a directory`) that it left behind."""
+    folder = tmp_path / "jobs"
+    folder.mkdir()
+    code = main(["launch", str(EXAMPLES / "seed-10b.yaml"), "--profile", "rehearsal", "--dry-run", "--emit", kind,
+                 "--out", str(folder)])
+    err = capsys.readouterr().err
+    assert code == 2 and f"--out {folder}: is a directory" in err and ".tmp-" not in err and "Traceback" not in err
+    assert [p.name for p in tmp_path.iterdir()] == ["jobs"] and not any(folder.iterdir())

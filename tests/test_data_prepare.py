@@ -287,3 +287,42 @@ def test_a_tokenizer_whose_ids_have_gaps_keeps_its_ids_and_is_checked_against_th
                  "model.vocab_size is 512"):
         assert part in err, (part, err)
     assert "Traceback" not in err
+
+
+def test_a_damaged_report_of_an_up_to_date_data_dir_is_refused_naming_it(tmp_path: Path) -> None:
+    """An up-to-date data dir whose report.json was hand-edited (cut short, not an object, keys wrong) was a
+    traceback (JSONDecodeError, TypeError); a report.json that is a folder was called "built from other
+    inputs". It is refused naming the file, and --force rebuilds it."""
+    spec, _ = _corpus(tmp_path)
+    data_dir = tmp_path / "data"
+    first = prepare_data(spec, data_dir=data_dir)
+    report = data_dir / "report.json"
+    for text, said in (("{cut", "not valid JSON"), ("[1]", "expected a JSON object"),
+                       ('{"sources": 5}', "not the report prepare writes")):
+        report.write_text(text)
+        with pytest.raises(UserInputError, match=f"{report}: {said}.*--force"):
+            prepare_data(spec, data_dir=data_dir)
+        assert report.read_text() == text  # left as it was
+    report.unlink()
+    report.mkdir()
+    with pytest.raises(UserInputError, match=f"{report}: cannot be read"):
+        prepare_data(spec, data_dir=data_dir)
+    report.rmdir()
+    report.write_text("{cut")
+    rebuilt = prepare_data(spec, data_dir=data_dir, force=True)
+    assert not rebuilt.up_to_date and json.loads(report.read_text())["sources"] == first.report["sources"]
+    assert load_manifest(data_dir).shards == first.manifest.shards
+
+
+def test_a_damaged_work_note_is_refused_naming_it(tmp_path: Path) -> None:
+    """An unfinished prepare's _work/inputs.json that is not a JSON object was a traceback (JSONDecodeError,
+    UnicodeDecodeError, AttributeError)."""
+    spec, _ = _corpus(tmp_path)
+    note = tmp_path / "data" / "_work" / "inputs.json"
+    note.parent.mkdir(parents=True)
+    for content, said in ((b"{cut", "not valid JSON"), (b"\xff\xfe", "not valid JSON"),
+                          (b"[1]", "expected a JSON object")):
+        note.write_bytes(content)
+        with pytest.raises(UserInputError, match=f"{note}: {said}.*remove {note.parent}"):
+            prepare_data(spec, data_dir=tmp_path / "data")
+        assert note.read_bytes() == content

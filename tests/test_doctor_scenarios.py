@@ -199,3 +199,16 @@ def test_a_spec_with_an_odd_virtual_stage_count_is_priced_as_one(tmp_path: Path)
                                        "training: {global_batch_tokens: 4096, micro_batch: 1}\ndata: {seq_len: 512}\n")
     seconds, how = bubble_seconds(load_run(run_dir), 100.0, np.ones(len(records)))
     assert seconds == pytest.approx(100.0 / 9) and "v=1" in how  # (pp-1)/(m+pp-1) with m = 8
+
+
+def test_unreadable_metrics_are_said_not_diagnosed_as_a_stuck_start(tmp_path: Path) -> None:
+    """A metrics.jsonl of garbage (bad UTF-8, cut short) was read as "no metric records" and diagnosed as ranks
+    stuck at start (closed ports): the unreadable lines are a warning naming them, with no stuck-start finding."""
+    run_dir = make_run(tmp_path, "healthy")
+    (run_dir / "metrics.jsonl").write_bytes(b"\xff\xfe garbage\n{cut\n")
+    findings = {f.title: f for f in diagnose_run(load_run(run_dir))}
+    assert "ranks stuck at start" not in findings, list(findings)
+    warning = findings["unreadable run files"]
+    assert warning.severity == "warning" and "metrics.jsonl:1" in warning.evidence and warning.fix
+    healthy = {f.title for f in diagnose_run(load_run(make_run(tmp_path / "ok", "healthy")))}
+    assert "unreadable run files" not in healthy

@@ -248,3 +248,21 @@ def test_the_drill_logs_so_that_every_checkpoint_starts_a_logging_window(tmp_pat
     assert reusable_reference(finished, spec=spec, nproc=2, max_steps=6, log_every=5) is None
     assert "logged every 5 step(s), the drill every 1" in reusable_reference(
         finished, spec=spec, nproc=2, max_steps=6, log_every=1)
+
+
+@pytest.mark.parametrize("under", [False, True])
+def test_a_run_dir_that_is_a_file_is_refused_before_any_launch(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                               under: bool) -> None:
+    """`drill --run-dir FILE` (or a path under a file) ran the reference and the faulted launch, each failing with
+    NotADirectoryError, then pointed at rank logs that could not exist."""
+    from leantrain.cli import main
+
+    spec = Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml"
+    file = tmp_path / "notes.txt"
+    file.write_text("mine\n")
+    run_dir = file / "drill-run" if under else file
+    assert main(["drill", str(spec), "--run-dir", str(run_dir)]) == 2
+    captured = capsys.readouterr()
+    assert f"run dir {run_dir}: " in captured.err and "is a file, not a directory" in captured.err
+    assert "drill:" not in captured.out and "Traceback" not in captured.err
+    assert file.read_text() == "mine\n"

@@ -382,3 +382,21 @@ def test_a_transient_read_error_is_said_as_it_is_without_hashing_the_checkpoint(
     assert main(["eval", str(trained_run)]) == 1  # not the user's input: a failed read that may pass next time
     err = capsys.readouterr().err
     assert "reading checkpoint step 4" in err and "Connection reset by peer" in err and "try again" in err
+
+
+def test_a_damaged_manifest_is_named_not_taken_for_no_validation_split(
+        setup: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A data dir whose manifest.json was damaged was said to have "no prepared validation split (a typo, or
+    data.valid_fraction 0)"; with --tasks its held-out loss was skipped without a word (exit 0)."""
+    import shutil
+
+    spec_path, _, task = setup
+    data = tmp_path / "data"
+    shutil.copytree(spec_path.parent / "data", data)
+    (data / "manifest.json").write_text("[1]")
+    for tasks in ([], ["--tasks", str(task)]):
+        code = main(["eval", str(spec_path), "--set", f"data.dir={data}", "--set", f"run.dir={tmp_path / 'run'}",
+                     *tasks])
+        err = capsys.readouterr().err
+        assert code == 2 and f"{data / 'manifest.json'}: expected a JSON object" in err.replace("\n", "")
+        assert "no prepared validation split" not in err and not (tmp_path / "run" / "eval.json").exists()

@@ -231,3 +231,30 @@ def test_a_damaged_safetensors_file_is_named_by_the_check_and_by_a_later_read(tm
     fill_from_hf(model, hf, args=args, owners=owners)
     for name, param in model.named_parameters():
         assert torch.equal(param, state[name]), name
+
+
+def test_an_export_without_a_tokenizer_says_so(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`leantrain export` of a run whose data dir (and model.init_from) hold no tokenizer.json wrote a model dir
+    without one and said "exported ... as a Hugging Face model" without a word: the export names what is missing."""
+    import io
+
+    from rich.console import Console
+
+    from leantrain.ckpt import export
+    from leantrain.spec import load_spec
+
+    spec = load_spec(Path(__file__).resolve().parents[1] / "examples" / "tiny-cpu.yaml",
+                     overrides=[f"data.dir={tmp_path / 'data'}"])
+    out = tmp_path / "hf"
+    out.mkdir()
+    assert export._copy_tokenizer(spec, out) == f"no tokenizer.json in {tmp_path / 'data'}"
+    assert not any(out.iterdir())
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "tokenizer.json").write_text("{}")
+    assert export._copy_tokenizer(spec, out) == "" and (out / "tokenizer.json").is_file()
+    console = Console(file=io.StringIO(), width=200)
+    result = export.ExportResult(out_dir=out, step=3, num_tensors=1, merged_lora=False, adapter_only=False,
+                                 no_tokenizer="no tokenizer.json in /gone")
+    monkeypatch.setattr(export, "export_run", lambda *a, **k: result)
+    export.run(console=console, run_dir=tmp_path, out=out, step=None, adapter_only=False)
+    assert "warning: no tokenizer.json in /gone: the model dir has no tokenizer" in console.file.getvalue()

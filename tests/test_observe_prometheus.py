@@ -88,3 +88,26 @@ def test_generated_rules_wait_the_engine_rules_for() -> None:
     assert by_name["LeantrainStraggler"]["for"] == "90s"
     assert by_name["LeantrainThroughputDrop"]["for"] == f"{rules.throughput_drop.for_s:g}s" == "20s"
     assert by_name["LeantrainLowMFU"]["for"] == "30s" and by_name["LeantrainLossSpike"]["for"] == "0s"
+
+
+def test_a_plan_without_a_usable_mfu_is_refused_naming_the_key(tmp_path: Path) -> None:
+    """`alert-rules --plan FILE` is given for the MFU floor: a hand-edited plan whose throughput.mfu is missing, of
+    the wrong type or not a fraction was a traceback (AttributeError, TypeError), a floor below zero or no floor."""
+    import json
+
+    import pytest
+
+    from leantrain.errors import UserInputError
+    from leantrain.observe.prometheus import rules_yaml
+    from leantrain.spec import load_spec
+
+    spec = load_spec(REPO / "examples" / "tiny-cpu.yaml")
+    plan = tmp_path / "plan.json"
+    for throughput, said in ((5, "key 'throughput': expected an object"), ({"mfu": "high"}, "expected a number"),
+                             ({"mfu": -3}, r"expected a fraction in \(0, 1\], got -3"),
+                             ({}, "no key 'throughput.mfu'")):
+        plan.write_text(json.dumps({"throughput": throughput}))
+        with pytest.raises(UserInputError, match=f"--plan {plan}: .*{said}"):
+            rules_yaml(spec, plan_file=plan)
+    plan.write_text(json.dumps({"throughput": {"mfu": 0.4}}))
+    assert "leantrain_mfu_ratio < 0.2" in rules_yaml(spec, plan_file=plan)

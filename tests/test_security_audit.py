@@ -110,3 +110,14 @@ def test_an_edited_last_line_is_a_clear_error_not_a_traceback(tmp_path: Path) ->
     log.path.write_text(log.path.read_text().replace("{", "<", 1))
     with pytest.raises(UserInputError, match="audit.log: its last entry is not JSON"):
         log.append("command", command="report")
+
+
+def test_a_private_write_that_fails_leaves_no_temp_file(tmp_path: Path) -> None:
+    """Writing onto a folder failed at the rename and left `.NAME.tmp-PID` beside it (launch --emit --out DIR)."""
+    import pytest
+
+    folder = tmp_path / "job.sbatch"
+    folder.mkdir()
+    with pytest.raises(IsADirectoryError):
+        write_private_text(folder, "#!/bin/bash\n")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["job.sbatch"] and not any(folder.iterdir())

@@ -236,6 +236,7 @@ def launch(
 
     Reads SPEC; writes the run dir (one log per rank) or the --emit job file.
     """
+    check_output_file(out, "--out")  # a folder or a path under a file: refused before any job file is written
     job = _spec(spec, set_, profile)  # spec errors first: before parse_resume's module imports torch
     if emit is not None:  # a job file without an image or node set-up: refused before torch is imported too
         from leantrain.launch.job_spec import check_emit
@@ -263,6 +264,7 @@ def report(
         "--interactive", help="Zoomable plotly charts (plotly's JavaScript inlined: still one file).")] = False,
 ) -> None:
     """Write a self-contained HTML report with plots. Reads RUN_DIR(s); writes report.html."""
+    check_output_file(out, "--out")
     _stage("leantrain.observe.report", run_dir=run_dirs if len(run_dirs) > 1 else run_dirs[0], out=out, x=x,
            interactive=interactive)
 
@@ -327,6 +329,7 @@ def alert_rules(
 
     Reads SPEC (and --plan); writes the rules file.
     """
+    check_output_file(out, "--out")
     job = _spec(spec, set_, profile)
     _stage("leantrain.observe.prometheus", spec=job, plan_file=plan_file, out=out)
 

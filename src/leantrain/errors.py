@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 
@@ -15,21 +17,31 @@ class UserInputError(LeantrainError):
     """The user's input (spec, flag, file) is wrong; the message names it and says what is valid."""
 
 
+def _first_existing(paths: Iterable[Path]) -> Path | None:
+    return next((path for path in paths if path.exists()), None)
+
+
 def check_output_file(path: object, option: str) -> None:
     """Refuse, before any work, an output path that cannot be written as a file: a directory, or a path under a
     file. (The parent directories are created when the file is written.)"""
-    from pathlib import Path
-
     if path is None:
         return
     target = Path(str(path))
     if target.is_dir():
         raise UserInputError(f"{option} {target}: is a directory; give a file path, e.g. {target / 'out.json'}")
-    for parent in target.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise UserInputError(f"{option} {target}: {parent} is a file, not a directory")
-            break
+    found = _first_existing(target.parents)
+    if found is not None and not found.is_dir():
+        raise UserInputError(f"{option} {target}: {found} is a file, not a directory")
+
+
+def check_output_dir(path: object, option: str) -> None:
+    """Refuse, before any work, a folder to write that is a file or lies under a file (`option` names it: a flag,
+    or "run dir")."""
+    target = Path(str(path))
+    found = _first_existing((target, *target.parents))
+    if found is not None and not found.is_dir():
+        where = "is a file" if found == target else f"{found} is a file"
+        raise UserInputError(f"{option} {target}: {where}, not a directory")
 
 
 NUMBER = (int, float)  # for json_field: an int or a float, never a bool
@@ -57,7 +69,6 @@ def read_json_object(path: object, *, option: str = "") -> dict[str, Any]:
     A file that cannot be read, is not JSON (hand-edited, truncated) or is not an object is a UserInputError that
     names the file (after `option`, the flag that brought it, when given)."""
     import json
-    from pathlib import Path
 
     target = Path(str(path))
     where = f"{option} {target}" if option else str(target)

@@ -168,12 +168,16 @@ def write_private_text(path: Path, text: str, *, spec: JobSpec | None = None) ->
     """Write redacted text atomically to a 0600 file (temp file, fsync, rename)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8", opener=private_opener) as fh:
-        fh.write(redact(text, spec=spec))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.chmod(tmp, PRIVATE_FILE_MODE)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8", opener=private_opener) as fh:
+            fh.write(redact(text, spec=spec))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, PRIVATE_FILE_MODE)
+        os.replace(tmp, path)
+    except BaseException:  # e.g. `path` is a folder: no hidden temp file is left beside it
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def restrict_tree(root: Path) -> int:

@@ -63,6 +63,7 @@ class ExportResult:
     num_tensors: int
     merged_lora: bool
     adapter_only: bool
+    no_tokenizer: str = ""  # why no tokenizer.json was written (said, not skipped without a word)
 
 
 class DcpTensors:
@@ -222,7 +223,8 @@ def _lora_loader(
     return load, sizes
 
 
-def _copy_tokenizer(spec: JobSpec, out: Path) -> None:
+def _copy_tokenizer(spec: JobSpec, out: Path) -> str:
+    """Copy the model's tokenizer files, else the data dir's tokenizer.json; "" or why none was found."""
     source = Path(spec.model.init_from) if spec.model.init_from else None
     copied = False
     if source is not None:
@@ -235,6 +237,8 @@ def _copy_tokenizer(spec: JobSpec, out: Path) -> None:
         shutil.copy2(data_tokenizer, out / "tokenizer.json")
         config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": spec.data.tokenizer.eos_token}
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n", encoding="utf-8")
+    return "" if copied or data_tokenizer.is_file() else (
+        f"no tokenizer.json in {' or '.join(str(p) for p in (source, Path(spec.data.dir)) if p is not None)}")
 
 
 def _write_adapter(spec: JobSpec, dcp_tensors: DcpTensors, out: Path, *, base: Path) -> int:
@@ -319,7 +323,7 @@ def export_run(
             write_hf_shards(tmp, shards=plan_shards(sizes), load=load,
                             config=hf_config(args, dtype=dtype, base=base_config))
             count = len(sizes)
-        _copy_tokenizer(spec, tmp)
+        no_tokenizer = _copy_tokenizer(spec, tmp)
         out_dir.parent.mkdir(parents=True, exist_ok=True)
         if out_dir.exists():
             out_dir.rmdir()
@@ -328,7 +332,7 @@ def export_run(
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return ExportResult(out_dir=out_dir, step=dcp_tensors.entry.step, num_tensors=count, merged_lora=lora and not
-                        adapter_only, adapter_only=adapter_only)
+                        adapter_only, adapter_only=adapter_only, no_tokenizer=no_tokenizer)
 
 
 def check_base_as_trained(spec: JobSpec, run_dir: Path) -> None:
@@ -346,3 +350,8 @@ def run(*, console: Any, run_dir: Path, out: Path, step: int | None, adapter_onl
             "a Hugging Face model (LoRA merged)" if result.merged_lora else "a Hugging Face model")
     console.print(f"[green]exported[/green] step {result.step} of {run_dir} as {what}: {result.num_tensors} "
                   f"tensors in {result.out_dir}", highlight=False)
+    if result.no_tokenizer:
+        from rich.markup import escape
+
+        console.print(f"[yellow]warning:[/yellow] {escape(result.no_tokenizer)}: the model dir has no tokenizer (copy "
+                      "one in, or export again with the data dir in place)", highlight=False)

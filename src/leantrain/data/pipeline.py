@@ -264,12 +264,26 @@ def _shard_stage(spec: DataSpec, sources: list[DataSource], tasks: list[InputTas
     return all_shards, reused
 
 
+def _work_note(path: Path) -> dict[str, Any]:
+    """What an unfinished prepare noted about its inputs ({} when none). A damaged note (hand-edited, a bad disk)
+    cannot tell whose work `_work/` holds: refused naming it, not a traceback."""
+    from leantrain.errors import read_json_object
+
+    if not path.exists():
+        return {}
+    try:
+        return read_json_object(path)
+    except UserInputError as err:
+        raise UserInputError(f"{err} — an unfinished prepare's note of its inputs: remove {path.parent} to "
+                             "start that work over (finished shards and manifest.json stay)") from None
+
+
 def _start(spec: DataSpec, *, data_dir: Path, inputs: str, force: bool) -> None:
     """Start over (clearing only our own files) unless `_work/` belongs to the same inputs and the same task split
     (`task_bytes`: finished task folders are named by their place in the plan, so another split must not reuse
     them; it took one file's second byte range for another file's work, documents lost without a word)."""
     work = data_dir / WORK
-    noted = json.loads((work / "inputs.json").read_text()) if (work / "inputs.json").is_file() else {}
+    noted = _work_note(work / "inputs.json")
     previous = noted.get("sha256")
     if previous == inputs and noted.get("task_bytes", spec.task_bytes) == spec.task_bytes:
         return
@@ -302,7 +316,7 @@ def prepare_data(
     files = {name: found for name, (found, _) in listed.items()}
     inputs = fingerprint(spec, sources, files)
     work = data_dir / WORK
-    up_to_date = _up_to_date(data_dir, inputs)
+    up_to_date = _up_to_date(data_dir, inputs, force=force)
     if up_to_date is not None:
         _apply_mixture(spec, up_to_date.manifest)  # weights and stages may change without re-tokenizing
         up_to_date.manifest.write(data_dir)
@@ -381,10 +395,10 @@ def _apply_mixture(spec: DataSpec, manifest: Manifest) -> None:
     manifest.stages = [MixtureStage(weights=dict(st.weights), until_tokens=st.until_tokens) for st in spec.stages]
 
 
-def _up_to_date(data_dir: Path, inputs: str) -> PrepareResult | None:
+def _up_to_date(data_dir: Path, inputs: str, *, force: bool = False) -> PrepareResult | None:
     from leantrain.data.layout import load_manifest
 
-    if not (data_dir / MANIFEST).is_file() or not (data_dir / REPORT).is_file():
+    if not (data_dir / MANIFEST).is_file() or not (data_dir / REPORT).exists():
         return None
     try:
         manifest = load_manifest(data_dir)
@@ -394,9 +408,34 @@ def _up_to_date(data_dir: Path, inputs: str) -> PrepareResult | None:
         return None
     if any(not (data_dir / s.path).is_file() or sha256_file(data_dir / s.path) != s.sha256 for s in manifest.shards):
         return None
-    report = json.loads((data_dir / REPORT).read_text(encoding="utf-8"))
+    report = read_report(data_dir / REPORT, force=force)
+    if report is None:
+        return None  # --force: rebuilt, report and all
     return PrepareResult(data_dir=data_dir, manifest=manifest, report=report, reused_shards=len(manifest.shards),
                          up_to_date=True)
+
+
+def read_report(path: Path, *, force: bool = False) -> dict[str, Any] | None:
+    """The report.json of an up-to-date data dir, checked to be one prepare can show. A damaged one (hand-edited:
+    not JSON, not an object, keys missing or of the wrong type) is refused naming it; None with `force`."""
+    import io
+
+    from leantrain.data.stats import render_report
+    from leantrain.errors import read_json_object
+
+    try:
+        report = read_json_object(path)
+        render_report(report, console=Console(file=io.StringIO()))
+    except UserInputError as err:
+        problem = str(err)
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as err:
+        problem = f"{path}: not the report prepare writes ({type(err).__name__}: {err}); was it edited by hand?"
+    else:
+        return report
+    if force:
+        return None
+    raise UserInputError(f"{problem} — the shards and manifest.json are up to date: `leantrain prepare --force` "
+                         "rebuilds the data dir and its report")
 
 
 def _finish(spec: DataSpec, *, data_dir: Path, work: Path, stats: list[SourceStats], dedup: dict[str, Any],

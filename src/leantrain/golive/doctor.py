@@ -171,7 +171,8 @@ def stuck_findings(run: RunData) -> list[Finding]:
     out, world, joined = [], run.world_size(), {e.get("rank") for e in run.events_of("rank_joined")}
     log_hits = [f"{log.label}: {line.strip()[:160]}" for log in run.logs for line in log.tail
                 if STUCK_RE.search(line)]
-    if not run.metrics or (joined and len(joined) < world and world > 1):
+    unread = [line for line in run.bad_lines if line.startswith("metrics.jsonl")]  # records exist, not readable
+    if (not run.metrics and not unread) or (joined and len(joined) < world and world > 1):
         missing = absent_ranks(world, joined) if joined else []
         evidence = "no metric records" if not run.metrics else f"ranks {missing} never joined"
         if log_hits:
@@ -449,6 +450,9 @@ def diagnose_run(run: RunData) -> list[Finding]:
         findings.append(Finding("ok", "run", "no known problem",
                                 f"{len(run.metrics)} records checked for a stuck start, a hang, OOM, log errors, "
                                 "divergence, low utilisation, flapping nodes and jumps after resume"))
+    if run.bad_lines:  # left out of the diagnosis above: said, not read as "no records" (a stuck start)
+        findings.insert(0, Finding("warning", "run", "unreadable run files", "; ".join(run.bad_lines[:3]),
+                                   "cut short, edited by hand or damaged", "restore them or move them aside"))
     return findings
 
 

@@ -49,7 +49,7 @@ from rich.console import Console
 from rich.table import Table
 
 from leantrain.ckpt.fault import MARKER_FILE, FaultPlan
-from leantrain.errors import CheckFailed, UserInputError
+from leantrain.errors import CheckFailed, UserInputError, check_output_dir
 from leantrain.launch.resources import TrainCommand
 from leantrain.launch.torchrun import launch_local
 from leantrain.provenance.lineage import trained_by_other_code
@@ -233,6 +233,7 @@ def run_drill(
 ) -> dict[str, Any]:
     """Run reference and faulted trainings, compare them, write RUN_DIR/drill.json; returns its content.
     `reference_run`: a finished run to use as the reference when it is the same training (`reusable_reference`)."""
+    check_output_dir(run_dir, "run dir")  # a file there: refused before two launches fail on it
     _ensure_data(spec, console)
     max_steps = spec.training.max_steps or max(1, round(spec.data.tokens_total / spec.training.global_batch_tokens))
     if max_steps < 3:

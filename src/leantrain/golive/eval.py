@@ -37,6 +37,7 @@ from torch import nn
 
 from leantrain.ckpt.base_ref import verify_base
 from leantrain.ckpt.export import DcpTensors, check_base_as_trained
+from leantrain.data.layout import MANIFEST, load_manifest
 from leantrain.data.preference import PairBatchSampler
 from leantrain.data.sampler import PackedBatchSampler
 from leantrain.errors import UserInputError
@@ -131,9 +132,21 @@ def _load_model(spec: JobSpec, run_dir: Path | None, *, step: int | None, base_a
     return model.eval(), checkpoint.entry.step
 
 
+def _has_data_dir(spec: JobSpec) -> bool:
+    """Whether data.dir holds a prepared data dir (none: no held-out split to score). Its manifest.json is read
+    here so that a damaged one is an error naming it, not taken for "no validation split" (nor skipped with
+    --tasks) by the held-out scorers, which read a data dir without a valid split as nothing to score."""
+    if not (Path(spec.data.dir) / MANIFEST).is_file():
+        return False
+    load_manifest(Path(spec.data.dir))
+    return True
+
+
 @torch.no_grad()
 def held_out_loss(model: nn.Module, spec: JobSpec) -> dict[str, dict[str, float]]:
     """Mean loss and perplexity per source over the valid split's first `eval_batches` micro-batches."""
+    if not _has_data_dir(spec):
+        return {}
     try:
         sampler = PackedBatchSampler(spec.data.dir, seq_len=spec.data.seq_len, micro_batch=spec.training.micro_batch,
                                      dp_rank=0, dp_size=1, seed=spec.training.seed, split="valid")
@@ -160,6 +173,8 @@ def held_out_preferences(model: nn.Module, spec: JobSpec) -> dict[str, dict[str,
     """DPO runs: the valid pairs' preference loss, reward margin and accuracy per source over the first
     `eval_batches` micro-batches, the reference as in training (train/dpo.py): the adapters-off base, the
     init_from weights for full DPO, none for ORPO."""
+    if not _has_data_dir(spec):
+        return {}
     try:
         sampler = PairBatchSampler(spec.data.dir, seq_len=spec.data.seq_len, micro_batch=spec.training.micro_batch,
                                    dp_rank=0, dp_size=1, seed=spec.training.seed, split="valid")

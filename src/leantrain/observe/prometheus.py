@@ -172,10 +172,14 @@ def alerting_rules(rules: AlertRules, *, hang_timeout_s: float, plan_mfu: float 
 def rules_yaml(spec: Any, *, plan_file: Path | None = None) -> str:
     """The Prometheus rules file for a spec: its alert rules, hang timeout and (with plan.json) MFU floor."""
     plan_mfu = None
-    if plan_file is not None:
+    if plan_file is not None:  # given for the MFU floor: a plan without a usable throughput.mfu is refused
+        from leantrain.errors import NUMBER, UserInputError, json_field
         from leantrain.observe.report_data import load_plan_file
 
-        plan_mfu = (load_plan_file(plan_file, spec=spec).get("throughput") or {}).get("mfu")
+        source = f"--plan {plan_file}"
+        plan_mfu = json_field(load_plan_file(plan_file, spec=spec), "throughput.mfu", NUMBER, source=source)
+        if not 0 < plan_mfu <= 1:
+            raise UserInputError(f"{source}: key 'throughput.mfu': expected a fraction in (0, 1], got {plan_mfu}")
     rules = alerting_rules(load_rules(spec.monitoring.alert_rules), hang_timeout_s=spec.monitoring.hang_timeout_s,
                            plan_mfu=plan_mfu)
     return yaml.safe_dump(rules, sort_keys=False)
