@@ -76,9 +76,16 @@ def test_other_hardware_or_missing_files_are_refused(tmp_path: Path) -> None:
     h100["hardware"]["accelerator"] = "H100-SXM"
     with pytest.raises(UserInputError, match="same hardware"):
         calibrate(spec_from_dict(h100), [run_dir])
+    (run_dir / "metrics.jsonl").write_bytes(b'{"step": 1, "loss": \xff}\n')  # not UTF-8: was a traceback
+    with pytest.raises(UserInputError, match="metrics.jsonl cannot be read"):
+        calibrate(spec_from_dict(job(64)), [run_dir])
     (run_dir / "metrics.jsonl").unlink()
     with pytest.raises(UserInputError, match="no metrics.jsonl"):
         calibrate(spec_from_dict(job(64)), [run_dir])
+    with pytest.raises(UserInputError, match="does not exist"):  # said "no spec.yaml"
+        calibrate(spec_from_dict(job(64)), [tmp_path / "nope"])
+    with pytest.raises(UserInputError, match="is a file"):
+        calibrate(spec_from_dict(job(64)), [run_dir / "spec.yaml"])
 
 
 @pytest.mark.slow

@@ -43,7 +43,12 @@ class MeasuredRun:
 
 def _steady_step_s(path: Path) -> float:
     values = []
-    for line in path.read_text(encoding="utf-8").splitlines():
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise UserInputError(f"--calibrate {path.parent}: {path.name} cannot be read ({type(err).__name__}: {err}); "
+                             "give the run dir `leantrain train` wrote") from None
+    for line in text.splitlines():
         try:
             record = json.loads(line)
         except json.JSONDecodeError:
@@ -60,6 +65,9 @@ def _steady_step_s(path: Path) -> float:
 def load_measured_run(run_dir: Path) -> MeasuredRun:
     """A run dir's spec, layout and steady step time (errors name the missing file)."""
     run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise UserInputError(f"--calibrate {run_dir}: " + ("is a file; give a run dir" if run_dir.exists() else
+                                                           "does not exist"))
     for name in ("spec.yaml", "plan.json", "metrics.jsonl"):
         if not (run_dir / name).is_file():
             raise UserInputError(f"--calibrate {run_dir}: no {name} (a run dir written by `leantrain train`)")
