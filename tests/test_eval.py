@@ -400,3 +400,22 @@ def test_a_damaged_manifest_is_named_not_taken_for_no_validation_split(
         err = capsys.readouterr().err
         assert code == 2 and f"{data / 'manifest.json'}: expected a JSON object" in err.replace("\n", "")
         assert "no prepared validation split" not in err and not (tmp_path / "run" / "eval.json").exists()
+
+
+def test_a_validation_split_the_sampler_refuses_is_named_not_skipped(
+        setup: tuple[Path, Path, Path], tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """Any refusal of the valid split's sampler (here a chat source prepared for another seq_len) was taken for
+    "no validation split": with --tasks the held-out loss was skipped without a word (exit 0)."""
+    import json
+    import shutil
+
+    spec_path, _, task = setup
+    data = tmp_path / "data"
+    shutil.copytree(spec_path.parent / "data", data)
+    manifest = json.loads((data / "manifest.json").read_text())
+    manifest["sources"][0].update(loss_mask=True, pad_multiple=7)  # the run's seq_len does not divide 7
+    (data / "manifest.json").write_text(json.dumps(manifest))
+    code = main(["eval", str(spec_path), "--set", f"data.dir={data}", "--set", f"run.dir={tmp_path / 'run'}",
+                 "--tasks", str(task)])
+    err = capsys.readouterr().err.replace("\n", "")
+    assert code == 2 and "prepared for data.seq_len 7" in err, err

@@ -132,26 +132,23 @@ def _load_model(spec: JobSpec, run_dir: Path | None, *, step: int | None, base_a
     return model.eval(), checkpoint.entry.step
 
 
-def _has_data_dir(spec: JobSpec) -> bool:
-    """Whether data.dir holds a prepared data dir (none: no held-out split to score). Its manifest.json is read
-    here so that a damaged one is an error naming it, not taken for "no validation split" (nor skipped with
-    --tasks) by the held-out scorers, which read a data dir without a valid split as nothing to score."""
+def _has_valid_split(spec: JobSpec) -> bool:
+    """Whether data.dir holds a prepared data dir with held-out tokens (none: nothing to score). Its manifest.json
+    is read here so that a damaged one is an error naming it, and every other problem of the split (a missing
+    loss mask, another seq_len, an odd DPO micro-batch) is raised by the sampler, never taken for "no validation
+    split" (nor skipped without a word with --tasks)."""
     if not (Path(spec.data.dir) / MANIFEST).is_file():
         return False
-    load_manifest(Path(spec.data.dir))
-    return True
+    return any(s.split == "valid" and s.num_tokens > 0 for s in load_manifest(Path(spec.data.dir)).shards)
 
 
 @torch.no_grad()
 def held_out_loss(model: nn.Module, spec: JobSpec) -> dict[str, dict[str, float]]:
     """Mean loss and perplexity per source over the valid split's first `eval_batches` micro-batches."""
-    if not _has_data_dir(spec):
+    if not _has_valid_split(spec):
         return {}
-    try:
-        sampler = PackedBatchSampler(spec.data.dir, seq_len=spec.data.seq_len, micro_batch=spec.training.micro_batch,
-                                     dp_rank=0, dp_size=1, seed=spec.training.seed, split="valid")
-    except UserInputError:
-        return {}
+    sampler = PackedBatchSampler(spec.data.dir, seq_len=spec.data.seq_len, micro_batch=spec.training.micro_batch,
+                                 dp_rank=0, dp_size=1, seed=spec.training.seed, split="valid")
     sums = torch.zeros(len(sampler.source_names), dtype=torch.float64)
     counts = torch.zeros_like(sums)
     for _ in range(spec.training.eval_batches):
@@ -173,13 +170,10 @@ def held_out_preferences(model: nn.Module, spec: JobSpec) -> dict[str, dict[str,
     """DPO runs: the valid pairs' preference loss, reward margin and accuracy per source over the first
     `eval_batches` micro-batches, the reference as in training (train/dpo.py): the adapters-off base, the
     init_from weights for full DPO, none for ORPO."""
-    if not _has_data_dir(spec):
+    if not _has_valid_split(spec):
         return {}
-    try:
-        sampler = PairBatchSampler(spec.data.dir, seq_len=spec.data.seq_len, micro_batch=spec.training.micro_batch,
-                                   dp_rank=0, dp_size=1, seed=spec.training.seed, split="valid")
-    except UserInputError:
-        return {}
+    sampler = PairBatchSampler(spec.data.dir, seq_len=spec.data.seq_len, micro_batch=spec.training.micro_batch,
+                               dp_rank=0, dp_size=1, seed=spec.training.seed, split="valid")
     settings = spec.finetune.dpo
     reference = None
     if settings.loss != "orpo" and not uses_adapters(spec):
