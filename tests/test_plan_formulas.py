@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -278,9 +280,10 @@ def test_tp_recompute_calls_are_what_the_rehearsal_counts() -> None:
             assert (counted[recompute] - counted["none"]) / per == tp_recompute_calls(layout), (sp, recompute, counted)
 
 
-def _saved_bytes_per_token(model_fields: dict, *, layers: int, seq_len: int) -> float:
+def _saved_bytes_per_token(model_fields: dict, *, layers: int, seq_len: int, bf16_weights: bool = False) -> float:
     """Bytes autograd saves in one forward of the trainer's model as it runs on one rank without FSDP2: fp32
-    parameters under bf16 autocast (train/precision.py), once per storage."""
+    parameters under bf16 autocast (train/precision.py), once per storage. `bf16_weights`: the weights in bf16
+    and no autocast, as the blocks compute under FSDP2's bf16 gathering."""
     from leantrain.model import build_model, model_args_from_spec
     from leantrain.train.precision import PrecisionPolicy, apply_precision
 
@@ -296,16 +299,45 @@ def _saved_bytes_per_token(model_fields: dict, *, layers: int, seq_len: int) -> 
         saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
         return t
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), policy.autocast():
+    if bf16_weights:  # the parameters only: buffers (RoPE's tables) stay fp32, as FSDP2's param_dtype leaves them
+        for param in model.parameters():
+            param.data = param.data.to(torch.bfloat16)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), (
+            contextlib.nullcontext() if bf16_weights else policy.autocast()):
         model(torch.randint(0, model_fields["vocab_size"], (1, seq_len)))
     return float(sum(saved.values()))
+
+
+@pytest.mark.parametrize("top_k, shared", [(2, 0), (3, 1)])
+def test_an_moe_layer_saves_what_the_plan_counts(top_k: int, shared: int) -> None:
+    """Per layer and token, what an eager MoE block saves with bf16 weights (as under FSDP2) is the plan's count
+    (plan/activations.py `_moe_mlp_bytes`: per routed copy the dispatched row, the expert's four SwiGLU tensors and
+    its output, kept for the routing weight's gradient). Until 2026-12-07 the layer summed its weighted rows into
+    their tokens with torch's `index_add_`, which saves its whole source as well: one more (tokens × k, d_model)
+    tensor, 448 MiB per layer and micro-batch at DeepSeek-V3's widths (model/moe.py `_SumIntoTokens`)."""
+    fields = {"d_model": 256, "n_heads": 4, "n_kv_heads": 2, "ffn_hidden": 512, "vocab_size": 256,
+              "tie_embeddings": False, "architecture": "moe",
+              "moe": {"num_experts": 4, "top_k": top_k, "expert_hidden": 128, "num_shared_experts": shared,
+                      "first_dense_layers": 0}}
+    short, long = 128, 256
+    per_layer = ((_saved_bytes_per_token(fields, layers=2, seq_len=long, bf16_weights=True)
+                  - _saved_bytes_per_token(fields, layers=1, seq_len=long, bf16_weights=True))
+                 - (_saved_bytes_per_token(fields, layers=2, seq_len=short, bf16_weights=True)
+                    - _saved_bytes_per_token(fields, layers=1, seq_len=short, bf16_weights=True))) / (long - short)
+    inputs = plan_inputs(spec_from_dict({"model": {**fields, "n_layers": 2}, "data": {"tokens_total": 1e6,
+                                         "seq_len": long}, "training": {"global_batch_tokens": long},
+                                         "precision": {"compute": "bf16"}}))
+    terms = activation_terms(inputs.shape, seq_len=long, act_bytes=inputs.act_bytes, flash=True, moe_layer=True)
+    planned = layer_activation_bytes(terms, tokens=1, tp=1, sp=False, recompute="none", act_bytes=inputs.act_bytes,
+                                     d_model=256)
+    assert planned == pytest.approx(per_layer, rel=0.005)
 
 
 @pytest.mark.parametrize("model", ["swiglu", "gelu", "moe", "moe-shared-top3"])
 def test_autocast_saves_a_cast_per_linear_that_the_plan_counts(model: str) -> None:
     """One rank without FSDP2 runs bf16 under torch.autocast over fp32 weights: each Linear casts the norm's fp32
-    output itself and keeps its own copy (wq, wk, wv; w1 and w3; an MoE layer's router, shared w1/w3 and top-k
-    routed copies), where under FSDP2 one bf16 output is shared. Per layer and token, from two depths and two
+    output itself and keeps its own copy (wq, wk, wv; w1 and w3; an MoE layer's router and shared w1/w3), where
+    under FSDP2 one bf16 output is shared. Per layer and token, from two depths and two
     sequence lengths (weights and per-position tables cancel), the plan's eager count with `autocast` equals
     what the model saves; without it the plan was 10 d-model-widths of bf16 short on a SwiGLU block (20 %)."""
     from leantrain.plan.activations import activation_terms, layer_activation_bytes
@@ -335,5 +367,5 @@ def test_autocast_saves_a_cast_per_linear_that_the_plan_counts(model: str) -> No
                                  moe_layer=model.startswith("moe"), autocast=autocast)
         planned[autocast] = layer_activation_bytes(terms, tokens=1, tp=1, sp=False, recompute="none",
                                                    act_bytes=inputs.act_bytes, d_model=256)
-    assert planned[True] == pytest.approx(per_layer, rel=0.005)  # MoE: 20 of 13,400 bytes a token apart
+    assert planned[True] == pytest.approx(per_layer, rel=0.005)  # MoE: 20 of 12,400 bytes a token apart
     assert planned[False] < 0.9 * per_layer

@@ -220,3 +220,66 @@ def test_one_rank_without_fsdp_plans_the_autocast_copies() -> None:
         "model.size_billion=null", "training.global_batch_tokens=16384"])
     ratios = rehearse(spec, ranks=[0], isolated=False)["plan_vs_rehearsal"]
     assert 0.9 <= ratios["activations"] <= 1.1 and 0.9 <= ratios["peak"] <= 1.1, ratios
+
+
+def test_a_forward_gathering_a_units_own_parameters_files_them_as_temp() -> None:
+    """A unit whose parameters are its own (here the first Linear; in the trainer an MoE layer's experts under
+    their own `fully_shard`) is gathered inside its parent's forward, before any submodule could show MemTracker
+    the unsharded weights: the tracker alone files them as activations. The rehearsal files them as temp, where the
+    plan counts gathered weights (DeepSeek-V3 at ZeRO-1: 336 MiB of experts per MoE layer, activations 0.78 of the
+    rehearsal's with 3 MoE layers until 2026-12-07)."""
+    with_it, gathered = _fsdp_forward_peak(gathers_as_temp=True)
+    without, _ = _fsdp_forward_peak(gathers_as_temp=False)
+    assert without["ACT"] >= 2 * gathered, without  # the flat all-gather buffer and the unsharded weight
+    assert with_it["ACT"] < gathered / 64 and with_it["OTH"] >= 2 * gathered, with_it
+    assert with_it["Total"] == without["Total"]
+
+
+def _attention_ops(capability: tuple[int, int] | None, *, v_width: int, dtype: torch.dtype = torch.bfloat16
+                   ) -> tuple[set[str], int]:
+    """The ops one causal SDPA forward and backward dispatches under the rehearsal's fake tensors and kernel
+    choices for a GPU of `capability`, and the largest tensor any of them makes (elements). 16 heads of 4,096
+    queries, query/key width 192 (DeepSeek-V3's 128 + 64 RoPE) and value width `v_width`."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from leantrain.golive.rehearse_swaps import accelerator_kernels
+
+    ops: set[str] = set()
+    largest = [0]
+
+    class Watch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            out = func(*args, **(kwargs or {}))
+            ops.add(str(func.overloadpacket))
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    largest[0] = max(largest[0], t.numel())
+            return out
+
+    with FakeTensorMode(), accelerator_kernels(capability):
+        q, k = (torch.randn(1, 16, 4096, 192, dtype=dtype, requires_grad=True) for _ in range(2))
+        v = torch.randn(1, 16, 4096, v_width, dtype=dtype, requires_grad=True)
+        with Watch():
+            out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=0.1)
+            out.sum().backward()
+        assert out.shape == (1, 16, 4096, v_width) and q.grad is not None and v.grad is not None
+    return ops, largest[0]
+
+
+def test_latent_attention_runs_the_kernel_the_gpu_picks() -> None:
+    """Value heads narrower than the query/key heads (multi-head latent attention): both flash kernels refuse
+    them, and the CPU's SDPA then runs its math path, which makes the (heads, seq, seq) scores in fp32, their
+    softmax and its bf16 copy (at DeepSeek-V3's widths 20 GiB per layer: plan ÷ rehearsal 0.34 on activations and
+    0.43 on temp under full recompute until 2026-12-07). CUDA runs the memory-efficient kernel, which keeps a
+    log-sum-exp per head and query; the rehearsal runs that op for a GPU that has it (bf16 from sm80)."""
+    seq_by_seq, query = 16 * 4096 * 4096, 16 * 4096 * 192
+    ops, largest = _attention_ops((9, 0), v_width=128)
+    assert "aten._scaled_dot_product_efficient_attention" in ops, ops
+    assert "aten._scaled_dot_product_efficient_attention_backward" in ops, ops
+    assert largest == query, largest  # nothing larger than the query and its gradient
+    for capability, dtype in ((None, torch.bfloat16), ((7, 0), torch.bfloat16)):  # the CPU; a V100 has no bf16
+        ops, largest = _attention_ops(capability, v_width=128, dtype=dtype)
+        assert "aten._scaled_dot_product_efficient_attention" not in ops and largest >= seq_by_seq, capability
+    ops, largest = _attention_ops((9, 0), v_width=192)  # one width: the CPU's flash kernel, as CUDA's flash
+    assert "aten._scaled_dot_product_flash_attention_for_cpu" in ops and largest == query, ops

@@ -263,11 +263,22 @@ def _track_outputs(tracker: Any, reftype: Any, res: Any) -> bool:
 @contextmanager
 def fsdp_gathers_as_temp(tracker: Any) -> Iterator[None]:
     """Within it, FSDP2's flat all-gather output is filed by `tracker` as "Other" (temp) from its all-gather on
-    (module docstring; `step_mem_tracker` keeps it there while the collective and the copy-out touch it)."""
+    (module docstring; `step_mem_tracker` keeps it there while the collective and the copy-out touch it), and so
+    are the unsharded parameters a forward's copy-out fills.
+
+    MemTracker files a module's parameters as such in the module's forward pre-hook, which runs before FSDP's own
+    (global hooks first): a block's Linears see their unsharded weights there, but a unit whose parameters are its
+    own, not a submodule's (an MoE layer's experts, with their own `fully_shard` over dp_mod_ep), shows only its
+    shards, and the copy-out that follows, inside the MoE layer's forward, was filed as activations: DeepSeek-V3's
+    4 local experts, 336 MiB of bf16 weights per MoE layer kept gathered to the backward at ZeRO-1, where the plan
+    counts gathered weights as temp (activations 0.78 of the rehearsal's with 3 MoE layers, 2026-12-07). Filed
+    before the copy-out (its storages exist from the step before), so the category holds at a peak in the
+    copy-out itself. A recompute's copy-out (in a backward) is left to the tracker."""
     from torch.distributed._tools.mem_tracker import _MemRefType
     from torch.distributed.fsdp._fully_shard import _fsdp_param_group
 
     original = _fsdp_param_group.foreach_all_gather
+    wait_for_unshard = _fsdp_param_group.FSDPParamGroup.wait_for_unshard
 
     def foreach_all_gather(*args: Any, **kwargs: Any) -> Any:
         result = original(*args, **kwargs)
@@ -276,5 +287,14 @@ def fsdp_gathers_as_temp(tracker: Any) -> Iterator[None]:
             tracker._update_and_maybe_create_winfos(output, _MemRefType.OTH)
         return result
 
-    with mock.patch.object(_fsdp_param_group, "foreach_all_gather", foreach_all_gather):
+    def unsharded_as_temp(group: Any) -> None:
+        if group._all_gather_result and not tracker._mod_tracker.is_bw:  # a forward's unshard, about to be copied
+            with tracker.quiet():
+                for fsdp_param in group.fsdp_params:
+                    for tensor in getattr(fsdp_param, "all_gather_outputs", ()):
+                        tracker._update_and_maybe_create_winfos(tensor, _MemRefType.OTH)
+        wait_for_unshard(group)
+
+    with mock.patch.object(_fsdp_param_group, "foreach_all_gather", foreach_all_gather), \
+            mock.patch.object(_fsdp_param_group.FSDPParamGroup, "wait_for_unshard", unsharded_as_temp):
         yield

@@ -27,6 +27,7 @@ from unittest import mock
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor, unset_fake_temporarily
 
 from leantrain.errors import UserInputError
@@ -175,8 +176,42 @@ def accelerator_kernels(capability: tuple[int, int] | None) -> Iterator[None]:
     def on_the_accelerator(device: torch.device, dtype: torch.dtype) -> bool:
         return hasattr(torch, "_grouped_mm") and moe.grouped_mm_on_gpu(capability, dtype)
 
-    with mock.patch.object(moe, "grouped_mm_supported", on_the_accelerator):
+    with mock.patch.object(moe, "grouped_mm_supported", on_the_accelerator), \
+            mock.patch.object(F, "scaled_dot_product_attention", _gpu_attention(capability)):
         yield
+
+
+def _gpu_attention(capability: tuple[int, int]) -> Any:
+    """`F.scaled_dot_product_attention` as a GPU of `capability` picks its kernel, where the CPU picks another.
+
+    Value heads narrower than the query/key heads (latent attention, `model.mla`: 128 against 128 + 64 in
+    DeepSeek-V3) are refused by both flash kernels, the CPU's and CUDA's (they need one head width), and the CPU
+    then runs the math path, which materialises the (heads, seq, seq) scores in fp32, their softmax and its bf16
+    copy: 20 GiB per MLA layer at DeepSeek-V3's 128 heads and 4,096 tokens, held while the layer's backward runs.
+    CUDA's dispatcher (aten/src/ATen/native/transformers/cuda/sdp_utils.cpp) takes the memory-efficient kernel
+    instead (q and k one width, every width a multiple of 8; bf16 from sm80), which keeps its output and an fp32
+    log-sum-exp per head and query row. That op is run here (its fake-tensor rule and autograd formula are
+    torch's own); every other call takes torch's path (same widths: the CPU's flash kernel holds what CUDA's
+    does)."""
+    sdpa = F.scaled_dot_product_attention
+
+    def attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, attn_mask: Any = None,
+                  dropout_p: float = 0.0, is_causal: bool = False, scale: float | None = None,
+                  enable_gqa: bool = False) -> torch.Tensor:
+        device = query.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else query.dtype
+        widths = (query.shape[-1], key.shape[-1], value.shape[-1])
+        if not (isinstance(query, FakeTensor) and attn_mask is None and query.shape[-3] == key.shape[-3]
+                and widths[0] == widths[1] != widths[2] and all(width % 8 == 0 for width in widths)
+                and (dtype != torch.bfloat16 or capability >= (8, 0))):
+            return sdpa(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal,
+                        scale=scale, enable_gqa=enable_gqa)
+        query, key, value = (tensor.to(dtype) for tensor in (query, key, value))  # autocast's cast of SDPA
+        grad = torch.is_grad_enabled() and any(tensor.requires_grad for tensor in (query, key, value))
+        return torch.ops.aten._scaled_dot_product_efficient_attention(
+            query, key, value, None, grad, dropout_p, is_causal, scale=scale)[0]
+
+    return attention
 
 
 @contextmanager

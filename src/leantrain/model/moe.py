@@ -22,7 +22,7 @@ Per-expert token counts are kept in a buffer between optimizer steps for the upd
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -152,6 +152,25 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
+class _SumIntoTokens(torch.autograd.Function):
+    """Rows (tokens × k, d) added into their tokens' rows (`index_add_` into zeros of (tokens, d), in the rows'
+    dtype); the backward hands each row its token's gradient, so only the index is kept. torch's own `index_add_`
+    also saves its whole source, for the source's shape (`expand_as(source)` in its derivative): a (tokens × k,
+    d_model) tensor per MoE layer and micro-batch that the backward never reads, 448 MiB at DeepSeek-V3's widths
+    (top-8, d 7,168) and 4,096 tokens (`leantrain rehearse` of examples/deepseek-v3.yaml with `selective`
+    recompute, 2026-12-07: 19 GiB of rank 128's 141 GiB of activations)."""
+
+    @staticmethod
+    def forward(ctx: Any, rows: torch.Tensor, index: torch.Tensor, tokens: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.save_for_backward(index)
+        return rows.new_zeros((tokens, rows.shape[-1])).index_add_(0, index, rows)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:  # type: ignore[override]
+        (index,) = ctx.saved_tensors
+        return grad.index_select(0, index), None, None
+
+
 def _grouped(x: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
     """Rows of `x` (sorted by expert, group ends at `offsets`) times their expert's weight (experts, in, out)."""
     return _ContiguousGrad.apply(torch._grouped_mm(x, weight, offs=offsets))
@@ -203,7 +222,7 @@ class MoE(nn.Module):
         out_sorted = self.experts(flat[token_idx], assigned[order], counts)  # (tokens × k, d_model)
         out_sorted = out_sorted * top_weights.reshape(-1)[order].unsqueeze(-1).to(out_sorted.dtype)
         # Under autocast the experts' output is bf16 while `flat` is fp32: accumulate in the experts' dtype.
-        out = flat.new_zeros(flat.shape, dtype=out_sorted.dtype).index_add_(0, token_idx, out_sorted)
+        out = _SumIntoTokens.apply(out_sorted, token_idx, flat.shape[0])
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view(batch, seq_len, d_model)

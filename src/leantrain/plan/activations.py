@@ -143,13 +143,15 @@ def activation_terms(shape: ModelShape, *, seq_len: int, act_bytes: float, flash
 def autocast_cast_bytes(shape: ModelShape, *, act_bytes: float, moe_layer: bool) -> float:
     """Per-token bytes of the compute-dtype input copies one eager block saves under torch.autocast over fp32
     weights: autocast casts each Linear's fp32 input itself, so the Linears that read one norm's output keep a
-    copy each (wq, wk, wv; SwiGLU's w1 and w3, GeLU's w1; an MoE layer's router, its shared experts' w1 and w3 and
-    the top-k copies its routed experts read), where under FSDP2's bf16 gathering they share one bf16 output.
-    Counted on the trainer's model with saved-tensor hooks (tests/test_plan_formulas.py). Latent attention
-    (`model.mla`): its two down-projections' copies; the latents' own casts are not counted."""
+    copy each (wq, wk, wv; SwiGLU's w1 and w3, GeLU's w1; an MoE layer's router and its shared experts' w1 and w3),
+    where under FSDP2's bf16 gathering they share one bf16 output. The routed experts cast their dispatched rows
+    once (model/moe.py), the copy `_moe_mlp_bytes` counts. Counted on the trainer's model with saved-tensor hooks
+    (tests/test_plan_formulas.py; until 2026-12-07 top-k more copies were counted here, which matched because
+    torch's `index_add_` kept the weighted expert outputs, a copy the MoE layer no longer saves). Latent
+    attention (`model.mla`): its two down-projections' copies; the latents' own casts are not counted."""
     attention = 3 if shape.mla is None else 2
     if moe_layer and shape.moe is not None:
-        mlp = 1 + shape.moe.top_k + (2 if shape.moe.num_shared_experts else 0)
+        mlp = 1 + (2 if shape.moe.num_shared_experts else 0)
     else:
         mlp = shape.mlp_matrices - 1
     return act_bytes * shape.d_model * (attention + mlp)
