@@ -437,7 +437,7 @@ def test_orpo_matches_trls_odds_ratio_loss_and_trains_without_a_reference(prepar
 
     root, hf_dir = prepared
     raw = dpo_spec(root, hf_dir, weights="full", loss="orpo", beta=0.5)
-    raw["training"].update(lr=1e-3, max_steps=5)
+    raw["training"].update(lr=1e-3, max_steps=8)
     trainer = Trainer(spec_from_dict(raw), run_dir=tmp_path / "run")
     try:
         assert trainer.objective is not None and trainer.objective.reference is None  # no frozen copy
@@ -445,7 +445,8 @@ def test_orpo_matches_trls_odds_ratio_loss_and_trains_without_a_reference(prepar
     finally:
         trainer.close()
     margins = [r["rewards/margin"] for r in records]
-    assert records[-1]["loss"] < records[0]["loss"] and margins[-1] > margins[0] + 0.1, margins
+    # each step's margin is its own batch's: the last three steps' mean against the first (one batch is noisy)
+    assert records[-1]["loss"] < records[0]["loss"] and sum(margins[-3:]) / 3 > margins[0] + 0.1, margins
 
 
 @pytest.mark.parametrize("weights", ["lora", "full"])
