@@ -17,8 +17,7 @@ from leantrain.data.shuffle import BLOCK_DOCS, EpochOrder, KeyedPermutation, buc
 @pytest.mark.parametrize("n", [1, 2, 3, 5, 17, 1000, 1024, 1025, 4099, 70_001])
 def test_every_size_gets_a_permutation(n: int) -> None:
     perm = KeyedPermutation(n, [7, 11, 0])
-    for tweak in (0, 5):
-        assert np.array_equal(np.sort(perm(np.arange(n), tweak)), np.arange(n))
+    assert np.array_equal(np.sort(perm(np.arange(n))), np.arange(n))
     some = np.unique(np.linspace(0, n - 1, 50).astype(np.int64))
     assert [perm.one(int(p)) for p in some] == perm(some).tolist()  # one position in Python ints: the same
 

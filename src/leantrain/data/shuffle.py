@@ -39,8 +39,8 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 class KeyedPermutation:
-    """A seeded bijection of [0, n), evaluated on arrays of positions (`perm(positions, tweak) -> elements`);
-    each tweak gives another permutation of the same domain.
+    """A seeded bijection of [0, n), evaluated on arrays of positions (`perm(positions) -> elements`) or on one
+    (`perm.one(position)`).
 
     An alternating (unbalanced) Feistel network over the smallest number of bits b with 2^b ≥ n, split into
     halves of ⌈b/2⌉ and ⌊b/2⌋ bits: each round XORs the one half with a keyed hash of the other and swaps them,
@@ -57,10 +57,10 @@ class KeyedPermutation:
         self._b = bits - self._a
         self._keys = np.random.default_rng(key).integers(0, 2**63, size=ROUNDS, dtype=np.uint64)
 
-    def _feistel(self, x: np.ndarray, keys: np.ndarray) -> np.ndarray:
+    def _feistel(self, x: np.ndarray) -> np.ndarray:
         a, b = self._a, self._b
         left, right = x >> np.uint64(b), x & np.uint64((1 << b) - 1)  # (a bits, b bits)
-        for k in keys:
+        for k in self._keys:
             left = left ^ (_mix(right ^ k) & np.uint64((1 << a) - 1))
             left, right, a, b = right, left, b, a
         return (left << np.uint64(b)) | right
@@ -85,20 +85,13 @@ class KeyedPermutation:
             if position < self.n:
                 return position
 
-    def __call__(self, positions: np.ndarray, tweak: int = 0) -> np.ndarray:
-        keys = self._keys if not tweak else _mix(self._keys ^ np.uint64(tweak))
-        out = self._feistel(np.asarray(positions, dtype=np.uint64), keys)
+    def __call__(self, positions: np.ndarray) -> np.ndarray:
+        out = self._feistel(np.asarray(positions, dtype=np.uint64))
         outside = np.flatnonzero(out >= np.uint64(self.n))
         while outside.size:  # cycle-walk
-            out[outside] = self._feistel(out[outside], keys)
+            out[outside] = self._feistel(out[outside])
             outside = outside[out[outside] >= np.uint64(self.n)]
         return out.astype(np.int64)
-
-
-def bucket_members(n: int, bucket: int, sigma: KeyedPermutation | None = None) -> np.ndarray:
-    """The documents of one bucket, in σ's order."""
-    sigma = sigma or KeyedPermutation(n, BUCKET_KEY)
-    return sigma(np.arange(bucket * BLOCK_DOCS, min(n, (bucket + 1) * BLOCK_DOCS), dtype=np.int64))
 
 
 def bucket_totals(doc_len: np.ndarray) -> np.ndarray:
