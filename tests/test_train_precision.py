@@ -163,6 +163,36 @@ def test_fp8_layers_too_narrow_for_every_fsdp_rank_gather_in_the_master_dtype() 
         assert attention.wk.config.enable_fsdp_float8_all_gather is narrow_gathered, shards
 
 
+def test_under_tensor_parallel_only_column_wise_layers_have_their_rows_split() -> None:
+    """TP 2 × FSDP 64: a row-wise Linear (wo, w2) keeps its 64 rows, one per FSDP rank, and gathers in float8; a
+    column-wise one (wq: 64 rows, 32 per TP rank) leaves ranks empty and gathers in the master dtype. Until
+    2026-12-07 every Linear's rows were divided by TP, so wo and w2 gathered in the master dtype for nothing."""
+    pytest.importorskip("torchao")
+    from leantrain.model import model_args_from_spec
+    from leantrain.model.transformer import Transformer
+    from leantrain.parallel.tensor import colwise_linears
+    from leantrain.spec.schema import ModelSpec
+    from leantrain.train.precision import PrecisionPolicy, apply_precision
+
+    spec = ModelSpec(n_layers=1, d_model=64, n_heads=4, n_kv_heads=4, ffn_hidden=128, vocab_size=96)
+    policy = PrecisionPolicy(compute="fp8", param_dtype=torch.float32, device_type="cuda")
+    gathered = {}
+    for colwise in (None, "known"):
+        with torch.device("meta"):
+            model = Transformer(model_args_from_spec(spec, max_seq_len=16))
+        names = colwise_linears(model) if colwise else None
+        apply_precision(model, policy, cast=False, fsdp_float8_all_gather=True, fsdp_shards=64, tp=2,
+                        tp_colwise=names)
+        block = model.layers["0"]
+        gathered[colwise] = {name: module.config.enable_fsdp_float8_all_gather for name, module in (
+            ("wq", block.attention.wq), ("wo", block.attention.wo), ("w1", block.feed_forward.w1),
+            ("w2", block.feed_forward.w2))}
+    assert names == {"layers.0.attention.wq", "layers.0.attention.wk", "layers.0.attention.wv",
+                     "layers.0.feed_forward.w1", "layers.0.feed_forward.w3"}  # the TP plan's column-wise Linears
+    assert gathered["known"] == {"wq": False, "wo": True, "w1": True, "w2": True}
+    assert gathered[None] == {"wq": False, "wo": False, "w1": True, "w2": False}  # every row count halved
+
+
 @pytest.mark.slow
 def test_fp8_rehearses_on_a_rank_whose_fsdp_shard_is_empty() -> None:
     """The tiny model in fp8 on 64 FSDP ranks, its last rank (empty wk/wv shards) rehearsed to the end: torchao's
@@ -172,12 +202,14 @@ def test_fp8_rehearses_on_a_rank_whose_fsdp_shard_is_empty() -> None:
     from leantrain.spec import load_spec
 
     examples = Path(__file__).resolve().parents[1] / "examples"
-    spec = load_spec(examples / "tiny-cpu.yaml", overrides=[
-        "parallelism.data_parallel=64", "parallelism.zero_stage=3", "hardware.num_nodes=32",
-        "training.global_batch_tokens=32768", "hardware.accelerator=H100-SXM", "precision.compute=fp8",
-        "precision.master_weights=fp32"])
-    report = rehearse(spec, ranks=[63], isolated=False)
-    assert [r["rank"] for r in report["ranks"]] == [0, 63] and report["fits"]
+    common = ["parallelism.data_parallel=64", "parallelism.zero_stage=3", "training.global_batch_tokens=32768",
+              "hardware.accelerator=H100-SXM", "precision.compute=fp8", "precision.master_weights=fp32"]
+    # and under TP 2, where the row-wise wo and w2 keep their 64 rows and gather in float8 (one row a rank)
+    for last, sets in ((63, ["hardware.num_nodes=32"]),
+                       (127, ["hardware.num_nodes=64", "parallelism.tensor_parallel=2"])):
+        spec = load_spec(examples / "tiny-cpu.yaml", overrides=[*common, *sets])
+        report = rehearse(spec, ranks=[last], isolated=False)
+        assert [r["rank"] for r in report["ranks"]] == [0, last] and report["fits"]
 
 
 def test_fp8_with_tensor_parallel_is_accepted_and_moe_aux_loss_runs_under_pp() -> None:

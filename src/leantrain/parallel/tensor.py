@@ -112,6 +112,14 @@ def _styles(block: nn.Module, *, float8_collectives: bool) -> tuple[type[Paralle
     return ColwiseParallel, RowwiseParallel, PrepareModuleInput
 
 
+def colwise_linears(model: nn.Module) -> set[str]:
+    """The names (from the model's root) of the Linears the blocks' TP plan splits column-wise, i.e. by their
+    weight's rows: what `train.precision` needs to know which float8 weights leave an FSDP2 rank empty."""
+    return {f"layers.{name}.{key}" for name, block in model.layers.named_children()  # type: ignore[union-attr]
+            for key, style in _block_plan(block, sequence_parallel=False, float8_collectives=False).items()
+            if isinstance(style, ColwiseParallel)}
+
+
 def _block_plan(block: nn.Module, *, sequence_parallel: bool, float8_collectives: bool) -> dict[str, ParallelStyle]:
     seq_layout = Shard(1) if sequence_parallel else Replicate()
     colwise, rowwise, prepare_input = _styles(block, float8_collectives=float8_collectives)

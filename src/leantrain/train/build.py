@@ -31,6 +31,7 @@ from leantrain.model.transformer import Transformer, model_args_from_spec
 from leantrain.parallel import parallelize
 from leantrain.parallel.dims import ParallelDims
 from leantrain.parallel.parallelize import ParallelModel
+from leantrain.parallel.tensor import colwise_linears
 from leantrain.spec.schema import JobSpec
 from leantrain.train.finetune import prepare_model
 from leantrain.train.precision import PrecisionPolicy, apply_precision
@@ -58,7 +59,9 @@ def meta_model(spec: JobSpec, *, precision: PrecisionPolicy, fsdp: bool = False,
     args = model_args_from_spec(spec.model, max_seq_len=spec.data.seq_len)
     with torch.device("meta"):
         model = Transformer(args)
-    apply_precision(model, precision, cast=False, fsdp_float8_all_gather=fsdp, fsdp_shards=fsdp_shards, tp=tp)
+    colwise = colwise_linears(model) if tp > 1 else None  # rows TP splits: the rest keep every row per FSDP shard
+    apply_precision(model, precision, cast=False, fsdp_float8_all_gather=fsdp, fsdp_shards=fsdp_shards, tp=tp,
+                    tp_colwise=colwise)
     prepare_model(model, spec)  # LoRA/QLoRA: adapters on the targets, the base frozen (train/finetune.py)
     model.set_recompute(spec.training.activation_checkpointing)
     if spec.training.compile:

@@ -23,7 +23,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
@@ -104,18 +104,19 @@ def fp8_linear_filter(module: nn.Module, fqn: str) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def fills_every_shard(module: nn.Module, *, shards: int, tp: int) -> bool:
+def fills_every_shard(module: nn.Module, *, shards: int, tp: int, colwise: bool = True) -> bool:
     """Whether FSDP2's chunks of this Linear's weight rows (dim 0, after tensor parallelism's split of them)
     leave no rank empty: FSDP2 cuts rows into chunks of ceil(rows / shards), so 576 rows (DeepSeek-V3's wkv_a)
-    over 128 ranks fill 116 of them."""
-    rows = module.out_features // max(tp, 1)
+    over 128 ranks fill 116 of them. Only a column-wise Linear has its rows split by TP (`colwise`); a row-wise
+    one (wo, w2) keeps all of them and splits its columns, and one TP leaves whole (MLA's latents) keeps both."""
+    rows = module.out_features // max(tp, 1) if colwise else module.out_features
     chunk = -(-rows // shards)
     return rows > 0 and -(-rows // chunk) >= shards
 
 
 def apply_precision(
     model: nn.Module, policy: PrecisionPolicy, *, swap: bool = True, cast: bool = True,
-    fsdp_float8_all_gather: bool = False, fsdp_shards: int = 1, tp: int = 1,
+    fsdp_float8_all_gather: bool = False, fsdp_shards: int = 1, tp: int = 1, tp_colwise: Collection[str] | None = None,
 ) -> nn.Module:
     """Swap Linear layers to float8 (fp8; on the meta device, before parallelize) and cast parameters to the
     master dtype (buffers such as RoPE tables and expert counts stay fp32). Returns the model.
@@ -125,6 +126,8 @@ def apply_precision(
     all-gather and its one-shot scale precompute take each rank's local amax (`_foreach_norm(ord=inf)`,
     `max(abs)`), which an empty shard cannot give (it raises, on the GPU as on the CPU); such layers gather in
     the master dtype and still compute in float8. Found by rehearsing DeepSeek-V3 at 2,048 ranks (FSDP128).
+    `tp_colwise`: the Linears TP splits by rows (`parallel.tensor.colwise_linears`); None counts every Linear as
+    split, which gathers some whose rows would fill every rank in the master dtype (never the other way).
     """
     if swap and policy.compute == "fp8":
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
@@ -133,7 +136,9 @@ def apply_precision(
             def accept(module: nn.Module, fqn: str) -> bool:
                 if not fp8_linear_filter(module, fqn):
                     return False
-                return not fsdp_float8_all_gather or fills_every_shard(module, shards=fsdp_shards, tp=tp) == gathered
+                split = tp_colwise is None or fqn in tp_colwise
+                return not fsdp_float8_all_gather or fills_every_shard(
+                    module, shards=fsdp_shards, tp=tp, colwise=split) == gathered
             return accept
 
         for gathered in (True, False) if fsdp_float8_all_gather else (False,):
