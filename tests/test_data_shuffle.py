@@ -18,8 +18,6 @@ from leantrain.data.shuffle import BLOCK_DOCS, EpochOrder, KeyedPermutation, buc
 def test_every_size_gets_a_permutation(n: int) -> None:
     perm = KeyedPermutation(n, [7, 11, 0])
     assert np.array_equal(np.sort(perm(np.arange(n))), np.arange(n))
-    some = np.unique(np.linspace(0, n - 1, 50).astype(np.int64))
-    assert [perm.one(int(p)) for p in some] == perm(some).tolist()  # one position in Python ints: the same
 
 
 def test_the_key_decides_the_order_and_the_order_is_shuffled() -> None:
@@ -101,4 +99,4 @@ def test_an_epoch_keeps_one_integer_per_bucket_and_reads_only_the_buckets_it_lan
         tracemalloc.stop()
     assert counting.read == 2 * BLOCK_DOCS  # the two buckets looked up, not the 2,000,000 lengths
     assert epoch.block_ends.nbytes == 8 * -(-n // BLOCK_DOCS)
-    assert kept < 64 * 1024  # 16 KB of block offsets and one bucket; a full order and cumsum would be 32 MB
+    assert kept < 64 * 1024  # 31 KB of bucket order and block offsets, and one bucket; a full order and cumsum 32 MB

@@ -39,8 +39,7 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 class KeyedPermutation:
-    """A seeded bijection of [0, n), evaluated on arrays of positions (`perm(positions) -> elements`) or on one
-    (`perm.one(position)`).
+    """A seeded bijection of [0, n), evaluated on arrays of positions (`perm(positions) -> elements`).
 
     An alternating (unbalanced) Feistel network over the smallest number of bits b with 2^b ≥ n, split into
     halves of ⌈b/2⌉ and ⌊b/2⌋ bits: each round XORs the one half with a keyed hash of the other and swaps them,
@@ -64,26 +63,6 @@ class KeyedPermutation:
             left = left ^ (_mix(right ^ k) & np.uint64((1 << a) - 1))
             left, right, a, b = right, left, b, a
         return (left << np.uint64(b)) | right
-
-    def one(self, position: int) -> int:
-        """The permutation of one position, in Python integers (a 1-element array costs 10x more in numpy)."""
-        mask64 = (1 << 64) - 1
-        keys = [int(k) for k in self._keys]
-        while True:
-            a, b = self._a, self._b
-            left, right = position >> b, position & ((1 << b) - 1)
-            for k in keys:
-                x = right ^ k
-                x ^= x >> 30
-                x = (x * 0xBF58476D1CE4E5B9) & mask64
-                x ^= x >> 27
-                x = (x * 0x94D049BB133111EB) & mask64
-                x ^= x >> 31
-                left ^= x & ((1 << a) - 1)
-                left, right, a, b = right, left, b, a
-            position = (left << b) | right
-            if position < self.n:
-                return position
 
     def __call__(self, positions: np.ndarray) -> np.ndarray:
         out = self._feistel(np.asarray(positions, dtype=np.uint64))
@@ -113,26 +92,27 @@ def bucket_totals(doc_len: np.ndarray) -> np.ndarray:
 
 class EpochOrder:
     """One epoch of a source: its document order and where each position starts in the epoch's token stream.
-    Kept per epoch: one int64 per bucket (the epoch's block offsets) and the last bucket looked up."""
+    Kept per epoch: two int64 per bucket (the epoch's bucket order and block offsets) and the last bucket looked
+    up."""
 
     def __init__(self, doc_len: np.ndarray, totals: np.ndarray, key: list[int]) -> None:
         self.doc_len = doc_len
         self.n = len(doc_len)
         self.blocks = len(totals)
         self._sigma = KeyedPermutation(self.n, BUCKET_KEY)
-        self._buckets = KeyedPermutation(self.blocks, key)  # block j of this epoch is bucket π(j)
+        self._buckets = KeyedPermutation(self.blocks, key)(np.arange(self.blocks))  # block j is bucket π(j)
         # the order inside a bucket this epoch (the last bucket may be smaller): the members differ from bucket to
         # bucket (σ), the order of positions inside them from epoch to epoch
         last = self.n - (self.blocks - 1) * BLOCK_DOCS
         self._inside = KeyedPermutation(BLOCK_DOCS, [*key, 1])(np.arange(BLOCK_DOCS, dtype=np.int64))
         self._inside_last = KeyedPermutation(last, [*key, 2])(np.arange(last, dtype=np.int64))
-        self.block_ends = np.cumsum(np.asarray(totals, dtype=np.int64)[self._buckets(np.arange(self.blocks))])
+        self.block_ends = np.cumsum(np.asarray(totals, dtype=np.int64)[self._buckets])
         self._block: tuple[int, np.ndarray, np.ndarray] | None = None
 
     def block(self, number: int) -> tuple[np.ndarray, np.ndarray]:
         """(documents, end offset of each in the epoch) of one block of positions; the last one is kept."""
         if self._block is None or self._block[0] != number:
-            bucket = self._buckets.one(number)
+            bucket = int(self._buckets[number])
             docs = self._sigma(bucket * BLOCK_DOCS + (self._inside if bucket < self.blocks - 1 else self._inside_last))
             begin = int(self.block_ends[number - 1]) if number else 0
             self._block = (number, docs, begin + np.cumsum(np.asarray(self.doc_len[docs], dtype=np.int64)))
