@@ -186,9 +186,8 @@ def _signatures(docs: np.ndarray, folders: list[Path], offsets: np.ndarray, maps
 
 
 def merge_step(step: MergeStep, folders: list[Path], offsets: np.ndarray, out_dir: Path, spec: DedupSpec, *,
-               maps: HeldMaps | None = None) -> dict[str, Any]:
+               maps: HeldMaps) -> dict[str, Any]:
     """Edges of one hash range, verified for bands; written to `out_dir/<space>_<n>.npy`."""
-    maps = maps if maps is not None else HeldMaps(hold=False)
     final = out_dir / step.file_name
     if final.is_file():
         edges = np.load(final)

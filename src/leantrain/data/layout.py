@@ -65,6 +65,10 @@ class Manifest:
     def shards_for(self, *, split: str, source: str) -> list[ShardInfo]:
         return [s for s in self.shards if s.split == split and s.source == source]
 
+    def has_tokens(self, split: str) -> bool:
+        """Whether any shard of `split` holds tokens (a data dir without a held-out split has no "valid" ones)."""
+        return any(s.split == split and s.num_tokens > 0 for s in self.shards)
+
     def to_json(self) -> dict[str, Any]:
         return {
             "format": FORMAT_NAME,

@@ -32,7 +32,7 @@ from leantrain.data.chat import load_mask, mask_path
 from leantrain.data.layout import MANIFEST, Manifest, MixtureStage, load_manifest
 from leantrain.data.sample_index import load_buckets, load_index
 from leantrain.data.shards import ShardInfo, check_token_file, map_tokens
-from leantrain.data.shuffle import BLOCK_DOCS, EpochOrder, bucket_totals
+from leantrain.data.shuffle import BLOCK_DOCS, EpochOrder
 from leantrain.errors import UserInputError
 
 BLOCK_SAMPLES = 1024  # granularity of the mixture: weights are honoured exactly per block, to 1/1024
@@ -67,8 +67,8 @@ class SourceStream:
     """
 
     def __init__(self, data_dir: Path, shards: list[ShardInfo], index: np.ndarray, *, name: str, seed: int,
-                 seq_len: int, dtype: np.dtype, masked: bool = False, totals: np.ndarray | None = None) -> None:
-        """`totals`: the index's bucket totals (`data.sample_index.load_buckets`); None: computed from it."""
+                 seq_len: int, dtype: np.dtype, totals: np.ndarray, masked: bool = False) -> None:
+        """`totals`: the index's bucket totals (`data.sample_index.load_buckets`)."""
         self.name = name
         self.seq_len = seq_len
         self._paths = [Path(data_dir) / s.path for s in shards]
@@ -79,7 +79,7 @@ class SourceStream:
         self._masks: dict[int, np.ndarray] = {}
         self._seed = [seed, zlib.crc32(name.encode("utf-8"))]
         self.doc_shard, self.doc_start, self.doc_len = index[0], index[1], index[2]
-        self._totals = bucket_totals(self.doc_len) if totals is None else totals
+        self._totals = totals
         self.tokens_per_epoch = int(self._totals.sum())
         self._epochs: OrderedDict[int, EpochOrder] = OrderedDict()
 

@@ -139,7 +139,7 @@ def _has_valid_split(spec: JobSpec) -> bool:
     split" (nor skipped without a word with --tasks)."""
     if not (Path(spec.data.dir) / MANIFEST).is_file():
         return False
-    return any(s.split == "valid" and s.num_tokens > 0 for s in load_manifest(Path(spec.data.dir)).shards)
+    return load_manifest(Path(spec.data.dir)).has_tokens("valid")
 
 
 @torch.no_grad()

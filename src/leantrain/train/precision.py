@@ -104,7 +104,7 @@ def fp8_linear_filter(module: nn.Module, fqn: str) -> bool:
     return module.in_features % 16 == 0 and module.out_features % 16 == 0
 
 
-def fills_every_shard(module: nn.Module, *, shards: int, tp: int, colwise: bool = True) -> bool:
+def fills_every_shard(module: nn.Module, *, shards: int, tp: int, colwise: bool) -> bool:
     """Whether FSDP2's chunks of this Linear's weight rows (dim 0, after tensor parallelism's split of them)
     leave no rank empty: FSDP2 cuts rows into chunks of ceil(rows / shards), so 576 rows (DeepSeek-V3's wkv_a)
     over 128 ranks fill 116 of them. Only a column-wise Linear has its rows split by TP (`colwise`); a row-wise

@@ -201,8 +201,7 @@ class Trainer:
     def _eval_sampler(self) -> PackedBatchSampler | None:
         # Decided from the manifest every rank shares (a rank-local read error must fail that rank, not turn its
         # evaluation off while the others evaluate and wait for it); train_info.json says when it is off.
-        if not self.spec.training.eval_every or not any(s.split == "valid" and s.num_tokens for s in
-                                                        self._manifest.shards):
+        if not self.spec.training.eval_every or not self._manifest.has_tokens("valid"):
             return None
         return self._sampler(split="valid")
 
