@@ -136,8 +136,13 @@ def layout_run(spec: JobSpec, *, steps: int) -> dict[str, list[float]]:
     optimizer = make_optimizer(spec, list(pm.parameters()))
     losses, norms, comm = [], [], {}
     timer = CommTimer(device_type="cpu")
+    sent = [0]  # rows this rank's MoE layers hand to their experts in a step (before any all-to-all)
+    for experts in (m for part in pm.parts for m in expert_modules(part)):
+        experts.register_forward_pre_hook(lambda _m, args: sent.__setitem__(0, sent[0] + args[0].shape[0]),
+                                          prepend=True)
     for step in range(steps):
         start = time.perf_counter()
+        sent[0] = 0
         with timer.measure() if step == 1 else contextlib.nullcontext() as measured:  # step 0 has lazy setup
             optimizer.zero_grad(set_to_none=True)
             mine = batches(step, vocab=spec.model.vocab_size or 64)[pm.dp_rank :: pm.dp_size]
@@ -158,7 +163,7 @@ def layout_run(spec: JobSpec, *, steps: int) -> dict[str, list[float]]:
     param_dtypes = sorted({str(p.dtype) for p in pm.parameters()})
     moment_dtypes = sorted({str(s["exp_avg"].dtype) for s in optimizer.state.values()})
     return {"loss": losses, "grad_norm": norms, "comm": comm, "local_experts": local_experts,
-            "expert_share": expert_share,
+            "expert_share": expert_share, "expert_rows_sent": sent[0],
             "param_dtypes": param_dtypes, "moment_dtypes": moment_dtypes}
 
 

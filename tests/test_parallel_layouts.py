@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 
-from parallel_harness import make_spec, reference_run, spawn_layouts
+from parallel_harness import GLOBAL_SEQUENCES, SEQ_LEN, make_spec, reference_run, spawn_layouts
 
 STEPS = 10
 REL_TOL = 1e-4
@@ -53,6 +53,13 @@ FOUR_RANK: dict[str, dict[str, Any]] = {
     # dp_mod_ep = 2: the routed experts get their own FSDP over the two ranks holding the same experts
     "fsdp_ep_sharded_experts": {"moe": True, "data_parallel": 4, "expert_parallel": 2},
     "mla_fsdp_tp_sp": {"mla": True, "data_parallel": 2, "tensor_parallel": 2, "sequence_parallel": True},
+    # EP × TP: each TP rank dispatches half the tokens; the experts' FSDP spans dp_mod_ep × tp. With the
+    # aux loss (the harness's default balance) under loss parallel, and MLA without sequence parallelism under
+    # full recompute (the kept all-to-all splits of the token split's share).
+    "fsdp_tp_ep_sp": {"moe": True, "data_parallel": 2, "tensor_parallel": 2, "expert_parallel": 2,
+                      "sequence_parallel": True, "loss_parallel": True},
+    "mla_fsdp_tp_ep_full": {"mla": True, "moe": True, "data_parallel": 2, "tensor_parallel": 2, "expert_parallel": 2,
+                            "sequence_parallel": False, "recompute": "full"},
 }
 
 
@@ -110,3 +117,9 @@ def test_four_rank_compositions_match_one_process(tmp_path: Path) -> None:
         _assert_matches(name, results[name], kwargs)
     # 4 experts over ep 2 × dp_mod_ep 2: each rank keeps a quarter of every expert weight (and its Adam states)
     assert results["fsdp_ep_sharded_experts"]["expert_share"] == pytest.approx(1 / 4)
+    # EP 2 × TP 2: rank 0 sends its experts half of its tokens' assignments (tokens × top-k × MoE layers ÷ tp),
+    # where every TP rank sent them all before; it holds 1/4 of each weight (ep 2 × dp_mod_ep 1 × tp 2).
+    tokens = GLOBAL_SEQUENCES // 2 * SEQ_LEN  # per data-parallel rank and step (dp 2)
+    assert results["fsdp_tp_ep_sp"]["expert_rows_sent"] == tokens * 2 * 2 // 2
+    assert results["fsdp_tp_ep_sp"]["expert_share"] == pytest.approx(1 / 4)
+    assert results["fsdp_ep_sharded_experts"]["expert_rows_sent"] == GLOBAL_SEQUENCES // 4 * SEQ_LEN * 2 * 2

@@ -33,6 +33,7 @@ from leantrain.model.layers import FeedForward
 
 if TYPE_CHECKING:
     from leantrain.model.layers import ModelArgs
+    from leantrain.parallel.expert import TokenSplit
 
 
 class Router(nn.Module):
@@ -201,6 +202,9 @@ class MoE(nn.Module):
         self.register_buffer("tokens_per_expert", torch.zeros(moe.num_experts), persistent=False)
         self.last_counts: torch.Tensor | None = None
         self.last_aux_loss: torch.Tensor | None = None
+        # Under expert × tensor parallelism (`parallel.expert.apply_expert_token_split`): each TP rank sends its
+        # share of the tokens to the experts, not all of them. None: this rank's experts see every token.
+        self.token_split: TokenSplit | None = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, seq_len, d_model = x.shape
@@ -217,15 +221,29 @@ class MoE(nn.Module):
             share = counts.float() / assigned.numel()
             mean_prob = (probs / probs.sum(dim=-1, keepdim=True)).mean(dim=0)
             self.last_aux_loss = self.num_experts * (share * mean_prob).sum()
+        split = self.token_split
+        if split is None:
+            out = self._routed(flat, top_idx, top_weights, counts)
+        else:  # this TP rank's share of the tokens; the same routing (computed on every token) picks their experts
+            local_idx = split.local(top_idx)
+            local_counts = torch.zeros_like(counts).index_add_(0, local_idx.reshape(-1), torch.ones_like(
+                local_idx.reshape(-1)))
+            out = split.gather(self._routed(split.local(flat), local_idx, split.local(top_weights), local_counts),
+                               tokens=flat.shape[0])
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(flat)
+        return out.view(batch, seq_len, d_model)
+
+    def _routed(self, flat: torch.Tensor, top_idx: torch.Tensor, top_weights: torch.Tensor,
+                counts: torch.Tensor) -> torch.Tensor:
+        """The routed experts' weighted outputs summed per token: (tokens, d_model) for `flat`'s tokens."""
+        assigned = top_idx.reshape(-1)
         order = assigned.argsort(stable=True)
         token_idx = order // self.top_k
         out_sorted = self.experts(flat[token_idx], assigned[order], counts)  # (tokens × k, d_model)
         out_sorted = out_sorted * top_weights.reshape(-1)[order].unsqueeze(-1).to(out_sorted.dtype)
         # Under autocast the experts' output is bf16 while `flat` is fp32: accumulate in the experts' dtype.
-        out = _SumIntoTokens.apply(out_sorted, token_idx, flat.shape[0])
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(flat)
-        return out.view(batch, seq_len, d_model)
+        return _SumIntoTokens.apply(out_sorted, token_idx, flat.shape[0])
 
     @torch.no_grad()
     def update_balance(

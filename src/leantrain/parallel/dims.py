@@ -49,8 +49,14 @@ class ParallelDims:
 
     @property
     def dp_shard_mod_ep(self) -> int:
-        """FSDP degree of the expert weights: the part of dp_shard that expert parallelism does not use."""
+        """The part of dp_shard that expert parallelism does not use (the experts' FSDP degree, × tp under TP)."""
         return self.dp_shard // self.ep
+
+    @property
+    def expert_fsdp_axis(self) -> str:
+        """The mesh axis the routed experts' FSDP shards over: the ranks holding the same experts (`dp_mod_ep`), and
+        under tensor parallelism also their TP peers, which send the experts other tokens (`parallel.expert`)."""
+        return "dp_mod_ep_tp" if self.ep > 1 and self.tp > 1 else "dp_mod_ep"
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -132,7 +138,8 @@ class ParallelDims:
         """The world mesh with every axis (size-1 axes included, so names are stable) plus flattened views.
 
         Flattened names: `dp_shard` (dp_shard_mod_ep × ep: FSDP of dense weights), `dp` (all data-parallel
-        ranks: batches and loss), `dp_mod_ep` (replicate × dp_shard_mod_ep: ranks holding the same experts).
+        ranks: batches and loss), `dp_mod_ep` (replicate × dp_shard_mod_ep: ranks holding the same experts) and,
+        with ep and tp > 1, `dp_mod_ep_tp` (those and their TP peers: the experts' FSDP mesh).
         Needs an initialised default process group (real or fake).
         """
         # The mesh's rank tables are real tensors, also under `leantrain rehearse`'s FakeTensorMode (a no-op else).
@@ -143,6 +150,8 @@ class ParallelDims:
                 "dp": world["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp"),
                 "dp_mod_ep": world["dp_replicate", "dp_shard_mod_ep"]._flatten("dp_mod_ep"),
             }
+            if self.expert_fsdp_axis == "dp_mod_ep_tp":
+                flattened["dp_mod_ep_tp"] = world["dp_replicate", "dp_shard_mod_ep", "tp"]._flatten("dp_mod_ep_tp")
             if self.dp_replicate > 1:
                 with warnings.catch_warnings():  # slicing a flattened axis is what HSDP needs; torch warns about it
                     warnings.simplefilter("ignore", UserWarning)

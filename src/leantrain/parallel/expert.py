@@ -11,6 +11,16 @@ Expert weights become DTensors sharded on dim 0 over the ep mesh (so checkpoints
 `parallel.fsdp` then shards them further over the ranks holding the same experts (dp_mod_ep) with a
 `fully_shard` of their own, which also reduces their gradients.
 
+Under tensor parallelism as well (ep > 1 and tp > 1), the TP ranks of an ep group hold the same experts and
+route the same tokens (the router is replicated), so each would dispatch, compute and combine every token
+again: tp times the all-to-all bytes and the expert FLOPs. `apply_expert_token_split` gives each TP rank
+its 1/tp of the layer's tokens instead (torch.chunk's split of the token rows, with the routing every rank
+computed on all of them, as torchtitan's `ReordererSequenceParallel`): it dispatches only those, and the
+outputs are all-gathered over TP (backward: each rank's rows of the gradient; the rows' input and routing-
+weight gradients are all-gathered, so the replicated router and the layers below get the same gradient on
+every TP rank). Each TP rank's expert gradients then hold only its tokens' rows, so the experts' FSDP mesh
+is dp_mod_ep × tp: the reduce-scatter sums them, and the experts' states are sharded tp times finer too.
+
 Under full activation checkpointing the block's forward runs again in backward, and routing is deterministic,
 so the recompute routes the same counts: it takes the first forward's split sizes (and received counts) instead
 of exchanging the counts and reading them on the host again (one host sync per MoE layer and micro-batch, not
@@ -40,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
 
 from leantrain.errors import UserInputError
 
@@ -188,6 +198,40 @@ def _combine(module: nn.Module, output: torch.Tensor, mesh: DeviceMesh) -> torch
 def local_weight(weight: torch.Tensor) -> torch.Tensor:
     """This rank's experts of a stacked weight (the whole tensor when not expert-parallel)."""
     return weight.to_local() if isinstance(weight, DTensor) else weight
+
+
+class TokenSplit:
+    """One TP rank's share of an MoE layer's tokens: torch.chunk's split of the rows (uneven when tp does not
+    divide them) over `mesh`. `local` takes this rank's rows of a tensor every TP rank holds whole (backward: the
+    rows' gradients all-gathered, the same on every rank); `gather` puts every rank's rows together (backward:
+    this rank's rows of a gradient every rank holds whole)."""
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        self.mesh = mesh
+
+    def local(self, whole: torch.Tensor) -> torch.Tensor:
+        replicated = DTensor.from_local(whole, self.mesh, [Replicate()], run_check=False)
+        return replicated.redistribute(self.mesh, [Shard(0)]).to_local()
+
+    def gather(self, rows: torch.Tensor, *, tokens: int) -> torch.Tensor:
+        shape = torch.Size((tokens, *rows.shape[1:]))
+        sharded = DTensor.from_local(rows, self.mesh, [Shard(0)], run_check=False, shape=shape,
+                                     stride=_contiguous_stride(shape))
+        return sharded.redistribute(self.mesh, [Replicate()]).to_local()
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, step = [], 1
+    for size in reversed(shape):
+        stride.append(step)
+        step *= size
+    return tuple(reversed(stride))
+
+
+def apply_expert_token_split(model: nn.Module, *, tp_mesh: DeviceMesh) -> None:
+    """Under expert and tensor parallelism: each TP rank dispatches its 1/tp of every MoE layer's tokens."""
+    for moe in _moe_modules(model):
+        moe.token_split = TokenSplit(tp_mesh)
 
 
 def apply_expert_tensor_parallel(model: nn.Module, *, tp_mesh: DeviceMesh) -> None:

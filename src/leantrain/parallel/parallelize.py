@@ -26,7 +26,7 @@ from leantrain.model.layers import ModelArgs
 from leantrain.model.moe import MoE
 from leantrain.model.transformer import Transformer
 from leantrain.parallel.dims import LayoutMesh, ParallelDims
-from leantrain.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel
+from leantrain.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel, apply_expert_token_split
 from leantrain.parallel.fsdp import ExpertSharding, apply_fsdp, uses_bf16_compute
 from leantrain.parallel.pipeline import (
     StageGroup,
@@ -181,9 +181,10 @@ class ParallelModel:
             with maybe_loss_parallel(self.loss_parallel):
                 loss = loss_fn(logits, targets.to(self.device))
                 aux = model.auxiliary_loss() if hasattr(model, "auxiliary_loss") else None
+                added = aux
                 if aux is not None and isinstance(loss, DTensor):  # loss parallel: a replicated DTensor scalar
-                    aux = DTensor.from_local(aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim)
-                ((loss if aux is None else loss + aux) / len(micro_batches)).backward()
+                    added = DTensor.from_local(aux, loss.device_mesh, [Replicate()] * loss.device_mesh.ndim)
+                ((loss if added is None else loss + added) / len(micro_batches)).backward()
             total += loss.detach().full_tensor() if isinstance(loss, DTensor) else loss.detach()
             if aux is not None:
                 aux_total = aux.detach() if aux_total is None else aux_total + aux.detach()
@@ -245,10 +246,16 @@ class ParallelModel:
             return torch.nn.utils.get_total_norm(by_layout[None], norm_type=2.0, foreach=True)
         squares = torch.zeros((), device=self.device, dtype=torch.float32)
         for key, group in by_layout.items():
-            norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
-            if key is not None:
-                norm = norm.full_tensor()  # type: ignore[union-attr]
-            squares += norm.float().to(self.device) ** 2
+            # The local shards' squares, summed over each mesh axis the gradients are split on (one all-reduce per
+            # axis): DTensor's full_tensor() would flatten the axes first, which torch refuses for the experts'
+            # (dp_mod_ep_tp, ep) mesh under EP × TP, whose axes are out of the world mesh's order.
+            local = [g.to_local() if isinstance(g, DTensor) else g for g in group]
+            part = torch.nn.utils.get_total_norm(local, norm_type=2.0, foreach=True).float().to(self.device) ** 2
+            mesh, placements = key if key is not None else (None, ())  # type: ignore[misc]
+            for axis, placement in enumerate(placements):
+                if not placement.is_replicate() and mesh.size(axis) > 1:  # Shard, and FSDP's _StridedShard
+                    dist.all_reduce(part, group=mesh.get_group(axis))
+            squares += part
         if self.dims.pp > 1:  # each pipeline rank holds other layers: add their squares
             assert self.mesh is not None
             dist.all_reduce(squares, group=self.mesh["pp"].get_group())
@@ -346,9 +353,11 @@ def parallelize(
             apply_expert_tensor_parallel(part, tp_mesh=mesh["tp"])
         if dims.ep > 1:
             apply_expert_parallel(part, ep_mesh=mesh["ep"])
+            if dims.tp > 1:  # each TP rank sends its share of the tokens; the experts' FSDP sums over TP too
+                apply_expert_token_split(part, tp_mesh=mesh["tp"])
             assert model.args.moe is not None
-            experts = ExpertSharding(mesh=mesh["dp_mod_ep"], ep=dims.ep, num_experts=model.args.moe.num_experts,
-                                     grad_divide_factor=dims.dp)
+            experts = ExpertSharding(mesh=mesh[dims.expert_fsdp_axis], ep=dims.ep,
+                                     num_experts=model.args.moe.num_experts, grad_divide_factor=dims.dp)
         if use_fsdp:
             apply_fsdp(part, dp_mesh=mesh.data_parallel_mesh(), precision=spec.precision, zero_stage=zero_stage,
                        cpu_offload=par.cpu_offload, experts=experts)
