@@ -3,6 +3,7 @@ DeepSeek-V3 (examples/deepseek-v3.yaml) against its report (DeepSeek-AI 2024, ar
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -54,6 +55,36 @@ def test_routed_experts_are_divided_by_ep() -> None:
     layers = 4  # the heaviest stage of 61 layers over 16 stages
     saved = mem[8].params - mem[16].params
     assert saved == pytest.approx(layers * routed_layer * (1 / 8 - 1 / 16) * 4, rel=0.01)  # fp32 (the master)
+
+
+def test_under_ep_and_tp_each_tp_rank_gathers_its_ep_ranks_experts_whole() -> None:
+    """The trainer's EP × TP (parallel/expert.py): experts whole on each TP rank, their states sharded over the TP
+    peers too. Sharded states match Megatron's experts split over TP (`etp` = tp); the gathered unit, the weights
+    an expert GEMM reads and the all-to-all (each TP rank sends 1/tp of the tokens, with or without sequence
+    parallelism) follow the split."""
+    from leantrain.plan.dispatch import all_to_all_s
+    from leantrain.plan.memory import stage_params
+    from leantrain.plan.timing import expert_weight_s
+
+    inputs = plan_inputs(load_spec(EXAMPLES / "deepseek-v3.yaml"))
+    ours, split = Layout(dp=64, tp=2, pp=16, ep=8), Layout(dp=64, tp=2, pp=16, ep=8, experts_tp_split=True)
+    mine, megatron = (stage_params(inputs.shape, lay, layers=4, first=False, last=False, first_layer=8)
+                      for lay in (ours, split))
+    assert ours.experts_split_over_tp is False and Layout(dp=64, tp=2, pp=16).experts_split_over_tp
+    assert mine.experts == megatron.experts  # the share FSDP shards: ÷ (ep × tp) either way
+    assert mine.gathered - mine.dense == pytest.approx(2 * mine.experts)
+    assert megatron.gathered - megatron.dense == pytest.approx(megatron.experts)
+    assert mine.largest_unit > megatron.largest_unit
+    few_tokens = dataclasses.replace(inputs, seq_len=64)  # weight-bound expert GEMMs
+    assert expert_weight_s(few_tokens, ours) > expert_weight_s(few_tokens, split)
+    no_sp = Layout(dp=64, tp=2, pp=16, ep=8, sequence_parallel=False)
+    one = all_to_all_s(inputs, Layout(dp=64, tp=1, pp=16, ep=8), tokens=4096, moe_layers=4)
+    assert all_to_all_s(inputs, no_sp, tokens=4096, moe_layers=4) < one
+    from leantrain.plan.published import load_moe_runs
+
+    runs = {run.name: run.run_layout() for run in load_moe_runs()}  # Megatron's runs say how they split experts
+    assert runs["dgxc2504-grok1-proxy2l-h100-8g-fp8"].experts_split_over_tp  # etp 4 = tp
+    assert not runs["mb2509-dsv3-h100-1024g-fp8"].experts_split_over_tp  # etp 1, tp 2
 
 
 def test_ep_overlap_hides_the_all_to_all() -> None:

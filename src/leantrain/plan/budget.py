@@ -26,10 +26,11 @@ from dataclasses import dataclass
 
 from leantrain.errors import UserInputError
 from leantrain.hardware import GB, GiB
+from leantrain.plan.activations import stage_layers
 from leantrain.plan.finetune import adapter_params
 from leantrain.plan.inputs import HOST_COPY_BYTES_S, PlanInputs, sequences_per_step
 from leantrain.plan.layout import Layout
-from leantrain.plan.memory import checkpointed_state_bytes
+from leantrain.plan.memory import candidate_stages, stage_params
 from leantrain.spec.schema import JobSpec
 
 SECONDS_PER_DAY = 86400.0
@@ -341,3 +342,21 @@ def host_memory(spec: JobSpec, inputs: PlanInputs, layout: Layout, tier: dict[st
     return {"per_process": per_process, "local_ranks": local_ranks, "processes_bytes_per_node":
             local_ranks * per_process["total"], "fast_tier_bytes_per_node": files, "bytes_per_node": need,
             "host_memory_bytes_per_node": host, "fits": need <= host, "problems": problems}
+
+
+def checkpointed_state_bytes(inputs: PlanInputs, layout: Layout) -> float:
+    """The checkpointed state on the heaviest GPU: its shard of the trained weights at master precision and
+    both Adam moments (LoRA/QLoRA: the adapters only; a frozen base is never saved), sharded as `_states`
+    shards them, CPU-offloaded or not. What the fast tier (ckpt/memory_tier.py) writes per rank."""
+    layers = stage_layers(inputs.shape.n_layers, layout.pp, layout.virtual_stages)
+    shard = layout.state_shard
+    per_param = max(inputs.master_bytes, inputs.weight_bytes) + 2 * inputs.moment_bytes
+    best = 0.0
+    for stage in candidate_stages(layers):
+        sp = stage_params(inputs.shape, layout, layers=layers[stage], first=stage == 0, last=stage == layout.pp - 1,
+                          first_layer=sum(layers[:stage]))
+        local = sp.dense / shard + sp.experts / max(1, shard // layout.ep)
+        if not inputs.trains_base:  # the adapters' share of this GPU's slice of the model
+            local *= adapter_params(inputs) / max(inputs.shape.total_params(), 1.0)
+        best = max(best, local * per_param)
+    return best

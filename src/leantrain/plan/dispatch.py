@@ -2,8 +2,9 @@
 them with compute costs.
 
 One MoE layer moves four all-to-alls per micro-batch (forward dispatch and combine, their backward twins;
-full recompute repeats the forward pair). Each carries, per token, its activation (÷ tp with sequence
-parallelism) for every routed copy that leaves the GPU:
+full recompute repeats the forward pair). Each carries, per token, its activation (÷ tp: each TP rank sends
+its share of the tokens, parallel/expert.py, with sequence parallelism or without) for every routed copy
+that leaves the GPU:
 - EP inside a node: k·(ep − 1)/ep copies over the intra-node link (NVLink).
 - EP across N nodes, plain all-to-all (`plan.moe_node_limit` null): each copy for a remote GPU crosses the
   inter-node link, k·(N − 1)/N of them per token; copies for GPUs of the same node go over NVLink at the same
@@ -54,7 +55,7 @@ def all_to_all_s(inputs: PlanInputs, layout: Layout, *, tokens: int, moe_layers:
     if inputs.shape.moe is None or layout.ep <= 1 or moe_layers <= 0:
         return 0.0
     inter, intra = copies_per_token(inputs, layout)
-    values = tokens * inputs.shape.d_model / (layout.tp if layout.sp else 1)
+    values = tokens * inputs.shape.d_model / layout.tp
 
     def call(value_bytes: float) -> float:
         data = values * value_bytes

@@ -25,6 +25,13 @@ class Layout:
     sequence_parallel: bool = True
     schedule: str = "1f1b"
     virtual_stages: int = 1
+    # Are routed experts split over TP (Megatron's expert_tensor_parallel_size = TP)? None: as this trainer runs
+    # them, split when ep is 1, else whole on each TP rank, which routes its share of the tokens (parallel/expert.py)
+    experts_tp_split: bool | None = None
+
+    @property
+    def experts_split_over_tp(self) -> bool:
+        return self.ep == 1 if self.experts_tp_split is None else self.experts_tp_split
 
     @property
     def num_gpus(self) -> int:

@@ -112,21 +112,30 @@ class MemoryBreakdown:
 @dataclass(frozen=True)
 class StageParams:
     dense: float  # parameters sharded like dense weights (per tp rank)
-    experts: float  # routed-expert parameters (per tp and ep rank)
+    experts: float  # routed-expert parameters per tp and ep rank (the share their FSDP shards)
     largest_unit: float  # the largest FSDP unit (a block or an embedding table)
     last_block: float = 0.0  # the stage's last block (FSDP keeps it gathered from its forward to its backward)
     root_unit: float = 0.0  # the root unit: the stage's embedding/output tables and final norm (parallel/fsdp.py)
+    # a rank's gathered experts ÷ `experts`: tp where the TP peers each hold the ep rank's experts whole (under EP:
+    # each sends them its share of the tokens, parallel/expert.py) and FSDP shards them over the peers too
+    expert_gather: int = 1
+
+    @property
+    def gathered(self) -> float:
+        """The stage's parameters as a rank holds them gathered."""
+        return self.dense + self.experts * self.expert_gather
 
 
 def stage_params(shape: ModelShape, layout: Layout, *, layers: int, first: bool, last: bool,
                  first_layer: int = 0) -> StageParams:
     """Parameters on one pipeline stage of `layers` blocks starting at block `first_layer`."""
-    return _stage_params(shape, layout.tp, layout.ep, layout.pp > 1, layers, first, last, first_layer)
+    return _stage_params(shape, layout.tp, layout.ep, layout.pp > 1, layers, first, last, first_layer,
+                         layout.experts_split_over_tp)
 
 
 @lru_cache(maxsize=8192)
 def _stage_params(shape: ModelShape, tp: int, ep: int, pipelined: bool, layers: int, first: bool, last: bool,
-                  first_layer: int) -> StageParams:
+                  first_layer: int, experts_split: bool) -> StageParams:
     dense_in_stage = max(0, min(layers, shape.num_dense_layers - first_layer))
     moe_layers = layers - dense_in_stage if shape.moe is not None else 0
     dense_layers = layers - moe_layers
@@ -135,6 +144,7 @@ def _stage_params(shape: ModelShape, tp: int, ep: int, pipelined: bool, layers: 
     dense = dense_layers * dense_layer
     experts = 0.0
     largest_unit = dense_layer if dense_layers else 0.0
+    gather = 1 if experts_split else tp
     if moe_layers and shape.moe is not None:
         m = shape.moe
         per_expert = 3 * shape.d_model * m.expert_hidden
@@ -142,13 +152,15 @@ def _stage_params(shape: ModelShape, tp: int, ep: int, pipelined: bool, layers: 
         routed = m.num_experts * per_expert / (ep * tp)
         dense += moe_layers * non_routed
         experts = moe_layers * routed
-        largest_unit = max(largest_unit, non_routed + routed)
+        largest_unit = max(largest_unit, non_routed + routed * gather)
     table = shape.vocab_size * shape.d_model / tp
     tables = (first + (last and not shape.tie_embeddings)) if pipelined else (2 - shape.tie_embeddings)
     dense += tables * table + (shape.d_model if last else 0)
-    last_block = (non_routed + routed) if moe_layers and shape.moe is not None else dense_layer if layers else 0.0
+    last_block = (non_routed + routed * gather) if moe_layers and shape.moe is not None else dense_layer if layers \
+        else 0.0
     return StageParams(dense=dense, experts=experts, largest_unit=max(largest_unit, table if tables else 0.0),
-                       last_block=last_block, root_unit=tables * table + (shape.d_model if last else 0))
+                       last_block=last_block, root_unit=tables * table + (shape.d_model if last else 0),
+                       expert_gather=gather)
 
 
 def _states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, num_microbatches: int
@@ -162,9 +174,9 @@ def _states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, num_microbat
     expert_shard = max(1, shard // layout.ep)
 
     def sharded(applies: bool) -> float:
-        return sp.dense / shard + sp.experts / expert_shard if applies else sp.dense + sp.experts
+        return sp.dense / shard + sp.experts / expert_shard if applies else sp.gathered
 
-    unsharded = sp.dense + sp.experts
+    unsharded = sp.gathered
     if not inputs.trains_base:  # LoRA/QLoRA: frozen base + trained adapters, sharded like the base
         share = sharded(True) / max(unsharded, 1.0)  # FSDP2 shards all three at every level ≥ 1
         return _adapter_states(inputs, layout, sp, shares=(share, share, share))
@@ -382,7 +394,7 @@ def untouched_resharded_params(shape: ModelShape, layout: Layout, *, stage: int,
         index = local * p + stage
         sp = stage_params(shape, layout, layers=chunks[index], first=index == 0, last=index == p * v - 1,
                           first_layer=sum(chunks[:index]))
-        total += sp.dense + sp.experts - sp.last_block
+        total += sp.gathered - sp.last_block
     return total
 
 
@@ -404,7 +416,7 @@ def rope_table_bytes(inputs: PlanInputs) -> float:
     return 2 * inputs.seq_len * inputs.shape.head_dim * 4.0
 
 
-def _candidate_stages(layers: list[int]) -> list[int]:
+def candidate_stages(layers: list[int]) -> list[int]:
     """Stages that can be the heaviest: the first, the first full-size one, the last."""
     full = layers.index(max(layers))
     return sorted({0, full, len(layers) - 1})
@@ -414,7 +426,7 @@ def memory_per_gpu(inputs: PlanInputs, layout: Layout, *, num_microbatches: int)
     """Memory on the heaviest GPU for a layout (see the module docstring for every convention)."""
     layers = stage_layers(inputs.shape.n_layers, layout.pp, layout.virtual_stages)
     best: MemoryBreakdown | None = None
-    for stage in _candidate_stages(layers):
+    for stage in candidate_stages(layers):
         mem = stage_memory(inputs, layout, stage=stage, num_microbatches=num_microbatches)
         if best is None or mem.total > best.total:
             best = mem
@@ -468,7 +480,7 @@ def stage_memory(inputs: PlanInputs, layout: Layout, *, stage: int, num_microbat
             # stage's peak: `leantrain rehearse` of torchtitan's 405B layout (FSDP 8 × TP 8 × PP 8, 8 micro-batches
             # of 4): last-stage temp 28.1 GiB rehearsed, 7.6 planned without these gradients (1F1B).
             share = 1.0 if touched is None else max(touched, 1) / layout.virtual_stages
-            last_gather += max(0.0, (sp.dense + sp.experts) * inputs.grad_bytes * share - grads)
+            last_gather += max(0.0, sp.gathered * inputs.grad_bytes * share - grads)
         gather = last_gather
     root = _root_reduce_moment(inputs, layout, sp, last=last, shard=shard, num_microbatches=num_microbatches)
     if root is not None and sum(root) > activations + transient + gather:
@@ -481,20 +493,3 @@ def stage_memory(inputs: PlanInputs, layout: Layout, *, stage: int, num_microbat
                            buffers=buffers, capacity=inputs.memory_bytes, stage=stage,
                            reserve=inputs.framework_reserve_bytes)
 
-
-def checkpointed_state_bytes(inputs: PlanInputs, layout: Layout) -> float:
-    """The checkpointed state on the heaviest GPU: its shard of the trained weights at master precision and
-    both Adam moments (LoRA/QLoRA: the adapters only; a frozen base is never saved), sharded as `_states`
-    shards them, CPU-offloaded or not. What the fast tier (ckpt/memory_tier.py) writes per rank."""
-    layers = stage_layers(inputs.shape.n_layers, layout.pp, layout.virtual_stages)
-    shard = layout.state_shard
-    per_param = max(inputs.master_bytes, inputs.weight_bytes) + 2 * inputs.moment_bytes
-    best = 0.0
-    for stage in _candidate_stages(layers):
-        sp = stage_params(inputs.shape, layout, layers=layers[stage], first=stage == 0, last=stage == layout.pp - 1,
-                          first_layer=sum(layers[:stage]))
-        local = sp.dense / shard + sp.experts / max(1, shard // layout.ep)
-        if not inputs.trains_base:  # the adapters' share of this GPU's slice of the model
-            local *= adapter_params(inputs) / max(inputs.shape.total_params(), 1.0)
-        best = max(best, local * per_param)
-    return best

@@ -104,6 +104,8 @@ class PublishedRun:
         v = int(lay.pop("v", 1))
         schedule = str(lay.pop("schedule", "interleaved_1f1b" if v > 1 else "1f1b"))
         tp, pp = int(lay.get("tp", 1)), int(lay.get("pp", 1))
+        if "etp" in lay:  # Megatron's expert tensor parallelism: experts split over TP (etp = tp) or whole (1)
+            lay["experts_tp_split"] = int(lay.pop("etp")) == tp > 1
         return Layout(dp=self.gpus // (tp * pp), virtual_stages=v, schedule=schedule, **lay)
 
 

@@ -208,7 +208,9 @@ def expert_weight_s(inputs: PlanInputs, layout: Layout) -> float:
     Each GPU holds E/ep experts of every MoE layer on its stage; per micro-batch it reads each expert's weights
     in the forward and for the input gradient and updates its gradient accumulator (read + write). An expert
     GEMM takes the longer of that traffic and its FLOPs (the roofline): with few tokens per expert (small
-    ep, small micro-batch) the weights, not the FLOPs, set the time, which is why expert parallelism pays."""
+    ep, small micro-batch) the weights, not the FLOPs, set the time, which is why expert parallelism pays.
+    Under TP without EP each expert is split over TP; with EP each TP rank runs whole experts on its 1/tp of the
+    tokens (parallel/expert.py): the same FLOPs, tp times the weights read (`Layout.experts_split_over_tp`)."""
     shape, moe = inputs.shape, inputs.shape.moe
     if moe is None:
         return 0.0
@@ -216,7 +218,8 @@ def expert_weight_s(inputs: PlanInputs, layout: Layout) -> float:
     per_expert = 3 * shape.d_model * moe.expert_hidden / layout.tp
     repeat = _recompute_ratio(inputs, layout.recompute)
     weight_reads = (2 + (repeat > 1)) * inputs.weight_bytes + 2 * inputs.grad_bytes
-    traffic_s = layers * moe.num_experts / layout.ep * per_expert * weight_reads / inputs.memory_bandwidth_bytes_s
+    held = per_expert * (1 if layout.experts_split_over_tp else layout.tp)
+    traffic_s = layers * moe.num_experts / layout.ep * held * weight_reads / inputs.memory_bandwidth_bytes_s
     tokens = layout.micro_batch * inputs.seq_len
     flops_s = layers * tokens * moe.top_k * 6 * per_expert * repeat / inputs.compute_flops_s
     return max(0.0, traffic_s - flops_s)
