@@ -246,12 +246,17 @@ class ParallelModel:
             return torch.nn.utils.get_total_norm(by_layout[None], norm_type=2.0, foreach=True)
         squares = torch.zeros((), device=self.device, dtype=torch.float32)
         for key, group in by_layout.items():
-            # The local shards' squares, summed over each mesh axis the gradients are split on (one all-reduce per
-            # axis): DTensor's full_tensor() would flatten the axes first, which torch refuses for the experts'
-            # (dp_mod_ep_tp, ep) mesh under EP × TP, whose axes are out of the world mesh's order.
-            local = [g.to_local() if isinstance(g, DTensor) else g for g in group]
-            part = torch.nn.utils.get_total_norm(local, norm_type=2.0, foreach=True).float().to(self.device) ** 2
             mesh, placements = key if key is not None else (None, ())  # type: ignore[misc]
+            if mesh is None or "dp_mod_ep_tp" not in (mesh.mesh_dim_names or ()):
+                norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
+                norm = norm.full_tensor() if key is not None else norm  # type: ignore[union-attr]
+                squares += norm.float().to(self.device) ** 2
+                continue
+            # The experts under EP × TP: DTensor would flatten their (dp_mod_ep_tp, ep) mesh, whose axes are out of
+            # the world mesh's order, and torch refuses that. The local shards' squares, summed over each axis the
+            # gradients are split on.
+            local = [g.to_local() for g in group]  # type: ignore[union-attr]
+            part = torch.nn.utils.get_total_norm(local, norm_type=2.0, foreach=True).float().to(self.device) ** 2
             for axis, placement in enumerate(placements):
                 if not placement.is_replicate() and mesh.size(axis) > 1:  # Shard, and FSDP's _StridedShard
                     dist.all_reduce(part, group=mesh.get_group(axis))
