@@ -8,7 +8,8 @@
 - Mixed precision from `precision`: compute bf16 with fp32 master weights → parameters all-gathered and
   used in bf16, gradients reduced in `grad_reduce`'s dtype (fp32 by default).
 - Routed experts under expert parallelism (already DTensors split over `ep`) get a `fully_shard` of their own
-  over the ranks that hold the same experts (`dp_mod_ep`), as torchtitan does (torchtitan/models/llama4/
+  over the ranks that hold the same experts (`dp_mod_ep`; under TP also their TP peers, `dp_mod_ep_tp`, whose
+  gradients hold other tokens' rows: parallel/expert.py), as torchtitan does (torchtitan/models/llama4/
   infra/parallelize.py, `apply_fsdp`): their fp32 masters, gradients and Adam states are sharded like every
   other weight, gathered in bf16, and their gradients reduce-scattered (summed over the ranks' rows, divided
   by the whole data-parallel degree). When dp_mod_ep × ep exceeds the expert count the shards split dim 1
