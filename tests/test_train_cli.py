@@ -70,6 +70,31 @@ def test_missing_data_dir_is_a_user_error(tmp_path: Path) -> None:
     assert main(argv) == 2
 
 
+def test_a_data_dir_and_a_run_dir_are_not_taken_for_each_other(demo_data: Path, tmp_path: Path,
+                                                                capsys: pytest.CaptureFixture[str]) -> None:
+    """`train`/`launch` into a dir `prepare` wrote, or `prepare` into a run dir, would mix the two dirs' files:
+    each is exit 2 naming the option and the file that tells, before anything is written."""
+    spec = str(EXAMPLES / "tiny-cpu.yaml")
+    before = sorted(p.name for p in demo_data.iterdir())
+    for argv, option in (
+        (["train", spec, "--set", f"data.dir={demo_data}", "--run-dir", str(demo_data), "--max-steps", "1"],
+         "--run-dir"),
+        (["train", spec, "--set", f"data.dir={demo_data}", "--set", f"run.dir={demo_data}", "--max-steps", "1"],
+         "run.dir"),
+        (["launch", spec, "--nproc", "2", "--set", f"data.dir={demo_data}", "--run-dir", str(demo_data)],
+         "--run-dir"),
+    ):
+        assert main(argv) == 2
+        assert f"{option} {demo_data} holds prepared data (manifest.json)" in capsys.readouterr().err
+    assert sorted(p.name for p in demo_data.iterdir()) == before
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "lineage.json").write_text("{}")
+    assert main(["prepare", spec, "--out", str(run_dir)]) == 2
+    assert f"--out {run_dir} is a training run's dir" in capsys.readouterr().err
+    assert [p.name for p in run_dir.iterdir()] == ["lineage.json"]
+
+
 def test_run_dir_describes_itself(demo_data: Path, tmp_path: Path) -> None:
     """What validate/report/doctor read besides metrics: spec, plan, lineage, rank events, audit, registry."""
     run_dir = tmp_path / "run"

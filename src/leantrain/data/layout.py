@@ -239,3 +239,11 @@ def write_token_data_dir(
     )
     manifest.write(path)
     return manifest
+
+
+def check_not_data_dir(run_dir: Path, *, given: bool) -> None:
+    """Refuse, before anything is written, a run dir that `prepare` wrote (its manifest.json): the run's files
+    would mix with the data's. `given`: named by --run-dir (else the spec's run.dir)."""
+    if (Path(run_dir) / MANIFEST).is_file():
+        raise UserInputError(f"{'--run-dir' if given else 'run.dir'} {run_dir} holds prepared data ({MANIFEST}): "
+                             "give the run a dir of its own")

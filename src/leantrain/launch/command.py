@@ -24,6 +24,7 @@ from rich.console import Console
 from rich.table import Table
 
 from leantrain.ckpt.lease import inherit_env, run_lease
+from leantrain.data.layout import check_not_data_dir
 from leantrain.errors import CheckFailed, Interrupted, UserInputError
 from leantrain.launch import torchrun
 from leantrain.launch.health import excluded_hosts, health_path, node_name, record_failure
@@ -87,7 +88,9 @@ def run(
     preflight: bool, emit: str | None, out: Path | None, sweep: str | None = None, train_args: tuple[str, ...] = (),
 ) -> None:
     """The `leantrain launch` command (`train_args`: --resume/--weights-only/--extend-schedule for the ranks)."""
-    run_dir = Path(run_dir or spec.run.dir)
+    given, run_dir = run_dir is not None, Path(run_dir or spec.run.dir)
+    if emit is None:  # a job file names the run dir the cluster will create; here the ranks would write into it
+        check_not_data_dir(run_dir, given=given)
     if sweep is not None:  # refused as typed, whatever else is asked, before anything is written
         sizes = torchrun.parse_sweep(sweep)
         for flag, given in (("--dry-run", dry_run), ("--preflight", preflight), ("--emit", emit is not None)):

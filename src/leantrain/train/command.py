@@ -26,6 +26,7 @@ from rich.markup import escape
 from leantrain.ckpt.attempt import JOB_START_FILE, JobAttempt, agree_job_attempt, record_job_start
 from leantrain.ckpt.integrity import step_dir
 from leantrain.ckpt.resume import ResumeRequest, precheck
+from leantrain.data.layout import check_not_data_dir
 from leantrain.errors import Interrupted, LeantrainError, UserInputError
 from leantrain.spec.schema import JobSpec
 from leantrain.train.run_setup import description_snapshot, finish_run, prepare_run, restore_description
@@ -98,6 +99,7 @@ def _train(
     if int(os.environ.get("RANK", "0")) != 0:
         return _train_leased(spec, run_dir=run_dir, max_steps=max_steps, console=console, resume=resume,
                              attempt=attempt, signals=signals)
+    check_not_data_dir(target, given=run_dir is not None)
     existed = target.exists()
     lease = acquire_lease(target, command="train", owner_only=spec.security.owner_only, attempt=attempt.number)
     signals.on_stuck = lease.release  # a signal the blocked main thread cannot take still frees the run dir
