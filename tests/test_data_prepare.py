@@ -326,3 +326,22 @@ def test_a_damaged_work_note_is_refused_naming_it(tmp_path: Path) -> None:
         with pytest.raises(UserInputError, match=f"{note}: {said}.*remove {note.parent}"):
             prepare_data(spec, data_dir=tmp_path / "data")
         assert note.read_bytes() == content
+
+
+@pytest.mark.parametrize("command", ["prepare", "prepare-below", "demo"])
+def test_an_output_dir_that_is_a_file_is_one_line_naming_the_option(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`prepare --out FILE` (or a path under a file) and `demo --dir FILE`: exit 2 naming the option and the file,
+    not mkdir's "File exists"; the file is left as it was."""
+    afile = tmp_path / "afile"
+    afile.write_text("keep")
+    spec = str(REPO / "examples" / "tiny-cpu.yaml")
+    argv = {"prepare": ["prepare", spec, "--out", str(afile)],
+            "prepare-below": ["prepare", spec, "--out", str(afile / "sub")],
+            "demo": ["demo", "--dir", str(afile)]}[command]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    option = "--dir" if command == "demo" else "--out"
+    assert f"{option} {argv[-1]}: " in err and "is a file, not a directory" in err and "File exists" not in err
+    assert afile.read_text() == "keep"

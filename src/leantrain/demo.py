@@ -16,7 +16,7 @@ from rich.markup import escape
 from rich.table import Table
 
 from leantrain.demo_context import DEMO_SPEC, DemoContext
-from leantrain.errors import UserInputError
+from leantrain.errors import UserInputError, check_output_dir
 
 
 def _stage_spec(ctx: DemoContext) -> str:
@@ -48,6 +48,7 @@ def run_demo(*, out_dir: Path, console: Console, spec_path: Path = DEMO_SPEC) ->
             f"the demo spec {spec_path} is missing: run the demo from a source checkout (make demo)"
         )
     out_dir = out_dir.resolve()
+    check_output_dir(out_dir, "--dir")  # a file there: one line naming the option, not mkdir's "File exists"
     out_dir.mkdir(parents=True, exist_ok=True)
     ctx = DemoContext(
         spec_path=spec_path,
