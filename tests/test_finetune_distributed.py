@@ -55,14 +55,15 @@ def losses(path: Path) -> list[float]:
     return [json.loads(line)["loss"] for line in path.read_text().splitlines() if '"grad_norm"' in line]
 
 
-def run_two_rank_jobs(jobs: dict[str, dict[str, Any]], tmp_path: Path, *, timeout_s: float = 300) -> None:
-    """`leantrain train` for each job dict at once, each on 2 gloo ranks through torchrun (run dir
+def run_two_rank_jobs(jobs: dict[str, dict[str, Any]], tmp_path: Path, *, timeout_s: float = 300,
+                      nproc: int = 2) -> None:
+    """`leantrain train` for each job dict at once, each on `nproc` (2) gloo ranks through torchrun (run dir
     `tmp_path / name`); fails naming the job, with the end of its output, when one does not exit 0."""
     def start(name: str, raw: dict[str, Any]) -> subprocess.Popen:
         spec_path = tmp_path / f"{name}.yaml"
         spec_path.write_text(yaml.safe_dump(raw))
         argv = torchrun.torchrun_argv(spec_from_dict(raw), train=TrainCommand(spec_path=spec_path),
-                                      run_dir=tmp_path / name, nproc=2, max_restarts=0)
+                                      run_dir=tmp_path / name, nproc=nproc, max_restarts=0)
         return subprocess.Popen(argv, env=torchrun.torchrun_env() | {"OMP_NUM_THREADS": "1"},
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
 

@@ -163,7 +163,7 @@ DS_RUNS: dict[str, dict[str, Any]] = {
 
 
 @pytest.mark.slow
-def test_a_deepseek_v3_checkpoint_trains_on_two_ranks_as_on_one(tmp_path: Path) -> None:
+def test_a_deepseek_v3_checkpoint_trains_on_two_and_four_ranks_as_on_one(tmp_path: Path) -> None:
     from leantrain.data.layout import write_token_data_dir
     from leantrain.spec import spec_from_dict
     from leantrain.train.trainer import Trainer
@@ -186,3 +186,10 @@ def test_a_deepseek_v3_checkpoint_trains_on_two_ranks_as_on_one(tmp_path: Path) 
                        for name, parallelism in DS_RUNS.items()}, tmp_path)
     for name in DS_RUNS:
         assert losses(tmp_path / name / "metrics.jsonl") == pytest.approx(reference, rel=1e-5), name
+    # EP × TP on 4 ranks: the checkpoint's experts land in each rank's (dp_mod_ep_tp, ep) shard, and each TP rank
+    # sends the experts its share of the tokens (parallel/expert.py)
+    four = job(hf_dir, tmp_path / "data", kind="continue_pretrain", zero_stage=3, data_parallel=2,
+               tensor_parallel=2, expert_parallel=2)
+    four["hardware"]["gpus_per_node"] = 4
+    run_two_rank_jobs({"fsdp_tp_ep": four}, tmp_path, nproc=4)
+    assert losses(tmp_path / "fsdp_tp_ep" / "metrics.jsonl") == pytest.approx(reference, rel=1e-5)
