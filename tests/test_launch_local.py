@@ -137,6 +137,43 @@ def test_excluded_host_is_refused_and_a_crash_is_recorded(
     assert result.exit_code == 2 and "is excluded" in result.output and not no_torchrun
 
 
+@pytest.mark.parametrize("root_exit", ["2", "1"])
+def test_a_job_its_ranks_refuse_is_exit_2_and_not_the_hosts_crash(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_torchrun: list[object], cli: Callable[..., Result],
+    root_exit: str,
+) -> None:
+    """The first failed rank exited 2 (it refused the job's input, e.g. a resume with other schedule settings):
+    the launch is exit 2 with that rank's error line, and the host gets no crash (two crashes exclude it). A rank
+    that failed first otherwise is a crash, as before."""
+    run_dir = tmp_path / "run"
+    log = run_dir / torchrun.LOGS_DIR / "host" / "run-id" / "attempt_0" / "0" / "stderr.log"
+
+    def refused(argv: object, *, console: object, timeout_s: object = None, failed_ranks: list[int] | None = None,
+                trace_filter: torchrun.TraceFilter | None = None, **_: object) -> int:
+        assert trace_filter is not None and failed_ranks is not None
+        log.parent.mkdir(parents=True)
+        log.write_text("starting\nerror: run X would resume from step 2 with other schedule settings\n")
+        for line in ("Traceback (most recent call last):", "  File x", "torch...ChildFailedError: ", "=" * 20,
+                     "Failures:", "[1]:", "  rank      : 1 (local_rank: 1)", "  exitcode  : 1 (pid: 9)",
+                     "Root Cause (first observed failure):", "[0]:", "  rank      : 0 (local_rank: 0)",
+                     f"  exitcode  : {root_exit} (pid: 8)", "=" * 20):
+            trace_filter.keep(line + "\n")
+        failed_ranks.extend([1, 0])
+        return 1
+
+    monkeypatch.setattr(torchrun, "run_torchrun", refused)
+    result = cli("launch", str(TINY), "--nproc", "2", "--set", f"data.dir={tmp_path / 'data'}", "--run-dir",
+                 str(run_dir))
+    text = " ".join(result.output.split())
+    if root_exit == "2":
+        assert result.exit_code == 2, result.output
+        assert "the ranks refused the job: run X would resume from step 2 with other schedule settings" in text
+        assert socket.gethostname() not in read_health(run_dir)
+    else:
+        assert result.exit_code == 1 and "before the host is excluded" in text, result.output
+        assert read_health(run_dir)[socket.gethostname()].crashes == 1
+
+
 def test_failed_ranks_are_read_from_torchrun_summary() -> None:
     summary = ["Failures:", "[1]:", "  rank      : 3 (local_rank: 1)", "Root Cause (first observed failure):",
                "  rank      : 2 (local_rank: 0)", "  rank: 7"]

@@ -213,6 +213,7 @@ def _launch_leased(
     _stage_data(spec, console=console)
     failed_ranks: list[int] = []
     received: list[str] = []
+    refusals: list[str] = []
 
     def terminate(signum: int, _frame: object) -> None:  # SIGTERM to launch: stop torchrun the same way
         received.append(signal.Signals(signum).name)
@@ -221,7 +222,8 @@ def _launch_leased(
     previous = signal.signal(signal.SIGTERM, terminate)
     try:
         code = torchrun.launch_local(spec, train=train, run_dir=run_dir, nproc=nproc, nnodes=nnodes,
-                                     max_restarts=max_restarts, console=console, failed_ranks=failed_ranks)
+                                     max_restarts=max_restarts, console=console, failed_ranks=failed_ranks,
+                                     refusals=refusals)
     except KeyboardInterrupt:  # torchrun got SIGTERM and passed it on: each rank saved its current step
         name = received[0] if received else "SIGINT"
         _audit(spec, run_dir, "launch.local", nproc=nproc, nnodes=nnodes or "1", exit_code=130, failed_ranks=[])
@@ -232,6 +234,9 @@ def _launch_leased(
         signal.signal(signal.SIGTERM, previous)
     _audit(spec, run_dir, "launch.local", nproc=nproc, nnodes=nnodes or "1", exit_code=code,
            failed_ranks=failed_ranks)
+    if code != 0 and refusals:  # every failed rank refused the job's input (exit 2): not the host's crash
+        raise UserInputError(f"the ranks refused the job: {refusals[0]} (not counted against {host}; per-rank logs "
+                             f"under {Path(run_dir) / torchrun.LOGS_DIR})")
     if code != 0:
         info = record_failure(run_dir, host=host, kind="crash", reason=f"torchrun exit code {code}",
                               ranks=failed_ranks)

@@ -233,9 +233,10 @@ def rank_logs(run_dir: Path) -> list[Path]:
 def launch_local(
     spec: JobSpec, *, train: TrainCommand, run_dir: Path, nproc: int, nnodes: str | None, max_restarts: int | None,
     console: Console, max_steps: int | None = None, timeout_s: float | None = None,
-    failed_ranks: list[int] | None = None,
+    failed_ranks: list[int] | None = None, refusals: list[str] | None = None,
 ) -> int:
-    """Check the layout, then run torchrun; returns its exit code (`failed_ranks` receives the crashed ranks)."""
+    """Check the layout, then run torchrun; returns its exit code (`failed_ranks` receives the crashed ranks, and
+    `refusals` the first rank's error line when every failed rank refused the job's input: `refusal`)."""
     min_nodes, max_nodes = parse_nnodes(nnodes) if nnodes else (1, 1)
     for warning in oversubscription_warnings(spec, nproc=nproc):
         console.print(f"[yellow]warning: {warning}")
@@ -250,8 +251,27 @@ def launch_local(
     code = run_torchrun(argv, console=console, timeout_s=timeout_s, failed_ranks=failed_ranks, trace_filter=traces)
     for line in rank_failure_lines(traces, run_dir=run_dir):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+    refused = refusal(traces, run_dir=run_dir) if code != 0 else None
+    if refused is not None and refusals is not None:
+        refusals.append(refused)
     console.print(f"per-rank logs: {Path(run_dir) / LOGS_DIR}; exit code {code}")
     return code
+
+
+def refusal(traces: TraceFilter, *, run_dir: Path) -> str | None:
+    """When the first failed rank (torchrun's root cause; with none named, every failed rank) exited 2, the CLI's
+    exit for input it refuses (a spec, a resume that does not match), its `error:` line from its newest log: the
+    job, not the node, failed (the peers it left then fail in their collectives). Else None."""
+    failed = [f for f in traces.failures if "rank" in f]
+    roots = [f for f in failed if f.get("root")] or failed
+    if not roots or any(f.get("exitcode") != "2" for f in roots):
+        return None
+    first = roots[0]
+    logs = sorted((Path(run_dir) / LOGS_DIR).glob(f"**/attempt_*/{first.get('local_rank', '?')}/stderr.log"),
+                  key=lambda p: p.stat().st_mtime)
+    lines = logs[-1].read_text(errors="replace").splitlines() if logs else []
+    errors = [line.strip() for line in lines if line.strip().startswith("error:")]
+    return errors[-1].removeprefix("error:").strip() if errors else f"rank {first['rank']} exited 2"
 
 
 def rank_failure_lines(traces: TraceFilter, *, run_dir: Path) -> list[str]:
