@@ -186,7 +186,19 @@ def prepare(
     Reads data.sources; writes the data dir (manifest.json, tokenizer.json, .bin/.idx shards, report.json).
     """
     job = _spec(spec, set_, profile)
+    if not probe:
+        _not_a_run_dir(Path(out or job.data.dir), "--out" if out is not None else "data.dir")
     _stage("leantrain.data.command", spec=job, out=out, probe=probe, force=force)
+
+
+def _not_a_run_dir(data_dir: Path, option: str) -> None:
+    """Refuse, before anything is written, a data dir that is a training run's dir (its lineage.json): the data's
+    files would mix with the run's (train and launch refuse a data dir as their run dir the same way)."""
+    from leantrain.provenance.lineage import LINEAGE_FILE_NAME
+
+    if (data_dir / LINEAGE_FILE_NAME).is_file():
+        raise UserInputError(f"{option} {data_dir} is a training run's dir (it holds {LINEAGE_FILE_NAME}): prepare "
+                             "data into a dir of its own")
 
 
 @app.command()

@@ -16,7 +16,6 @@ from leantrain.data.probe import probe as trial_read
 from leantrain.data.shards import atomic_write_bytes
 from leantrain.data.stats import render_report
 from leantrain.errors import CheckFailed, UserInputError, check_output_dir
-from leantrain.provenance.lineage import LINEAGE_FILE_NAME
 from leantrain.spec.schema import JobSpec
 from leantrain.spec.shapes import resolve_shape
 
@@ -85,9 +84,6 @@ def run(*, console: Console, spec: JobSpec, out: Path | None, probe: bool, force
     """`leantrain prepare`: build the data dir, or with `probe` only trial-read it (exit 1 when too slow)."""
     data_dir = Path(out) if out is not None else Path(spec.data.dir)
     check_output_dir(data_dir, "--out" if out is not None else "data.dir")  # a file there, or a file above it
-    if not probe and (data_dir / LINEAGE_FILE_NAME).is_file():  # a run dir: the data's files would mix with the run's
-        raise UserInputError(f"{'--out' if out is not None else 'data.dir'} {data_dir} is a training run's dir (it "
-                             f"holds {LINEAGE_FILE_NAME}): prepare data into a dir of its own")
     if probe:
         result = _probe(spec, data_dir=data_dir, console=console)
         if not result.passed:

@@ -353,7 +353,9 @@ class SecuritySpec(Section):
 class RunSpec(Section):
     """Where a run writes."""
 
-    dir: Path = Field(Path("runs/run"), description="Run dir (metrics, checkpoints, lineage).")
+    dir: Path = Field(Path("runs/run"), description="Run dir (metrics, checkpoints, lineage). A dir `prepare` wrote "
+                      "(its manifest.json) is refused, as `prepare` refuses a run dir (its lineage.json): exit 2, "
+                      "nothing written.")
     name: str | None = Field(None, description="Run name for registries and job files.")
     registry: Path | None = Field(
         None, description="SQLite run registry; default $LEANTRAIN_REGISTRY, $LEANTRAIN_HOME/runs.db, or runs.db "
