@@ -88,9 +88,9 @@ def run(
     preflight: bool, emit: str | None, out: Path | None, sweep: str | None = None, train_args: tuple[str, ...] = (),
 ) -> None:
     """The `leantrain launch` command (`train_args`: --resume/--weights-only/--extend-schedule for the ranks)."""
-    given, run_dir = run_dir is not None, Path(run_dir or spec.run.dir)
+    named, run_dir = run_dir is not None, Path(run_dir or spec.run.dir)
     if emit is None:  # a job file names the run dir the cluster will create; here the ranks would write into it
-        check_not_data_dir(run_dir, given=given)
+        check_not_data_dir(run_dir, given=named)
     if sweep is not None:  # refused as typed, whatever else is asked, before anything is written
         sizes = torchrun.parse_sweep(sweep)
         for flag, given in (("--dry-run", dry_run), ("--preflight", preflight), ("--emit", emit is not None)):
@@ -234,7 +234,7 @@ def _launch_leased(
         signal.signal(signal.SIGTERM, previous)
     _audit(spec, run_dir, "launch.local", nproc=nproc, nnodes=nnodes or "1", exit_code=code,
            failed_ranks=failed_ranks)
-    if code != 0 and refusals:  # every failed rank refused the job's input (exit 2): not the host's crash
+    if code != 0 and refusals:  # the first failed rank refused the job's input (exit 2): not the host's crash
         raise UserInputError(f"the ranks refused the job: {refusals[0]} (not counted against {host}; per-rank logs "
                              f"under {Path(run_dir) / torchrun.LOGS_DIR})")
     if code != 0:

@@ -236,7 +236,7 @@ def launch_local(
     failed_ranks: list[int] | None = None, refusals: list[str] | None = None,
 ) -> int:
     """Check the layout, then run torchrun; returns its exit code (`failed_ranks` receives the crashed ranks, and
-    `refusals` the first rank's error line when every failed rank refused the job's input: `refusal`)."""
+    `refusals` the first failed rank's error line when it refused the job's input: `refusal`)."""
     min_nodes, max_nodes = parse_nnodes(nnodes) if nnodes else (1, 1)
     for warning in oversubscription_warnings(spec, nproc=nproc):
         console.print(f"[yellow]warning: {warning}")
