@@ -212,9 +212,7 @@ class MoE(nn.Module):
         bias = self.expert_bias if self.balance == "aux_free" else None
         probs, top_idx, top_weights = self.router(flat, selection_bias=bias)
         assigned = top_idx.reshape(-1)  # (tokens × k,)
-        # A scatter-add, not bincount: bincount's output size depends on the data (a graph break under compile).
-        counts = torch.zeros(self.num_experts, dtype=torch.long, device=assigned.device).index_add_(
-            0, assigned, torch.ones_like(assigned))
+        counts = self._expert_counts(assigned)
         # Kept, not accumulated, here: a recomputed forward (activation checkpointing) would count twice.
         self.last_counts = counts.detach()
         if self.balance == "aux_loss":
@@ -226,13 +224,18 @@ class MoE(nn.Module):
             out = self._routed(flat, top_idx, top_weights, counts)
         else:  # this TP rank's share of the tokens; the same routing (computed on every token) picks their experts
             local_idx = split.local(top_idx)
-            local_counts = torch.zeros_like(counts).index_add_(0, local_idx.reshape(-1), torch.ones_like(
-                local_idx.reshape(-1)))
+            local_counts = self._expert_counts(local_idx.reshape(-1))
             out = split.gather(self._routed(split.local(flat), local_idx, split.local(top_weights), local_counts),
                                tokens=flat.shape[0])
         if self.shared_experts is not None:
             out = out + self.shared_experts(flat)
         return out.view(batch, seq_len, d_model)
+
+    def _expert_counts(self, assigned: torch.Tensor) -> torch.Tensor:
+        """Assignments per expert (int64, one per expert) of a flat list of expert ids."""
+        # A scatter-add, not bincount: bincount's output size depends on the data (a graph break under compile).
+        return torch.zeros(self.num_experts, dtype=torch.long, device=assigned.device).index_add_(
+            0, assigned, torch.ones_like(assigned))
 
     def _routed(self, flat: torch.Tensor, top_idx: torch.Tensor, top_weights: torch.Tensor,
                 counts: torch.Tensor) -> torch.Tensor:

@@ -26,6 +26,7 @@ from leantrain.spec.schema import JobSpec, ParallelismSpec
 from leantrain.spec.shapes import ModelShape, resolve_shape
 
 MESH_AXES = ("pp", "dp_replicate", "dp_shard_mod_ep", "ep", "tp")
+EXPERT_TP_AXIS = "dp_mod_ep_tp"  # the experts' FSDP mesh under EP × TP (`ParallelDims.expert_fsdp_axis`)
 
 
 @dataclass(frozen=True)
@@ -56,7 +57,7 @@ class ParallelDims:
     def expert_fsdp_axis(self) -> str:
         """The mesh axis the routed experts' FSDP shards over: the ranks holding the same experts (`dp_mod_ep`), and
         under tensor parallelism also their TP peers, which send the experts other tokens (`parallel.expert`)."""
-        return "dp_mod_ep_tp" if self.ep > 1 and self.tp > 1 else "dp_mod_ep"
+        return EXPERT_TP_AXIS if self.ep > 1 and self.tp > 1 else "dp_mod_ep"
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -150,8 +151,8 @@ class ParallelDims:
                 "dp": world["dp_replicate", "dp_shard_mod_ep", "ep"]._flatten("dp"),
                 "dp_mod_ep": world["dp_replicate", "dp_shard_mod_ep"]._flatten("dp_mod_ep"),
             }
-            if self.expert_fsdp_axis == "dp_mod_ep_tp":
-                flattened["dp_mod_ep_tp"] = world["dp_replicate", "dp_shard_mod_ep", "tp"]._flatten("dp_mod_ep_tp")
+            if self.expert_fsdp_axis == EXPERT_TP_AXIS:
+                flattened[EXPERT_TP_AXIS] = world["dp_replicate", "dp_shard_mod_ep", "tp"]._flatten(EXPERT_TP_AXIS)
             if self.dp_replicate > 1:
                 with warnings.catch_warnings():  # slicing a flattened axis is what HSDP needs; torch warns about it
                     warnings.simplefilter("ignore", UserWarning)

@@ -48,6 +48,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch._prims_common import make_contiguous_strides_for
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
@@ -216,16 +217,8 @@ class TokenSplit:
     def gather(self, rows: torch.Tensor, *, tokens: int) -> torch.Tensor:
         shape = torch.Size((tokens, *rows.shape[1:]))
         sharded = DTensor.from_local(rows, self.mesh, [Shard(0)], run_check=False, shape=shape,
-                                     stride=_contiguous_stride(shape))
+                                     stride=make_contiguous_strides_for(shape))
         return sharded.redistribute(self.mesh, [Replicate()]).to_local()
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, step = [], 1
-    for size in reversed(shape):
-        stride.append(step)
-        step *= size
-    return tuple(reversed(stride))
 
 
 def apply_expert_token_split(model: nn.Module, *, tp_mesh: DeviceMesh) -> None:

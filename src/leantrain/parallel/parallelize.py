@@ -25,7 +25,7 @@ from leantrain.model.init import init_buffers, init_parameters
 from leantrain.model.layers import ModelArgs
 from leantrain.model.moe import MoE
 from leantrain.model.transformer import Transformer
-from leantrain.parallel.dims import LayoutMesh, ParallelDims
+from leantrain.parallel.dims import EXPERT_TP_AXIS, LayoutMesh, ParallelDims
 from leantrain.parallel.expert import apply_expert_parallel, apply_expert_tensor_parallel, apply_expert_token_split
 from leantrain.parallel.fsdp import ExpertSharding, apply_fsdp, uses_bf16_compute
 from leantrain.parallel.pipeline import (
@@ -247,7 +247,7 @@ class ParallelModel:
         squares = torch.zeros((), device=self.device, dtype=torch.float32)
         for key, group in by_layout.items():
             mesh, placements = key if key is not None else (None, ())  # type: ignore[misc]
-            if mesh is None or "dp_mod_ep_tp" not in (mesh.mesh_dim_names or ()):
+            if mesh is None or EXPERT_TP_AXIS not in (mesh.mesh_dim_names or ()):
                 norm = torch.nn.utils.get_total_norm(group, norm_type=2.0, foreach=True)
                 norm = norm.full_tensor() if key is not None else norm  # type: ignore[union-attr]
                 squares += norm.float().to(self.device) ** 2
