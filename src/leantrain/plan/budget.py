@@ -347,15 +347,15 @@ def host_memory(spec: JobSpec, inputs: PlanInputs, layout: Layout, tier: dict[st
 def checkpointed_state_bytes(inputs: PlanInputs, layout: Layout) -> float:
     """The checkpointed state on the heaviest GPU: its shard of the trained weights at master precision and
     both Adam moments (LoRA/QLoRA: the adapters only; a frozen base is never saved), sharded as `_states`
-    shards them, CPU-offloaded or not. What the fast tier (ckpt/memory_tier.py) writes per rank."""
+    shards them (`StageParams.sharded`), CPU-offloaded or not. What the fast tier (ckpt/memory_tier.py) writes
+    per rank."""
     layers = stage_layers(inputs.shape.n_layers, layout.pp, layout.virtual_stages)
-    shard = layout.state_shard
     per_param = max(inputs.master_bytes, inputs.weight_bytes) + 2 * inputs.moment_bytes
     best = 0.0
     for stage in candidate_stages(layers):
         sp = stage_params(inputs.shape, layout, layers=layers[stage], first=stage == 0, last=stage == layout.pp - 1,
                           first_layer=sum(layers[:stage]))
-        local = sp.dense / shard + sp.experts / max(1, shard // layout.ep)
+        local = sp.sharded(layout)
         if not inputs.trains_base:  # the adapters' share of this GPU's slice of the model
             local *= adapter_params(inputs) / max(inputs.shape.total_params(), 1.0)
         best = max(best, local * per_param)

@@ -125,6 +125,12 @@ class StageParams:
         """The stage's parameters as a rank holds them gathered."""
         return self.dense + self.experts * self.expert_gather
 
+    def sharded(self, layout: Layout) -> float:
+        """The stage's parameters a rank keeps as its shard: dense ones over the shard group (`state_shard`: 1 at
+        ZeRO-0), experts over theirs (÷ ep)."""
+        shard = layout.state_shard
+        return self.dense / shard + self.experts / max(1, shard // layout.ep)
+
 
 def stage_params(shape: ModelShape, layout: Layout, *, layers: int, first: bool, last: bool,
                  first_layer: int = 0) -> StageParams:
@@ -171,17 +177,13 @@ def _states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, num_microbat
     ZeRO-0 replicates them. The compute-dtype copy exists only while gathered (`gathered`, a temporary): per
     unit at ZeRO-3 (resharded after forward), the whole stage at ZeRO-1/2 (kept from forward to backward)."""
     shard = layout.state_shard
-    expert_shard = max(1, shard // layout.ep)
-
-    def sharded(applies: bool) -> float:
-        return sp.dense / shard + sp.experts / expert_shard if applies else sp.gathered
-
+    local = sp.sharded(layout)
     unsharded = sp.gathered
     if not inputs.trains_base:  # LoRA/QLoRA: frozen base + trained adapters, sharded like the base
-        share = sharded(True) / max(unsharded, 1.0)  # FSDP2 shards all three at every level ≥ 1
+        share = local / max(unsharded, 1.0)  # FSDP2 shards all three at every level ≥ 1
         return _adapter_states(inputs, layout, sp, shares=(share, share, share))
     master_is_param = inputs.master_bytes > 0
-    params = sharded(True) * (inputs.master_bytes if master_is_param else inputs.weight_bytes)
+    params = local * (inputs.master_bytes if master_is_param else inputs.weight_bytes)
     casts = master_is_param or shard > 1  # a gathered (or cast) compute copy exists during the step
     gather = 0.0
     if casts:
@@ -193,7 +195,7 @@ def _states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, num_microbat
     # Counted at the peak even with one micro-batch a step, whose loss backward comes before any gradient exists
     # (the rehearsal's live tensors have none there): the allocator's reserved peak keeps the last step's
     # gradient blocks (torchtitan's 8 → 128 FSDP ranks free 15.4 GiB, 14.0 planned so, 10.5 without; docs/plan.md).
-    grads = (unsharded if keeps_full_grads else sharded(True)) * inputs.grad_bytes
+    grads = (unsharded if keeps_full_grads else local) * inputs.grad_bytes
     if layout.pp > 1 and shard > 1 and PIPELINE_HOLDS_UNSHARDED:
         # torch's pipelining (torch/distributed/pipelining/stage.py `backward_maybe_with_nosync`) runs every
         # micro-batch's backward with FSDP's set_reshard_after_backward(False) and
@@ -204,9 +206,9 @@ def _states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, num_microbat
         # gradients exist only after the step's peak (they are counted in `grads`), hence the subtraction.
         # Measured by `leantrain rehearse` on the grid's PP rows (bench/plan_vs_rehearsal.py).
         gather = (unsharded * (inputs.weight_bytes + inputs.grad_bytes) + sp.largest_unit * inputs.weight_bytes
-                  - sharded(True) * inputs.grad_bytes)
+                  - local * inputs.grad_bytes)
     opt_per_param = (0.0 if master_is_param else inputs.master_bytes) + 2 * inputs.moment_bytes
-    optimizer = sharded(True) * opt_per_param
+    optimizer = local * opt_per_param
     params *= reference_copies(inputs)  # full DPO: a frozen reference copy of the weights (plan/finetune.py)
     if layout.schedule == "dualpipe" and layout.pp > 1:  # a stage of each direction: two copies of the weights
         params, grads = 2 * params, 2 * grads
