@@ -51,7 +51,7 @@ from leantrain.plan.published import (
     whole_run_split_errors,
 )
 from leantrain.plan.published_moe import fit_moe_layer_overhead, moe_range_coverage, moe_residuals_out_of_sample
-from leantrain.plan.uncertainty import STEP_RANGE, WHOLE_RUN_RANGE
+from leantrain.plan.uncertainty import STEP_RANGE, WHOLE_RUN_RANGE, conformal_range
 
 BASELINE_MFU = 0.40
 HELD_OUT = Path(__file__).with_name("published_heldout.yaml")
@@ -164,6 +164,12 @@ def main() -> None:
     print(f"plan_whole_range_coverage_resampled: {many['mean']:.1%} mean over {many['splits']:.0f} random half-splits "
           f"of {len(whole)} whole runs (P10 {many['p10']:.0%}, P90 {many['p90']:.0%} of single halves; "
           f"{many['in_70_90']:.0%} of single halves inside 70-90 %; P90/P10 {many['width']:.2f}x on average)")
+    order = whole_run_range_coverage_resampled(ws, method=conformal_range)
+    fixed = whole_run_range_coverage(ws, method=conformal_range)
+    print(f"plan_whole_range_method_baseline: the order statistics (conformal_range) on the same splits: "
+          f"{order['mean']:.1%} mean, {order['in_70_90']:.0%} of single halves inside 70-90 %, P90/P10 "
+          f"{order['width']:.2f}x; fixed halves {fixed['b_with_range_from_a']:.0%} / {fixed['a_with_range_from_b']:.0%} "
+          f"(the t interval: {many['in_70_90'] / order['in_70_90']:.2f}x the share inside 70-90 %)")
     lo, mid, hi = WHOLE_RUN_RANGE
     print(f"plan_whole_range: P10 {math.exp(lo):.3f}x, P50 {math.exp(mid):.3f}x, P90 {math.exp(hi):.3f}x")
     assert all(math.isfinite(e) for e in errors)

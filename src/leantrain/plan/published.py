@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import statistics
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from functools import cache
 from pathlib import Path
@@ -424,25 +425,31 @@ def range_coverage(runs: list[PublishedRun], fit: Fit, offsets: tuple[float, flo
     return sum(lo <= e <= hi for e in log_errors(runs, fit)) / len(runs)
 
 
-def whole_run_range_coverage(split: dict[str, Any]) -> dict[str, Any]:
-    """Held-out check of the whole-run range (from `whole_run_split_errors`): each half's efficiency and range
-    from its own runs; the share of the other half's published GPU-hours inside [P10, P90]."""
-    from leantrain.plan.uncertainty import conformal_range
+RangeMethod = Callable[[list[float]], tuple[float, float, float]]
 
+
+def whole_run_range_coverage(split: dict[str, Any], method: RangeMethod | None = None) -> dict[str, Any]:
+    """Held-out check of the whole-run range (from `whole_run_split_errors`): each half's efficiency and range
+    from its own runs; the share of the other half's published GPU-hours inside [P10, P90]. `method` builds a
+    range from residuals: the shipped `prediction_range` unless given (bench/plan_accuracy.py also scores the
+    order statistics, `conformal_range`)."""
+    from leantrain.plan.uncertainty import prediction_range
+
+    method = method or prediction_range
     ratios = split["ratios_at_1"]
     out: dict[str, Any] = {}
     for label, calib, held in (("b_with_range_from_a", split["half_a"], split["half_b"]),
                                ("a_with_range_from_b", split["half_b"], split["half_a"])):
         eff = fit_whole_run_efficiency([ratios[n] for n in calib])
-        lo, _, hi = conformal_range(whole_run_residuals(ratios, eff, calib))
+        lo, _, hi = method(whole_run_residuals(ratios, eff, calib))
         residuals = whole_run_residuals(ratios, eff, held)
         out[label] = sum(lo <= r <= hi for r in residuals) / len(residuals)
         out[f"{label}_range"] = (lo, hi)
     return out
 
 
-def whole_run_range_coverage_resampled(split: dict[str, Any], *, n_splits: int = 2000,
-                                       seed: int = 0) -> dict[str, float]:
+def whole_run_range_coverage_resampled(split: dict[str, Any], *, n_splits: int = 2000, seed: int = 0,
+                                       method: RangeMethod | None = None) -> dict[str, float]:
     """The held-out check of `whole_run_range_coverage` over `n_splits` random half-splits of the whole runs
     (seeded, so the same every run): each half's efficiency and range from that half alone, the coverage of
     the other half, both ways. With ~20 runs per half one run moves a half's coverage by 5 points, so one
@@ -450,8 +457,9 @@ def whole_run_range_coverage_resampled(split: dict[str, Any], *, n_splits: int =
     share of single half-splits whose coverage lands in 70-90 %; `width` the geometric mean P90 / P10."""
     import random
 
-    from leantrain.plan.uncertainty import conformal_range
+    from leantrain.plan.uncertainty import prediction_range
 
+    method = method or prediction_range
     ratios = split["ratios_at_1"]
     names = sorted(ratios)
     rng = random.Random(seed)
@@ -462,7 +470,7 @@ def whole_run_range_coverage_resampled(split: dict[str, Any], *, n_splits: int =
         half = len(order) // 2
         for calib, held in ((order[:half], order[half:]), (order[half:], order[:half])):
             eff = fit_whole_run_efficiency([ratios[n] for n in calib])
-            lo, _, hi = conformal_range(whole_run_residuals(ratios, eff, calib))
+            lo, _, hi = method(whole_run_residuals(ratios, eff, calib))
             shares.append(sum(lo <= r <= hi for r in whole_run_residuals(ratios, eff, held)) / len(held))
             widths.append(hi - lo)
     shares.sort()
