@@ -168,7 +168,8 @@ def main() -> None:
     fixed = whole_run_range_coverage(ws, method=conformal_range)
     print(f"plan_whole_range_method_baseline: the order statistics (conformal_range) on the same splits: "
           f"{order['mean']:.1%} mean, {order['in_70_90']:.0%} of single halves inside 70-90 %, P90/P10 "
-          f"{order['width']:.2f}x; fixed halves {fixed['b_with_range_from_a']:.0%} / {fixed['a_with_range_from_b']:.0%} "
+          f"{order['width']:.2f}x; fixed halves {fixed['b_with_range_from_a']:.0%} / "
+          f"{fixed['a_with_range_from_b']:.0%} "
           f"(the t interval: {many['in_70_90'] / order['in_70_90']:.2f}x the share inside 70-90 %)")
     lo, mid, hi = WHOLE_RUN_RANGE
     print(f"plan_whole_range: P10 {math.exp(lo):.3f}x, P50 {math.exp(mid):.3f}x, P90 {math.exp(hi):.3f}x")
