@@ -164,6 +164,8 @@ def test_job_names_are_unique_and_the_run_dir_stays(tmp_path: Path) -> None:
     assert run_dirs == {"/mnt/runs/run"}
     script = job1["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["command"][-1]
     assert "--run-dir /mnt/runs/run" in script
+    # a refusing rank's reason goes to a file of this container start (torchrun's restarts refuse at once)
+    assert 'export LEANTRAIN_REFUSAL_FILE="/mnt/runs/run/logs/refused-$HOSTNAME-$(date +%s%N).json"' in script
 
 
 def test_pod_monitor_and_setup_manifests_pvc_and_secret(tmp_path: Path) -> None:

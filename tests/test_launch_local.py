@@ -174,6 +174,43 @@ def test_a_job_its_ranks_refuse_is_exit_2_and_not_the_hosts_crash(
         assert read_health(run_dir)[socket.gethostname()].crashes == 1
 
 
+@pytest.mark.slow
+def test_ranks_that_refuse_the_job_are_not_restarted(tmp_path: Path) -> None:
+    """Real torchrun, 2 ranks, `--max-restarts 2`, a data dir without a manifest (every rank refuses it, exit 2):
+    the first refusing rank writes why (errors.record_refusal) and the launch stops torchrun there, exit 2 with the
+    reason, one attempt. Before, torchrun restarted both ranks twice into the same refusal (three attempts; at
+    scale each a full start of every rank) and the launch said exit 1."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "leantrain.cli", "launch", str(TINY), "--nproc", "2", "--max-restarts", "2",
+         "--set", f"data.dir={tmp_path / 'no-data'}", "--run-dir", str(run_dir)],
+        env=env, capture_output=True, text=True, timeout=240,
+    )
+    text = " ".join((done.stdout + done.stderr).split())
+    assert done.returncode == 2, text[-3000:]
+    assert "the ranks refused the job: data.dir" in text and "has no manifest.json" in text
+    attempts = {p.name for p in (run_dir / torchrun.LOGS_DIR).glob("*/*/attempt_*")}
+    assert attempts == {"attempt_0"}, attempts
+    assert socket.gethostname() not in read_health(run_dir)
+
+
+def test_a_restarted_rank_refuses_at_once_what_a_rank_of_its_launch_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli: Callable[..., Result],
+) -> None:
+    """`train` under a launch whose ranks already refused the job (LEANTRAIN_REFUSAL_FILE holds the reason)
+    refuses at once, naming the rank, before reading the spec; a refusal of its own is recorded there."""
+    marker = tmp_path / "refused.json"
+    monkeypatch.setenv("LEANTRAIN_REFUSAL_FILE", str(marker))
+    result = cli("train", str(TINY), "--set", f"data.dir={tmp_path / 'no-data'}", "--run-dir", str(tmp_path / "r"))
+    assert result.exit_code == 2 and "has no manifest.json" in result.output
+    assert "manifest.json" in json.loads(marker.read_text())["message"]
+    result = cli("train", str(tmp_path / "missing.yaml"))
+    assert result.exit_code == 2, result.output
+    text = " ".join(result.output.split())
+    assert "already refused this launch's job" in text and "has no manifest.json" in text and "missing" not in text
+
+
 def test_failed_ranks_are_read_from_torchrun_summary() -> None:
     summary = ["Failures:", "[1]:", "  rank      : 3 (local_rank: 1)", "Root Cause (first observed failure):",
                "  rank      : 2 (local_rank: 0)", "  rank: 7"]

@@ -504,3 +504,22 @@ def test_time_limit_requeues_do_not_use_up_the_failure_requeue_budget(tmp_path: 
         code, log = _run_with_fake_slurm(tmp_path, script, train="exit 1", **env)
         assert code == 1 and ("scontrol requeue 7" in log) is (attempt <= 3), log
         assert (run_dir / "slurm-7.failure-requeues").read_text().strip() == str(min(attempt, 3))
+
+
+def test_a_job_its_ranks_refuse_ends_with_exit_2_and_no_requeue(tmp_path: Path) -> None:
+    """A rank that refuses the job's input writes why to LEANTRAIN_REFUSAL_FILE (errors.record_refusal), a file of
+    this allocation in the run dir: the script then exits 2 with the reason and does not requeue, where another
+    allocation would only refuse again (each requeue a full start of every node). A crash still requeues."""
+    run_dir = tmp_path / "run"
+    spec = load_spec(SEED, profile="rehearsal", overrides=[env_hook(tmp_path), "cluster.preflight=false"])
+    script = tmp_path / "job.sbatch"
+    script.write_text(slurm_script(spec, command=TrainCommand(spec_path=SEED), run_dir=run_dir))
+    refuse = ('python3 -c "import json, os; open(os.environ[\'LEANTRAIN_REFUSAL_FILE\'], \'w\').write('
+              'json.dumps({\'message\': \'data.dir has no manifest.json\', \'rank\': \'0\'}))"; exit 1')
+    code, log = _run_with_fake_slurm(tmp_path, script, train=refuse, SLURM_RESTART_COUNT="2")
+    assert code == 2, log
+    assert "the ranks refused the job (not requeued" in log and "data.dir has no manifest.json" in log
+    assert "scontrol requeue" not in log and (run_dir / "refused-7-2.json").exists()
+    (tmp_path / "fake-slurm.log").unlink()
+    code, log = _run_with_fake_slurm(tmp_path, script, train="exit 1", SLURM_RESTART_COUNT="3")  # a new allocation
+    assert code == 1 and "scontrol requeue 7" in log, log

@@ -18,7 +18,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from leantrain.errors import LeantrainError, UserInputError, check_output_file
+from leantrain.errors import LeantrainError, UserInputError, check_output_file, earlier_refusal, record_refusal
 from leantrain.spec import JobSpec, load_spec
 
 app = typer.Typer(
@@ -217,11 +217,17 @@ def train(
     Reads SPEC and the data dir; writes the run dir (metrics.jsonl, checkpoints/, lineage.json).
     SIGINT/SIGTERM save a checkpoint at the current step and exit 130/143.
     """
-    job = _spec(spec, set_, profile)  # spec errors first: before parse_resume's module imports torch
-    from leantrain.ckpt.resume import parse_resume
+    earlier_refusal()  # a restarted rank of a launch whose ranks refused the job: refuse again at once
+    try:
+        job = _spec(spec, set_, profile)  # spec errors first: before parse_resume's module imports torch
+        from leantrain.ckpt.resume import parse_resume
 
-    request = parse_resume(resume, weights_only=weights_only, extend_schedule=extend_schedule)
-    _stage("leantrain.train.command", spec=job, run_dir=run_dir, max_steps=max_steps, resume=request)
+        request = parse_resume(resume, weights_only=weights_only, extend_schedule=extend_schedule)
+        _stage("leantrain.train.command", spec=job, run_dir=run_dir, max_steps=max_steps, resume=request)
+    except LeantrainError as err:
+        if err.exit_code == 2:
+            record_refusal(str(err))  # for the launcher and torchrun's restarts of this launch
+        raise
 
 
 @app.command()

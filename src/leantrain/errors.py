@@ -17,6 +17,55 @@ class UserInputError(LeantrainError):
     """The user's input (spec, flag, file) is wrong; the message names it and says what is valid."""
 
 
+REFUSAL_ENV = "LEANTRAIN_REFUSAL_FILE"  # set by the launchers for the ranks of one launch (launch/torchrun.py)
+
+
+def record_refusal(message: str) -> None:
+    """A rank refused the job's input (exit 2: a spec, a data dir, a resume that does not match): under a launcher
+    that set LEANTRAIN_REFUSAL_FILE, write the message there (atomically; the last refusing rank wins), so that
+    torchrun's restarts of the same launch refuse at once (`earlier_refusal`) and the launcher stops them rather
+    than restart every rank `fault.max_restarts` times. Never raises: the refusal itself is what the user sees."""
+    import json
+    import os
+    import socket
+
+    path = os.environ.get(REFUSAL_ENV)
+    if not path:
+        return
+    record = {"message": message, "rank": os.environ.get("RANK"), "host": socket.gethostname(),
+              "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT")}
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(tmp).write_text(json.dumps(record), encoding="utf-8")
+        os.replace(tmp, path)
+    except OSError:
+        Path(tmp).unlink(missing_ok=True)
+
+
+def read_refusal(path: object) -> dict[str, Any] | None:
+    """The record `record_refusal` wrote at `path`, or None (none written, or unreadable)."""
+    import json
+
+    try:
+        record = json.loads(Path(str(path)).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("message"), str) else None
+
+
+def earlier_refusal() -> None:
+    """Refuse at once (exit 2) when a rank of this launch already refused the job (`record_refusal`): a rank
+    torchrun restarts after a refusal would only refuse again, after a full start."""
+    import os
+
+    path = os.environ.get(REFUSAL_ENV)
+    record = read_refusal(path) if path else None
+    if record is not None:
+        raise UserInputError(f"rank {record.get('rank')} on {record.get('host')} already refused this launch's job: "
+                             f"{record['message']}")
+
+
 def _first_existing(paths: Iterable[Path]) -> Path | None:
     return next((path for path in paths if path.exists()), None)
 

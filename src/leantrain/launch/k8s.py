@@ -29,6 +29,7 @@ from typing import Any
 
 import yaml
 
+from leantrain.errors import REFUSAL_ENV
 from leantrain.launch.fabric import nccl_env
 from leantrain.launch.health import NODE_NAME_ENV, excluded_hosts
 from leantrain.launch.job_spec import frozen_spec_document, job_image, referenced_env_names, staging_env_names
@@ -136,6 +137,9 @@ def _container_script(spec: JobSpec, *, res: JobResources, name: str, max_restar
     train = shlex.join(["torchrun", *train_rdzv, "-m", "leantrain.cli", "train", *spec_args])
     # The pod's console also goes to the run dir, where validate and doctor read it (logs/pod-<pod>.log).
     tee = f'mkdir -p {run_dir}/logs; exec > >(tee -a "{run_dir}/logs/pod-$HOSTNAME.log") 2>&1'
+    # A rank that refuses the job writes why there (errors.record_refusal): torchrun's restarts in this container
+    # then refuse at once. One file per container start, so a job applied again after a fix is not refused.
+    tee += f'; export {REFUSAL_ENV}="{run_dir}/logs/refused-$HOSTNAME-$(date +%s%N).json"'
     if not spec.cluster.preflight:
         return f"umask 077; {tee}; exec {train}"
     pre_rdzv = torchrun_args(res, max_restarts=0, rdzv_endpoint=None, rdzv_id=f"preflight-{name}")

@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from leantrain.ckpt.control import CHECKPOINT_REQUEST_NAME
-from leantrain.errors import UserInputError
+from leantrain.errors import REFUSAL_ENV, UserInputError
 from leantrain.launch.fabric import nccl_env
 from leantrain.launch.health import HEALTH_FILE_NAME, excluded_hosts
 from leantrain.launch.job_spec import (
@@ -110,6 +110,13 @@ def _wait_for_training(*, max_requeues: int, health_cmd: str) -> list[str]:
         '  STATUS=$CODE',
         '  if [ "$CODE" -le 128 ]; then break; fi',
         "done",
+        "# Refused, not crashed: a rank refused the job's input (the spec, the data dir, a resume that does not",
+        "# match) and wrote why. Another allocation would refuse it again: the job ends, exit 2, no requeue.",
+        f'if [ "$STATUS" -ne 0 ] && [ -f "${REFUSAL_ENV}" ]; then',
+        f'  echo "leantrain: the ranks refused the job (not requeued; fix the input and submit again): '
+        f'$(cat "${REFUSAL_ENV}")"',
+        "  exit 2",
+        "fi",
         "# A failed run (beyond torchrun's own restarts) is requeued; the next allocation resumes from the newest",
         "# valid checkpoint. The failure requeues are counted in the run dir, not by SLURM_RESTART_COUNT: that also",
         "# counts the time-limit and preemption requeues, which must not use up this budget.",
@@ -295,6 +302,9 @@ def slurm_script(
         "",
         *stage_lines,
         *preflight_lines,
+        "# A rank that refuses the job writes why here; torchrun's restarts in this allocation then refuse at once.",
+        f'export {REFUSAL_ENV}="$RUN_DIR/refused-$SLURM_JOB_ID-${{SLURM_RESTART_COUNT:-0}}.json"',
+        *([f'export APPTAINERENV_{REFUSAL_ENV}="${REFUSAL_ENV}"'] if cluster.slurm_runtime == "apptainer" else []),
         "# Train: torchrun's elastic agent on every node, c10d rendezvous on the first node.",
         join_args([*srun, "torchrun", *rdzv, "-m", "leantrain.cli", *train]) + " &",
         # fault.auto_restart: false is no restart at all, torchrun's (above) nor Slurm's requeue after a failure

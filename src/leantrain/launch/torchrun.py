@@ -26,7 +26,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from leantrain.errors import UserInputError
+from leantrain.errors import REFUSAL_ENV, UserInputError, read_refusal
 from leantrain.launch.resources import (
     TORCHRUN_ENV,
     TrainCommand,
@@ -112,11 +112,18 @@ def torchrun_argv(
     return argv
 
 
-def torchrun_env() -> dict[str, str]:
+def torchrun_env(refusal_file: Path | None = None) -> dict[str, str]:
     """This environment plus what elastic restarts need (a rendezvous store per restart attempt, docs/parallel.md)
-    and a quiet profiler; a KINETO_LOG_LEVEL the user set wins."""
+    and a quiet profiler; a KINETO_LOG_LEVEL the user set wins. With `refusal_file`, where a rank that refuses
+    the job writes why (errors.record_refusal)."""
     quiet = {"KINETO_LOG_LEVEL": os.environ.get("KINETO_LOG_LEVEL", TORCHRUN_ENV["KINETO_LOG_LEVEL"])}
-    return {**os.environ, **TORCHRUN_ENV, **quiet}
+    refusal = {} if refusal_file is None else {REFUSAL_ENV: str(refusal_file)}
+    return {**os.environ, **TORCHRUN_ENV, **quiet, **refusal}
+
+
+def refusal_file(run_dir: Path) -> Path:
+    """Where this launch's ranks record a refusal: this host's log dir, a name no other launch shares."""
+    return Path(run_dir) / LOGS_DIR / socket.gethostname() / f"refused-{os.getpid()}-{time.time_ns()}.json"
 
 
 class TraceFilter:
@@ -173,15 +180,17 @@ class TraceFilter:
 
 def run_torchrun(
     argv: Sequence[str], *, console: Console, timeout_s: float | None = None, failed_ranks: list[int] | None = None,
-    trace_filter: TraceFilter | None = None,
+    trace_filter: TraceFilter | None = None, refusal: Path | None = None,
 ) -> int:
     """Run torchrun in its own session, echo its output, return its exit code (killing the group on timeout).
 
     `failed_ranks`, when given, receives the global ranks torchrun's failure summary reports. `trace_filter`,
-    when given, keeps tracebacks off the console and collects the failures (`rank_failure_lines`).
+    when given, keeps tracebacks off the console and collects the failures (`rank_failure_lines`). `refusal`,
+    when given, is where a rank that refuses the job writes why (`refusal_file`): once it exists torchrun is
+    stopped, not left to restart every rank into the same refusal, and the exit code is 2.
     """
     proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=torchrun_env(), start_new_session=True)
+                            env=torchrun_env(refusal), start_new_session=True)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     try:
         assert proc.stdout is not None
@@ -191,17 +200,25 @@ def run_torchrun(
             match = FAILED_RANK_LINE.match(line)
             if match and failed_ranks is not None and int(match.group(1)) not in failed_ranks:
                 failed_ranks.append(int(match.group(1)))
+            if refusal is not None and refusal.exists():
+                _stop(proc)
+                return 2
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError
         return proc.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
     except (TimeoutError, subprocess.TimeoutExpired, KeyboardInterrupt):
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        _stop(proc)
         raise
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM torchrun's session (the agent and its ranks), SIGKILL after 30 s."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
 
 
 def oversubscription_warnings(spec: JobSpec, *, nproc: int, num_cpus: int | None = None,
@@ -248,10 +265,13 @@ def launch_local(
                          max_restarts=max_restarts, max_steps=max_steps)
     console.print("torchrun: " + " ".join(argv[1:]), markup=False, soft_wrap=True)
     traces = TraceFilter()
-    code = run_torchrun(argv, console=console, timeout_s=timeout_s, failed_ranks=failed_ranks, trace_filter=traces)
+    marker = refusal_file(run_dir)
+    code = run_torchrun(argv, console=console, timeout_s=timeout_s, failed_ranks=failed_ranks, trace_filter=traces,
+                        refusal=marker)
     for line in rank_failure_lines(traces, run_dir=run_dir):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
-    refused = refusal(traces, run_dir=run_dir) if code != 0 else None
+    recorded = read_refusal(marker) if code != 0 else None
+    refused = recorded["message"] if recorded else refusal(traces, run_dir=run_dir) if code != 0 else None
     if refused is not None and refusals is not None:
         refusals.append(refused)
     console.print(f"per-rank logs: {Path(run_dir) / LOGS_DIR}; exit code {code}")
