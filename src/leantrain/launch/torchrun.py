@@ -192,6 +192,8 @@ def run_torchrun(
     proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=torchrun_env(refusal), start_new_session=True)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    looked = 0.0  # when the refusal file was last looked for: at once after a line that tells of a failure, else
+    # at most once a second (it may be on shared storage)
     try:
         assert proc.stdout is not None
         for line in proc.stdout:
@@ -200,9 +202,11 @@ def run_torchrun(
             match = FAILED_RANK_LINE.match(line)
             if match and failed_ranks is not None and int(match.group(1)) not in failed_ranks:
                 failed_ranks.append(int(match.group(1)))
-            if refusal is not None and refusal.exists():
-                _stop(proc)
-                return 2
+            if refusal is not None and ("error" in line or "exitcode" in line or time.monotonic() - looked >= 1.0):
+                looked = time.monotonic()
+                if refusal.exists():
+                    _stop(proc)
+                    return 2
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError
         return proc.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
