@@ -22,7 +22,8 @@
    measured / predicted). For whole runs also the same check over 2,000 random half-splits
    (seeded): their mean coverage, the share of single splits inside 70-90 % (with ~20 whole runs per half
    one run moves a half's coverage by 5 points) and the mean width P90/P10 (a range that covers by being wide
-   is no better).
+   is no better); beside it, as the baseline, the same figures for the order statistics (`conformal_range`),
+   which the whole-run range used until 2026-12-07 and the step ranges still use.
 
 Prints `name: value unit (ratio vs baseline)` lines.
 """
