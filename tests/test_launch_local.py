@@ -211,6 +211,22 @@ def test_a_restarted_rank_refuses_at_once_what_a_rank_of_its_launch_refused(
     assert "already refused this launch's job" in text and "has no manifest.json" in text and "missing" not in text
 
 
+def test_an_io_error_that_may_pass_on_retry_is_not_a_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             cli: Callable[..., Result]) -> None:
+    """A checkpoint read that failed on I/O (IntegrityError, permanent=False) exits 2 but may pass on a restart:
+    it is not recorded as the launch's refusal, so torchrun's restarts still try."""
+    from leantrain.ckpt.integrity import IntegrityError
+
+    def flaky(*_: object, **__: object) -> None:
+        raise IntegrityError("step-00000002: read timed out", permanent=False)
+
+    marker = tmp_path / "refused.json"
+    monkeypatch.setenv("LEANTRAIN_REFUSAL_FILE", str(marker))
+    monkeypatch.setattr("leantrain.cli._stage", flaky)
+    result = cli("train", str(TINY), "--run-dir", str(tmp_path / "r"))
+    assert result.exit_code == 2 and "read timed out" in result.output and not marker.exists()
+
+
 def test_failed_ranks_are_read_from_torchrun_summary() -> None:
     summary = ["Failures:", "[1]:", "  rank      : 3 (local_rank: 1)", "Root Cause (first observed failure):",
                "  rank      : 2 (local_rank: 0)", "  rank: 7"]

@@ -225,7 +225,7 @@ def train(
         request = parse_resume(resume, weights_only=weights_only, extend_schedule=extend_schedule)
         _stage("leantrain.train.command", spec=job, run_dir=run_dir, max_steps=max_steps, resume=request)
     except LeantrainError as err:
-        if err.exit_code == 2:
+        if err.exit_code == 2 and getattr(err, "permanent", True):  # not an I/O error that may pass on retry
             record_refusal(str(err))  # for the launcher and torchrun's restarts of this launch
         raise
 
