@@ -211,6 +211,25 @@ def test_a_restarted_rank_refuses_at_once_what_a_rank_of_its_launch_refused(
     assert "already refused this launch's job" in text and "has no manifest.json" in text and "missing" not in text
 
 
+def test_a_refusal_is_one_file_write_a_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """16,384 ranks refusing at once write the file on shared storage once a node (its local rank 0), or once
+    in all when another rank got there first; the record names the rank and attempt."""
+    from leantrain.errors import read_refusal, record_refusal
+
+    marker = tmp_path / "logs" / "refused.json"
+    monkeypatch.setenv("LEANTRAIN_REFUSAL_FILE", str(marker))
+    monkeypatch.setenv("RANK", "11")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+    record_refusal("first")  # no file yet: the first refusing rank writes, whatever its local rank
+    assert read_refusal(marker) == {"message": "first", "rank": "11", "host": socket.gethostname(), "attempt": "0"}
+    record_refusal("second")  # local rank 3, a file there: left as it is
+    assert read_refusal(marker)["message"] == "first"
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    record_refusal("third")  # a node's local rank 0 writes
+    assert read_refusal(marker)["message"] == "third" and not list(marker.parent.glob("*.tmp"))
+
+
 def test_an_io_error_that_may_pass_on_retry_is_not_a_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                              cli: Callable[..., Result]) -> None:
     """A checkpoint read that failed on I/O (IntegrityError, permanent=False) exits 2 but may pass on a restart:

@@ -30,8 +30,8 @@ def record_refusal(message: str) -> None:
     import socket
 
     path = os.environ.get(REFUSAL_ENV)
-    if not path:
-        return
+    if not path or (os.environ.get("LOCAL_RANK", "0") != "0" and os.path.exists(path)):
+        return  # one file write a node (its local rank 0, or the first), not one a rank on shared storage
     record = {"message": message, "rank": os.environ.get("RANK"), "host": socket.gethostname(),
               "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT")}
     tmp = f"{path}.{os.getpid()}.tmp"
