@@ -61,3 +61,39 @@ def adapter_activation_bytes(inputs: PlanInputs, *, tokens: int, tp: int) -> flo
     for i, _ in per_layer_targets(inputs.shape, inputs.lora_targets, moe_layer=False):
         per_token += inputs.act_bytes * (inputs.lora_rank + (i if inputs.lora_dropout > 0 else 0))
     return tokens * per_token / tp
+
+
+def frozen_base_counted(inputs: PlanInputs, recompute: str) -> bool:
+    """Whether `frozen_base_bytes` applies: LoRA/QLoRA, eager kernels, no recompute or selective."""
+    return bool(inputs.lora_rank) and not inputs.fused_kernels and recompute in ("none", "selective")
+
+
+def frozen_base_bytes(inputs: PlanInputs, *, recompute: str, moe_layer: bool) -> float:
+    """Per token, what one eager block keeps in full training and not when its base is frozen (LoRA/QLoRA freeze
+    every base parameter, model/lora.py: a frozen matmul keeps its weight, not its input): each RMSNorm's
+    normalised tensor, which only its weight's gradient reads (`weight * normed`); a norm's output when no adapter
+    reads it (wq/wk/wv for the attention norm, w1/w3 for the MLP's); the down projection's input when w2 has no
+    adapter (the attention output stays: the attention core keeps it). Counted where the plan counts these
+    tensors (eager kernels; no recompute or selective); the adapters' own tensors are `adapter_activation_bytes`.
+    LoRA runs without tensor parallelism (spec/rules.py). Measured on the trainer's LoRA model with saved-tensor
+    hooks for three target sets (tests/test_plan_finetune.py)."""
+    if not frozen_base_counted(inputs, recompute):
+        return 0.0
+    shape, e, targets = inputs.shape, inputs.act_bytes, set(inputs.lora_targets)
+    unread = 2  # the two norms' normalised tensors
+    if shape.mla is None and not {"wq", "wk", "wv"} & targets:
+        unread += 1
+    if not (moe_layer and shape.moe is not None):  # a dense MLP (an MoE layer's experts keep their own tensors)
+        if not {"w1", "w3"} & targets:
+            unread += 1
+        if "w2" not in targets:
+            return e * (unread * shape.d_model + shape.ffn_hidden)
+    return e * unread * shape.d_model
+
+
+def frozen_head_bytes(inputs: PlanInputs, *, tokens: int, recompute: str) -> float:
+    """What the last stage's final norm and output projection do not keep when the base is frozen: the norm's
+    normalised tensor, and its output (the projection's input) unless the projection has an adapter."""
+    head_frozen = "output" not in inputs.lora_targets or inputs.shape.tie_embeddings
+    per_token = inputs.act_bytes * inputs.shape.d_model * (2 if head_frozen else 1)
+    return tokens * per_token if frozen_base_counted(inputs, recompute) else 0.0
