@@ -50,6 +50,7 @@ from leantrain.plan.finetune import (
 )
 from leantrain.plan.inputs import PlanInputs
 from leantrain.plan.layout import Layout
+from leantrain.spec.rules import float8_gathered_params
 from leantrain.spec.shapes import ModelShape, chunk_layers
 
 DDP_BUCKET_BYTES = 2 * 25 * 2**20  # two 25 MiB gradient buckets in flight (DDP's default bucket_cap_mb)
@@ -127,6 +128,11 @@ class StageParams:
     # a rank's gathered experts ÷ `experts`: tp where the TP peers each hold the ep rank's experts whole (under EP:
     # each sends them its share of the tokens, parallel/expert.py) and FSDP shards them over the peers too
     expert_gather: int = 1
+    # the stage's Linear weights (attention, dense MLP, shared experts: not the tables, norms, router or routed
+    # experts) and their share of its largest unit and of its last block: FSDP2 gathers them in float8 under fp8
+    linear: float = 0.0
+    unit_linear_share: float = 0.0
+    block_linear_share: float = 0.0
 
     @property
     def gathered(self) -> float:
@@ -140,41 +146,58 @@ class StageParams:
         return self.dense / shard + self.experts / max(1, shard // layout.ep)
 
 
+def gather_bytes(inputs: PlanInputs, layout: Layout, count: float, linear: float) -> float:
+    """Bytes of `count` gathered parameters of which `linear` are Linear weights: those are 1 byte under fp8 with
+    FSDP2 (torchao's float8 all-gather, train/precision.py; `leantrain rehearse` of an 8B-wide stage at FSDP 8,
+    ZeRO-2: fp8 temp 0.81 GiB under bf16's, the stage's Linear weights at 1 byte), the rest the compute dtype."""
+    fp8 = inputs.compute_dtype == "fp8" and inputs.trains_base and (layout.dp > 1 or layout.tp > 1)
+    return count * inputs.weight_bytes - (linear * (inputs.weight_bytes - 1.0) if fp8 else 0.0)
+
+
 def stage_params(shape: ModelShape, layout: Layout, *, layers: int, first: bool, last: bool,
                  first_layer: int = 0) -> StageParams:
     """Parameters on one pipeline stage of `layers` blocks starting at block `first_layer`."""
     return _stage_params(shape, layout.tp, layout.ep, layout.pp > 1, layers, first, last, first_layer,
-                         layout.experts_split_over_tp)
+                         layout.experts_split_over_tp, layout.dp_shard)
 
 
 @lru_cache(maxsize=8192)
 def _stage_params(shape: ModelShape, tp: int, ep: int, pipelined: bool, layers: int, first: bool, last: bool,
-                  first_layer: int, experts_split: bool) -> StageParams:
+                  first_layer: int, experts_split: bool, shards: int) -> StageParams:
     dense_in_stage = max(0, min(layers, shape.num_dense_layers - first_layer))
     moe_layers = layers - dense_in_stage if shape.moe is not None else 0
     dense_layers = layers - moe_layers
     attn_and_norms = shape.attention_params() / tp + 2 * shape.d_model
     dense_layer = attn_and_norms + shape.dense_mlp_params() / tp
+    dense_linear = min(dense_layer, float8_gathered_params(shape, tp=tp, shards=shards, moe_layer=False))
     dense = dense_layers * dense_layer
+    linear = dense_layers * dense_linear
     experts = 0.0
-    largest_unit = dense_layer if dense_layers else 0.0
+    largest_unit, unit_linear = (dense_layer, dense_linear) if dense_layers else (0.0, 0.0)
     gather = 1 if experts_split else tp
+    block, block_linear = dense_layer, dense_linear
     if moe_layers and shape.moe is not None:
         m = shape.moe
         per_expert = 3 * shape.d_model * m.expert_hidden
-        non_routed = attn_and_norms + shape.d_model * m.num_experts + m.num_shared_experts * per_expert / tp
+        shared = m.num_shared_experts * per_expert / tp
+        non_routed = attn_and_norms + shape.d_model * m.num_experts + shared
         routed = m.num_experts * per_expert / (ep * tp)
         dense += moe_layers * non_routed
         experts = moe_layers * routed
-        largest_unit = max(largest_unit, non_routed + routed * gather)
+        block = non_routed + routed * gather
+        block_linear = min(non_routed, float8_gathered_params(shape, tp=tp, shards=shards, moe_layer=True))
+        linear += moe_layers * block_linear
+        if block > largest_unit:
+            largest_unit, unit_linear = block, block_linear
     table = shape.vocab_size * shape.d_model / tp
     tables = (first + (last and not shape.tie_embeddings)) if pipelined else (2 - shape.tie_embeddings)
     dense += tables * table + (shape.d_model if last else 0)
-    last_block = (non_routed + routed * gather) if moe_layers and shape.moe is not None else dense_layer if layers \
-        else 0.0
-    return StageParams(dense=dense, experts=experts, largest_unit=max(largest_unit, table if tables else 0.0),
-                       last_block=last_block, root_unit=tables * table + (shape.d_model if last else 0),
-                       expert_gather=gather)
+    if tables and table > largest_unit:
+        largest_unit, unit_linear = table, 0.0
+    return StageParams(dense=dense, experts=experts, largest_unit=largest_unit,
+                       last_block=block if layers else 0.0, root_unit=tables * table + (shape.d_model if last else 0),
+                       expert_gather=gather, linear=linear, unit_linear_share=unit_linear / max(largest_unit, 1.0),
+                       block_linear_share=block_linear / max(block, 1.0))
 
 
 def _states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, num_microbatches: int
@@ -194,11 +217,11 @@ def _states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, num_microbat
     params = local * (inputs.master_bytes if master_is_param else inputs.weight_bytes)
     casts = master_is_param or shard > 1  # a gathered (or cast) compute copy exists during the step
     gather = 0.0
-    if casts:
-        if layout.zero >= 3:  # two units in flight (one computing, one prefetched) + one unit's full gradient
-            gather = sp.largest_unit * (2 * inputs.weight_bytes + inputs.grad_bytes)
-        else:  # the stage stays gathered from its forward to its backward
-            gather = unsharded * inputs.weight_bytes
+    unit = gather_bytes(inputs, layout, sp.largest_unit, sp.largest_unit * sp.unit_linear_share)
+    stage = gather_bytes(inputs, layout, unsharded, sp.linear)
+    if casts:  # ZeRO-3: two units in flight (one computing, one prefetched) + one unit's full gradient; ZeRO-1/2:
+        # the stage stays gathered from its forward to its backward
+        gather = 2 * unit + sp.largest_unit * inputs.grad_bytes if layout.zero >= 3 else stage
     keeps_full_grads = inputs.grad_sync == "last_micro_batch" and num_microbatches > 1
     # Counted at the peak even with one micro-batch a step, whose loss backward comes before any gradient exists
     # (the rehearsal's live tensors have none there): the allocator's reserved peak keeps the last step's
@@ -213,8 +236,7 @@ def _states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, num_microbat
         # and the gradient of the unit in its backward in the compute dtype before that upcast. The sharded
         # gradients exist only after the step's peak (they are counted in `grads`), hence the subtraction.
         # Measured by `leantrain rehearse` on the grid's PP rows (bench/plan_vs_rehearsal.py).
-        gather = (unsharded * (inputs.weight_bytes + inputs.grad_bytes) + sp.largest_unit * inputs.weight_bytes
-                  - local * inputs.grad_bytes)
+        gather = stage + unsharded * inputs.grad_bytes + unit - local * inputs.grad_bytes
     opt_per_param = (0.0 if master_is_param else inputs.master_bytes) + 2 * inputs.moment_bytes
     optimizer = local * opt_per_param
     params *= reference_copies(inputs)  # full DPO: a frozen reference copy of the weights (plan/finetune.py)
@@ -440,12 +462,13 @@ def stage_memory(inputs: PlanInputs, layout: Layout, *, stage: int, num_microbat
             # started still hold what ZeRO-3 frees after their forward: each chunk's compute-dtype copy but its
             # last block (kept gathered at every level). `leantrain rehearse`, PP2 × v2 with 2 micro-batches:
             # ZeRO-2's peak holds exactly the first chunk's embedding more than ZeRO-3's (bench/RESULTS.md).
-            gather += untouched_resharded_params(shape, layout, stage=stage, touched=touched) * inputs.weight_bytes
+            untouched = untouched_resharded_params(shape, layout, stage=stage, touched=touched)
+            gather += gather_bytes(inputs, layout, untouched, untouched * sp.block_linear_share)
     if last and layout.zero >= 3 and gather:
         # The last stage peaks in the loss's backward: FSDP has resharded every unit after its forward (the
         # root too) except the last block, which parallel/fsdp.py keeps gathered for the backward that follows
         # at once (its compute-dtype copy; its gradient does not exist yet). Measured by `leantrain rehearse`.
-        last_gather = sp.last_block * inputs.weight_bytes
+        last_gather = gather_bytes(inputs, layout, sp.last_block, sp.last_block * sp.block_linear_share)
         if layout.pp > 1 and PIPELINE_HOLDS_UNSHARDED and shard > 1 and num_microbatches > 1 and inputs.trains_base:
             # From the second micro-batch on, that loss backward runs while the unsharded gradients the pipeline
             # keeps (`_states`) exist for the chunks whose backward has started: the whole stage under 1F1B, the

@@ -22,6 +22,25 @@ def wraps_in_fsdp(*, dp: int, tp: int, fsdp_single_rank: bool) -> bool:
     return dp > 1 or fsdp_single_rank or tp > 1
 
 
+def rows_fill_every_shard(rows: int, shards: int) -> bool:
+    """Whether FSDP2's chunks of a weight's `rows` (dim 0) leave no rank of `shards` empty: FSDP2 cuts rows into
+    chunks of ceil(rows / shards), so 576 rows (DeepSeek-V3's wkv_a) over 128 ranks fill 116 of them. Float8
+    weights all-gather in float8 only then (train/precision.py `fills_every_shard`; the planner counts them so)."""
+    chunk = -(-rows // max(shards, 1))
+    return rows > 0 and -(-rows // chunk) >= shards
+
+
+def float8_gathered_params(shape: ModelShape, *, tp: int, shards: int, moe_layer: bool) -> float:
+    """One block's Linear parameters per TP rank that FSDP2 gathers in float8 under fp8 (train/precision.py):
+    those fp8 takes (both dims multiples of 16, `fp8_linear_filter`) whose rows, after TP's split, fill every one
+    of `shards` ranks; the others gather in the compute dtype."""
+    total = 0.0
+    for out, inp, split in shape.block_linears(moe_layer=moe_layer):
+        if out % 16 == 0 and inp % 16 == 0 and rows_fill_every_shard(out // tp if split == "col" else out, shards):
+            total += out * inp / (tp if split else 1)
+    return total
+
+
 def forward_autocasts(*, compute: str, master_weights: str, fsdp: bool) -> bool:
     """Whether each forward runs under `torch.autocast` (train/precision.py): bf16 compute (or fp8's layers that are
     not float8) over fp32 master weights without FSDP2, whose mixed precision gathers the weights in bf16 instead.

@@ -140,6 +140,29 @@ class ModelShape:
     def dense_mlp_params(self) -> int:
         return self.mlp_matrices * self.d_model * self.ffn_hidden
 
+    def block_linears(self, *, moe_layer: bool) -> list[tuple[int, int, str | None]]:
+        """One block's Linear weights as (out_features, in_features, how tensor parallelism splits them: "col" by
+        rows, "row" by columns, None not at all), as the model builds them (model/transformer.py, mla.py,
+        layers.py, moe.py): the attention projections and the MLP, a dense one or an MoE layer's shared experts
+        (one SwiGLU of num_shared × expert_hidden); not the router's gate nor the routed experts (no Linears)."""
+        d = self.d_model
+        if self.mla is not None:
+            m, heads = self.mla, self.n_heads
+            q = [(m.q_lora_rank, d, None), (heads * m.qk_head_dim, m.q_lora_rank, "col")] if m.q_lora_rank \
+                else [(heads * m.qk_head_dim, d, "col")]
+            attention = [*q, (m.kv_lora_rank + m.qk_rope_head_dim, d, None),
+                         (heads * (m.qk_nope_head_dim + m.v_head_dim), m.kv_lora_rank, "col"),
+                         (d, heads * m.v_head_dim, "row")]
+        else:
+            attention = [(self.q_dim, d, "col"), (self.kv_dim, d, "col"), (self.kv_dim, d, "col"),
+                         (d, self.q_dim, "row")]
+        if moe_layer and self.moe is not None:
+            hidden, gates = self.moe.num_shared_experts * self.moe.expert_hidden, 2
+        else:
+            hidden, gates = self.ffn_hidden, self.mlp_matrices - 1
+        mlp = [(hidden, d, "col")] * gates + [(d, hidden, "row")] if hidden else []
+        return attention + mlp
+
     def moe_layer_params(self, *, active: bool) -> int:
         """One MoE layer's router + experts (all, or the top-k + shared a token uses)."""
         assert self.moe is not None

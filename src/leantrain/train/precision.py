@@ -31,7 +31,7 @@ from torch import nn
 
 from leantrain.dtypes import DTYPES
 from leantrain.errors import UserInputError
-from leantrain.spec.rules import forward_autocasts
+from leantrain.spec.rules import forward_autocasts, rows_fill_every_shard
 from leantrain.spec.schema import PrecisionSpec
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada/Hopper and newer have fp8 tensor cores
@@ -109,9 +109,7 @@ def fills_every_shard(module: nn.Module, *, shards: int, tp: int, colwise: bool)
     leave no rank empty: FSDP2 cuts rows into chunks of ceil(rows / shards), so 576 rows (DeepSeek-V3's wkv_a)
     over 128 ranks fill 116 of them. Only a column-wise Linear has its rows split by TP (`colwise`); a row-wise
     one (wo, w2) keeps all of them and splits its columns, and one TP leaves whole (MLA's latents) keeps both."""
-    rows = module.out_features // max(tp, 1) if colwise else module.out_features
-    chunk = -(-rows // shards)
-    return rows > 0 and -(-rows // chunk) >= shards
+    return rows_fill_every_shard(module.out_features // max(tp, 1) if colwise else module.out_features, shards)
 
 
 def apply_precision(
