@@ -139,7 +139,8 @@ def _container_script(spec: JobSpec, *, res: JobResources, name: str, max_restar
     tee = f'mkdir -p {run_dir}/logs; exec > >(tee -a "{run_dir}/logs/pod-$HOSTNAME.log") 2>&1'
     # A rank that refuses the job writes why there (errors.record_refusal): torchrun's restarts in this container
     # then refuse at once. One file per container start, so a job applied again after a fix is not refused.
-    tee += f'; export {REFUSAL_ENV}="{run_dir}/logs/refused-$HOSTNAME-$(date +%s%N).json"'
+    refusal = f'export {REFUSAL_ENV}="{run_dir}/logs/refused-$HOSTNAME-$(date +%s%N).json"'
+    tee = f"{tee}; {refusal}"
     if not spec.cluster.preflight:
         return f"umask 077; {tee}; exec {train}"
     pre_rdzv = torchrun_args(res, max_restarts=0, rdzv_endpoint=None, rdzv_id=f"preflight-{name}")

@@ -106,9 +106,9 @@ def fp8_linear_filter(module: nn.Module, fqn: str) -> bool:
 
 def fills_every_shard(module: nn.Module, *, shards: int, tp: int, colwise: bool) -> bool:
     """Whether FSDP2's chunks of this Linear's weight rows (dim 0, after tensor parallelism's split of them)
-    leave no rank empty: FSDP2 cuts rows into chunks of ceil(rows / shards), so 576 rows (DeepSeek-V3's wkv_a)
-    over 128 ranks fill 116 of them. Only a column-wise Linear has its rows split by TP (`colwise`); a row-wise
-    one (wo, w2) keeps all of them and splits its columns, and one TP leaves whole (MLA's latents) keeps both."""
+    leave no rank empty (`spec.rules.rows_fill_every_shard`, which the planner counts by too). Only a column-wise
+    Linear has its rows split by TP (`colwise`); a row-wise one (wo, w2) keeps all of them and splits its columns,
+    and one TP leaves whole (MLA's latents) keeps both."""
     return rows_fill_every_shard(module.out_features // max(tp, 1) if colwise else module.out_features, shards)
 
 
