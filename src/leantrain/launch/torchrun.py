@@ -274,12 +274,20 @@ def launch_local(
                         refusal=marker)
     for line in rank_failure_lines(traces, run_dir=run_dir):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
-    recorded = read_refusal(marker) if code != 0 else None
-    refused = recorded["message"] if recorded else refusal(traces, run_dir=run_dir) if code != 0 else None
-    if refused is not None and refusals is not None:
-        refusals.append(refused)
+    if code != 0 and refusals is not None:
+        recorded = read_refusal(marker)
+        refused = recorded["message"] if recorded else refusal(traces, run_dir=run_dir)
+        if refused is not None:
+            refusals.append(refused)
     console.print(f"per-rank logs: {Path(run_dir) / LOGS_DIR}; exit code {code}")
     return code
+
+
+def newest_rank_log(run_dir: Path, local_rank: str) -> Path | None:
+    """The stderr log of `local_rank` from torchrun's newest attempt (by modification time), or None."""
+    logs = sorted((Path(run_dir) / LOGS_DIR).glob(f"**/attempt_*/{local_rank}/stderr.log"),
+                  key=lambda p: p.stat().st_mtime)
+    return logs[-1] if logs else None
 
 
 def refusal(traces: TraceFilter, *, run_dir: Path) -> str | None:
@@ -291,9 +299,8 @@ def refusal(traces: TraceFilter, *, run_dir: Path) -> str | None:
     if not roots or any(f.get("exitcode") != "2" for f in roots):
         return None
     first = roots[0]
-    logs = sorted((Path(run_dir) / LOGS_DIR).glob(f"**/attempt_*/{first.get('local_rank', '?')}/stderr.log"),
-                  key=lambda p: p.stat().st_mtime)
-    lines = logs[-1].read_text(errors="replace").splitlines() if logs else []
+    log = newest_rank_log(run_dir, first.get("local_rank", "?"))
+    lines = log.read_text(errors="replace").splitlines() if log else []
     errors = [line.strip() for line in lines if line.strip().startswith("error:")]
     return errors[-1].removeprefix("error:").strip() if errors else f"rank {first['rank']} exited 2"
 
@@ -305,9 +312,7 @@ def rank_failure_lines(traces: TraceFilter, *, run_dir: Path) -> list[str]:
     for failure in sorted(failed, key=lambda f: not f.get("root")):  # the first failure first
         local = failure.get("local_rank", "?")
         host = failure.get("host", socket.gethostname())
-        logs = sorted((Path(run_dir) / LOGS_DIR).glob(f"**/attempt_*/{local}/stderr.log"),
-                      key=lambda p: p.stat().st_mtime)
-        where = str(logs[-1]) if logs else str(Path(run_dir) / LOGS_DIR)
+        where = str(newest_rank_log(run_dir, local) or Path(run_dir) / LOGS_DIR)
         how = "failed first" if failure.get("root") else "stopped"
         lines.append(f"rank {failure['rank']} (local rank {local}, host {host}) {how}: exit code "
                      f"{failure.get('exitcode', '?')}; its log: {where}")

@@ -143,12 +143,16 @@ def token_bytes(vocab_size: int) -> int:
     return 2 if vocab_size <= 2**16 else 4
 
 
+def checkpointed_bytes_per_param(inputs: PlanInputs) -> float:
+    """A trained parameter in a checkpoint: its weight at master precision and its two Adam moments."""
+    return max(inputs.master_bytes, inputs.weight_bytes) + 2 * inputs.moment_bytes
+
+
 def checkpoint_bytes(inputs: PlanInputs) -> float:
     """One training checkpoint: the trained weights at master precision + two Adam moments — every parameter
     (all experts), or under LoRA/QLoRA the adapters alone (the frozen base is not saved)."""
-    weights = max(inputs.master_bytes, inputs.weight_bytes)
     trained = inputs.shape.total_params() if inputs.trains_base else adapter_params(inputs)
-    return trained * (weights + 2 * inputs.moment_bytes)
+    return trained * checkpointed_bytes_per_param(inputs)
 
 
 def storage(spec: JobSpec, inputs: PlanInputs) -> dict[str, float]:
@@ -350,7 +354,7 @@ def checkpointed_state_bytes(inputs: PlanInputs, layout: Layout) -> float:
     shards them (`StageParams.sharded`), CPU-offloaded or not. What the fast tier (ckpt/memory_tier.py) writes
     per rank."""
     layers = stage_layers(inputs.shape.n_layers, layout.pp, layout.virtual_stages)
-    per_param = max(inputs.master_bytes, inputs.weight_bytes) + 2 * inputs.moment_bytes
+    per_param = checkpointed_bytes_per_param(inputs)
     best = 0.0
     for stage in candidate_stages(layers):
         sp = stage_params(inputs.shape, layout, layers=layers[stage], first=stage == 0, last=stage == layout.pp - 1,

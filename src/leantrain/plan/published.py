@@ -36,6 +36,7 @@ from leantrain.plan.inputs import (
 )
 from leantrain.plan.layout import Layout
 from leantrain.plan.timing import step_time
+from leantrain.plan.uncertainty import conformal_range, prediction_range
 from leantrain.spec import spec_from_dict
 
 RUNS_FILE = Path(__file__).with_name("published_runs.yaml")
@@ -407,8 +408,6 @@ def step_range_coverage(runs: tuple[PublishedRun, ...]) -> dict[str, float]:
     """Held-out check of the step-time range, one stack left out of both the constants and the range: for each
     stack, the share of its runs inside the range built from the other stacks' own leave-one-stack-out residuals,
     each run predicted with the constants fitted on the other stacks; "all": the share of all runs."""
-    from leantrain.plan.uncertainty import conformal_range
-
     out: dict[str, float] = {}
     for name in sorted({stack(r) for r in runs}):
         offsets = conformal_range(step_residuals_out_of_sample([r for r in runs if stack(r) != name]))
@@ -428,14 +427,11 @@ def range_coverage(runs: list[PublishedRun], fit: Fit, offsets: tuple[float, flo
 RangeMethod = Callable[[list[float]], tuple[float, float, float]]
 
 
-def whole_run_range_coverage(split: dict[str, Any], method: RangeMethod | None = None) -> dict[str, Any]:
+def whole_run_range_coverage(split: dict[str, Any], method: RangeMethod = prediction_range) -> dict[str, Any]:
     """Held-out check of the whole-run range (from `whole_run_split_errors`): each half's efficiency and range
     from its own runs; the share of the other half's published GPU-hours inside [P10, P90]. `method` builds a
     range from residuals: the shipped `prediction_range` unless given (bench/plan_accuracy.py also scores the
     order statistics, `conformal_range`)."""
-    from leantrain.plan.uncertainty import prediction_range
-
-    method = method or prediction_range
     ratios = split["ratios_at_1"]
     out: dict[str, Any] = {}
     for label, calib, held in (("b_with_range_from_a", split["half_a"], split["half_b"]),
@@ -449,7 +445,7 @@ def whole_run_range_coverage(split: dict[str, Any], method: RangeMethod | None =
 
 
 def whole_run_range_coverage_resampled(split: dict[str, Any], *, n_splits: int = 2000, seed: int = 0,
-                                       method: RangeMethod | None = None) -> dict[str, float]:
+                                       method: RangeMethod = prediction_range) -> dict[str, float]:
     """The held-out check of `whole_run_range_coverage` over `n_splits` random half-splits of the whole runs
     (seeded, so the same every run): each half's efficiency and range from that half alone, the coverage of
     the other half, both ways. With ~20 runs per half one run moves a half's coverage by 5 points, so one
@@ -457,9 +453,6 @@ def whole_run_range_coverage_resampled(split: dict[str, Any], *, n_splits: int =
     share of single half-splits whose coverage lands in 70-90 %; `width` the geometric mean P90 / P10."""
     import random
 
-    from leantrain.plan.uncertainty import prediction_range
-
-    method = method or prediction_range
     ratios = split["ratios_at_1"]
     names = sorted(ratios)
     rng = random.Random(seed)
