@@ -8,6 +8,7 @@ import os
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -137,6 +138,30 @@ def test_excluded_host_is_refused_and_a_crash_is_recorded(
     assert result.exit_code == 2 and "is excluded" in result.output and not no_torchrun
 
 
+def refusing_torchrun(*, root_exit: str, log_text: str,
+                      before: Callable[[], None] = lambda: None) -> Callable[..., int]:
+    """A stand-in for run_torchrun: local rank 0 fails first with `root_exit` (local rank 1 follows, exit 1), its
+    stderr log holding `log_text` where torchrun writes it, under the `--log-dir` of the command (this host's)."""
+
+    def run(argv: list[str], *, console: object, timeout_s: object = None, failed_ranks: list[int] | None = None,
+            trace_filter: torchrun.TraceFilter | None = None, **_: object) -> int:
+        assert trace_filter is not None and failed_ranks is not None
+        (log_dir,) = [a.removeprefix("--log-dir=") for a in argv if a.startswith("--log-dir=")]
+        log = Path(log_dir) / "run-id_x1" / "attempt_0" / "0" / "stderr.log"
+        log.parent.mkdir(parents=True)
+        log.write_text(log_text)
+        before()
+        for line in ("Traceback (most recent call last):", "  File x", "torch...ChildFailedError: ", "=" * 20,
+                     "Failures:", "[1]:", "  rank      : 1 (local_rank: 1)", "  exitcode  : 1 (pid: 9)",
+                     "Root Cause (first observed failure):", "[0]:", "  rank      : 0 (local_rank: 0)",
+                     f"  exitcode  : {root_exit} (pid: 8)", "=" * 20):
+            trace_filter.keep(line + "\n")
+        failed_ranks.extend([1, 0])
+        return 1
+
+    return run
+
+
 @pytest.mark.parametrize("root_exit", ["2", "1"])
 def test_a_job_its_ranks_refuse_is_exit_2_and_not_the_hosts_crash(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_torchrun: list[object], cli: Callable[..., Result],
@@ -146,22 +171,8 @@ def test_a_job_its_ranks_refuse_is_exit_2_and_not_the_hosts_crash(
     the launch is exit 2 with that rank's error line, and the host gets no crash (two crashes exclude it). A rank
     that failed first otherwise is a crash, as before."""
     run_dir = tmp_path / "run"
-    log = run_dir / torchrun.LOGS_DIR / "host" / "run-id" / "attempt_0" / "0" / "stderr.log"
-
-    def refused(argv: object, *, console: object, timeout_s: object = None, failed_ranks: list[int] | None = None,
-                trace_filter: torchrun.TraceFilter | None = None, **_: object) -> int:
-        assert trace_filter is not None and failed_ranks is not None
-        log.parent.mkdir(parents=True)
-        log.write_text("starting\nerror: run X would resume from step 2 with other schedule settings\n")
-        for line in ("Traceback (most recent call last):", "  File x", "torch...ChildFailedError: ", "=" * 20,
-                     "Failures:", "[1]:", "  rank      : 1 (local_rank: 1)", "  exitcode  : 1 (pid: 9)",
-                     "Root Cause (first observed failure):", "[0]:", "  rank      : 0 (local_rank: 0)",
-                     f"  exitcode  : {root_exit} (pid: 8)", "=" * 20):
-            trace_filter.keep(line + "\n")
-        failed_ranks.extend([1, 0])
-        return 1
-
-    monkeypatch.setattr(torchrun, "run_torchrun", refused)
+    text = "starting\nerror: run X would resume from step 2 with other schedule settings\n"
+    monkeypatch.setattr(torchrun, "run_torchrun", refusing_torchrun(root_exit=root_exit, log_text=text))
     result = cli("launch", str(TINY), "--nproc", "2", "--set", f"data.dir={tmp_path / 'data'}", "--run-dir",
                  str(run_dir))
     text = " ".join(result.output.split())
@@ -172,6 +183,35 @@ def test_a_job_its_ranks_refuse_is_exit_2_and_not_the_hosts_crash(
     else:
         assert result.exit_code == 1 and "before the host is excluded" in text, result.output
         assert read_health(run_dir)[socket.gethostname()].crashes == 1
+
+
+def test_the_refusal_and_the_failed_ranks_log_are_read_from_this_hosts_logs_only(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_torchrun: list[object], cli: Callable[..., Result],
+) -> None:
+    """A run dir on shared storage holds every node's torchrun logs (RUN_DIR/logs/HOST/...). This host's failed
+    local rank 0 is read from this host's log dir: another node's local rank 0, whose log is newer, is not it
+    (before, every node's logs were globbed and the newest one's error line was reported as this host's)."""
+    run_dir = tmp_path / "run"
+    other = run_dir / torchrun.LOGS_DIR / "other-node-17" / "run-id_x1" / "attempt_1" / "0" / "stderr.log"
+
+    def other_node_logs_later() -> None:
+        other.parent.mkdir(parents=True)
+        other.write_text("error: another node's message\n")
+        later = time.time() + 60
+        os.utime(other, (later, later))
+
+    text = "error: data.dir /x has no manifest.json\n"
+    monkeypatch.setattr(torchrun, "run_torchrun", refusing_torchrun(root_exit="2", log_text=text,
+                                                                    before=other_node_logs_later))
+    result = cli("launch", str(TINY), "--nproc", "2", "--set", f"data.dir={tmp_path / 'data'}", "--run-dir",
+                 str(run_dir))
+    text = " ".join(result.output.split())
+    assert result.exit_code == 2, result.output
+    assert "the ranks refused the job: data.dir /x has no manifest.json" in text, text
+    assert "another node" not in text and "other-node-17" not in text
+    mine = run_dir / torchrun.LOGS_DIR / socket.gethostname() / "run-id_x1" / "attempt_0" / "0" / "stderr.log"
+    assert mine.is_file() and f"its log: {mine}" in text
+    assert torchrun.newest_rank_log(run_dir, "0") == mine
 
 
 @pytest.mark.slow

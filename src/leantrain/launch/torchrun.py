@@ -103,9 +103,8 @@ def torchrun_argv(
         endpoint = rdzv_endpoint or os.environ.get(RDZV_ENV) or f"localhost:{spec.cluster.rdzv_port}"
         argv += [f"--nnodes={min_nodes}:{max_nodes}", "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}",
                  f"--rdzv-id={rdzv_id or spec.run.name or Path(run_dir).name}"]
-    log_dir = Path(run_dir) / LOGS_DIR / socket.gethostname()
     argv += [f"--nproc-per-node={nproc}", f"--max-restarts={restarts(spec, max_restarts)}",
-             f"--log-dir={log_dir}", "--redirects=3", "--tee=3", "--local-ranks-filter=0",
+             f"--log-dir={host_log_dir(run_dir)}", "--redirects=3", "--tee=3", "--local-ranks-filter=0",
              "-m", "leantrain.cli", "train", *train.spec_args(run_dir=str(run_dir)), *train.train_args]
     if max_steps is not None:
         argv += ["--max-steps", str(max_steps)]
@@ -121,9 +120,14 @@ def torchrun_env(refusal_file: Path | None = None) -> dict[str, str]:
     return {**os.environ, **TORCHRUN_ENV, **quiet, **refusal}
 
 
+def host_log_dir(run_dir: Path) -> Path:
+    """This host's torchrun log dir (`--log-dir`), RUN_DIR/logs/HOST: every node of a job writes its own."""
+    return Path(run_dir) / LOGS_DIR / socket.gethostname()
+
+
 def refusal_file(run_dir: Path) -> Path:
     """Where this launch's ranks record a refusal: this host's log dir, a name no other launch shares."""
-    return Path(run_dir) / LOGS_DIR / socket.gethostname() / f"refused-{os.getpid()}-{time.time_ns()}.json"
+    return host_log_dir(run_dir) / f"refused-{os.getpid()}-{time.time_ns()}.json"
 
 
 class TraceFilter:
@@ -284,8 +288,11 @@ def launch_local(
 
 
 def newest_rank_log(run_dir: Path, local_rank: str) -> Path | None:
-    """The stderr log of `local_rank` from torchrun's newest attempt (by modification time), or None."""
-    logs = sorted((Path(run_dir) / LOGS_DIR).glob(f"**/attempt_*/{local_rank}/stderr.log"),
+    """The stderr log of this host's `local_rank` from torchrun's newest attempt (by modification time), or None.
+    Only this host's log dir is read (`<run id>/attempt_<k>/<local rank>/stderr.log` under it): a run dir shared
+    by every node of a job holds each node's logs, and another node's local rank of the same number is not this
+    one (nor worth a scan of every node's logs on shared storage)."""
+    logs = sorted(host_log_dir(run_dir).glob(f"*/attempt_*/{local_rank}/stderr.log"),
                   key=lambda p: p.stat().st_mtime)
     return logs[-1] if logs else None
 
