@@ -164,8 +164,86 @@ def test_job_names_are_unique_and_the_run_dir_stays(tmp_path: Path) -> None:
     assert run_dirs == {"/mnt/runs/run"}
     script = job1["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["command"][-1]
     assert "--run-dir /mnt/runs/run" in script
-    # a refusing rank's reason goes to a file of this container start (torchrun's restarts refuse at once)
-    assert 'export LEANTRAIN_REFUSAL_FILE="/mnt/runs/run/logs/refused-$HOSTNAME-$(date +%s%N).json"' in script
+    # a refusing rank's reason goes to the Job's own file (every pod's; another job's name is another file)
+    assert f'export LEANTRAIN_REFUSAL_FILE="/mnt/runs/run/logs/refused-{job1["metadata"]["name"]}.json"' in script
+
+
+# A stand-in for torchrun on the container's PATH: records its arguments; preflight passes; training does what
+# STUB_MODE says: a rank refuses the job (writes the refusal file the script exported, torchrun exits 1), crashes,
+# passes, or runs until SIGTERM (passed on by the script: the trainer's checkpoint on the pod's termination).
+TORCHRUN_STUB = """#!/bin/bash
+echo "$*" >> "$STUB_CALLS"
+case "$*" in *preflight_worker*) exit 0;; esac
+case "$STUB_MODE" in
+  refuse) echo '{"message": "data.dir /mnt/data has no manifest.json", "rank": "3"}' > "$LEANTRAIN_REFUSAL_FILE"
+          exit 1;;
+  crash) exit 1;;
+  term) sleep 30 & SLEEP=$!; trap 'kill $SLEEP; echo SIGTERM >> "$STUB_CALLS"; exit 143' TERM
+        echo ready >> "$STUB_CALLS"; wait $SLEEP;;
+esac
+"""
+
+
+@pytest.mark.parametrize("preflight", [True, False])
+def test_a_refused_job_is_not_started_again_by_its_pods_restarts(tmp_path: Path, preflight: bool) -> None:
+    """Kubernetes restarts a failed container (`OnFailure`, the default) up to the job's backoffLimit. The refusal
+    file was named per container start and torchrun exited 1, so every restart was a full start of every rank
+    into the same refusal. Now the container exits 2 when a rank of the Job refused it, and a restarted container
+    of any pod of the Job refuses at once, before preflight and torchrun; a pod of a Job applied again under the
+    same name (after a fix) starts as usual. The script runs here under bash with a stand-in torchrun."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    from leantrain.launch.k8s import POD_STARTED
+
+    _, job, _ = emitted(tmp_path / "emit", f"cluster.preflight={str(preflight).lower()}")
+    name = job["metadata"]["name"]
+    script = job["spec"]["pytorchReplicaSpecs"]["Worker"]["template"]["spec"]["containers"][0]["command"][-1]
+    run_dir, stub_dir, calls = tmp_path / "runs" / "run", tmp_path / "bin", tmp_path / "calls"
+    stub_dir.mkdir()
+    (stub_dir / "torchrun").write_text(TORCHRUN_STUB)
+    (stub_dir / "torchrun").chmod(0o755)
+    refusal = run_dir / "logs" / f"refused-{name}.json"
+    starts = 2 if preflight else 1  # torchrun runs of one container start that trains
+
+    def container(pod: str, mode: str) -> subprocess.Popen[str]:
+        """One start of the container of `pod` (its /dev/shm marker under tmp_path/pod)."""
+        (tmp_path / pod).mkdir(exist_ok=True)
+        text = script.replace("/mnt/runs/run", str(run_dir)).replace(POD_STARTED, str(tmp_path / pod / "started"))
+        env = {**os.environ, "PATH": f"{stub_dir}:{os.environ['PATH']}", "STUB_MODE": mode, "STUB_CALLS": str(calls)}
+        return subprocess.Popen(["bash", "-c", text], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                text=True)
+
+    def run(pod: str, mode: str) -> tuple[int, str, int]:
+        """(exit code, console, torchrun runs) of one container start."""
+        before = len(calls.read_text().splitlines()) if calls.exists() else 0
+        proc = container(pod, mode)
+        out, _ = proc.communicate(timeout=60)
+        return proc.returncode, out, len(calls.read_text().splitlines()) - before
+
+    code, out, runs = run("pod-a", "refuse")  # pod a's first start: a rank refuses the job
+    assert code == 2 and runs == starts, out
+    assert f"the ranks refused job {name}" in out and "has no manifest.json" in out and refusal.is_file()
+    code, out, runs = run("pod-a", "pass")  # its container restarted (OnFailure): refused at once
+    assert code == 2 and runs == 0 and "has no manifest.json" in out, out
+    (tmp_path / "pod-b").mkdir()
+    (tmp_path / "pod-b" / "started").touch()  # pod b started with pod a; its container restarts after the refusal
+    code, out, runs = run("pod-b", "pass")
+    assert code == 2 and runs == 0, out
+    code, out, runs = run("pod-a2", "pass")  # the same job file applied again after a fix: a new pod, trains
+    assert code == 0 and runs == starts and not refusal.exists(), out
+    code, out, runs = run("pod-a2", "crash")  # a crash is not a refusal: torchrun's exit code, restarts train
+    assert code == 1 and runs == starts and "refused" not in out, out
+
+    proc = container("pod-c", "term")  # the pod's termination: SIGTERM reaches torchrun (no longer exec'd)
+    deadline = time.monotonic() + 30
+    while "ready" not in (calls.read_text() if calls.exists() else "") and time.monotonic() < deadline:
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 143 and calls.read_text().splitlines()[-1] == "SIGTERM", out
 
 
 def test_pod_monitor_and_setup_manifests_pvc_and_secret(tmp_path: Path) -> None:
@@ -330,6 +408,20 @@ def test_auto_restart_off_gives_the_job_no_restarts(tmp_path: Path) -> None:
         assert job.spec.elastic_policy.max_restarts == expected and job.spec.run_policy.backoff_limit == expected
         script = job.spec.pytorch_replica_specs["Worker"].template.spec.containers[0].command[-1]
         assert f"--max-restarts={expected} -m leantrain.cli train" in script
+
+
+def test_restart_policy_never_is_valid_and_a_pytorchjob_has_no_pod_failure_policy(tmp_path: Path) -> None:
+    """With `Never` the training operator (v1.9) fails the PyTorchJob at its first failed pod, a refusal (exit 2)
+    included, so the job carries nothing more. A batch/v1 Job's podFailurePolicy (a FailJob rule on exit code 2)
+    has no place in a PyTorchJob: the CRD's schema refuses it in the run policy and in the replica spec."""
+    pytest.importorskip("kubernetes_validate")
+    _, job, _ = emitted(tmp_path, "cluster.k8s_restart_policy=Never")
+    assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"] == "Never" and schema_errors(job) == []
+    rule = {"action": "FailJob", "onExitCodes": {"containerName": "pytorch", "operator": "In", "values": [2]}}
+    for where in (job["spec"]["runPolicy"], job["spec"]["pytorchReplicaSpecs"]["Worker"]):
+        where["podFailurePolicy"] = {"rules": [rule]}
+        assert any("podFailurePolicy" in e for e in schema_errors(job))
+        del where["podFailurePolicy"]
 
 
 DNS_1035 = r"[a-z]([-a-z0-9]*[a-z0-9])?"

@@ -268,6 +268,15 @@ def test_a_refusal_is_one_file_write_a_node(tmp_path: Path, monkeypatch: pytest.
     monkeypatch.setenv("LOCAL_RANK", "0")
     record_refusal("third")  # a node's local rank 0 writes
     assert read_refusal(marker)["message"] == "third" and not list(marker.parent.glob("*.tmp"))
+    # two nodes writing the file at once with the same pid (pods: pids repeat across containers) write through
+    # temporary files of their own, not one file both truncate
+    temporary: list[str] = []
+    replace = os.replace
+    monkeypatch.setattr(os, "replace", lambda src, dst: temporary.append(str(src)) or replace(src, dst))
+    for pod in ("pod-a", "pod-b"):
+        monkeypatch.setattr(socket, "gethostname", lambda pod=pod: pod)
+        record_refusal(f"from {pod}")
+    assert len(set(temporary)) == 2 and read_refusal(marker)["host"] == "pod-b"
 
 
 def test_an_io_error_that_may_pass_on_retry_is_not_a_refusal(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,

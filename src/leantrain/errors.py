@@ -34,7 +34,7 @@ def record_refusal(message: str) -> None:
         return  # one file write a node (its local rank 0, or the first), not one a rank on shared storage
     record = {"message": message, "rank": os.environ.get("RANK"), "host": socket.gethostname(),
               "attempt": os.environ.get("TORCHELASTIC_RESTART_COUNT")}
-    tmp = f"{path}.{os.getpid()}.tmp"
+    tmp = f"{path}.{socket.gethostname()}.{os.getpid()}.tmp"  # nodes (pods) writing one file may share a pid
     try:
         Path(path).parent.mkdir(parents=True, exist_ok=True)
         Path(tmp).write_text(json.dumps(record), encoding="utf-8")

@@ -11,7 +11,8 @@ One multi-document YAML file:
    fabric variables (launch/fabric.py); PVCs for data and run dirs; an in-memory /dev/shm; node-local staging
    in an init container when `cluster.data_url` is set; GPUs/CPU/memory from the plan (with spare), RDMA NICs
    and IPC_LOCK when asked; excluded hosts kept away by node affinity; rank 0's Prometheus port exposed as
-   `metrics` with scrape annotations; the pod's console teed to `RUN_DIR/logs/pod-<pod>.log`. The job's name
+   `metrics` with scrape annotations; the pod's console teed to `RUN_DIR/logs/pod-<pod>.log`; a job its ranks
+   refuse (exit 2) is not started again by its pods' restarts (`RUN_DIR/logs/refused-<job>.json`). The job's name
    carries a random suffix (each submission is a new job); the run dir is named after the run, so a new job
    resumes the old one's checkpoints,
 3. a DaemonSet that pre-pulls the training image on every GPU node, so a restart does not wait on a pull,
@@ -46,6 +47,7 @@ SCHEDULERS = {"volcano": "volcano", "scheduler-plugins": "scheduler-plugins-sche
 PAUSE_IMAGE = "registry.k8s.io/pause:3.10"
 RUN_AS_UID = 1000  # the image's non-root `leantrain` user (docker/Dockerfile)
 METRICS_PORT = 9464  # rank 0's Prometheus endpoint in the pod when the spec sets none (or 0: any free port)
+POD_STARTED = "/dev/shm/.leantrain-pod-started"  # on the pod's /dev/shm volume: a container start that is not the first
 
 
 def metrics_port(spec: JobSpec) -> int:
@@ -131,23 +133,61 @@ def _storage(
 
 def _container_script(spec: JobSpec, *, res: JobResources, name: str, max_restarts: int, run_dir: str) -> str:
     """Preflight then training, both under torchrun; the operator's PET_* env supplies the rendezvous. The
-    preflight gets its own rendezvous id so it cannot be confused with the training rendezvous."""
+    preflight gets its own rendezvous id so it cannot be confused with the training rendezvous.
+
+    A rank that refuses the job (errors.record_refusal) writes why to the Job's refusal file (`refusal_file`):
+    torchrun's restarts then refuse at once, the container exits 2 (not torchrun's 1), and a restart of the
+    container (`OnFailure`, `Always`) by any pod of the Job refuses at once, before preflight and torchrun. A
+    pod's first start removes a file left by an earlier Job of the same name (the file applied again after a
+    fix): POD_STARTED, on the pod's /dev/shm volume, survives its container's restarts and no more. (A pod that
+    first starts after the refusal, one beyond an elastic job's minimum or one the operator recreated, removes it
+    too: the Job's next start then runs torchrun once more, and its ranks refuse again.) torchrun runs as bash's
+    child, not exec'd: SIGTERM (the pod's termination) is passed on to it, so the trainer checkpoints."""
     spec_args = TrainCommand(spec_path=Path(f"{SPEC_MOUNT}/spec.yaml")).spec_args(run_dir=run_dir)
     train_rdzv = torchrun_args(res, max_restarts=max_restarts, rdzv_endpoint=None, rdzv_id=None)
     train = shlex.join(["torchrun", *train_rdzv, "-m", "leantrain.cli", "train", *spec_args])
-    # The pod's console also goes to the run dir, where validate and doctor read it (logs/pod-<pod>.log).
-    tee = f'mkdir -p {run_dir}/logs; exec > >(tee -a "{run_dir}/logs/pod-$HOSTNAME.log") 2>&1'
-    # A rank that refuses the job writes why there (errors.record_refusal): torchrun's restarts in this container
-    # then refuse at once. One file per container start, so a job applied again after a fix is not refused.
-    refusal = f'export {REFUSAL_ENV}="{run_dir}/logs/refused-$HOSTNAME-$(date +%s%N).json"'
-    tee = f"{tee}; {refusal}"
-    if not spec.cluster.preflight:
-        return f"umask 077; {tee}; exec {train}"
-    pre_rdzv = torchrun_args(res, max_restarts=0, rdzv_endpoint=None, rdzv_id=f"preflight-{name}")
-    preflight = shlex.join(["torchrun", *pre_rdzv, "-m", "leantrain.launch.preflight_worker", *spec_args,
-                            "--expected-world-size", str(res.min_nodes * res.gpus_per_node),
-                            "--timeout-s", str(int(spec.cluster.preflight_timeout_s))])
-    return f"set -eu; umask 077; {tee}; {preflight} && exec {train}"
+    refused = (f'echo "leantrain: the ranks refused job {name} (not started again; fix the input and apply the job '
+               f'again): $(cat "${REFUSAL_ENV}")"; exit 2')
+    lines = [
+        "set -eu" if spec.cluster.preflight else "set -u",
+        "umask 077",
+        "# The pod's console also goes to the run dir, where validate and doctor read it (logs/pod-<pod>.log).",
+        f'mkdir -p {run_dir}/logs; exec > >(tee -a "{run_dir}/logs/pod-$HOSTNAME.log") 2>&1',
+        "# A rank that refuses the job writes why here, one file for every pod of this Job.",
+        f'export {REFUSAL_ENV}="{refusal_file(name, run_dir=run_dir)}"',
+        f"if [ -e {POD_STARTED} ]; then  # a restart of this pod's container: refuse at once what the Job refused",
+        f'  if [ -f "${REFUSAL_ENV}" ]; then {refused}; fi',
+        "else  # this pod's first start: a file left by an earlier Job of this name is not this Job's",
+        f'  rm -f "${REFUSAL_ENV}"; touch {POD_STARTED}',
+        "fi",
+    ]
+    if spec.cluster.preflight:
+        pre_rdzv = torchrun_args(res, max_restarts=0, rdzv_endpoint=None, rdzv_id=f"preflight-{name}")
+        lines.append(shlex.join(["torchrun", *pre_rdzv, "-m", "leantrain.launch.preflight_worker", *spec_args,
+                                 "--expected-world-size", str(res.min_nodes * res.gpus_per_node),
+                                 "--timeout-s", str(int(spec.cluster.preflight_timeout_s))]))
+    return "\n".join([
+        *lines,
+        "TRAIN_PID=  # the pod's SIGTERM goes on to torchrun (the trainer checkpoints)",
+        "trap '[ -z \"$TRAIN_PID\" ] || kill -TERM \"$TRAIN_PID\" 2>/dev/null || true' TERM INT",
+        f"{train} &",
+        "TRAIN_PID=$!",
+        "STATUS=0",
+        "while :; do  # a trapped signal interrupts `wait`: wait again for the real exit status",
+        '  if wait "$TRAIN_PID"; then CODE=0; else CODE=$?; fi',
+        '  if [ "$CODE" -eq 127 ]; then break; fi  # already reported: STATUS holds it',
+        "  STATUS=$CODE",
+        '  if [ "$CODE" -le 128 ] || ! kill -0 "$TRAIN_PID" 2>/dev/null; then break; fi',
+        "done",
+        f'if [ "$STATUS" -ne 0 ] && [ -f "${REFUSAL_ENV}" ]; then {refused}; fi',
+        'exit "$STATUS"',
+    ])
+
+
+def refusal_file(name: str, *, run_dir: str) -> str:
+    """The refusal file of the Job `name` (every pod's, every container start's): a new Job (a new `--emit`) has
+    a new name, so it is not refused by an earlier Job's file."""
+    return f"{run_dir}/logs/refused-{name}.json"
 
 
 def _pod_spec(
