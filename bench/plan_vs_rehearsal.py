@@ -46,6 +46,9 @@ GRID: dict[str, tuple[int, int, int, int, str, int, str, tuple[str, ...]]] = {
     "fsdp8 zero3 seq2k full": (8, 1, 1, 3, "1f1b", 1, "full", ("data.seq_len=2048",)),
     "fsdp4 tp2 seq2k full": (4, 2, 1, 3, "1f1b", 1, "full", ("data.seq_len=2048",)),
     "fsdp4 tp2": (4, 2, 1, 3, "1f1b", 1, "selective", ()),
+    # fp8 × TP: torchao's float8 TP styles keep float8 copies of the split Linears' inputs (plan/activations.py
+    # `float8_tp_saved_bytes`); without recompute the attention kernel also keeps its bf16 output
+    "fsdp4 tp2 fp8 none": (4, 2, 1, 3, "1f1b", 1, "none", ("precision.compute=fp8",)),
     "fsdp2 tp4": (2, 4, 1, 3, "1f1b", 1, "selective", ()),
     "fsdp2 tp8": (2, 8, 1, 3, "1f1b", 1, "selective", ()),
     "fsdp4 pp2 1f1b": (4, 1, 2, 3, "1f1b", 1, "selective", ()),

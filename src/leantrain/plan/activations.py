@@ -55,7 +55,8 @@ class ActivationTerms:
     # sequence parallelism each norm's output is all-gathered for the column-parallel matmuls that follow, and
     # those keep the gathered (whole-sequence) tensor for their backward (Megatron's SP keeps the shard and
     # gathers again in the backward). Measured by `leantrain rehearse` at TP 2 and 8: 2 + 2 × 4 + 1 whole-
-    # sequence bf16 hidden tensors for 4 layers and the head.
+    # sequence bf16 hidden tensors for 4 layers and the head. Also the eager block's cast RoPE tables, made for the
+    # whole sequence that q and k carry under sequence parallelism (tests/test_plan_fp8_tp.py, to the byte).
     sp_gathered: float = 0.0
 
 
@@ -131,8 +132,8 @@ def activation_terms(shape: ModelShape, *, seq_len: int, act_bytes: float, flash
     # w1, w2) plus the attention output and the block input; MoE layers keep their routed tensors as above.
     op_mlp = mlp if moe_layer and shape.moe is not None else e * (f + h)
     op_saved = e * (shape.q_dim + shape.kv_dim) + op_mlp + e * shape.q_dim + e * h
-    # the two norms' outputs (see ActivationTerms), kept whole-sequence by torch's DTensor SP
-    sp_gathered = 2 * e * h if SP_GATHERED_PLANNED and not (fused or gpt_style) else 0.0
+    # the two norms' outputs (see ActivationTerms), kept whole-sequence by torch's DTensor SP, and RoPE's cast tables
+    sp_gathered = (2 * e * h if SP_GATHERED_PLANNED and not (fused or gpt_style) else 0.0) + rope
     if autocast and not (fused or gpt_style):
         replicated += autocast_cast_bytes(shape, act_bytes=e, moe_layer=moe_layer)
     return ActivationTerms(replicated=replicated + rope, sharded=qkv + out_proj_input + mlp, core=core,
@@ -155,6 +156,36 @@ def autocast_cast_bytes(shape: ModelShape, *, act_bytes: float, moe_layer: bool)
     else:
         mlp = shape.mlp_matrices - 1
     return act_bytes * shape.d_model * (attention + mlp)
+
+
+def float8_tp_saved_bytes(shape: ModelShape, *, tp: int, sp: bool, recompute: Recompute, act_bytes: float,
+                          moe_layer: bool) -> float:
+    """Per-token bytes one eager block saves less under fp8 with tensor parallelism than `layer_activation_bytes`
+    counts (negative: more). torchao's float8 TP styles (parallel/tensor.py) cast each split Linear's input to
+    float8 before its collective, and the Linear keeps that float8 copy for its weight gradient:
+    - column-wise inputs: with sequence parallelism the sub-block's one gathered input (`sp_gathered`) in float8;
+      without it each of wq, wk, wv (and w1, w3) keeps a float8 copy of the norm output the bf16 Linears share;
+    - row-wise inputs: wo's (the attention output) and w2's (the activation's output, which no other backward
+      needs) in float8. Without recompute the attention kernel also keeps its own bf16 output, so wo's float8
+      copy is added to it; `selective` recomputes the kernel, which then keeps nothing.
+    Counted with saved-tensor hooks on the trainer's block under a 2-rank TP mesh (tests/test_plan_fp8_tp.py).
+    Latent attention and an MoE layer's experts are left as bf16 counts them (the plan stays above)."""
+    if tp == 1 or recompute not in ("none", "selective"):
+        return 0.0
+    h, e = shape.d_model, act_bytes
+
+    def column_inputs(linears: int) -> float:
+        if sp:  # the gathered copy the plan counts (`sp_gathered`), none when it does not
+            return (e - 1) * h if SP_GATHERED_PLANNED else 0.0
+        return (e - linears) * h
+
+    saved = 0.0
+    if shape.mla is None:
+        q = shape.attention_core_widths[1] / tp
+        saved += column_inputs(3) + ((e - 1) * q if recompute == "selective" else -q)
+    if not (moe_layer and shape.moe is not None):
+        saved += column_inputs(shape.mlp_matrices - 1) + (e - 1) * shape.ffn_hidden / tp
+    return saved
 
 
 def head_activation_bytes(shape: ModelShape, *, tokens: int, act_bytes: float, tp: int,

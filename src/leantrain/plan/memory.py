@@ -34,6 +34,7 @@ from leantrain.plan.activations import (
     SP_GATHERED_PLANNED,
     activation_terms,
     backward_chunks_at_peak,
+    float8_tp_saved_bytes,
     head_activation_bytes,
     in_flight_microbatches,
     layer_activation_bytes,
@@ -284,6 +285,9 @@ def _per_microbatch(inputs: PlanInputs, *, layers: int, first_layer: int, tp: in
         kw = {"tokens": tokens, "tp": tp, "sp": sp, "act_bytes": inputs.act_bytes, "d_model": shape.d_model}
         per_microbatch += count * layer_activation_bytes(terms, recompute=recompute, **kw)  # type: ignore[arg-type]
         per_microbatch -= count * tokens * frozen_base_bytes(inputs, recompute=recompute, moe_layer=is_moe)
+        if inputs.compute_dtype == "fp8" and not inputs.fused_kernels and inputs.trains_base:
+            per_microbatch -= count * tokens * float8_tp_saved_bytes(shape, tp=tp, sp=sp, recompute=recompute,
+                                                                     act_bytes=inputs.act_bytes, moe_layer=is_moe)
         if recompute == "full":  # backward rebuilds one layer's full activations at a time
             one_layer_full = max(one_layer_full, layer_activation_bytes(terms, recompute="none", **kw))
     if inputs.lora_rank:  # adapters inside a fully recomputed block are rebuilt with it, one layer at a time
