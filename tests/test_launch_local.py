@@ -13,12 +13,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from leantrain.cli import main
+from leantrain.errors import REFUSAL_ENV, record_refusal
 from leantrain.launch import command as launch_mod
 from leantrain.launch import torchrun
 from leantrain.launch.health import read_health, record_failure
@@ -138,18 +140,22 @@ def test_excluded_host_is_refused_and_a_crash_is_recorded(
     assert result.exit_code == 2 and "is excluded" in result.output and not no_torchrun
 
 
-def refusing_torchrun(*, root_exit: str, log_text: str,
+def refusing_torchrun(*, root_exit: str, refused: str | None, log_text: str = "",
                       before: Callable[[], None] = lambda: None) -> Callable[..., int]:
     """A stand-in for run_torchrun: local rank 0 fails first with `root_exit` (local rank 1 follows, exit 1), its
-    stderr log holding `log_text` where torchrun writes it, under the `--log-dir` of the command (this host's)."""
+    stderr log holding `log_text` where torchrun writes it, under the `--log-dir` of the command (this host's);
+    with `refused`, that rank first records the refusal where the launch said (errors.record_refusal)."""
 
     def run(argv: list[str], *, console: object, timeout_s: object = None, failed_ranks: list[int] | None = None,
-            trace_filter: torchrun.TraceFilter | None = None, **_: object) -> int:
-        assert trace_filter is not None and failed_ranks is not None
+            trace_filter: torchrun.TraceFilter | None = None, refusal: Path | None = None, **_: object) -> int:
+        assert trace_filter is not None and failed_ranks is not None and refusal is not None
         (log_dir,) = [a.removeprefix("--log-dir=") for a in argv if a.startswith("--log-dir=")]
         log = Path(log_dir) / "run-id_x1" / "attempt_0" / "0" / "stderr.log"
         log.parent.mkdir(parents=True)
         log.write_text(log_text)
+        if refused is not None:
+            with mock.patch.dict(os.environ, {REFUSAL_ENV: str(refusal), "RANK": "0", "LOCAL_RANK": "0"}):
+                record_refusal(refused)
         before()
         for line in ("Traceback (most recent call last):", "  File x", "torch...ChildFailedError: ", "=" * 20,
                      "Failures:", "[1]:", "  rank      : 1 (local_rank: 1)", "  exitcode  : 1 (pid: 9)",
@@ -162,35 +168,40 @@ def refusing_torchrun(*, root_exit: str, log_text: str,
     return run
 
 
-@pytest.mark.parametrize("root_exit", ["2", "1"])
+@pytest.mark.parametrize(("root_exit", "refused"), [
+    ("2", "run X would resume from step 2 with other schedule settings"), ("1", None), ("2", None)])
 def test_a_job_its_ranks_refuse_is_exit_2_and_not_the_hosts_crash(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_torchrun: list[object], cli: Callable[..., Result],
-    root_exit: str,
+    root_exit: str, refused: str | None,
 ) -> None:
-    """The first failed rank exited 2 (it refused the job's input, e.g. a resume with other schedule settings):
-    the launch is exit 2 with that rank's error line, and the host gets no crash (two crashes exclude it). A rank
-    that failed first otherwise is a crash, as before."""
+    """A rank that refused the job's input (e.g. a resume with other schedule settings) recorded why in the
+    launch's refusal file: the launch is exit 2 with that reason, and the host gets no crash (two crashes exclude
+    it). A rank that failed first otherwise is a crash, as before; so is an exit 2 with nothing recorded (an
+    error that may pass on retry: the file is the one way a launch learns of a refusal, its logs are not read for
+    one, whatever error line they hold)."""
     run_dir = tmp_path / "run"
-    text = "starting\nerror: run X would resume from step 2 with other schedule settings\n"
-    monkeypatch.setattr(torchrun, "run_torchrun", refusing_torchrun(root_exit=root_exit, log_text=text))
+    log = "starting\nerror: a line in the rank's log\n"
+    monkeypatch.setattr(torchrun, "run_torchrun", refusing_torchrun(root_exit=root_exit, refused=refused,
+                                                                    log_text=log))
     result = cli("launch", str(TINY), "--nproc", "2", "--set", f"data.dir={tmp_path / 'data'}", "--run-dir",
                  str(run_dir))
     text = " ".join(result.output.split())
-    if root_exit == "2":
+    if refused is not None:
         assert result.exit_code == 2, result.output
         assert "the ranks refused the job: run X would resume from step 2 with other schedule settings" in text
         assert socket.gethostname() not in read_health(run_dir)
     else:
         assert result.exit_code == 1 and "before the host is excluded" in text, result.output
+        assert "refused" not in text and "a line in the rank's log" not in text
         assert read_health(run_dir)[socket.gethostname()].crashes == 1
 
 
-def test_the_refusal_and_the_failed_ranks_log_are_read_from_this_hosts_logs_only(
+def test_the_failed_ranks_log_is_read_from_this_hosts_logs_only(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_torchrun: list[object], cli: Callable[..., Result],
 ) -> None:
     """A run dir on shared storage holds every node's torchrun logs (RUN_DIR/logs/HOST/...). This host's failed
-    local rank 0 is read from this host's log dir: another node's local rank 0, whose log is newer, is not it
-    (before, every node's logs were globbed and the newest one's error line was reported as this host's)."""
+    local rank 0's log is read from this host's log dir: another node's local rank 0, whose log is newer, is not
+    it (before, every node's logs were globbed and the newest one was reported as this host's)."""
     run_dir = tmp_path / "run"
     other = run_dir / torchrun.LOGS_DIR / "other-node-17" / "run-id_x1" / "attempt_1" / "0" / "stderr.log"
 
@@ -200,9 +211,8 @@ def test_the_refusal_and_the_failed_ranks_log_are_read_from_this_hosts_logs_only
         later = time.time() + 60
         os.utime(other, (later, later))
 
-    text = "error: data.dir /x has no manifest.json\n"
-    monkeypatch.setattr(torchrun, "run_torchrun", refusing_torchrun(root_exit="2", log_text=text,
-                                                                    before=other_node_logs_later))
+    monkeypatch.setattr(torchrun, "run_torchrun", refusing_torchrun(
+        root_exit="2", refused="data.dir /x has no manifest.json", before=other_node_logs_later))
     result = cli("launch", str(TINY), "--nproc", "2", "--set", f"data.dir={tmp_path / 'data'}", "--run-dir",
                  str(run_dir))
     text = " ".join(result.output.split())
@@ -249,6 +259,33 @@ def test_a_restarted_rank_refuses_at_once_what_a_rank_of_its_launch_refused(
     assert result.exit_code == 2, result.output
     text = " ".join(result.output.split())
     assert "already refused this launch's job" in text and "has no manifest.json" in text and "missing" not in text
+    message = json.loads(marker.read_text())["message"]  # not rewritten as "already refused ...: ..."
+    assert "already refused" not in message and "manifest.json" in message
+
+
+@pytest.mark.parametrize("how", ["path", "usage"])
+def test_every_exit_2_of_train_is_recorded_as_the_launchs_refusal(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cli: Callable[..., Result], how: str,
+) -> None:
+    """The CLI's own exit 2 for a path that is not what train needs (an OSError the user's input caused) and for
+    a usage error are refusals too: recorded like a LeantrainError's, so the launcher learns of them from the
+    file alone (before, only a LeantrainError was, and the launcher scraped the rank's log for the others). Other
+    commands' exit 2 is not recorded."""
+    def missing(*_: object, **__: object) -> None:
+        raise FileNotFoundError(2, "No such file or directory", str(tmp_path / "data" / "tokenizer.json"))
+
+    marker = tmp_path / "refused.json"
+    monkeypatch.setenv("LEANTRAIN_REFUSAL_FILE", str(marker))
+    monkeypatch.setattr("leantrain.cli._stage", missing)
+    assert cli("check", str(TINY), "--no-such-flag").exit_code == 2 and not marker.exists()
+    if how == "path":
+        result = cli("train", str(TINY), "--run-dir", str(tmp_path / "r"))
+        expected = f"{tmp_path / 'data' / 'tokenizer.json'}: No such file or directory (check that path"
+    else:
+        result = cli("train", str(TINY), "--no-such-flag")
+        expected = "usage: No such option: --no-such-flag"
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert json.loads(marker.read_text())["message"].startswith(expected), marker.read_text()
 
 
 def test_a_refusal_is_one_file_write_a_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -18,7 +18,14 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
-from leantrain.errors import LeantrainError, UserInputError, check_output_file, earlier_refusal, record_refusal
+from leantrain.errors import (
+    AlreadyRefused,
+    LeantrainError,
+    UserInputError,
+    check_output_file,
+    earlier_refusal,
+    record_refusal,
+)
 from leantrain.spec import JobSpec, load_spec
 
 app = typer.Typer(
@@ -218,16 +225,11 @@ def train(
     SIGINT/SIGTERM save a checkpoint at the current step and exit 130/143.
     """
     earlier_refusal()  # a restarted rank of a launch whose ranks refused the job: refuse again at once
-    try:
-        job = _spec(spec, set_, profile)  # spec errors first: before parse_resume's module imports torch
-        from leantrain.ckpt.resume import parse_resume
+    job = _spec(spec, set_, profile)  # spec errors first: before parse_resume's module imports torch
+    from leantrain.ckpt.resume import parse_resume
 
-        request = parse_resume(resume, weights_only=weights_only, extend_schedule=extend_schedule)
-        _stage("leantrain.train.command", spec=job, run_dir=run_dir, max_steps=max_steps, resume=request)
-    except LeantrainError as err:
-        if err.exit_code == 2 and getattr(err, "permanent", True):  # not an I/O error that may pass on retry
-            record_refusal(str(err))  # for the launcher and torchrun's restarts of this launch
-        raise
+    request = parse_resume(resume, weights_only=weights_only, extend_schedule=extend_schedule)
+    _stage("leantrain.train.command", spec=job, run_dir=run_dir, max_steps=max_steps, resume=request)
 
 
 @app.command()
@@ -445,13 +447,24 @@ def quiet_third_party() -> None:
 quiet_third_party()  # at import: scripts that import the CLI (scripts/tiny_hf_jobs.py) import torchao before main
 
 
+def _refused(args: list[str], code: int, message: str, err: BaseException) -> int:
+    """`code`, after recording an exit 2 of `train` as the launch's refusal (errors.record_refusal: the one way
+    `launch`, the Slurm script and the Kubernetes container learn that the ranks refused the job), unless it may
+    pass on retry (an IntegrityError that is not `permanent`) or repeats a refusal recorded before."""
+    command = next((arg for arg in args if not arg.startswith("-")), None)  # the app takes no option values
+    if code == 2 and command == "train" and getattr(err, "permanent", True) and not isinstance(err, AlreadyRefused):
+        record_refusal(message)
+    return code
+
+
 def main(argv: list[str] | None = None) -> int:
     """Console-script entry point: user errors become a message and an exit code, not a traceback."""
+    args = sys.argv[1:] if argv is None else list(argv)
     try:
-        app(args=argv, prog_name="leantrain", standalone_mode=False)
+        app(args=args, prog_name="leantrain", standalone_mode=False)
     except LeantrainError as err:
         err_console.print(f"[bold red]error:[/] {escape(str(err))}", highlight=False, soft_wrap=True)
-        return err.exit_code
+        return _refused(args, err.exit_code, str(err), err)
     except typer.Exit as exc:
         return exc.exit_code
     except typer.Abort:
@@ -461,14 +474,15 @@ def main(argv: list[str] | None = None) -> int:
         # a path given on the command line or in the spec that is not what the command needs (a folder for a
         # file, a file for a folder, a file that is missing or may not be read or written): name it
         paths = " → ".join(str(p) for p in (err.filename, err.filename2) if p is not None) or "a path"
-        err_console.print(f"[bold red]error:[/] {escape(paths)}: {escape(err.strerror or str(err))} (check that path, "
-                          "given on the command line or in the spec)", highlight=False, soft_wrap=True)
-        return 2
+        message = f"{paths}: {err.strerror or err} (check that path, given on the command line or in the spec)"
+        err_console.print(f"[bold red]error:[/] {escape(message)}", highlight=False, soft_wrap=True)
+        return _refused(args, 2, message, err)
     except Exception as exc:
         # Usage errors from typer's bundled click: duck-typed, since typer vendors its own click copy.
         if hasattr(exc, "show") and isinstance(getattr(exc, "exit_code", None), int):
             exc.show()
-            return exc.exit_code
+            message = exc.format_message() if hasattr(exc, "format_message") else str(exc)
+            return _refused(args, exc.exit_code, f"usage: {message}", exc)
         raise
     return 0
 

@@ -20,11 +20,17 @@ class UserInputError(LeantrainError):
 REFUSAL_ENV = "LEANTRAIN_REFUSAL_FILE"  # set by the launchers for the ranks of one launch (launch/torchrun.py)
 
 
+class AlreadyRefused(UserInputError):
+    """A rank of this launch refused the job before (`earlier_refusal`): exit 2, and not recorded again."""
+
+
 def record_refusal(message: str) -> None:
-    """A rank refused the job's input (exit 2: a spec, a data dir, a resume that does not match): under a launcher
-    that set LEANTRAIN_REFUSAL_FILE, write the message there (atomically; the last refusing rank wins), so that
-    torchrun's restarts of the same launch refuse at once (`earlier_refusal`) and the launcher stops them rather
-    than restart every rank `fault.max_restarts` times. Never raises: the refusal itself is what the user sees."""
+    """A rank refused the job (any exit 2 of `train` but one that may pass on retry: a spec, a data dir, a resume
+    that does not match, a path the user named; the CLI's `main` calls this): under a launcher that set
+    LEANTRAIN_REFUSAL_FILE, write the message there (atomically; the last refusing rank wins), so that torchrun's
+    restarts of the same launch refuse at once (`earlier_refusal`) and the launcher stops them rather than restart
+    every rank `fault.max_restarts` times. The file is the one way a launcher learns that its ranks refused the
+    job. Never raises: the refusal itself is what the user sees."""
     import json
     import os
     import socket
@@ -62,7 +68,7 @@ def earlier_refusal() -> None:
     path = os.environ.get(REFUSAL_ENV)
     record = read_refusal(path) if path else None
     if record is not None:
-        raise UserInputError(f"rank {record.get('rank')} on {record.get('host')} already refused this launch's job: "
+        raise AlreadyRefused(f"rank {record.get('rank')} on {record.get('host')} already refused this launch's job: "
                              f"{record['message']}")
 
 

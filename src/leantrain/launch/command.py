@@ -234,7 +234,7 @@ def _launch_leased(
         signal.signal(signal.SIGTERM, previous)
     _audit(spec, run_dir, "launch.local", nproc=nproc, nnodes=nnodes or "1", exit_code=code,
            failed_ranks=failed_ranks)
-    if code != 0 and refusals:  # the first failed rank refused the job's input (exit 2): not the host's crash
+    if code != 0 and refusals:  # a rank recorded that it refused the job (exit 2): not the host's crash
         raise UserInputError(f"the ranks refused the job: {refusals[0]} (not counted against {host}; per-rank logs "
                              f"under {Path(run_dir) / torchrun.LOGS_DIR})")
     if code != 0:

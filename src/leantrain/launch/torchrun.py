@@ -261,7 +261,7 @@ def launch_local(
     failed_ranks: list[int] | None = None, refusals: list[str] | None = None,
 ) -> int:
     """Check the layout, then run torchrun; returns its exit code (`failed_ranks` receives the crashed ranks, and
-    `refusals` the first failed rank's error line when it refused the job's input: `refusal`)."""
+    `refusals` the message a rank recorded when it refused the job: `refusal_file`, errors.record_refusal)."""
     min_nodes, max_nodes = parse_nnodes(nnodes) if nnodes else (1, 1)
     for warning in oversubscription_warnings(spec, nproc=nproc):
         console.print(f"[yellow]warning: {warning}")
@@ -278,11 +278,8 @@ def launch_local(
                         refusal=marker)
     for line in rank_failure_lines(traces, run_dir=run_dir):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
-    if code != 0 and refusals is not None:
-        recorded = read_refusal(marker)
-        refused = recorded["message"] if recorded else refusal(traces, run_dir=run_dir)
-        if refused is not None:
-            refusals.append(refused)
+    if code != 0 and refusals is not None and (recorded := read_refusal(marker)) is not None:
+        refusals.append(recorded["message"])
     console.print(f"per-rank logs: {Path(run_dir) / LOGS_DIR}; exit code {code}")
     return code
 
@@ -295,21 +292,6 @@ def newest_rank_log(run_dir: Path, local_rank: str) -> Path | None:
     logs = sorted(host_log_dir(run_dir).glob(f"*/attempt_*/{local_rank}/stderr.log"),
                   key=lambda p: p.stat().st_mtime)
     return logs[-1] if logs else None
-
-
-def refusal(traces: TraceFilter, *, run_dir: Path) -> str | None:
-    """When the first failed rank (torchrun's root cause; with none named, every failed rank) exited 2, the CLI's
-    exit for input it refuses (a spec, a resume that does not match), its `error:` line from its newest log: the
-    job, not the node, failed (the peers it left then fail in their collectives). Else None."""
-    failed = [f for f in traces.failures if "rank" in f]
-    roots = [f for f in failed if f.get("root")] or failed
-    if not roots or any(f.get("exitcode") != "2" for f in roots):
-        return None
-    first = roots[0]
-    log = newest_rank_log(run_dir, first.get("local_rank", "?"))
-    lines = log.read_text(errors="replace").splitlines() if log else []
-    errors = [line.strip() for line in lines if line.strip().startswith("error:")]
-    return errors[-1].removeprefix("error:").strip() if errors else f"rank {first['rank']} exited 2"
 
 
 def rank_failure_lines(traces: TraceFilter, *, run_dir: Path) -> list[str]:
