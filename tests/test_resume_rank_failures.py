@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import socket
 import sys
 from pathlib import Path
 
@@ -27,7 +28,7 @@ def test_a_failed_rank_is_one_line_naming_its_log(tmp_path: Path) -> None:
     script.write_text(FAILING)
     run_dir = tmp_path / "run"
     argv = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes=1", "--nproc-per-node=2",
-            "--max-restarts=0", f"--log-dir={run_dir / 'logs' / 'host'}", "--redirects=3", "--tee=3",
+            "--max-restarts=0", f"--log-dir={run_dir / 'logs' / socket.gethostname()}", "--redirects=3", "--tee=3",
             "--local-ranks-filter=0,1", str(script)]  # both ranks tee'd: rank 1's traceback reaches the console
     out = io.StringIO()
     console = Console(file=out, width=200)
