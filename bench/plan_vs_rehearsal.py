@@ -62,6 +62,8 @@ GRID: dict[str, tuple[int, int, int, int, str, int, str, tuple[str, ...]]] = {
                                        ("training.global_batch_tokens=32768",)),
     "fsdp2 tp2 pp2": (2, 2, 2, 3, "1f1b", 1, "selective", ()),
     "moe fsdp8 ep4": (8, 1, 1, 3, "1f1b", 1, "selective", (*MOE, "parallelism.expert_parallel=4")),
+    # TP without EP: each expert's hidden dim split over TP, every TP rank routing all of the layer's tokens
+    "moe fsdp4 tp2": (4, 2, 1, 3, "1f1b", 1, "selective", MOE),
     # EP × TP: each TP rank sends the experts its share of the tokens; their FSDP spans dp_mod_ep × tp
     "moe fsdp4 tp2 ep2": (4, 2, 1, 3, "1f1b", 1, "selective", (*MOE, "parallelism.expert_parallel=2")),
 }

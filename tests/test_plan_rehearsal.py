@@ -1,6 +1,6 @@
 """The planner's memory held to `leantrain rehearse` (the trainer itself under a fake process group and fake
 tensors) on a small grid of layouts: a Llama-3-8B-wide model cut to 4 layers, rank 0 of each world.
-bench/plan_vs_rehearsal.py runs the whole grid (23 layouts, bench/RESULTS.md); these pin one layout per
+bench/plan_vs_rehearsal.py runs the whole grid (24 layouts, bench/RESULTS.md); these pin one layout per
 mechanism: ZeRO-2's gathered stage, TP with the vocabulary-parallel loss (TP2, and TP8 where the loss's
 backward and the sequence-parallel gathered inputs weigh most), a pipeline's first stage (the stage torch's
 pipelining keeps gathered with its unsharded gradients), an interleaved pipeline (its peak falls in a forward,
@@ -36,7 +36,7 @@ def _bench():
 @pytest.mark.parametrize("name", ["fsdp8 zero2 selective", "fsdp4 tp2", "fsdp2 tp8", "fsdp4 pp2 1f1b",
                                   "fsdp2 pp2 interleaved", "fsdp2 tp2 pp2", "fsdp8 zero3 op", "fsdp2 tp4 op",
                                   "fsdp8 zero3 op fp8", "fsdp8 zero3 seq2k", "fsdp4 tp2 seq2k full",
-                                  "fsdp4 tp2 fp8 none"])
+                                  "fsdp4 tp2 fp8 none", "moe fsdp4 tp2"])
 def test_plan_matches_the_rehearsal_per_category(name: str) -> None:
     bench = _bench()
     dp, tp, pp, zero, schedule, virtual, recompute, extra = bench.GRID[name]

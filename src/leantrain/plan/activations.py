@@ -56,8 +56,14 @@ class ActivationTerms:
     # those keep the gathered (whole-sequence) tensor for their backward (Megatron's SP keeps the shard and
     # gathers again in the backward). Measured by `leantrain rehearse` at TP 2 and 8: 2 + 2 × 4 + 1 whole-
     # sequence bf16 hidden tensors for 4 layers and the head. Also the eager block's cast RoPE tables, made for the
-    # whole sequence that q and k carry under sequence parallelism (tests/test_plan_fp8_tp.py, to the byte).
+    # whole sequence that q and k carry under sequence parallelism (tests/test_plan_tp_activations.py, to the byte).
     sp_gathered: float = 0.0
+    # Part of `sharded` (an MoE layer's) that is whole rows: the routed copies' input and output rows, their
+    # indices and routing weights, the router's scores. Experts split over TP (`Layout.experts_split_over_tp`: the
+    # trainer's TP without EP, parallel/expert.py `apply_expert_tensor_parallel`) split only the experts' hidden
+    # width, and every TP rank routes all of the layer's tokens: these rows are whole on each (`leantrain rehearse`,
+    # the grid's `moe fsdp4 tp2`). EP × TP splits the tokens over TP instead: divided by tp like the rest.
+    expert_rows: float = 0.0
 
 
 def norm_saved_bytes(*, act_bytes: float, gpt_style: bool, fused: bool = False) -> float:
@@ -68,23 +74,27 @@ def norm_saved_bytes(*, act_bytes: float, gpt_style: bool, fused: bool = False) 
     return 2 * act_bytes if gpt_style or fused else 4.0 + 2 * act_bytes
 
 
-def _moe_mlp_bytes(shape: ModelShape, *, e: float, lin: float, fused: bool) -> float:
-    """Per-token bytes of an MoE layer's MLP: dispatched copies, experts' SwiGLU tensors, shared experts and
-    fp32 router scores (balanced routing: a GPU holds its own tokens' share of the expert work)."""
+def _moe_mlp_bytes(shape: ModelShape, *, e: float, lin: float, fused: bool) -> tuple[float, float]:
+    """(per-token bytes of an MoE layer's MLP, the part of them that is whole rows, not the experts' hidden
+    width): dispatched copies, experts' SwiGLU tensors, shared experts and fp32 router scores (balanced routing:
+    a GPU holds its own tokens' share of the expert work). The rows (each routed copy's input and output rows,
+    its indices and routing weight, the router's scores) are what expert tensor parallelism does not split."""
     assert shape.moe is not None
     m, h = shape.moe, shape.d_model
     if fused:  # SwiGLU input (gate, up) + output; the routing weight is applied inside the expert (before
         # its down projection, as Megatron's moe_apply_probs_on_input), so expert outputs need not be kept
         per_expert = 2 * lin * m.expert_hidden + lin * m.expert_hidden
         routed = m.top_k * (lin * h + per_expert)
+        rows = m.top_k * lin * h
     else:  # our eager MoE (model/moe.py): per routed copy the dispatched input, the expert's gate, up,
         # silu(gate) and product, its output (kept for the routing weight's gradient), the int64 sort order and
         # token index and the fp32 routing weight
         per_expert = 4 * e * m.expert_hidden
         routed = m.top_k * (e * h + per_expert + e * h + 2 * 8.0 + 4.0)
+        rows = m.top_k * (e * h + e * h + 2 * 8.0 + 4.0)
     # Router (fp32): logits, scores and the selection scores per expert, the int64 top-k indices.
     router = 3 * 4.0 * m.num_experts + 8.0 * m.top_k
-    return routed + m.num_shared_experts * per_expert + router
+    return routed + m.num_shared_experts * per_expert + router, rows + router
 
 
 def activation_terms(shape: ModelShape, *, seq_len: int, act_bytes: float, flash: bool, moe_layer: bool,
@@ -113,8 +123,9 @@ def activation_terms(shape: ModelShape, *, seq_len: int, act_bytes: float, flash
         # (which the square also keeps) and the square
         mlp = (4 if shape.mlp == "swiglu" else 2) * e * f
         rope = 0.0 if e >= 4 else 2 * 2 * e * shape.head_dim
+    expert_rows = 0.0
     if moe_layer and shape.moe is not None:
-        mlp = _moe_mlp_bytes(shape, e=e, lin=lin, fused=fused or gpt_style)
+        mlp, expert_rows = _moe_mlp_bytes(shape, e=e, lin=lin, fused=fused or gpt_style)
     q_width, k_width, v_width = shape.attention_widths
     qkv = e * (q_width + k_width + v_width)
     if shape.mla is not None:  # the latents the up-projections read are kept too
@@ -138,7 +149,7 @@ def activation_terms(shape: ModelShape, *, seq_len: int, act_bytes: float, flash
         replicated += autocast_cast_bytes(shape, act_bytes=e, moe_layer=moe_layer)
     return ActivationTerms(replicated=replicated + rope, sharded=qkv + out_proj_input + mlp, core=core,
                            op_saved=op_saved, selective_replicated=sel_replicated, selective_sharded=sel_sharded,
-                           sp_gathered=sp_gathered)
+                           sp_gathered=sp_gathered, expert_rows=expert_rows)
 
 
 def autocast_cast_bytes(shape: ModelShape, *, act_bytes: float, moe_layer: bool) -> float:
@@ -168,7 +179,7 @@ def float8_tp_saved_bytes(shape: ModelShape, *, tp: int, sp: bool, recompute: Re
     - row-wise inputs: wo's (the attention output) and w2's (the activation's output, which no other backward
       needs) in float8. Without recompute the attention kernel also keeps its own bf16 output, so wo's float8
       copy is added to it; `selective` recomputes the kernel, which then keeps nothing.
-    Counted with saved-tensor hooks on the trainer's block under a 2-rank TP mesh (tests/test_plan_fp8_tp.py).
+    Counted with saved-tensor hooks on the trainer's block under a 2-rank TP mesh (tests/test_plan_tp_activations.py).
     Latent attention and an MoE layer's experts are left as bf16 counts them (the plan stays above)."""
     if tp == 1 or recompute not in ("none", "selective"):
         return 0.0
@@ -201,10 +212,15 @@ def head_activation_bytes(shape: ModelShape, *, tokens: int, act_bytes: float, t
 
 
 def layer_activation_bytes(terms: ActivationTerms, *, tokens: int, tp: int, sp: bool, recompute: Recompute,
-                           act_bytes: float, d_model: int) -> float:
-    """Bytes one layer keeps for one micro-batch of `tokens` (s·b) under a recompute policy."""
+                           act_bytes: float, d_model: int, experts_whole_rows: bool = False) -> float:
+    """Bytes one layer keeps for one micro-batch of `tokens` (s·b) under a recompute policy. `experts_whole_rows`:
+    the routed experts are split over TP, so their rows (`ActivationTerms.expert_rows`) are whole on each rank."""
     if recompute == "full":  # only the layer input survives the forward
         return tokens * act_bytes * d_model / (tp if sp else 1)
+    if experts_whole_rows and tp > 1 and terms.expert_rows:
+        whole = terms.expert_rows * (1 - 1 / tp)  # counted below divided by tp, like the experts' hidden tensors
+        return tokens * whole + layer_activation_bytes(terms, tokens=tokens, tp=tp, sp=sp, recompute=recompute,
+                                                       act_bytes=act_bytes, d_model=d_model)
     if recompute == "op":  # the block input is boundary-sized, the kept matmul outputs are tp-sharded
         boundary = act_bytes * d_model
         kept = boundary / (tp if sp else 1) + (terms.op_saved - boundary + terms.core) / tp

@@ -267,7 +267,7 @@ def _adapter_states(inputs: PlanInputs, layout: Layout, sp: StageParams, *, shar
 
 @lru_cache(maxsize=8192)
 def _per_microbatch(inputs: PlanInputs, *, layers: int, first_layer: int, tp: int, sp: bool, recompute: str,
-                    micro_batch: int, autocast: bool = False) -> tuple[float, float]:
+                    micro_batch: int, autocast: bool = False, experts_whole_rows: bool = False) -> tuple[float, float]:
     """(bytes the stage's layers keep per micro-batch, one layer rebuilt under full recompute); cached, as
     the search asks for the same stage shape many times."""
     shape = inputs.shape
@@ -282,7 +282,8 @@ def _per_microbatch(inputs: PlanInputs, *, layers: int, first_layer: int, tp: in
         terms = activation_terms(shape, seq_len=inputs.seq_len, act_bytes=inputs.act_bytes,
                                  flash=inputs.flash_attention, moe_layer=is_moe, fused=inputs.fused_kernels,
                                  linear_bytes=inputs.linear_input_bytes, autocast=autocast)
-        kw = {"tokens": tokens, "tp": tp, "sp": sp, "act_bytes": inputs.act_bytes, "d_model": shape.d_model}
+        kw = {"tokens": tokens, "tp": tp, "sp": sp, "act_bytes": inputs.act_bytes, "d_model": shape.d_model,
+              "experts_whole_rows": experts_whole_rows}
         per_microbatch += count * layer_activation_bytes(terms, recompute=recompute, **kw)  # type: ignore[arg-type]
         per_microbatch -= count * tokens * frozen_base_bytes(inputs, recompute=recompute, moe_layer=is_moe)
         if inputs.compute_dtype == "fp8" and not inputs.fused_kernels and inputs.trains_base:
@@ -315,7 +316,7 @@ def _stage_activations(inputs: PlanInputs, layout: Layout, *, layers: int, first
     autocast = inputs.autocast_casts(layout)
     per_microbatch, one_layer_full = _per_microbatch(
         inputs, layers=layers, first_layer=first_layer, tp=layout.tp, sp=layout.sp, recompute=layout.recompute,
-        micro_batch=layout.micro_batch, autocast=autocast)
+        micro_batch=layout.micro_batch, autocast=autocast, experts_whole_rows=layout.experts_split_over_tp)
     in_flight = in_flight_microbatches(layout, num_microbatches, stage=stage)
     held = per_microbatch * in_flight
     if layout.pp > 1 and not inputs.fused_kernels:

@@ -1,7 +1,9 @@
-"""fp8 × tensor parallelism: what the trainer's blocks save for backward against the plan's count.
+"""Tensor parallelism's activations (fp8's float8 styles, MoE experts split over TP): what the trainer's blocks
+save for backward against the plan's count.
 
 The blocks are built and split as the trainer does (train/precision.py's float8 swap, then
-parallel/tensor.py's TP plan) on rank 0 of a 2-rank fake process group, with real tensors on the CPU: the fake
+parallel/tensor.py's TP plan, and parallel/expert.py's split of the routed experts' hidden width when there is
+no expert parallelism) on rank 0 of a 2-rank fake process group, with real tensors on the CPU: the fake
 group moves no data, which changes no shape, and a fake group is not gloo, so torchao's float8 TP styles are
 used as under NCCL. Per layer and token (two depths × two sequence lengths: the embedding, the head and the
 per-position tables cancel), autograd's saved tensors are counted once per storage, float8 data included.
@@ -22,8 +24,13 @@ FIELDS = {"d_model": 128, "n_heads": 8, "n_kv_heads": 2, "ffn_hidden": 448, "voc
           "tie_embeddings": False}
 
 
+MOE = {"architecture": "moe", "moe": {"num_experts": 4, "top_k": 2, "expert_hidden": 128, "num_shared_experts": 1,
+                                     "first_dense_layers": 0}}
+
+
 def _spec(compute: str, *, layers: int, seq_len: int, mlp: str):
-    fields = {**FIELDS, "n_layers": layers} | ({"mlp": mlp, "ffn_hidden": 512} if mlp != "swiglu" else {})
+    fields = {**FIELDS, "n_layers": layers} | ({"mlp": mlp, "ffn_hidden": 512} if mlp not in ("swiglu", "moe") else {})
+    fields |= MOE if mlp == "moe" else {}
     return spec_from_dict({"model": fields, "data": {"tokens_total": 1e6, "seq_len": seq_len},
                            "training": {"global_batch_tokens": seq_len}, "precision": {"compute": compute}})
 
@@ -34,6 +41,7 @@ def _saved_bytes(compute: str, *, layers: int, seq_len: int, sp: bool, recompute
     from torch.distributed.tensor import DTensor
 
     from leantrain.model import build_model, model_args_from_spec
+    from leantrain.parallel.expert import apply_expert_tensor_parallel
     from leantrain.parallel.tensor import apply_tensor_parallel
     from leantrain.train.precision import PrecisionPolicy, apply_precision
 
@@ -45,6 +53,8 @@ def _saved_bytes(compute: str, *, layers: int, seq_len: int, sp: bool, recompute
         param.data = param.data.to(torch.bfloat16)
     mesh = init_device_mesh("cpu", (TP,), mesh_dim_names=("tp",))
     apply_tensor_parallel(model, tp_mesh=mesh, sequence_parallel=sp, loss_parallel_enabled=True, seq_len=seq_len)
+    if mlp == "moe":  # the trainer's TP without EP (parallel/parallelize.py)
+        apply_expert_tensor_parallel(model, tp_mesh=mesh)
     model.set_recompute(recompute)
     saved: dict[int, int] = {}
 
@@ -91,3 +101,23 @@ def test_fp8_tp_blocks_save_what_the_plan_counts(sp: bool, recompute: str, mlp: 
     assert measured["bf16"] == pytest.approx(bf16, rel=1e-6)
     assert measured["fp8"] == pytest.approx(bf16 - saved, rel=1e-6)
     assert measured["fp8"] != measured["bf16"]  # the float8 styles ran
+
+
+@pytest.mark.parametrize("sp", [True, False], ids=["sp", "no-sp"])
+def test_experts_split_over_tp_keep_whole_rows_as_the_plan_counts(sp: bool) -> None:
+    """TP without EP splits each routed expert's hidden width; every TP rank routes all of the layer's tokens, so
+    the routed copies' rows, their indices and routing weights and the router's scores are whole on each rank
+    (`ActivationTerms.expert_rows`). Until 2026-12-07 the plan divided them by tp: 12 % short here (3,832 against
+    4,376 bytes a token and layer with SP), activations 0.92 of the rehearsal on the grid's `moe fsdp4 tp2`. The
+    plan's eager MoE count is within 0.5 % of the model's at tp 1 (tests/test_plan_formulas.py), hence the 1 %."""
+    from leantrain.parallel.dryrun import fake_process_group
+
+    with fake_process_group(rank=0, world_size=TP):
+        measured = _per_layer_token("bf16", sp=sp, recompute="selective", mlp="moe")
+    inputs = plan_inputs(_spec("bf16", layers=2, seq_len=64, mlp="moe"))
+    terms = activation_terms(inputs.shape, seq_len=64, act_bytes=inputs.act_bytes, flash=True, moe_layer=True)
+    planned = {whole: layer_activation_bytes(terms, tokens=1, tp=TP, sp=sp, recompute="selective",
+                                             act_bytes=inputs.act_bytes, d_model=FIELDS["d_model"],
+                                             experts_whole_rows=whole) for whole in (True, False)}
+    assert planned[True] == pytest.approx(measured, rel=0.01)
+    assert planned[False] < 0.9 * measured
