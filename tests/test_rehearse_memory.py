@@ -114,22 +114,32 @@ def test_the_peak_holds_the_optimizer_states_made_before_the_tracked_step() -> N
     assert abs(memory_categories(late, resident)["peak"] - late["Total"]) < 64  # not counted twice
 
 
-def _fsdp_forward_peak(*, gathers_as_temp: bool) -> tuple[dict[str, int], int]:
-    """Rank 0 of a fake 2-rank world: a Linear under FSDP2, its forward tracked by the rehearsal's tracker."""
+@contextlib.contextmanager
+def _fake_two_rank_mesh(axis: str) -> Any:
+    """Rank 0 of a fake 2-rank world, a 1-D mesh over it, fake tensors and the host-sync counter, as the rehearsal
+    runs a rank: yields the mesh."""
     from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
-    from leantrain.golive.rehearse_memory import fsdp_gathers_as_temp, step_mem_tracker
     from leantrain.golive.rehearse_probes import HostSyncCounter, Probes
     from leantrain.parallel.dryrun import fake_process_group
 
     with contextlib.ExitStack() as stack, warnings.catch_warnings():
         warnings.simplefilter("ignore")
         stack.enter_context(fake_process_group(rank=0, world_size=2))
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=(axis,))
         stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
         stack.enter_context(HostSyncCounter(Probes()))
+        yield mesh
+
+
+def _fsdp_forward_peak(*, gathers_as_temp: bool) -> tuple[dict[str, int], int]:
+    """Rank 0 of a fake 2-rank world: a Linear under FSDP2, its forward tracked by the rehearsal's tracker."""
+    from torch.distributed.fsdp import fully_shard
+
+    from leantrain.golive.rehearse_memory import fsdp_gathers_as_temp, step_mem_tracker
+
+    with _fake_two_rank_mesh("dp") as mesh:
         model = nn.Sequential(nn.Linear(1024, 1024, bias=False), nn.Linear(1024, 8, bias=False))
         fully_shard(model[0], mesh=mesh)  # a unit of its own: gathered in its forward, resharded after it
         fully_shard(model, mesh=mesh)
@@ -292,20 +302,10 @@ def _fp8_all_gathers_counted(tracker_factory: Any, *, scales: int = 8, per_scale
     sequence parallelism all-gathers a Linear's fp8 input), `per_scale` per scale, each all-gathered (torchao
     gathers the `_data` and keeps the input's `_scale`). The tracker's count of what is live after, and the
     bytes of the storages live (each scale's, each cast's data, each gathered data)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
     from torch.distributed._functional_collectives import all_gather_tensor
-    from torch.distributed.device_mesh import init_device_mesh
     from torchao.float8.float8_training_tensor import hp_tensor_and_scale_to_float8
 
-    from leantrain.golive.rehearse_probes import HostSyncCounter, Probes
-    from leantrain.parallel.dryrun import fake_process_group
-
-    with contextlib.ExitStack() as stack, warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        stack.enter_context(fake_process_group(rank=0, world_size=2))
-        mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("tp",))
-        stack.enter_context(FakeTensorMode(allow_non_fake_inputs=True))
-        stack.enter_context(HostSyncCounter(Probes()))
+    with _fake_two_rank_mesh("tp") as mesh:
         x = torch.randn(512, 1024, dtype=torch.bfloat16)  # made before the tracked part: not counted
         tracker = tracker_factory()
         live = []
