@@ -162,6 +162,7 @@ DS_RUNS: dict[str, dict[str, Any]] = {
 }
 
 
+@pytest.mark.heavy  # 45 s of four ranks: CI runs it with `make test-heavy`
 @pytest.mark.slow
 def test_a_deepseek_v3_checkpoint_trains_on_two_and_four_ranks_as_on_one(tmp_path: Path) -> None:
     from leantrain.data.layout import write_token_data_dir

@@ -110,6 +110,7 @@ def test_comm_time_is_measured(name: str, two_rank: dict[str, dict[str, Any]]) -
     assert 0 < comm["comm_s"] < comm["step_s"]
 
 
+@pytest.mark.heavy  # 80 s: `make test` keeps the two-rank layouts; CI runs this with `make test-heavy`
 @pytest.mark.slow
 def test_four_rank_compositions_match_one_process(tmp_path: Path) -> None:
     results = spawn_layouts(list(FOUR_RANK.items()), world_size=4, steps=STEPS, out_dir=tmp_path)
