@@ -84,16 +84,15 @@ def _moe_mlp_bytes(shape: ModelShape, *, e: float, lin: float, fused: bool) -> t
     if fused:  # SwiGLU input (gate, up) + output; the routing weight is applied inside the expert (before
         # its down projection, as Megatron's moe_apply_probs_on_input), so expert outputs need not be kept
         per_expert = 2 * lin * m.expert_hidden + lin * m.expert_hidden
-        routed = m.top_k * (lin * h + per_expert)
         rows = m.top_k * lin * h
     else:  # our eager MoE (model/moe.py): per routed copy the dispatched input, the expert's gate, up,
         # silu(gate) and product, its output (kept for the routing weight's gradient), the int64 sort order and
         # token index and the fp32 routing weight
         per_expert = 4 * e * m.expert_hidden
-        routed = m.top_k * (e * h + per_expert + e * h + 2 * 8.0 + 4.0)
         rows = m.top_k * (e * h + e * h + 2 * 8.0 + 4.0)
     # Router (fp32): logits, scores and the selection scores per expert, the int64 top-k indices.
     router = 3 * 4.0 * m.num_experts + 8.0 * m.top_k
+    routed = rows + m.top_k * per_expert
     return routed + m.num_shared_experts * per_expert + router, rows + router
 
 

@@ -22,6 +22,12 @@ def wraps_in_fsdp(*, dp: int, tp: int, fsdp_single_rank: bool) -> bool:
     return dp > 1 or fsdp_single_rank or tp > 1
 
 
+def float8_gemm_dims(out_features: int, in_features: int) -> bool:
+    """Whether a Linear of these dims can run its GEMM in float8: both multiples of 16 (the fp8 GEMM's rule;
+    train/precision.py `fp8_linear_filter`, and the planner's count of the float8-gathered weights)."""
+    return out_features % 16 == 0 and in_features % 16 == 0
+
+
 def rows_fill_every_shard(rows: int, shards: int) -> bool:
     """Whether FSDP2's chunks of a weight's `rows` (dim 0) leave no rank of `shards` empty: FSDP2 cuts rows into
     chunks of ceil(rows / shards), so 576 rows (DeepSeek-V3's wkv_a) over 128 ranks fill 116 of them. Float8
@@ -36,7 +42,7 @@ def float8_gathered_params(shape: ModelShape, *, tp: int, shards: int, moe_layer
     of `shards` ranks; the others gather in the compute dtype."""
     total = 0.0
     for out, inp, split in shape.block_linears(moe_layer=moe_layer):
-        if out % 16 == 0 and inp % 16 == 0 and rows_fill_every_shard(out // tp if split == "col" else out, shards):
+        if float8_gemm_dims(out, inp) and rows_fill_every_shard(out // tp if split == "col" else out, shards):
             total += out * inp / (tp if split else 1)
     return total
 

@@ -31,7 +31,7 @@ from torch import nn
 
 from leantrain.dtypes import DTYPES
 from leantrain.errors import UserInputError
-from leantrain.spec.rules import forward_autocasts, rows_fill_every_shard
+from leantrain.spec.rules import float8_gemm_dims, forward_autocasts, rows_fill_every_shard
 from leantrain.spec.schema import PrecisionSpec
 
 FP8_MIN_CAPABILITY = (8, 9)  # Ada/Hopper and newer have fp8 tensor cores
@@ -101,7 +101,7 @@ def fp8_linear_filter(module: nn.Module, fqn: str) -> bool:
     an MoE router's gate (its logits pick the experts: torchtitan leaves both in bf16)."""
     if not isinstance(module, nn.Linear) or fqn == "output" or fqn.endswith("router.gate"):
         return False
-    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+    return float8_gemm_dims(module.out_features, module.in_features)
 
 
 def fills_every_shard(module: nn.Module, *, shards: int, tp: int, colwise: bool) -> bool:
