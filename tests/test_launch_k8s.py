@@ -413,10 +413,13 @@ def test_auto_restart_off_gives_the_job_no_restarts(tmp_path: Path) -> None:
 def test_restart_policy_never_is_valid_and_a_pytorchjob_has_no_pod_failure_policy(tmp_path: Path) -> None:
     """With `Never` the training operator (v1.9) fails the PyTorchJob at its first failed pod, a refusal (exit 2)
     included, so the job carries nothing more. A batch/v1 Job's podFailurePolicy (a FailJob rule on exit code 2)
-    has no place in a PyTorchJob: the CRD's schema refuses it in the run policy and in the replica spec."""
+    has no place in a PyTorchJob: the CRD's schema refuses it in the run policy and in the replica spec. The
+    other pods, still training when the job fails, are deleted (cleanPodPolicy Running: the operator's default,
+    None, left them holding their GPUs); the failed pod stays for its logs."""
     pytest.importorskip("kubernetes_validate")
     _, job, _ = emitted(tmp_path, "cluster.k8s_restart_policy=Never")
     assert job["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"] == "Never" and schema_errors(job) == []
+    assert job["spec"]["runPolicy"]["cleanPodPolicy"] == "Running"
     rule = {"action": "FailJob", "onExitCodes": {"containerName": "pytorch", "operator": "In", "values": [2]}}
     for where in (job["spec"]["runPolicy"], job["spec"]["pytorchReplicaSpecs"]["Worker"]):
         where["podFailurePolicy"] = {"rules": [rule]}

@@ -283,7 +283,9 @@ def pytorch_job(
                 "maxReplicas": res.max_nodes,
                 "maxRestarts": max_restarts,
             },
-            "runPolicy": {"cleanPodPolicy": "None", "backoffLimit": max_restarts, "schedulingPolicy": scheduling},
+            # a failed job's pods still running are deleted (their GPUs freed; under `Never` the operator fails
+            # the job at its first failed pod while the others train on); finished pods and their logs stay
+            "runPolicy": {"cleanPodPolicy": "Running", "backoffLimit": max_restarts, "schedulingPolicy": scheduling},
             "pytorchReplicaSpecs": {
                 "Worker": {
                     "replicas": res.num_nodes,
