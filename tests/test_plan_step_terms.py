@@ -63,6 +63,23 @@ def test_memory_bound_passes_cost_more_for_small_widths_and_follow_recompute(den
     assert share_405b < share_8b
 
 
+def test_the_memory_bound_pass_reads_the_routed_rows_whole_where_the_experts_are_split_over_tp() -> None:
+    """Under TP without EP every TP rank routes all the layer's tokens (parallel/expert.py), so the routed rows are
+    whole on each rank: in the memory plan (activations.layer_activation_bytes, measured in
+    tests/test_plan_tp_activations.py) and, since 2026-12-07, in the memory-bound pass over them, which divided them
+    by tp."""
+    from leantrain.plan.timing import _saved_terms
+
+    moe = plan_inputs(load_spec(EXAMPLES / "moe-small-cpu.yaml"))
+    split = Layout(dp=2, tp=2, pp=1)
+    assert split.experts_split_over_tp and moe.elementwise_passes > 0
+    rows_split = dataclasses.replace(split, experts_tp_split=False)  # the same sizes, the rows divided by tp
+    rows = _saved_terms(moe)[1].expert_rows  # bytes per token and MoE layer
+    layers = min(moe.shape.n_layers, moe.shape.num_moe_layers)
+    missing = moe.elementwise_passes * layers * moe.seq_len * rows / 2 / moe.memory_bandwidth_bytes_s
+    assert rows > 0 and elementwise_s(moe, split) - elementwise_s(moe, rows_split) == pytest.approx(missing)
+
+
 def test_expert_weights_bind_when_few_tokens_reach_each_expert(dsv3) -> None:
     """DeepSeek-V3 on one pipeline of 16 stages: without EP each GPU reads all 256 experts' weights for 128
     tokens per expert (weight-bound); with EP64 each holds 4 experts that see 64× the tokens (FLOP-bound)."""

@@ -179,18 +179,22 @@ def _saved_terms(inputs: PlanInputs) -> tuple[ActivationTerms, ActivationTerms |
 def elementwise_s(inputs: PlanInputs, layout: Layout) -> float:
     """Memory-bound time of one micro-batch on the heaviest stage: `elementwise_passes` passes over the bytes
     its layers produce for backward (recompute none; sharded over tp, boundary tensors too with sequence
-    parallelism) at HBM bandwidth, scaled by hardware / model FLOPs for the forwards recompute repeats."""
+    parallelism, but the routed rows where the experts are split over tp: every TP rank routes all the tokens, as
+    the memory plan counts them) at HBM bandwidth, scaled by hardware / model FLOPs for the forwards recompute
+    repeats."""
     if inputs.elementwise_passes <= 0:
         return 0.0
     saved = _stage_saved_bytes(inputs, math.ceil(inputs.shape.n_layers / layout.pp), layout.micro_batch,
-                               layout.tp, layout.sp)
+                               layout.tp, layout.sp, layout.experts_split_over_tp)
     repeat = _recompute_ratio(inputs, layout.recompute)
     return inputs.elementwise_passes * repeat * saved / inputs.memory_bandwidth_bytes_s
 
 
 @lru_cache(maxsize=4096)
-def _stage_saved_bytes(inputs: PlanInputs, layers: int, micro_batch: int, tp: int, sp: bool) -> float:
-    """Bytes `layers` layers produce for backward in one micro-batch (no recompute), tp-sharded."""
+def _stage_saved_bytes(inputs: PlanInputs, layers: int, micro_batch: int, tp: int, sp: bool,
+                       experts_whole_rows: bool = False) -> float:
+    """Bytes `layers` layers produce for backward in one micro-batch (no recompute), tp-sharded
+    (`experts_whole_rows`: activations.layer_activation_bytes)."""
     shape = inputs.shape
     dense, moe = _saved_terms(inputs)
     moe_layers = min(layers, shape.num_moe_layers) if moe is not None else 0
@@ -198,7 +202,8 @@ def _stage_saved_bytes(inputs: PlanInputs, layers: int, micro_batch: int, tp: in
           "act_bytes": inputs.act_bytes, "d_model": shape.d_model}
     saved = (layers - moe_layers) * layer_activation_bytes(dense, **kw)  # type: ignore[arg-type]
     if moe_layers:
-        saved += moe_layers * layer_activation_bytes(moe, **kw)  # type: ignore[arg-type]
+        saved += moe_layers * layer_activation_bytes(  # type: ignore[arg-type]
+            moe, **kw, experts_whole_rows=experts_whole_rows)
     return saved
 
 
