@@ -288,6 +288,19 @@ def test_every_exit_2_of_train_is_recorded_as_the_launchs_refusal(
     assert json.loads(marker.read_text())["message"].startswith(expected), marker.read_text()
 
 
+def test_the_app_takes_no_option_value_before_its_command() -> None:
+    """cli._refused takes the first argument that is not an option as the command (only `train`'s exit 2 is the
+    launch's refusal). That holds while every option of the app itself is a flag: a `--profile NAME` before the
+    command would make NAME the command, and a refused `train` would go unrecorded."""
+    import typer.main
+
+    from leantrain.cli import app
+
+    group = typer.main.get_command(app)  # typer may bundle its own click: its classes, not the click package's
+    options = [p for p in group.get_params(group.context_class(group)) if p.param_type_name == "option"]
+    assert options and all(option.is_flag or option.count for option in options), [o.opts for o in options]
+
+
 def test_a_refusal_is_one_file_write_a_node(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """16,384 ranks refusing at once write the file on shared storage once a node (its local rank 0), or once
     in all when another rank got there first; the record names the rank and attempt."""
