@@ -124,9 +124,13 @@ def test_excluded_host_is_refused_and_a_crash_is_recorded(
     data = f"data.dir={tmp_path / 'data'}"
 
     def crash(argv: object, *, console: object, timeout_s: object = None, failed_ranks: list[int] | None = None,
-              **_: object) -> int:
-        assert failed_ranks is not None
-        failed_ranks.append(1)  # what torchrun's failure summary would say
+              trace_filter: torchrun.TraceFilter | None = None, **_: object) -> int:
+        assert failed_ranks is not None and trace_filter is not None
+        for line in ("Traceback (most recent call last):", "  File x", "torch...ChildFailedError: ", "=" * 20,
+                     "Root Cause (first observed failure):", "[0]:", "  rank      : 1 (local_rank: 1)",
+                     "  exitcode  : -9 (pid: 8)", "=" * 20):
+            trace_filter.keep(line + "\n")  # what torchrun's failure summary would say
+        failed_ranks.append(1)
         return 1
 
     monkeypatch.setattr(torchrun, "run_torchrun", crash)
@@ -140,32 +144,82 @@ def test_excluded_host_is_refused_and_a_crash_is_recorded(
     assert result.exit_code == 2 and "is excluded" in result.output and not no_torchrun
 
 
-def refusing_torchrun(*, root_exit: str, refused: str | None, log_text: str = "",
-                      before: Callable[[], None] = lambda: None) -> Callable[..., int]:
-    """A stand-in for run_torchrun: local rank 0 fails first with `root_exit` (local rank 1 follows, exit 1), its
-    stderr log holding `log_text` where torchrun writes it, under the `--log-dir` of the command (this host's);
-    with `refused`, that rank first records the refusal where the launch said (errors.record_refusal)."""
+def failing_torchrun(failures: list[tuple[str, str | None]], *, refused: str | None = None,
+                     before: Callable[[], None] = lambda: None) -> Callable[..., int]:
+    """A stand-in for run_torchrun: local rank i fails with exit code `failures[i][0]` (local rank 0 first, torchrun's
+    root cause), its stderr log holding `failures[i][1]` (None: no log) where torchrun writes it, under the
+    `--log-dir` of the command (this host's); with `refused`, rank 0 first records the refusal where the launch said
+    (errors.record_refusal)."""
 
     def run(argv: list[str], *, console: object, timeout_s: object = None, failed_ranks: list[int] | None = None,
             trace_filter: torchrun.TraceFilter | None = None, refusal: Path | None = None, **_: object) -> int:
         assert trace_filter is not None and failed_ranks is not None and refusal is not None
         (log_dir,) = [a.removeprefix("--log-dir=") for a in argv if a.startswith("--log-dir=")]
-        log = Path(log_dir) / "run-id_x1" / "attempt_0" / "0" / "stderr.log"
-        log.parent.mkdir(parents=True)
-        log.write_text(log_text)
+        for local, (_, text) in enumerate(failures):
+            if text is not None:
+                log = Path(log_dir) / "run-id_x1" / "attempt_0" / str(local) / "stderr.log"
+                log.parent.mkdir(parents=True)
+                log.write_text(text)
         if refused is not None:
             with mock.patch.dict(os.environ, {REFUSAL_ENV: str(refusal), "RANK": "0", "LOCAL_RANK": "0"}):
                 record_refusal(refused)
         before()
+        summary = ["Failures:"]
+        for local, (code, _) in enumerate(failures[1:], start=1):
+            summary += [f"[{local}]:", f"  rank      : {local} (local_rank: {local})", f"  exitcode  : {code} (pid: 9)"]
+        summary += ["Root Cause (first observed failure):", "[0]:", "  rank      : 0 (local_rank: 0)",
+                    f"  exitcode  : {failures[0][0]} (pid: 8)"]
         for line in ("Traceback (most recent call last):", "  File x", "torch...ChildFailedError: ", "=" * 20,
-                     "Failures:", "[1]:", "  rank      : 1 (local_rank: 1)", "  exitcode  : 1 (pid: 9)",
-                     "Root Cause (first observed failure):", "[0]:", "  rank      : 0 (local_rank: 0)",
-                     f"  exitcode  : {root_exit} (pid: 8)", "=" * 20):
+                     *summary, "=" * 20):
             trace_filter.keep(line + "\n")
-        failed_ranks.extend([1, 0])
+        failed_ranks.extend(range(len(failures)))
         return 1
 
     return run
+
+
+def refusing_torchrun(*, root_exit: str, refused: str | None, log_text: str = "",
+                      before: Callable[[], None] = lambda: None) -> Callable[..., int]:
+    """Local rank 0 fails first with `root_exit`, its log holding `log_text`; local rank 1 follows, exit 1."""
+    return failing_torchrun([(root_exit, log_text), ("1", None)], refused=refused, before=before)
+
+
+# as torch 2.13's gloo words it, behind torch's prefix of a rank's exception lines
+PEER_GONE = ("[rank{}]: RuntimeError: [gloo/transport/tcp/pair.cc:553] Connection closed by peer [10.0.0.7]:9639. "
+             "This is typically caused by a remote worker crashing.\n")
+
+
+@pytest.mark.parametrize(("failures", "blamed"), [
+    # another host's rank died: these failed in their next collective
+    ([("1", PEER_GONE.format(0)), ("1", PEER_GONE.format(1))], False),
+    ([("75", None), ("75", None)], False),  # the hang watchdog's abort: the group stopped stepping
+    ([("1", PEER_GONE.format(0)), ("-15", None)], False),  # one saw the peer go, the agent stopped the other
+    ([], False),  # the agent stopped without a failed rank of its own (the failed host closed the rendezvous)
+    ([("1", PEER_GONE.format(0)), ("-9", None)], True),  # an OOM kill here, whichever torchrun observed first
+    ([("1", "[rank0]: RuntimeError: CUDA error: uncorrectable ECC error encountered\n"), ("1", PEER_GONE.format(1))],
+     True),
+    ([("1", PEER_GONE.format(1))], True),  # another rank's line (agents sharing a host name) is not this rank's
+])
+def test_a_host_is_blamed_only_for_a_rank_that_failed_of_its_own(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_torchrun: list[object], cli: Callable[..., Result],
+    failures: list[tuple[str, str | None]], blamed: bool,
+) -> None:
+    """When any rank of a multi-node job dies, every host's torchrun fails: the other hosts' ranks fail in their
+    next collective. Each launch used to record a crash against its own host, so one bad host excluded every host
+    of the job after `cluster.unhealthy_after_crashes` failures. A host is blamed only for a rank of its own that
+    failed of its own (torchrun.host_fault)."""
+    run_dir = tmp_path / "run"
+    stub = failing_torchrun(failures) if failures else lambda *a, **k: 1
+    monkeypatch.setattr(torchrun, "run_torchrun", stub)
+    result = cli("launch", str(TINY), "--nproc", "2", "--set", f"data.dir={tmp_path / 'data'}", "--run-dir",
+                 str(run_dir))
+    text = " ".join(result.output.split())
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    if blamed:
+        assert read_health(run_dir)[socket.gethostname()].crashes == 1 and "failed of its own" in text, text
+    else:
+        assert socket.gethostname() not in read_health(run_dir), text
+        assert f"not counted against {socket.gethostname()}" in text, text
 
 
 @pytest.mark.parametrize(("root_exit", "refused"), [

@@ -191,14 +191,15 @@ def _free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def _launch_two_hosts(drilled: dict[str, Any], *, plan: FaultPlan, run_dir: Path) -> tuple[list[int], list[str]]:
+def _launch_two_hosts(drilled: dict[str, Any], *, plan: FaultPlan, run_dir: Path,
+                      max_restarts: int = 1) -> tuple[list[int], list[str]]:
     """Two hosts emulated on this machine: two `leantrain launch --nnodes 2 --nproc 1` (one torchrun agent each,
     as on two nodes) meeting at a c10d rendezvous on 127.0.0.1, one rank per agent; returns both exit codes and
     both consoles. The agent that joins first hosts the rendezvous store, the other connects to it."""
     env = {**os.environ, **plan.to_env(), "OMP_NUM_THREADS": "1", "LOGLEVEL": "INFO",
            "LEANTRAIN_RDZV_ENDPOINT": f"127.0.0.1:{_free_port()}"}
     argv = [sys.executable, "-m", "leantrain.cli", "launch", str(drilled["spec_file"]), "--nnodes", "2",
-            "--nproc", "1", "--max-restarts", "1", "--run-dir", str(run_dir)]
+            "--nproc", "1", "--max-restarts", str(max_restarts), "--run-dir", str(run_dir)]
     return _run_agents(argv, env, [run_dir.parent / f"{run_dir.name}-agent-{i}.log" for i in range(2)])
 
 
@@ -308,6 +309,25 @@ def test_sigkill_on_node_1_of_two_hosts_restarts_both_and_resumes_bit_for_bit(dr
     assert not (run_dir / "hang").exists()
     reference = reference_losses(drilled["reference"])
     assert {step: values[-1] for step, values in logged_losses(run_dir).items()} == reference
+
+
+@pytest.mark.heavy
+@pytest.mark.slow
+def test_a_rank_killed_on_one_of_two_hosts_is_that_hosts_crash_alone(drilled: dict[str, Any]) -> None:
+    """Two emulated hosts, no restarts left: rank 1 is SIGKILLed after step 3, rank 0 fails in its next collective
+    (gloo: "Connection closed by peer"), and both launches exit 1. Only the killed rank's launch records a crash
+    (torchrun.host_fault); both hosts share this machine's name, so the health file shows one crash, rank 1's,
+    where each launch used to record one."""
+    from leantrain.launch.health import read_health
+
+    run_dir = drilled["root"] / "killed-no-restart"
+    codes, consoles = _launch_two_hosts(drilled, plan=FaultPlan(kill_at_step=KILL_AT, kill_rank=1), run_dir=run_dir,
+                                        max_restarts=0)
+    assert codes == [1, 1], [text[-3000:] for text in consoles]
+    texts = [" ".join(text.split()) for text in consoles]
+    host = read_health(run_dir).get(socket.gethostname())
+    assert host is not None and host.crashes == 1 and host.ranks == [1], (host, [t[-2000:] for t in texts])
+    assert sum("failed because a peer did" in text for text in texts) == 1, [t[-2000:] for t in texts]
 
 
 @pytest.mark.slow

@@ -7,7 +7,8 @@ node exclusion in `health`.
 A plain launch (`leantrain launch SPEC --nproc N [--nnodes MIN:MAX] [--max-restarts K]`): check the layout
 for every world size the job may have (a bad axis is refused here, exit 2, before anything starts), refuse
 a host that `node_health.json` excludes, stage the data (`cluster.data_url`), run torchrun; when it fails,
-record the crash (and the ranks torchrun names) against this host and exit 1.
+record the crash (and the ranks torchrun names) against this host, unless its ranks failed only because another
+host's did (torchrun.host_fault), and exit 1.
 """
 
 from __future__ import annotations
@@ -212,6 +213,7 @@ def _launch_leased(
     preflight_storage(spec, run_dir=run_dir, data=True)  # before any rank starts: a broken store is exit 2 here
     _stage_data(spec, console=console)
     failed_ranks: list[int] = []
+    failures: list[dict[str, str]] = []
     received: list[str] = []
     refusals: list[str] = []
 
@@ -223,7 +225,7 @@ def _launch_leased(
     try:
         code = torchrun.launch_local(spec, train=train, run_dir=run_dir, nproc=nproc, nnodes=nnodes,
                                      max_restarts=max_restarts, console=console, failed_ranks=failed_ranks,
-                                     refusals=refusals)
+                                     refusals=refusals, failures=failures)
     except KeyboardInterrupt:  # torchrun got SIGTERM and passed it on: each rank saved its current step
         name = received[0] if received else "SIGINT"
         _audit(spec, run_dir, "launch.local", nproc=nproc, nnodes=nnodes or "1", exit_code=130, failed_ranks=[])
@@ -238,10 +240,14 @@ def _launch_leased(
         raise UserInputError(f"the ranks refused the job: {refusals[0]} (not counted against {host}; per-rank logs "
                              f"under {Path(run_dir) / torchrun.LOGS_DIR})")
     if code != 0:
-        info = record_failure(run_dir, host=host, kind="crash", reason=f"torchrun exit code {code}",
+        blamed, why = torchrun.host_fault(failures, run_dir=run_dir)
+        if not blamed:  # another host's rank failed first: this one is not counted as crashed
+            raise CheckFailed(f"training failed: torchrun exit code {code}; not counted against {host}: {why}; "
+                              f"per-rank logs under {Path(run_dir) / torchrun.LOGS_DIR}")
+        info = record_failure(run_dir, host=host, kind="crash", reason=f"torchrun exit code {code}: {why}",
                               ranks=failed_ranks)
         raise CheckFailed(
-            f"training failed on {host}: torchrun exit code {code}, failed rank(s) "
+            f"training failed on {host}: {why}; torchrun exit code {code}, failed rank(s) "
             f"{', '.join(map(str, failed_ranks)) or 'unknown'} (crash {info.crashes} of "
             f"{spec.cluster.unhealthy_after_crashes} before the host is excluded); per-rank logs under "
             f"{Path(run_dir) / torchrun.LOGS_DIR}"

@@ -7,8 +7,8 @@ otherwise. Every rank's stdout/stderr goes to its own file under `RUN_DIR/logs/H
 `--log-dir --redirects 3 --tee 3`: `<run id>/attempt_<k>/<local rank>/{stdout,stderr}.log`); the console shows
 local rank 0. Each rank runs `python -m leantrain.cli train SPEC ... --run-dir RUN_DIR`; rank 0 writes the
 metrics. The layout is checked for every world size the job may have *before* torchrun starts. When workers
-fail, the ranks named in torchrun's failure summary are handed back (`failed_ranks`) for the node-health file.
-"""
+fail, the ranks named in torchrun's failure summary are handed back (`failed_ranks`, `failures`) for the
+node-health file, which counts a crash against this host only where one failed of its own (`host_fault`)."""
 
 from __future__ import annotations
 
@@ -259,9 +259,11 @@ def launch_local(
     spec: JobSpec, *, train: TrainCommand, run_dir: Path, nproc: int, nnodes: str | None, max_restarts: int | None,
     console: Console, max_steps: int | None = None, timeout_s: float | None = None,
     failed_ranks: list[int] | None = None, refusals: list[str] | None = None,
+    failures: list[dict[str, str]] | None = None,
 ) -> int:
-    """Check the layout, then run torchrun; returns its exit code (`failed_ranks` receives the crashed ranks, and
-    `refusals` the message a rank recorded when it refused the job: `refusal_file`, errors.record_refusal)."""
+    """Check the layout, then run torchrun; returns its exit code (`failed_ranks` receives the crashed ranks,
+    `failures` torchrun's failure summary (`TraceFilter.failures`, for `host_fault`), and `refusals` the message a
+    rank recorded when it refused the job: `refusal_file`, errors.record_refusal)."""
     min_nodes, max_nodes = parse_nnodes(nnodes) if nnodes else (1, 1)
     for warning in oversubscription_warnings(spec, nproc=nproc):
         console.print(f"[yellow]warning: {warning}")
@@ -278,6 +280,8 @@ def launch_local(
                         refusal=marker)
     for line in rank_failure_lines(traces, run_dir=run_dir):
         console.print(line, markup=False, highlight=False, soft_wrap=True)
+    if failures is not None:
+        failures.extend(traces.failures)
     if code != 0 and refusals is not None and (recorded := read_refusal(marker)) is not None:
         refusals.append(recorded["message"])
     console.print(f"per-rank logs: {Path(run_dir) / LOGS_DIR}; exit code {code}")
@@ -292,6 +296,70 @@ def newest_rank_log(run_dir: Path, local_rank: str) -> Path | None:
     logs = sorted(host_log_dir(run_dir).glob(f"*/attempt_*/{local_rank}/stderr.log"),
                   key=lambda p: p.stat().st_mtime)
     return logs[-1] if logs else None
+
+
+# What a rank's log ends with when it failed because a rank of another host did (gloo's, NCCL's or the store's
+# word for a peer that went away, a collective that timed out waiting for one, the rendezvous the failed agent
+# closed), not of its own.
+PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "remote worker crashing",
+                      "ncclRemoteError", "remote process exit", "DistNetworkError", "DistStoreError",
+                      "Watchdog caught collective operation timeout", "RendezvousClosedError")
+LOG_TAIL_BYTES = 65536  # of a failed rank's log, read for those signs
+STOPPED_EXIT_CODES = {str(-signal.SIGTERM), str(128 + signal.SIGTERM)}  # asked to stop (the agent, the scheduler)
+
+
+def host_fault(failures: list[dict[str, str]], *, run_dir: Path) -> tuple[bool, str]:
+    """Whether this host is to blame for a failed torchrun (the node-health file counts its crashes), and why.
+
+    Every host's agent exits non-zero when any rank of the job dies: the other hosts' ranks fail in their next
+    collective. Blaming each would exclude every healthy host of a multi-node job after one bad host's
+    `cluster.unhealthy_after_crashes` failures. A failed rank of this host (torchrun's failure summary) failed of
+    its own unless it was aborted by the hang watchdog (the group stopped stepping: the frozen ranks are named in
+    the restart event), stopped by SIGTERM, or its log ends in a sign of a peer's failure (`PEER_FAILURE_SIGNS`);
+    the host is blamed when one did: a signal (an OOM kill, a segfault), a CUDA or driver error, an exception of
+    its own. No rank of this host in the summary (the agent itself stopped, e.g. on the rendezvous the failed
+    host's agent closed) blames nothing."""
+    from leantrain.ckpt.watchdog import HANG_EXIT_CODE
+
+    failed = sorted((f for f in failures if "rank" in f), key=lambda f: not f.get("root"))  # the first failure first
+    if not failed:
+        return False, "no rank of this host failed (torchrun's agent stopped: the failure was on another host)"
+    why = []
+    for failure in failed:
+        rank, code = f"rank {failure['rank']} (local rank {failure.get('local_rank', '?')})", failure.get("exitcode")
+        if code == str(HANG_EXIT_CODE):
+            why.append(f"{rank} was aborted by the hang watchdog (the group stopped stepping; see the restart event)")
+            continue
+        if code in STOPPED_EXIT_CODES:
+            why.append(f"{rank} was stopped (SIGTERM)")
+            continue
+        if (sign := _peer_failure_sign(run_dir, failure.get("local_rank", "?"), failure["rank"])) is not None:
+            why.append(f"{rank} failed because a peer did: {sign}")
+            continue
+        return True, f"{rank} failed of its own: exit code {code or '?'}"
+    return False, "; ".join(why)
+
+
+RANK_PREFIX = re.compile(r"^\[rank(\d+)\]:")  # torch's prefix of a distributed rank's exception lines
+LOGS_LOOKED_AT = 8  # of one local rank's newest logs on this host, for its own prefixed lines
+
+
+def _peer_failure_sign(run_dir: Path, local_rank: str, rank: str) -> str | None:
+    """The last line of global `rank`'s log on this host (the last LOG_TAIL_BYTES) that tells of a peer's failure,
+    or None. The newest log of `local_rank` is this launch's on a host that runs one agent; any of the few newest
+    may be where a line carries the rank's own `[rank N]:` prefix (agents sharing a host name), and a line with
+    another rank's prefix is not this rank's."""
+    logs = sorted(host_log_dir(run_dir).glob(f"*/attempt_*/{local_rank}/stderr.log"), key=lambda p: p.stat().st_mtime,
+                  reverse=True)[:LOGS_LOOKED_AT]
+    for index, log in enumerate(logs):
+        with log.open("rb") as f:
+            f.seek(max(0, log.stat().st_size - LOG_TAIL_BYTES))
+            lines = f.read().decode("utf-8", "replace").splitlines()
+        signs = [line.strip() for line in lines if any(sign in line for sign in PEER_FAILURE_SIGNS)
+                 and ((m := RANK_PREFIX.match(line)) is None and index == 0 or m is not None and m.group(1) == rank)]
+        if signs:
+            return signs[-1][:200]
+    return None
 
 
 def rank_failure_lines(traces: TraceFilter, *, run_dir: Path) -> list[str]:
