@@ -7,6 +7,7 @@ import json
 import os
 import shlex
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -230,7 +231,8 @@ def test_apptainer_runtime_and_env_hook_replace_the_submit_hosts_venv(tmp_path: 
     for words in srun_torchrun_lines(text):
         at = words.index("apptainer")
         assert words[at:at + 4] == ["apptainer", "exec", "--nv", "--cleanenv"]
-        assert words[at + 6] == f"docker://{spec.cluster.image}" and words[at + 7] == "torchrun"
+        assert words[at + 6] == f"docker://{spec.cluster.image}"
+        assert words[at + 7] == "torchrun" or words[at + 7:at + 10] == ["python", "-m", "leantrain.launch.node_run"]
         assert str(tmp_path) in words[at + 5].split(",")
     assert 'export APPTAINERENV_TORCH_NCCL_ASYNC_ERROR_HANDLING="$TORCH_NCCL_ASYNC_ERROR_HANDLING"' in text
     assert sys.executable not in text
@@ -523,3 +525,80 @@ def test_a_job_its_ranks_refuse_ends_with_exit_2_and_no_requeue(tmp_path: Path) 
     (tmp_path / "fake-slurm.log").unlink()
     code, log = _run_with_fake_slurm(tmp_path, script, train="exit 1", SLURM_RESTART_COUNT="3")  # a new allocation
     assert code == 1 and "scontrol requeue 7" in log, log
+
+
+FAKE_TORCHRUN = r'''#!/bin/bash
+# torchrun as a node's agent ends when its rank fails: the rank's log under --log-dir, the failure summary
+for arg in "$@"; do case "$arg" in --log-dir=*) LOG_DIR="${arg#--log-dir=}";; esac; done
+mkdir -p "$LOG_DIR/7_x/attempt_0/0" && printf '%s\n' "$STUB_RANK_LOG" > "$LOG_DIR/7_x/attempt_0/0/stderr.log"
+printf '%s\n' "Traceback (most recent call last):" '  File "run.py", line 1' \
+  "torch.distributed.elastic.multiprocessing.errors.ChildFailedError: " "=====" \
+  "Root Cause (first observed failure):" "[0]:" "  host      : n1" "  rank      : 3 (local_rank: 0)" \
+  "  exitcode  : $STUB_EXIT (pid: 11)" "====="
+exit 1
+'''
+
+
+@pytest.mark.parametrize(("rank_exit", "rank_log", "crashed"), [
+    ("-9", "step 3", True),  # an OOM kill on this node
+    ("1", "[rank3]: RuntimeError: [pair.cc:553] Connection closed by peer [10.0.0.9]:4301. This is typically "
+          "caused by a remote worker crashing.", False),  # another node's rank died
+])
+def test_a_node_whose_rank_failed_of_its_own_is_recorded_and_the_requeue_excludes_it(
+        tmp_path: Path, rank_exit: str, rank_log: str, crashed: bool) -> None:
+    """The training step runs torchrun under launch.node_run on every node: a node whose rank failed of its own
+    gets a crash in node_health.json (`cluster.unhealthy_after_crashes`, 2, exclude it: the second failure's
+    requeue passes it to ExcNodeList); one whose rank only saw another node's rank fail gets none. Until
+    2026-12-07 no crash inside a Slurm job was recorded. Real bash, node_run and health reader; fake srun (runs
+    its command on this machine), scontrol and torchrun."""
+    run_dir, bin_dir, log = tmp_path / "run", tmp_path / "bin", tmp_path / "calls.log"
+    hook = tmp_path / "env.sh"  # this interpreter's leantrain, the fakes first
+    venv_bin = shlex.quote(str(Path(sys.executable).parent))
+    hook.write_text(f'export PATH={shlex.quote(str(bin_dir))}:{venv_bin}:"$PATH"\n')
+    spec = load_spec(SEED, profile="rehearsal", overrides=[f"cluster.env_hook={hook}", "cluster.preflight=false"])
+    script = tmp_path / "job.sbatch"
+    script.write_text(slurm_script(spec, command=TrainCommand(spec_path=SEED), run_dir=run_dir))
+    bin_dir.mkdir()
+    (bin_dir / "scontrol").write_text(
+        f'#!/bin/bash\nif [ "$1" = show ]; then echo n1; else echo "scontrol $*" >> {log}; fi\n')
+    # srun: drop its own options, run the step here
+    (bin_dir / "srun").write_text('#!/bin/bash\nwhile [[ "$1" == --* ]]; do shift; done\nexec "$@"\n')
+    (bin_dir / "torchrun").write_text(FAKE_TORCHRUN)
+    for tool in bin_dir.iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "SLURM_JOB_ID": "7", "SLURM_JOB_NODELIST": "n1",
+           "LEANTRAIN_NODE_NAME": "n1", "STUB_EXIT": rank_exit, "STUB_RANK_LOG": rank_log}
+    for failure in (1, 2):
+        proc = subprocess.run(["bash", str(script)], env=env, capture_output=True, text=True, timeout=120)
+        out = proc.stdout + proc.stderr
+        assert proc.returncode == 1 and "Traceback" not in out, out
+        calls = log.read_text()
+        assert calls.count("scontrol requeue 7") == failure, calls
+        health = json.loads((run_dir / "node_health.json").read_text()) if crashed else {"hosts": {}}
+        assert (run_dir / "node_health.json").exists() is crashed
+        if crashed:
+            assert health["hosts"]["n1"]["crashes"] == failure and health["hosts"]["n1"]["ranks"] == [3]
+            assert "n1 crashed: rank 3 (local rank 0) failed of its own: exit code -9" in out, out
+        else:
+            assert "not counted against n1: rank 3 (local rank 0) failed because a peer did" in out, out
+        assert ("ExcNodeList=n1" in calls) is (crashed and failure == 2), calls
+    assert (run_dir / "logs" / socket.gethostname() / "7_x" / "attempt_0" / "0" / "stderr.log").is_file()
+
+
+def test_node_run_passes_sigterm_on_to_torchrun_and_waits_for_it(tmp_path: Path) -> None:
+    """Slurm signals the step (scancel, the time limit's end): node_run passes SIGTERM on to torchrun's session,
+    whose ranks then checkpoint, and waits for torchrun however long that takes (no kill after a grace time)."""
+    bin_dir, seen = tmp_path / "bin", tmp_path / "got-term"
+    bin_dir.mkdir()
+    (bin_dir / "torchrun").write_text(f'#!/bin/bash\ntrap \'sleep 2; echo "$@" > {seen}; exit 0\' TERM\n'
+                                      'echo started\nwhile :; do sleep 0.1; done\n')
+    (bin_dir / "torchrun").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    proc = subprocess.Popen([sys.executable, "-m", "leantrain.launch.node_run", str(tmp_path / "run"), "--",
+                             "torchrun", "-m", "leantrain.cli", "train"], env=env, stdout=subprocess.PIPE, text=True)
+    assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
+    words = seen.read_text().split()
+    assert words[0].startswith("--log-dir=") and words[1:4] == ["--redirects=3", "--tee=3", "--local-ranks-filter=0"]
+    assert words[-3:] == ["-m", "leantrain.cli", "train"]

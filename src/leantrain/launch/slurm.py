@@ -305,8 +305,10 @@ def slurm_script(
         "# A rank that refuses the job writes why here; torchrun's restarts in this allocation then refuse at once.",
         f'export {REFUSAL_ENV}="$RUN_DIR/refused-$SLURM_JOB_ID-${{SLURM_RESTART_COUNT:-0}}.json"',
         *([f'export APPTAINERENV_{REFUSAL_ENV}="${REFUSAL_ENV}"'] if cluster.slurm_runtime == "apptainer" else []),
-        "# Train: torchrun's elastic agent on every node, c10d rendezvous on the first node.",
-        join_args([*srun, "torchrun", *rdzv, "-m", "leantrain.cli", *train]) + " &",
+        "# Train: torchrun's elastic agent on every node, c10d rendezvous on the first node. node_run keeps each",
+        "# rank's output in RUN_DIR/logs/<host>/ and records a crash of its node in node_health.json.",
+        join_args([*srun, "python", "-m", "leantrain.launch.node_run", ShellRef("$RUN_DIR"), "--", "torchrun", *rdzv,
+                   "-m", "leantrain.cli", *train]) + " &",
         # fault.auto_restart: false is no restart at all, torchrun's (above) nor Slurm's requeue after a failure
         *_wait_for_training(max_requeues=cluster.max_requeues if spec.fault.auto_restart else 0,
                             health_cmd=health_cmd),

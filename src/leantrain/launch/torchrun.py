@@ -184,9 +184,11 @@ class TraceFilter:
 
 def run_torchrun(
     argv: Sequence[str], *, console: Console, timeout_s: float | None = None, failed_ranks: list[int] | None = None,
-    trace_filter: TraceFilter | None = None, refusal: Path | None = None,
+    trace_filter: TraceFilter | None = None, refusal: Path | None = None, stop_grace_s: float | None = 30.0,
 ) -> int:
     """Run torchrun in its own session, echo its output, return its exit code (killing the group on timeout).
+    Interrupted (KeyboardInterrupt: a signal handler's), it passes SIGTERM on to the session and SIGKILLs it after
+    `stop_grace_s` (None: waits for it).
 
     `failed_ranks`, when given, receives the global ranks torchrun's failure summary reports. `trace_filter`,
     when given, keeps tracebacks off the console and collects the failures (`rank_failure_lines`). `refusal`,
@@ -214,16 +216,19 @@ def run_torchrun(
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError
         return proc.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
-    except (TimeoutError, subprocess.TimeoutExpired, KeyboardInterrupt):
+    except KeyboardInterrupt:
+        _stop(proc, grace_s=stop_grace_s)
+        raise
+    except (TimeoutError, subprocess.TimeoutExpired):
         _stop(proc)
         raise
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    """SIGTERM torchrun's session (the agent and its ranks), SIGKILL after 30 s."""
+def _stop(proc: subprocess.Popen, *, grace_s: float | None = 30.0) -> None:
+    """SIGTERM torchrun's session (the agent and its ranks), SIGKILL after `grace_s` (None: never)."""
     os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=30)
+        proc.wait(timeout=grace_s)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()

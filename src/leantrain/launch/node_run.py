@@ -1,0 +1,82 @@
+"""The training step of one node of a Slurm job: torchrun run by leantrain, so that a crash of this node is
+recorded against it in `node_health.json` (launch/health.py), as a local `leantrain launch` records one.
+
+`python -m leantrain.launch.node_run RUN_DIR -- torchrun ARGS...` runs the torchrun command with this node's log
+flags added after `torchrun` (`--log-dir=RUN_DIR/logs/<host> --redirects=3 --tee=3 --local-ranks-filter=0`: each
+rank's output in its own file, local rank 0's also on the console, as `leantrain launch` runs it). Tracebacks and
+torchrun's failure summary stay off the console (they are in the rank logs); one line per failed rank says where
+its log is. When torchrun fails and no rank recorded a refusal (`$LEANTRAIN_REFUSAL_FILE`, errors.record_refusal),
+the crash is recorded against this node (health.node_name) if one of its ranks failed of its own
+(torchrun.host_fault: not when it only saw a rank of another node fail). The step exits with torchrun's code.
+SIGTERM and SIGINT are passed on to torchrun, whose agent passes them to the ranks (a checkpoint, then exit); the
+step waits for it as long as that takes (Slurm's KillWait bounds it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import sys
+from pathlib import Path
+
+from rich.console import Console
+
+from leantrain.errors import REFUSAL_ENV, read_refusal
+from leantrain.launch import torchrun
+from leantrain.launch.health import node_name, record_failure
+
+
+def node_argv(command: list[str], run_dir: Path) -> list[str]:
+    """`command` (torchrun and its arguments) with this node's log flags after `torchrun`."""
+    if not command or Path(command[0]).name != "torchrun":
+        raise SystemExit(f"node_run: expected `-- torchrun ARGS...`, got {command[:1] or 'nothing'}")
+    flags = [f"--log-dir={torchrun.host_log_dir(run_dir)}", "--redirects=3", "--tee=3", "--local-ranks-filter=0"]
+    return [command[0], *flags, *command[1:]]
+
+
+def run_node(run_dir: Path, command: list[str], *, console: Console) -> int:
+    """Run the node's torchrun (`command`), record a crash of this node; returns torchrun's exit code."""
+    traces, failed_ranks = torchrun.TraceFilter(), list[int]()
+
+    def stop(signum: int, _frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = torchrun.run_torchrun(node_argv(command, run_dir), console=console, failed_ranks=failed_ranks,
+                                     trace_filter=traces, stop_grace_s=None)
+    except KeyboardInterrupt:
+        return 128 + signal.SIGTERM
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    for line in torchrun.rank_failure_lines(traces, run_dir=run_dir):
+        console.print(line, markup=False, highlight=False, soft_wrap=True)
+    refusal = os.environ.get(REFUSAL_ENV)
+    if code == 0 or (refusal and read_refusal(Path(refusal)) is not None):
+        return code  # a refusal is the job's input, not this node's crash (the job script says which)
+    host = node_name()
+    blamed, why = torchrun.host_fault(traces.failures, run_dir=run_dir)
+    if blamed:
+        info = record_failure(run_dir, host=host, kind="crash", reason=f"torchrun exit code {code}: {why}",
+                              ranks=failed_ranks)
+        console.print(f"leantrain: {host} crashed: {why} (crash {info.crashes} recorded in node_health.json)",
+                      markup=False, highlight=False, soft_wrap=True)
+    else:
+        console.print(f"leantrain: torchrun exit code {code}; not counted against {host}: {why}", markup=False,
+                      highlight=False, soft_wrap=True)
+    return code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m leantrain.launch.node_run", description=__doc__.split("\n")[0])
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- torchrun ARGS...")
+    args = parser.parse_args(argv)
+    command = args.command[1:] if args.command[:1] == ["--"] else args.command
+    return run_node(args.run_dir, command, console=Console(highlight=False, soft_wrap=True))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
