@@ -585,20 +585,24 @@ def test_a_node_whose_rank_failed_of_its_own_is_recorded_and_the_requeue_exclude
     assert (run_dir / "logs" / socket.gethostname() / "7_x" / "attempt_0" / "0" / "stderr.log").is_file()
 
 
-def test_node_run_passes_sigterm_on_to_torchrun_and_waits_for_it(tmp_path: Path) -> None:
-    """Slurm signals the step (scancel, the time limit's end): node_run passes SIGTERM on to torchrun's session,
-    whose ranks then checkpoint, and waits for torchrun however long that takes (no kill after a grace time)."""
+def test_slurms_sigterm_reaches_torchrun_once_and_node_run_waits_for_it(tmp_path: Path) -> None:
+    """Slurm signals the step's processes (scancel, preemption): torchrun runs in node_run's process group, so it
+    gets SIGTERM once (its agent passes it on to the ranks, which checkpoint), and node_run waits for it, whatever
+    that takes, and exits with its code."""
     bin_dir, seen = tmp_path / "bin", tmp_path / "got-term"
     bin_dir.mkdir()
-    (bin_dir / "torchrun").write_text(f'#!/bin/bash\ntrap \'sleep 2; echo "$@" > {seen}; exit 0\' TERM\n'
-                                      'echo started\nwhile :; do sleep 0.1; done\n')
+    (bin_dir / "torchrun").write_text(f'#!/bin/bash\ntrap \'echo term >> {seen}; sleep 2; echo "$@" >> {seen}; '
+                                      'exit 7\' TERM\necho started\nwhile :; do sleep 0.1; done\n')
     (bin_dir / "torchrun").chmod(0o755)
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
     proc = subprocess.Popen([sys.executable, "-m", "leantrain.launch.node_run", str(tmp_path / "run"), "--",
-                             "torchrun", "-m", "leantrain.cli", "train"], env=env, stdout=subprocess.PIPE, text=True)
+                             "torchrun", "-m", "leantrain.cli", "train"], env=env, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)  # as srun's task: its own process group
     assert proc.stdout is not None and proc.stdout.readline().strip() == "started"
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(timeout=60) == 128 + signal.SIGTERM
-    words = seen.read_text().split()
+    os.killpg(proc.pid, signal.SIGTERM)  # what Slurm does to the step
+    assert proc.wait(timeout=60) == 7
+    lines = seen.read_text().splitlines()
+    assert lines[0] == "term" and len(lines) == 2, lines  # once
+    words = lines[1].split()
     assert words[0].startswith("--log-dir=") and words[1:4] == ["--redirects=3", "--tee=3", "--local-ranks-filter=0"]
     assert words[-3:] == ["-m", "leantrain.cli", "train"]

@@ -8,8 +8,9 @@ torchrun's failure summary stay off the console (they are in the rank logs); one
 its log is. When torchrun fails and no rank recorded a refusal (`$LEANTRAIN_REFUSAL_FILE`, errors.record_refusal),
 the crash is recorded against this node (health.node_name) if one of its ranks failed of its own
 (torchrun.host_fault: not when it only saw a rank of another node fail). The step exits with torchrun's code.
-SIGTERM and SIGINT are passed on to torchrun, whose agent passes them to the ranks (a checkpoint, then exit); the
-step waits for it as long as that takes (Slurm's KillWait bounds it).
+torchrun runs in this step's process group, so Slurm's SIGTERM (scancel, preemption) reaches it once, as it did
+without this step around it (its agent passes it on to the ranks: a checkpoint, then exit); the step itself
+waits for torchrun through SIGTERM and SIGINT (Slurm's KillWait bounds that).
 """
 
 from __future__ import annotations
@@ -39,15 +40,13 @@ def run_node(run_dir: Path, command: list[str], *, console: Console) -> int:
     """Run the node's torchrun (`command`), record a crash of this node; returns torchrun's exit code."""
     traces, failed_ranks = torchrun.TraceFilter(), list[int]()
 
-    def stop(signum: int, _frame: object) -> None:
-        raise KeyboardInterrupt
+    def wait_for_torchrun(signum: int, _frame: object) -> None:  # a handler, not SIG_IGN, which torchrun would inherit
+        console.print(f"leantrain: {signal.Signals(signum).name}: waiting for torchrun to stop", markup=False)
 
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous = {sig: signal.signal(sig, wait_for_torchrun) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         code = torchrun.run_torchrun(node_argv(command, run_dir), console=console, failed_ranks=failed_ranks,
-                                     trace_filter=traces, stop_grace_s=None)
-    except KeyboardInterrupt:
-        return 128 + signal.SIGTERM
+                                     trace_filter=traces, new_session=False)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)

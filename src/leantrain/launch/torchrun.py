@@ -184,11 +184,10 @@ class TraceFilter:
 
 def run_torchrun(
     argv: Sequence[str], *, console: Console, timeout_s: float | None = None, failed_ranks: list[int] | None = None,
-    trace_filter: TraceFilter | None = None, refusal: Path | None = None, stop_grace_s: float | None = 30.0,
+    trace_filter: TraceFilter | None = None, refusal: Path | None = None, new_session: bool = True,
 ) -> int:
-    """Run torchrun in its own session, echo its output, return its exit code (killing the group on timeout).
-    Interrupted (KeyboardInterrupt: a signal handler's), it passes SIGTERM on to the session and SIGKILLs it after
-    `stop_grace_s` (None: waits for it).
+    """Run torchrun in its own session (`new_session`; else in this process group, which a scheduler signals
+    whole), echo its output, return its exit code (killing the group on timeout or KeyboardInterrupt).
 
     `failed_ranks`, when given, receives the global ranks torchrun's failure summary reports. `trace_filter`,
     when given, keeps tracebacks off the console and collects the failures (`rank_failure_lines`). `refusal`,
@@ -196,7 +195,7 @@ def run_torchrun(
     stopped, not left to restart every rank into the same refusal, and the exit code is 2.
     """
     proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            env=torchrun_env(refusal), start_new_session=True)
+                            env=torchrun_env(refusal), start_new_session=new_session)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     looked = 0.0  # when the refusal file was last looked for: at once after a line that tells of a failure, else
     # at most once a second (it may be on shared storage)
@@ -216,19 +215,16 @@ def run_torchrun(
             if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError
         return proc.wait(timeout=None if deadline is None else max(1.0, deadline - time.monotonic()))
-    except KeyboardInterrupt:
-        _stop(proc, grace_s=stop_grace_s)
-        raise
-    except (TimeoutError, subprocess.TimeoutExpired):
+    except (TimeoutError, subprocess.TimeoutExpired, KeyboardInterrupt):
         _stop(proc)
         raise
 
 
-def _stop(proc: subprocess.Popen, *, grace_s: float | None = 30.0) -> None:
-    """SIGTERM torchrun's session (the agent and its ranks), SIGKILL after `grace_s` (None: never)."""
+def _stop(proc: subprocess.Popen) -> None:
+    """SIGTERM torchrun's session (the agent and its ranks), SIGKILL after 30 s."""
     os.killpg(proc.pid, signal.SIGTERM)
     try:
-        proc.wait(timeout=grace_s)
+        proc.wait(timeout=30)
     except subprocess.TimeoutExpired:
         os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
