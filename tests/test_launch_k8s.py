@@ -7,13 +7,14 @@ Kubernetes' own OpenAPI schemas (kubernetes-validate, strict)."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
-from leantrain.launch.health import record_failure
+from leantrain.launch.health import read_health, record_failure
 from leantrain.launch.job_spec import PLACEHOLDER_IMAGE
 from leantrain.launch.k8s import RUN_AS_UID, k8s_documents, k8s_yaml, prepull_daemonset
 from leantrain.spec import load_spec, spec_from_dict
@@ -169,7 +170,8 @@ def test_job_names_are_unique_and_the_run_dir_stays(tmp_path: Path) -> None:
 
 
 # A stand-in for torchrun on the container's PATH: records its arguments; preflight passes; training does what
-# STUB_MODE says: a rank refuses the job (writes the refusal file the script exported, torchrun exits 1), crashes,
+# STUB_MODE says: a rank refuses the job (writes the refusal file the script exported, torchrun exits 1), crashes
+# (an OOM kill of local rank 0, in torchrun's failure summary),
 # passes, or runs until SIGTERM (passed on by the script: the trainer's checkpoint on the pod's termination).
 TORCHRUN_STUB = """#!/bin/bash
 echo "$*" >> "$STUB_CALLS"
@@ -177,7 +179,9 @@ case "$*" in *preflight_worker*) exit 0;; esac
 case "$STUB_MODE" in
   refuse) echo '{"message": "data.dir /mnt/data has no manifest.json", "rank": "3"}' > "$LEANTRAIN_REFUSAL_FILE"
           exit 1;;
-  crash) exit 1;;
+  crash) printf '%s\n' "Traceback (most recent call last):" '  File "run.py"' "torch.ChildFailedError: " "=====" \
+          "Root Cause (first observed failure):" "[0]:" "  rank      : 5 (local_rank: 0)" "  exitcode  : -9 (pid: 3)" \
+          "====="; exit 1;;
   term) sleep 30 & SLEEP=$!; trap 'kill $SLEEP; echo SIGTERM >> "$STUB_CALLS"; exit 143' TERM
         echo ready >> "$STUB_CALLS"; wait $SLEEP;;
 esac
@@ -212,7 +216,8 @@ def test_a_refused_job_is_not_started_again_by_its_pods_restarts(tmp_path: Path,
         """One start of the container of `pod` (its /dev/shm marker under tmp_path/pod)."""
         (tmp_path / pod).mkdir(exist_ok=True)
         text = script.replace("/mnt/runs/run", str(run_dir)).replace(POD_STARTED, str(tmp_path / pod / "started"))
-        env = {**os.environ, "PATH": f"{stub_dir}:{os.environ['PATH']}", "STUB_MODE": mode, "STUB_CALLS": str(calls)}
+        path = f"{stub_dir}:{Path(sys.executable).parent}:{os.environ['PATH']}"  # the image's python: leantrain's
+        env = {**os.environ, "PATH": path, "STUB_MODE": mode, "STUB_CALLS": str(calls), "LEANTRAIN_NODE_NAME": "node-1"}
         return subprocess.Popen(["bash", "-c", text], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                 text=True)
 
@@ -235,7 +240,9 @@ def test_a_refused_job_is_not_started_again_by_its_pods_restarts(tmp_path: Path,
     code, out, runs = run("pod-a2", "pass")  # the same job file applied again after a fix: a new pod, trains
     assert code == 0 and runs == starts and not refusal.exists(), out
     code, out, runs = run("pod-a2", "crash")  # a crash is not a refusal: torchrun's exit code, restarts train
-    assert code == 1 and runs == starts and "refused" not in out, out
+    assert code == 1 and runs == starts and "the ranks refused" not in out, out
+    # recorded against the pod's node (launch.node_run), which the next --emit keeps the Job's pods away from
+    assert read_health(run_dir)["node-1"].crashes == 1 and "node-1 crashed: rank 5 (local rank 0)" in out, out
 
     proc = container("pod-c", "term")  # the pod's termination: SIGTERM reaches torchrun (no longer exec'd)
     deadline = time.monotonic() + 30

@@ -141,11 +141,14 @@ def _container_script(spec: JobSpec, *, res: JobResources, name: str, max_restar
     pod's first start removes a file left by an earlier Job of the same name (the file applied again after a
     fix): POD_STARTED, on the pod's /dev/shm volume, survives its container's restarts and no more. (A pod that
     first starts after the refusal, one beyond an elastic job's minimum or one the operator recreated, removes it
-    too: the Job's next start then runs torchrun once more, and its ranks refuse again.) torchrun runs as bash's
-    child, not exec'd: SIGTERM (the pod's termination) is passed on to it, so the trainer checkpoints."""
+    too: the Job's next start then runs torchrun once more, and its ranks refuse again.) torchrun runs under
+    launch.node_run (rank logs in RUN_DIR/logs/<pod>/, a crash of the node recorded in node_health.json, which the
+    next `--emit` keeps the pods away from) as bash's child, not exec'd: SIGTERM (the pod's termination) is passed
+    on to it, so the trainer checkpoints."""
     spec_args = TrainCommand(spec_path=Path(f"{SPEC_MOUNT}/spec.yaml")).spec_args(run_dir=run_dir)
     train_rdzv = torchrun_args(res, max_restarts=max_restarts, rdzv_endpoint=None, rdzv_id=None)
-    train = shlex.join(["torchrun", *train_rdzv, "-m", "leantrain.cli", "train", *spec_args])
+    train = shlex.join(["python", "-m", "leantrain.launch.node_run", run_dir, "--forward-signals", "--", "torchrun",
+                        *train_rdzv, "-m", "leantrain.cli", "train", *spec_args])
     refused = (f'echo "leantrain: the ranks refused job {name} (not started again; fix the input and apply the job '
                f'again): $(cat "${REFUSAL_ENV}")"; exit 2')
     lines = [

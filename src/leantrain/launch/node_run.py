@@ -1,7 +1,9 @@
-"""The training step of one node of a Slurm job: torchrun run by leantrain, so that a crash of this node is
-recorded against it in `node_health.json` (launch/health.py), as a local `leantrain launch` records one.
+"""The training step of one node of a Slurm job or one pod of a Kubernetes job: torchrun run by leantrain, so that
+a crash of this node is recorded against it in `node_health.json` (launch/health.py), as a local `leantrain
+launch` records one.
 
-`python -m leantrain.launch.node_run RUN_DIR -- torchrun ARGS...` runs the torchrun command with this node's log
+`python -m leantrain.launch.node_run RUN_DIR [--forward-signals] -- torchrun ARGS...` runs the torchrun command
+with this node's log
 flags added after `torchrun` (`--log-dir=RUN_DIR/logs/<host> --redirects=3 --tee=3 --local-ranks-filter=0`: each
 rank's output in its own file, local rank 0's also on the console, as `leantrain launch` runs it). Tracebacks and
 torchrun's failure summary stay off the console (they are in the rank logs); one line per failed rank says where
@@ -10,14 +12,18 @@ the crash is recorded against this node (health.node_name) if one of its ranks f
 (torchrun.host_fault: not when it only saw a rank of another node fail). The step exits with torchrun's code.
 torchrun runs in this step's process group, so Slurm's SIGTERM (scancel, preemption) reaches it once, as it did
 without this step around it (its agent passes it on to the ranks: a checkpoint, then exit); the step itself
-waits for torchrun through SIGTERM and SIGINT (Slurm's KillWait bounds that).
+waits for torchrun through SIGTERM and SIGINT (Slurm's KillWait bounds that). With `--forward-signals` (a pod,
+where only the container's shell is signalled and passes it on to this step) torchrun runs in a session of its
+own and this step passes SIGTERM and SIGINT on to it, then waits likewise (the pod's grace period bounds that).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
@@ -36,17 +42,21 @@ def node_argv(command: list[str], run_dir: Path) -> list[str]:
     return [command[0], *flags, *command[1:]]
 
 
-def run_node(run_dir: Path, command: list[str], *, console: Console) -> int:
+def run_node(run_dir: Path, command: list[str], *, console: Console, forward_signals: bool = False) -> int:
     """Run the node's torchrun (`command`), record a crash of this node; returns torchrun's exit code."""
-    traces, failed_ranks = torchrun.TraceFilter(), list[int]()
+    traces, failed_ranks, started = torchrun.TraceFilter(), list[int](), list[subprocess.Popen]()
 
     def wait_for_torchrun(signum: int, _frame: object) -> None:  # a handler, not SIG_IGN, which torchrun would inherit
+        if forward_signals:
+            for proc in started:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(proc.pid, signum)
         console.print(f"leantrain: {signal.Signals(signum).name}: waiting for torchrun to stop", markup=False)
 
     previous = {sig: signal.signal(sig, wait_for_torchrun) for sig in (signal.SIGTERM, signal.SIGINT)}
     try:
         code = torchrun.run_torchrun(node_argv(command, run_dir), console=console, failed_ranks=failed_ranks,
-                                     trace_filter=traces, new_session=False)
+                                     trace_filter=traces, new_session=forward_signals, started=started)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
@@ -69,12 +79,18 @@ def run_node(run_dir: Path, command: list[str], *, console: Console) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m leantrain.launch.node_run", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m leantrain.launch.node_run",
+                                     usage="%(prog)s RUN_DIR [--forward-signals] -- torchrun ARGS...")
     parser.add_argument("run_dir", type=Path)
-    parser.add_argument("command", nargs=argparse.REMAINDER, help="-- torchrun ARGS...")
-    args = parser.parse_args(argv)
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    return run_node(args.run_dir, command, console=Console(highlight=False, soft_wrap=True))
+    parser.add_argument("--forward-signals", action="store_true",
+                        help="torchrun in a session of its own; SIGTERM and SIGINT passed on to it (a pod)")
+    words = sys.argv[1:] if argv is None else argv
+    if "--" not in words:
+        parser.error("expected `-- torchrun ARGS...` after the options")
+    at = words.index("--")
+    args = parser.parse_args(words[:at])
+    return run_node(args.run_dir, words[at + 1:], console=Console(highlight=False, soft_wrap=True),
+                    forward_signals=args.forward_signals)
 
 
 if __name__ == "__main__":

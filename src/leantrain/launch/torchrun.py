@@ -185,9 +185,11 @@ class TraceFilter:
 def run_torchrun(
     argv: Sequence[str], *, console: Console, timeout_s: float | None = None, failed_ranks: list[int] | None = None,
     trace_filter: TraceFilter | None = None, refusal: Path | None = None, new_session: bool = True,
+    started: list[subprocess.Popen] | None = None,
 ) -> int:
     """Run torchrun in its own session (`new_session`; else in this process group, which a scheduler signals
-    whole), echo its output, return its exit code (killing the group on timeout or KeyboardInterrupt).
+    whole), echo its output, return its exit code (killing the group on timeout or KeyboardInterrupt). `started`,
+    when given, receives torchrun's process as it starts (for a signal handler to pass signals on to it).
 
     `failed_ranks`, when given, receives the global ranks torchrun's failure summary reports. `trace_filter`,
     when given, keeps tracebacks off the console and collects the failures (`rank_failure_lines`). `refusal`,
@@ -196,6 +198,8 @@ def run_torchrun(
     """
     proc = subprocess.Popen(list(argv), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env=torchrun_env(refusal), start_new_session=new_session)
+    if started is not None:
+        started.append(proc)
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     looked = 0.0  # when the refusal file was last looked for: at once after a line that tells of a failure, else
     # at most once a second (it may be on shared storage)
