@@ -154,6 +154,26 @@ def test_slurm_and_pod_logs_are_read(tmp_path: Path) -> None:
     assert "pod-seed-worker-2.log: Segmentation fault" in _by_name(run_dir)["no errors"][1]
 
 
+def test_of_many_rank_logs_every_error_counts_and_only_the_newest_keep_a_tail(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job of 2,048 nodes leaves 16,384 ranks' stdout and stderr under logs/ (Slurm's and Kubernetes' training
+    steps too, since launch.node_run): a 400-line tail of each, kept for `doctor`, came to gigabytes. Every file's
+    error lines are still read; the tails only of the MAX_TAIL_FILES newest (3 here)."""
+    import os
+
+    from leantrain.observe import logs
+
+    monkeypatch.setattr(logs, "MAX_TAIL_FILES", 3)
+    for rank in range(8):
+        path = tmp_path / "logs" / "node1" / "job_x" / "attempt_0" / str(rank) / "stderr.log"
+        path.parent.mkdir(parents=True)
+        path.write_text(f"rank {rank} starting\nRuntimeError: boom\n")
+        os.utime(path, (1_000 + rank, 1_000 + rank))
+    read = logs.read_logs(tmp_path)
+    assert len(read) == 8 and all(log.error_lines == ["RuntimeError: boom"] for log in read)
+    assert {log.local_rank: log.tail[0] for log in read if log.tail} == {r: f"rank {r} starting" for r in (5, 6, 7)}
+
+
 def test_planned_drill_kill_explains_only_its_own_attempt(tmp_path: Path) -> None:
     run_dir = make_run(tmp_path, "healthy")
     _planned_restart(run_dir)

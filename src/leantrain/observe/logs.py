@@ -7,8 +7,10 @@ Where logs are found (relative to the run dir):
 - a pod's console: `logs/pod-<pod name>.log` (the Kubernetes job tees its output there),
 - any other `*.log` in the run dir or in `logs/` (audit.log holds commands, not process output).
 
-Each file is read line by line: the last LOG_TAIL_LINES lines are kept, and up to MAX_HITS_PER_FILE error lines
-from anywhere in it, so memory stays bounded on any number of ranks and any log length.
+Each file is read line by line: up to MAX_HITS_PER_FILE error lines from anywhere in it, and the last
+LOG_TAIL_LINES lines of the MAX_TAIL_FILES newest files (a job of 2,048 nodes writes 16,384 ranks' stdout and
+stderr: a tail of each would be gigabytes, and what a tail shows, a start stuck in the rendezvous or NCCL's set-up,
+shows on every rank), so memory stays bounded on any number of ranks and any log length.
 
 A planned fault (a drill kill, recorded as `restart` events with `planned: true`) ends the attempts before
 it: error lines in torchrun's attempt_<k> with k < the number of planned restarts are the kill's echo (the
@@ -25,6 +27,7 @@ from pathlib import Path
 
 LOG_TAIL_LINES = 400  # enough to hold a traceback and the lines that led to it
 MAX_HITS_PER_FILE = 20
+MAX_TAIL_FILES = 256  # the newest files (by modification time) whose tails are kept
 ERROR_RE = re.compile(r"Traceback \(most recent call last\)|out of memory|OutOfMemoryError|NCCL error|"
                       r"CUDA error|ChildFailedError|RuntimeError|Segmentation fault|illegal memory access",
                       re.IGNORECASE)
@@ -78,7 +81,7 @@ def log_paths(run_dir: Path) -> list[Path]:
     return sorted(p for p in found if p.is_file() and p.name not in SKIPPED_NAMES)
 
 
-def read_log(run_dir: Path, path: Path) -> LogFile:
+def read_log(run_dir: Path, path: Path, *, keep_tail: bool = True) -> LogFile:
     rel = path.relative_to(run_dir).as_posix()
     match = TORCHRUN_RE.match(rel)
     if match:
@@ -87,7 +90,7 @@ def read_log(run_dir: Path, path: Path) -> LogFile:
     else:
         source = "slurm" if path.name.startswith("slurm-") else "pod" if path.name.startswith("pod-") else "file"
         log = LogFile(rel, source)
-    tail: deque[str] = deque(maxlen=LOG_TAIL_LINES)
+    tail: deque[str] = deque(maxlen=LOG_TAIL_LINES if keep_tail else 0)
     try:
         with path.open(encoding="utf-8", errors="replace") as handle:
             for raw in handle:
@@ -102,7 +105,17 @@ def read_log(run_dir: Path, path: Path) -> LogFile:
 
 
 def read_logs(run_dir: Path) -> list[LogFile]:
-    return [read_log(Path(run_dir), p) for p in log_paths(run_dir)]
+    """Every log's error lines; the tails of the MAX_TAIL_FILES newest."""
+    paths = log_paths(run_dir)
+
+    def mtime(path: Path) -> float:
+        try:
+            return path.stat().st_mtime
+        except OSError:
+            return 0.0
+
+    newest = set(sorted(paths, key=mtime, reverse=True)[:MAX_TAIL_FILES])
+    return [read_log(Path(run_dir), p, keep_tail=p in newest) for p in paths]
 
 
 def log_errors(logs: list[LogFile], *, planned_restarts: int) -> list[LogError]:
