@@ -61,7 +61,8 @@ from collections.abc import Iterable
 # around 1.05x -> 0.92-1.66x around 1.04x, whole run 0.77-1.56x around 0.99x; efficiency 0.81).
 # The MoE range (2026-12-06): 16 MoE runs of 9 releases, measured 0.78-2.33x the planned step time, median 1.23x,
 # before the MoE layers' fixed time per micro-batch was priced (plan/inputs.py MOE_LAYER_OVERHEAD_S); with it, and
-# each release predicted with the overhead fitted on the others, 0.69-1.77x around 1.01x.
+# each release predicted with the overhead fitted on the others, 0.69-1.77x around 1.01x. The memory-bound pass
+# then read the routed rows whole where the experts are split over TP (2026-12-07): 0.70-1.77x around 1.01x.
 # The layout range (2026-12-06): each run's constants fitted without its software stack, 0.82-1.21x around 0.97x; from
 # split halves (which share stacks) it was 0.92-1.23x around 1.00x. Full recompute then stopped repeating the output
 # projection (every stack) and, with torch's early stop (this trainer, torchtitan: `plan.recompute_early_stop`), a
@@ -71,7 +72,7 @@ from collections.abc import Iterable
 # The whole-run range from the prediction interval in place of the order statistics (2026-12-07): 0.77-1.56x
 # -> 0.74-1.46x around 0.99x.
 STEP_RANGE = {"layout": (-0.2063, -0.0063, 0.217), "searched": (-0.0879, 0.0464, 0.5062),
-              "moe": (-0.3709, 0.0123, 0.5691)}
+              "moe": (-0.3617, 0.0125, 0.5691)}
 WHOLE_RUN_RANGE = (-0.3077, -0.0083, 0.3751)
 
 
