@@ -3,9 +3,9 @@ a crash of this node is recorded against it in `node_health.json` (launch/health
 launch` records one.
 
 `python -m leantrain.launch.node_run RUN_DIR [--forward-signals] -- torchrun ARGS...` runs the torchrun command
-with this node's log
-flags added after `torchrun` (`--log-dir=RUN_DIR/logs/<host> --redirects=3 --tee=3 --local-ranks-filter=0`: each
-rank's output in its own file, local rank 0's also on the console, as `leantrain launch` runs it). Tracebacks and
+with this node's log flags added after `torchrun` (`--log-dir=RUN_DIR/logs/<host> --redirects=3 --tee=3
+--local-ranks-filter=0`: each rank's output in its own file, local rank 0's also on the console, as `leantrain
+launch` runs it). Tracebacks and
 torchrun's failure summary stay off the console (they are in the rank logs); one line per failed rank says where
 its log is. When torchrun fails and no rank recorded a refusal (`$LEANTRAIN_REFUSAL_FILE`, errors.record_refusal),
 the crash is recorded against this node (health.node_name) if one of its ranks failed of its own

@@ -354,12 +354,21 @@ def _peer_failure_sign(run_dir: Path, local_rank: str, rank: str) -> str | None:
     or None. The newest log of `local_rank` is this launch's on a host that runs one agent; any of the few newest
     may be where a line carries the rank's own `[rank N]:` prefix (agents sharing a host name), and a line with
     another rank's prefix is not this rank's."""
-    logs = sorted(host_log_dir(run_dir).glob(f"*/attempt_*/{local_rank}/stderr.log"), key=lambda p: p.stat().st_mtime,
+    def mtime(path: Path) -> float:
+        try:
+            return path.stat().st_mtime
+        except OSError:  # removed since the glob
+            return 0.0
+
+    logs = sorted(host_log_dir(run_dir).glob(f"*/attempt_*/{local_rank}/stderr.log"), key=mtime,
                   reverse=True)[:LOGS_LOOKED_AT]
     for index, log in enumerate(logs):
-        with log.open("rb") as f:
-            f.seek(max(0, log.stat().st_size - LOG_TAIL_BYTES))
-            lines = f.read().decode("utf-8", "replace").splitlines()
+        try:
+            with log.open("rb") as f:
+                f.seek(max(0, f.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
+                lines = f.read().decode("utf-8", "replace").splitlines()
+        except OSError:
+            continue
         signs = [line.strip() for line in lines if any(sign in line for sign in PEER_FAILURE_SIGNS)
                  and ((m := RANK_PREFIX.match(line)) is None and index == 0 or m is not None and m.group(1) == rank)]
         if signs:
