@@ -115,6 +115,34 @@ def test_health_file_hosts_are_excluded(tmp_path: Path) -> None:
     assert sbatch_options(text)["--exclude"] == "node07,node09"
 
 
+def test_crashes_of_many_hosts_at_once_are_the_jobs_and_exclude_no_host(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A layout that runs out of memory, or a bug every rank raises, fails every node: each node's training step
+    (launch.node_run) records a crash of its own. Counted, two such failures would exclude every node of the job,
+    and the requeue would wait for nodes that do not exist. Crashes of JOB_WIDE_HOSTS (3) or more hosts within
+    JOB_WIDE_WINDOW_S are the job's and count against none; two hosts at once may be one bad host and its peer,
+    and count against both."""
+    clock = [1_000.0]
+    monkeypatch.setattr(time, "time", lambda: clock[0])
+
+    def crash(*hosts: str) -> None:
+        for host in hosts:
+            clock[0] += 5  # the nodes' steps end seconds apart
+            record_failure(tmp_path, host=host, kind="crash", reason="torch.OutOfMemoryError")
+        clock[0] += 3_600
+
+    crash("n1", "n2", "n3", "n4")
+    crash("n1", "n2", "n3", "n4")
+    assert excluded_hosts(tmp_path) == []
+    crash("n5", "n6")
+    crash("n5", "n6")
+    assert excluded_hosts(tmp_path) == ["n5", "n6"]
+    crash("n1")  # alone, once: its two job-wide crashes do not count
+    assert excluded_hosts(tmp_path) == ["n5", "n6"]
+    crash("n1")
+    assert excluded_hosts(tmp_path) == ["n1", "n5", "n6"]
+
+
 def test_resources_flags_override_spec_and_bad_nnodes_is_a_user_error() -> None:
     spec = load_spec(SEED, profile="rehearsal", overrides=[VENV])
     res = job_resources(spec, nnodes="2:8", nproc=4)

@@ -5,7 +5,10 @@
     {"version": 1, "hosts": {"node17": {"status": "excluded", "crashes": 2, "preflight_failures": 1,
                                          "ranks": [8, 9], "events": [{"ts": ..., "kind": ..., "reason": ...}]}}}
 
-A host is excluded when it failed preflight or crashed `cluster.unhealthy_after_crashes` times. The Slurm job
+A host is excluded when it failed preflight or crashed `cluster.unhealthy_after_crashes` times. Crashes that
+JOB_WIDE_HOSTS or more hosts recorded within JOB_WIDE_WINDOW_S of each other are the job's failure (an
+out-of-memory layout, a bug every rank raises), as a preflight check every rank fails is the job's problem: they
+count against no host (`job_wide_crashes`), so such a failure repeated does not exclude every host. The Slurm job
 passes the excluded hosts to `--exclude` (and refreshes it before a requeue with
 `python -m leantrain.launch.health RUN_DIR`); the Kubernetes job keeps its pods off them by node affinity; a local
 launch refuses to start on an excluded host. `clear_host` takes a repaired host back. A host is recorded by the
@@ -21,6 +24,7 @@ import fcntl
 import json
 import os
 import time
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +35,8 @@ from leantrain.security import private_opener, redact
 HEALTH_FILE_NAME = "node_health.json"
 NODE_NAME_ENV = "LEANTRAIN_NODE_NAME"  # set in Kubernetes pods from spec.nodeName (the downward API)
 MAX_EVENTS_PER_HOST = 50  # the file stays small however long a host keeps failing
+JOB_WIDE_HOSTS = 3  # crashes of this many hosts at once are the job's, not a host's (two: either may be at fault)
+JOB_WIDE_WINDOW_S = 600.0  # "at once": within this long of each other (torchrun's restarts, one job's failure)
 EventKind = Literal["preflight", "crash"]
 
 
@@ -54,8 +60,9 @@ class HostHealth:
     ranks: list[int] = field(default_factory=list)
     events: list[dict[str, Any]] = field(default_factory=list)
 
-    def excluded(self, *, crash_threshold: int) -> bool:
-        return self.preflight_failures > 0 or self.crashes >= crash_threshold
+    def excluded(self, *, crash_threshold: int, job_wide: int = 0) -> bool:
+        """`job_wide`: of its crashes, those that were the job's failure (`job_wide_crashes`)."""
+        return self.preflight_failures > 0 or self.crashes - job_wide >= crash_threshold
 
 
 @contextlib.contextmanager
@@ -112,11 +119,37 @@ def clear_host(run_dir: Path, host: str) -> bool:
         return hosts.pop(host, None) is not None
 
 
+def job_wide_crashes(hosts: dict[str, HostHealth]) -> dict[str, int]:
+    """Per host, its recorded crashes that came with crashes of at least JOB_WIDE_HOSTS − 1 other hosts within
+    JOB_WIDE_WINDOW_S (a sliding window over the events sorted by time: linear in the events after the sort)."""
+    events = sorted((float(e["ts"]), host) for host, info in hosts.items() for e in info.events
+                    if e.get("kind") == "crash" and isinstance(e.get("ts"), (int, float)))
+    in_window: Counter[str] = Counter()
+    out: Counter[str] = Counter()
+    first = last = 0
+    for ts, host in events:
+        while last < len(events) and events[last][0] <= ts + JOB_WIDE_WINDOW_S:
+            in_window[events[last][1]] += 1
+            last += 1
+        while events[first][0] < ts - JOB_WIDE_WINDOW_S:
+            in_window[events[first][1]] -= 1
+            if not in_window[events[first][1]]:
+                del in_window[events[first][1]]
+            first += 1
+        if len(in_window) >= JOB_WIDE_HOSTS:
+            out[host] += 1
+    return dict(out)
+
+
 def excluded_hosts(run_dir: Path | None, *, crash_threshold: int = 2) -> list[str]:
-    """Hosts to keep jobs off, sorted."""
+    """Hosts to keep jobs off, sorted: a preflight failure of their own, or `crash_threshold` crashes that were
+    not the job's failure (`job_wide_crashes`)."""
     if run_dir is None:
         return []
-    return sorted(h for h, info in read_health(run_dir).items() if info.excluded(crash_threshold=crash_threshold))
+    hosts = read_health(run_dir)
+    job_wide = job_wide_crashes(hosts)
+    return sorted(h for h, info in hosts.items()
+                  if info.excluded(crash_threshold=crash_threshold, job_wide=job_wide.get(h, 0)))
 
 
 def main(argv: list[str] | None = None) -> int:
