@@ -246,10 +246,11 @@ def _launch_leased(
                               f"per-rank logs under {Path(run_dir) / torchrun.LOGS_DIR}")
         info = record_failure(run_dir, host=host, kind="crash", reason=f"torchrun exit code {code}: {why}",
                               ranks=failed_ranks)
+        counted = "a failure of the whole job: 3+ hosts crashed at once, not counted against one" if info is None \
+            else f"crash {info.crashes} of {spec.cluster.unhealthy_after_crashes} before the host is excluded"
         raise CheckFailed(
             f"training failed on {host}: {why}; torchrun exit code {code}, failed rank(s) "
-            f"{', '.join(map(str, failed_ranks)) or 'unknown'} (crash {info.crashes} of "
-            f"{spec.cluster.unhealthy_after_crashes} before the host is excluded); per-rank logs under "
+            f"{', '.join(map(str, failed_ranks)) or 'unknown'} ({counted}); per-rank logs under "
             f"{Path(run_dir) / torchrun.LOGS_DIR}"
         )
 

@@ -66,12 +66,19 @@ class HostHealth:
 
 
 @contextlib.contextmanager
-def _locked_state(run_dir: Path) -> Iterator[dict[str, HostHealth]]:
-    """Read-modify-write the health file under an exclusive lock (a sibling .lock file)."""
+def _locked(run_dir: Path) -> Iterator[Path]:
+    """The health file's path, held under an exclusive lock (a sibling .lock file)."""
     path = health_path(run_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path.with_suffix(".lock"), "a", opener=private_opener) as lock:
         fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        yield path
+
+
+@contextlib.contextmanager
+def _locked_state(run_dir: Path) -> Iterator[dict[str, HostHealth]]:
+    """Read-modify-write the health file under its lock."""
+    with _locked(run_dir) as path:
         hosts = read_health(run_dir)
         yield hosts
         _write(path, hosts)
@@ -98,9 +105,17 @@ def _write(path: Path, hosts: dict[str, HostHealth]) -> None:
 
 def record_failure(
     run_dir: Path, *, host: str, kind: EventKind, reason: str, rank: int | None = None, ranks: Iterable[int] = ()
-) -> HostHealth:
-    """Record that `host` (running `rank`, or `ranks`) failed preflight or crashed; returns its updated record."""
-    with _locked_state(run_dir) as hosts:
+) -> HostHealth | None:
+    """Record that `host` (running `rank`, or `ranks`) failed preflight or crashed; returns its updated record, or
+    None for a crash not recorded: JOB_WIDE_HOSTS other hosts crashed within JOB_WIDE_WINDOW_S already, so it is
+    the job's failure, which counts against no host (`job_wide_crashes`). Every node of a job that fails as a
+    whole then reads the file and writes it only until then: 2,048 nodes each rewriting a file of 2,048 hosts
+    under the lock took 40 s on a local disk (2026-12-07), and longer on shared storage."""
+    now = time.time()
+    with _locked(run_dir) as path:
+        hosts = read_health(run_dir)
+        if kind == "crash" and len(_crashed_within(hosts, now, but=host)) >= JOB_WIDE_HOSTS:
+            return None
         info = hosts.setdefault(host, HostHealth())
         if kind == "preflight":
             info.preflight_failures += 1
@@ -108,8 +123,9 @@ def record_failure(
             info.crashes += 1
         failed_ranks = sorted({*ranks, *([] if rank is None else [rank])})
         info.ranks = sorted({*info.ranks, *failed_ranks})
-        info.events.append({"ts": time.time(), "kind": kind, "ranks": failed_ranks, "reason": redact(reason)})
+        info.events.append({"ts": now, "kind": kind, "ranks": failed_ranks, "reason": redact(reason)})
         del info.events[:-MAX_EVENTS_PER_HOST]
+        _write(path, hosts)
         return info
 
 
@@ -117,6 +133,13 @@ def clear_host(run_dir: Path, host: str) -> bool:
     """Forget a host (after it was repaired); returns whether it was recorded."""
     with _locked_state(run_dir) as hosts:
         return hosts.pop(host, None) is not None
+
+
+def _crashed_within(hosts: dict[str, HostHealth], ts: float, *, but: str) -> set[str]:
+    """The hosts but `but` with a crash recorded within JOB_WIDE_WINDOW_S of `ts`."""
+    return {h for h, info in hosts.items() if h != but and any(
+        e.get("kind") == "crash" and isinstance(e.get("ts"), (int, float)) and abs(e["ts"] - ts) <= JOB_WIDE_WINDOW_S
+        for e in info.events)}
 
 
 def job_wide_crashes(hosts: dict[str, HostHealth]) -> dict[str, int]:

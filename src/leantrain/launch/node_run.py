@@ -70,8 +70,10 @@ def run_node(run_dir: Path, command: list[str], *, console: Console, forward_sig
     if blamed:
         info = record_failure(run_dir, host=host, kind="crash", reason=f"torchrun exit code {code}: {why}",
                               ranks=failed_ranks)
-        console.print(f"leantrain: {host} crashed: {why} (crash {info.crashes} recorded in node_health.json)",
-                      markup=False, highlight=False, soft_wrap=True)
+        recorded = "a failure of the whole job, not recorded" if info is None else \
+            f"crash {info.crashes} recorded in node_health.json"
+        console.print(f"leantrain: {host} crashed: {why} ({recorded})", markup=False, highlight=False,
+                      soft_wrap=True)
     else:
         console.print(f"leantrain: torchrun exit code {code}; not counted against {host}: {why}", markup=False,
                       highlight=False, soft_wrap=True)
