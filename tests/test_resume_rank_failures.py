@@ -43,3 +43,17 @@ def test_a_failed_rank_is_one_line_naming_its_log(tmp_path: Path) -> None:
     assert log.name == "stderr.log" and log.parent.name == "1"
     assert "Traceback" in log.read_text() and "boom from rank 1" in log.read_text()
     assert len(lines) == 2 and lines[1].startswith("rank 0 (local rank 0") and "stopped" in lines[1]
+
+
+def test_a_distributed_ranks_traceback_behind_torchs_own_prefix_is_kept_off_the_console() -> None:
+    """After init_process_group torch prefixes a rank's exception lines with `[rankN]: `, behind torchrun's
+    `[defaultN]:`: those tracebacks reached the console (seen with a gloo rank whose peer was SIGKILLed)."""
+    traces = TraceFilter()
+    lines = ["[default0]:step 3 loss 2.1", "[default0]:[rank0]: Traceback (most recent call last):",
+             '[default0]:[rank0]:   File "worker.py", line 5, in <module>',
+             "[default0]:[rank0]:     dist.all_reduce(t)",
+             "[default0]:[rank0]: RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:15763.",
+             "[default0]:step 4 never"]
+    shown = [line for line in lines if traces.keep(line + "\n")]
+    assert shown == ["[default0]:step 3 loss 2.1", "[default0]:step 4 never"]
+    assert traces.last_errors == ["RuntimeError: [pair.cc:553] Connection closed by peer [127.0.0.1]:15763."]

@@ -135,7 +135,8 @@ class TraceFilter:
     `keep(line)` says whether to echo a line; `failures` collects one record per failed rank from the
     summary (rank, local_rank, host, exitcode) and `last_errors` the final line of each suppressed trace."""
 
-    PREFIX = re.compile(r"^(\[(?:default|rank)\d+\]:)?")  # torchrun's --tee prefix of a rank's lines
+    # torchrun's --tee prefix of a rank's lines, then torch's own "[rankN]: " on a distributed rank's exception
+    PREFIX = re.compile(r"^(?:\[(?:default|rank)\d+\]: ?)*")
     FIELD = re.compile(r"^\s*(rank|host|exitcode)\s*:\s*(\S+)(?:\s*\((?:local_rank|pid):\s*(\d+)\))?")
 
     def __init__(self) -> None:
@@ -146,8 +147,8 @@ class TraceFilter:
         self._rules_seen = 0  # "====" lines seen inside the failure summary (it has two)
 
     def keep(self, line: str) -> bool:
-        prefix = self.PREFIX.match(line).group(0)  # type: ignore[union-attr]
-        body = line[len(prefix):].rstrip("\n")
+        matched = self.PREFIX.match(line).group(0)  # type: ignore[union-attr]
+        prefix, body = matched.replace(" ", ""), line[len(matched):].rstrip("\n")  # the rank's key, its text
         if self._in_summary:
             return self._summary_line(body)
         if body.startswith("Traceback (most recent call last):"):
