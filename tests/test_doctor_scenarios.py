@@ -75,6 +75,22 @@ def test_cli_doctor(tmp_path: Path) -> None:
     assert "isolate node3" in console.export_text()
 
 
+def test_a_failure_of_the_whole_job_is_no_flapping_node(tmp_path: Path) -> None:
+    """Crashes that 3+ hosts recorded at once (an out-of-memory layout on every node) were the job's: doctor does
+    not call those hosts flapping (launch.health.job_wide_crashes); a host that crashed twice alone still is."""
+    run_dir = make_run(tmp_path, "healthy")
+
+    def crashes(*times: float) -> dict[str, object]:
+        return {"crashes": len(times), "events": [{"ts": t, "kind": "crash", "ranks": [0], "reason": "x"}
+                                                   for t in times]}
+
+    hosts = {"n1": crashes(100, 5_000, 9_000), "n2": crashes(110, 5_010), "n3": crashes(120, 5_020),
+             "n4": crashes(20_000, 30_000)}
+    (run_dir / "node_health.json").write_text(json.dumps({"version": 1, "hosts": hosts}))
+    flapping = sorted(f.title for f in diagnose_run(load_run(run_dir)) if f.title.startswith("flapping node"))
+    assert flapping == ["flapping node n4"], flapping
+
+
 def test_doctor_reads_torchrun_rank_logs(tmp_path: Path) -> None:
     run_dir = make_run(tmp_path, "healthy")
     rank_log = run_dir / "logs" / "node7" / "none_ab12" / "attempt_0" / "5" / "stderr.log"

@@ -24,6 +24,7 @@ import numpy as np
 
 from leantrain.ckpt.rank_records import HANG, OOM, merged_events, read_rank_records
 from leantrain.errors import UserInputError
+from leantrain.launch.health import job_wide_crashes, read_health
 from leantrain.observe.alerts import AlertRules, replay
 from leantrain.observe.logs import log_errors
 from leantrain.observe.report_card import human_bytes
@@ -388,14 +389,13 @@ def flapping_findings(run: RunData) -> list[Finding]:
         host = event.get("host")
         if host:
             counts[str(host)] += 1
-    health = run.run_dir / "node_health.json"
-    if health.is_file():
-        try:
-            hosts = json.loads(health.read_text(encoding="utf-8")).get("hosts", {})
-            for host, info in hosts.items():
-                counts[str(host)] = max(counts[str(host)], _count(info.get("crashes")))
-        except (ValueError, AttributeError):
-            pass
+    try:  # crashes 3+ hosts had at once were the job's (health.job_wide_crashes), not a flapping node's
+        hosts = read_health(run.run_dir)
+        job_wide = job_wide_crashes(hosts)
+        for host, info in hosts.items():
+            counts[str(host)] = max(counts[str(host)], _count(info.crashes) - job_wide.get(host, 0))
+    except (ValueError, AttributeError, TypeError):
+        pass
     return [Finding("problem", "nodes", f"flapping node {host}", f"{host} failed {n} times in this run",
                     "hardware faults, network jitter or overheating on that node",
                     f"isolate {host} (node_health.json / Slurm --exclude); check its GPUs (dcgmi diag), NIC, "
