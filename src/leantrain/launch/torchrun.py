@@ -35,6 +35,7 @@ from leantrain.launch.resources import (
     layout_problem,
     parse_nnodes,
 )
+from leantrain.observe.logs import newest_first
 from leantrain.parallel.dims import ParallelDims
 from leantrain.spec.schema import JobSpec
 
@@ -299,9 +300,13 @@ def newest_rank_log(run_dir: Path, local_rank: str) -> Path | None:
     Only this host's log dir is read (`<run id>/attempt_<k>/<local rank>/stderr.log` under it): a run dir shared
     by every node of a job holds each node's logs, and another node's local rank of the same number is not this
     one (nor worth a scan of every node's logs on shared storage)."""
-    logs = sorted(host_log_dir(run_dir).glob(f"*/attempt_*/{local_rank}/stderr.log"),
-                  key=lambda p: p.stat().st_mtime)
-    return logs[-1] if logs else None
+    logs = _rank_logs(run_dir, local_rank)
+    return logs[0] if logs else None
+
+
+def _rank_logs(run_dir: Path, local_rank: str) -> list[Path]:
+    """This host's stderr logs of `local_rank`, every attempt of every torchrun run, the newest first."""
+    return newest_first(host_log_dir(run_dir).glob(f"*/attempt_*/{local_rank}/stderr.log"))
 
 
 # What a rank's log ends with when it failed because a rank of another host did (gloo's, NCCL's or the store's
@@ -312,6 +317,11 @@ PEER_FAILURE_SIGNS = ("Connection closed by peer", "Connection reset by peer", "
                       "Watchdog caught collective operation timeout", "RendezvousClosedError")
 LOG_TAIL_BYTES = 65536  # of a failed rank's log, read for those signs
 STOPPED_EXIT_CODES = {str(-signal.SIGTERM), str(128 + signal.SIGTERM)}  # asked to stop (the agent, the scheduler)
+
+
+def rank_failures(failures: list[dict[str, str]]) -> list[dict[str, str]]:
+    """The failures of torchrun's summary (`TraceFilter.failures`) that name a rank, the first failure first."""
+    return sorted((f for f in failures if "rank" in f), key=lambda f: not f.get("root"))
 
 
 def host_fault(failures: list[dict[str, str]], *, run_dir: Path) -> tuple[bool, str]:
@@ -327,7 +337,7 @@ def host_fault(failures: list[dict[str, str]], *, run_dir: Path) -> tuple[bool, 
     host's agent closed) blames nothing."""
     from leantrain.ckpt.watchdog import HANG_EXIT_CODE
 
-    failed = sorted((f for f in failures if "rank" in f), key=lambda f: not f.get("root"))  # the first failure first
+    failed = rank_failures(failures)
     if not failed:
         return False, "no rank of this host failed (torchrun's agent stopped: the failure was on another host)"
     why = []
@@ -355,15 +365,7 @@ def _peer_failure_sign(run_dir: Path, local_rank: str, rank: str) -> str | None:
     or None. The newest log of `local_rank` is this launch's on a host that runs one agent; any of the few newest
     may be where a line carries the rank's own `[rank N]:` prefix (agents sharing a host name), and a line with
     another rank's prefix is not this rank's."""
-    def mtime(path: Path) -> float:
-        try:
-            return path.stat().st_mtime
-        except OSError:  # removed since the glob
-            return 0.0
-
-    logs = sorted(host_log_dir(run_dir).glob(f"*/attempt_*/{local_rank}/stderr.log"), key=mtime,
-                  reverse=True)[:LOGS_LOOKED_AT]
-    for index, log in enumerate(logs):
+    for index, log in enumerate(_rank_logs(run_dir, local_rank)[:LOGS_LOOKED_AT]):
         try:
             with log.open("rb") as f:
                 f.seek(max(0, f.seek(0, os.SEEK_END) - LOG_TAIL_BYTES))
@@ -380,8 +382,8 @@ def _peer_failure_sign(run_dir: Path, local_rank: str, rank: str) -> str | None:
 def rank_failure_lines(traces: TraceFilter, *, run_dir: Path) -> list[str]:
     """One line per failed rank (torchrun's summary): where, how it ended, and the log that holds its trace."""
     lines = []
-    failed = [f for f in traces.failures if "rank" in f]
-    for failure in sorted(failed, key=lambda f: not f.get("root")):  # the first failure first
+    failed = rank_failures(traces.failures)
+    for failure in failed:
         local = failure.get("local_rank", "?")
         host = failure.get("host", socket.gethostname())
         where = str(newest_rank_log(run_dir, local) or Path(run_dir) / LOGS_DIR)

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import re
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,9 +105,9 @@ def read_log(run_dir: Path, path: Path, *, keep_tail: bool = True) -> LogFile:
     return log
 
 
-def read_logs(run_dir: Path) -> list[LogFile]:
-    """Every log's error lines; the tails of the MAX_TAIL_FILES newest."""
-    paths = log_paths(run_dir)
+def newest_first(paths: Iterable[Path]) -> list[Path]:
+    """`paths` by modification time, the newest first (among equal times the later of `paths` first; a file removed
+    since it was listed last)."""
 
     def mtime(path: Path) -> float:
         try:
@@ -114,7 +115,13 @@ def read_logs(run_dir: Path) -> list[LogFile]:
         except OSError:
             return 0.0
 
-    newest = set(sorted(paths, key=mtime, reverse=True)[:MAX_TAIL_FILES])
+    return sorted(paths, key=mtime)[::-1]
+
+
+def read_logs(run_dir: Path) -> list[LogFile]:
+    """Every log's error lines; the tails of the MAX_TAIL_FILES newest."""
+    paths = log_paths(run_dir)
+    newest = set(newest_first(paths)[:MAX_TAIL_FILES])
     return [read_log(Path(run_dir), p, keep_tail=p in newest) for p in paths]
 
 
